@@ -1,0 +1,654 @@
+"""What every method shares: models, federation, the communication-round skeleton, evaluation,
+model selection, logging, checkpoints and results. Nothing here knows about a specific method.
+
+A method file plugs in with plain functions:
+
+    round_fn(t, model, fed, args, state, ctx) -> {client id: mean local loss (device tensor)}
+        one communication round t = 1..T: sample clients, run their updates, apply the server rule,
+        and leave the new global model in `model`. Built from `sample_clients`, `local_sgd`,
+        `get_flat` / `set_flat` below.
+    init_state(model, fed, args, ctx) -> dict
+        the method's state across rounds (FedIIR's global gradient, persistent client optimisers,
+        personalised models, ...): tensors, numbers, lists and dicts; checkpointed with the model.
+    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs)
+        optional; the default scores the global model.
+
+A method with phases (FedLOE's stage 2) counts every communication as a round and switches on t.
+
+    main("fedavg", round_fn, add_args=..., defaults=...)   parses the CLI, loads the data, loops over
+    the held-out domains, logs, checkpoints, writes the results JSON, prints the table.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+from data import UserError
+
+# ------------------------------------------------------------------------------------ defaults
+# Per dataset: the model and FedIIR's Table 3 (lr / batch) for the DG benchmarks; FedOMG's Table 1
+# (small CNN, lr 0.005, batch 16, 5 local epochs, 100 clients, 20% participation) for label skew.
+COMMON_DEFAULTS = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
+                       eval_every=10, alpha=0.1, head="linear")
+_FL = dict(model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100, sample=20)
+DATASET_DEFAULTS = {
+    "rmnist": dict(model="convnet", lr=1e-2, batch_size=64),
+    "vlcs": dict(model="resnet18", lr=1e-3, batch_size=32, head="mlp"),
+    "pacs": dict(model="resnet18", lr=2.5e-3, batch_size=32, head="mlp"),
+    "officehome": dict(model="resnet50", lr=1e-3, batch_size=32, head="mlp"),
+    "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
+    "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
+}
+PHOTOS = ("pacs", "vlcs", "officehome")  # ImageNet-normalised, augmented like the FedIIR code
+
+# -------------------------------------------------------------------------------------- models
+
+
+class Net(nn.Module):
+    """f = classifier ∘ featurizer, i.e. θ = (φ, ω) in FedIIR's notation."""
+
+    def __init__(self, featurizer, classifier):
+        super().__init__()
+        self.featurizer, self.classifier = featurizer, classifier
+
+    def forward(self, x):
+        return self.classifier(self.featurizer(x))
+
+
+def conv_net(in_ch, width=64):
+    """DomainBed's MNIST ConvNet: 4 conv3x3 (w, 2w, 2w, 2w; the 2nd strided), each ReLU + GroupNorm(8),
+    global average pool -> 2w features (128 for w = 64)."""
+    layers, c = [], in_ch
+    for out, stride in ((width, 1), (2 * width, 2), (2 * width, 1), (2 * width, 1)):
+        layers += [nn.Conv2d(c, out, 3, stride, 1), nn.ReLU(), nn.GroupNorm(8, out)]
+        c = out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()), c
+
+
+def small_cnn(in_ch, size):
+    """FedOMG's FL CNN: conv5x5(32) ReLU maxpool, conv5x5(64) ReLU maxpool, FC 512 ReLU (+ head)."""
+    s = ((size - 4) // 2 - 4) // 2
+    return nn.Sequential(nn.Conv2d(in_ch, 32, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 5),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * s * s, 512), nn.ReLU()), 512
+
+
+def mlp(in_dim, hidden=390):
+    """The MLP of IRM's ColoredMNIST: in -> 390 -> 390 (ReLU) (+ head)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_dim, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU()), hidden
+
+
+class ResNet(nn.Module):
+    """torchvision ResNet-18/50 without its fc; BatchNorm always in eval mode (the FedIIR code:
+    running statistics stay at their ImageNet values, the affine weights still train)."""
+
+    def __init__(self, depth, pretrained):
+        super().__init__()
+        import torchvision
+        weights = "IMAGENET1K_V1" if pretrained else None
+        try:
+            self.net = getattr(torchvision.models, f"resnet{depth}")(weights=weights)
+        except Exception as e:
+            raise UserError(f"could not get the ImageNet weights of resnet{depth} ({type(e).__name__}: "
+                            f"{e}); run once with network access or pass --no-pretrained")
+        self.net.fc = nn.Identity()
+
+    def train(self, mode=True):
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+        return self
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def build_model(args, ds):
+    """The model for `ds`: args.model picks the featurizer, args.head the classifier: 'linear', or
+    FedIIR's two-layer head d -> d/2 -> C (ReLU) with Kaiming-normal weights."""
+    x0 = ds.domains[0].x
+    if args.model == "convnet":
+        phi, d = conv_net(x0.shape[1])
+    elif args.model == "smallconv":
+        phi, d = conv_net(x0.shape[1], width=8)
+    elif args.model == "cnn":
+        phi, d = small_cnn(x0.shape[1], x0.shape[-1])
+    elif args.model == "mlp":
+        phi, d = mlp(x0[0].numel())
+    else:
+        phi = ResNet(18 if args.model == "resnet18" else 50, not args.no_pretrained)
+        d = 512 if args.model == "resnet18" else 2048
+    C = ds.num_classes
+    if args.head == "linear":
+        omega = nn.Linear(d, C)
+    else:
+        omega = nn.Sequential(nn.Linear(d, d // 2), nn.ReLU(), nn.Linear(d // 2, C))
+        for m in omega:
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_normal_(m.weight)
+                nn.init.zeros_(m.bias)
+    return Net(phi, omega)
+
+
+def get_flat(model):
+    """All trainable parameters as one vector (a copy). BatchNorm buffers are not included: the
+    ResNets keep BN in eval mode, so parameters are everything that training changes."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def set_flat(model, vec):
+    i = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(vec[i:i + p.numel()].view_as(p))
+            i += p.numel()
+
+
+# ------------------------------------------------------------------------- input preparation
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+def augment(x, gen):
+    """The FedIIR code's training augmentation, batched on the device: RandomResizedCrop(scale
+    0.7-1, ratio 3/4-4/3) and horizontal flip as one affine warp, ColorJitter(0.3, 0.3, 0.3, 0.3),
+    RandomGrayscale(0.1). x: float [N, 3, H, W] in [0, 1]. Differences from torchvision: the crop
+    is taken from the cached 224px image (not the original), a crop that would leave the image is
+    clipped to it, jitter runs in a fixed order, and hue is a rotation in YIQ space."""
+    n, dev = x.shape[0], x.device
+    u = lambda *s: torch.rand(*s, generator=gen, device=dev)
+    area = 0.7 + 0.3 * u(n)
+    ratio = torch.exp(math.log(3 / 4) + math.log(16 / 9) * u(n))
+    w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
+    flip = torch.where(u(n) < 0.5, -1.0, 1.0)
+    theta = torch.zeros(n, 2, 3, device=dev)
+    theta[:, 0, 0], theta[:, 1, 1] = w * flip, h
+    theta[:, 0, 2], theta[:, 1, 2] = (1 - w) * (2 * u(n) - 1), (1 - h) * (2 * u(n) - 1)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    f = lambda: (0.7 + 0.6 * u(n, 1, 1, 1))
+    gray = lambda z: (0.299 * z[:, 0:1] + 0.587 * z[:, 1:2] + 0.114 * z[:, 2:3])
+    x = (x * f()).clamp(0, 1)                                                     # brightness
+    m = gray(x).mean((2, 3), keepdim=True)
+    x = ((x - m) * f() + m).clamp(0, 1)                                           # contrast
+    g = gray(x)
+    x = ((x - g) * f() + g).clamp(0, 1)                                           # saturation
+    a = 2 * math.pi * 0.3 * (2 * u(n) - 1)                                        # hue in [-0.3, 0.3] turns
+    yiq = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]], device=dev)
+    rot = torch.zeros(n, 3, 3, device=dev)
+    rot[:, 0, 0], rot[:, 1, 1], rot[:, 2, 2] = 1, a.cos(), a.cos()
+    rot[:, 1, 2], rot[:, 2, 1] = -a.sin(), a.sin()
+    x = torch.einsum("ij,njk,kl,nlhw->nihw", torch.linalg.inv(yiq), rot, yiq, x).clamp(0, 1)
+    return torch.where(u(n, 1, 1, 1) < 0.1, gray(x).expand_as(x), x)             # grayscale
+
+
+def make_prep(dataset, device):
+    """uint8 batch -> model input. Digits: pixels / 255. Photos: augmentation when training, then
+    ImageNet mean/std (channels-last on CUDA for the ResNets)."""
+    mean, std = MEAN.to(device), STD.to(device)
+
+    def prep(x, train=False, gen=None):
+        x = x.float().div_(255)
+        if dataset in PHOTOS:
+            if train:
+                x = augment(x, gen)
+            x = (x - mean) / std
+            if x.is_cuda:
+                x = x.contiguous(memory_format=torch.channels_last)
+        return x
+    return prep
+
+
+# --------------------------------------------------------------------------------- federation
+
+@dataclass
+class Client:
+    id: int
+    domain: str
+    x: torch.Tensor          # training split (uint8 images, on the device)
+    y: torch.Tensor
+    val_x: torch.Tensor      # this client's validation hold-out
+    val_y: torch.Tensor
+    test_x: torch.Tensor | None = None   # fixed-clients protocol: the client's own test set
+    test_y: torch.Tensor | None = None
+
+    @property
+    def n(self):
+        return len(self.y)
+
+
+@dataclass
+class Federation:
+    name: str                # results key: the held-out domain, or "clients"
+    clients: list
+    val_x: torch.Tensor      # pooled validation split of all clients (model selection)
+    val_y: torch.Tensor
+    test_x: torch.Tensor     # pooled test set(s)
+    test_y: torch.Tensor
+    test_group: torch.Tensor  # index into test_names for every test example
+    test_names: list
+
+
+def split_counts(sizes, P):
+    """FedIIR's Algorithm 2: one client per domain, then each further client goes to the domain with
+    the most examples per client so far (ties: the first such domain)."""
+    k = [1] * len(sizes)
+    for _ in range(P - len(sizes)):
+        m = max(range(len(sizes)), key=lambda i: sizes[i] / k[i])
+        k[m] += 1
+    return k
+
+
+def holdout(x, y, frac, g):
+    """Shuffle, then the first `frac` of the examples (at least one) is validation, the rest train."""
+    perm = torch.randperm(len(y), generator=g)
+    nv = max(1, int(frac * len(y)))
+    return x[perm[nv:]], y[perm[nv:]], x[perm[:nv]], y[perm[:nv]]
+
+
+def federate(ds, test, P, seed, device, val_frac=0.1):
+    """Leave-one-domain-out: domain `test` (index) is the test set; every other domain is shuffled
+    and cut into Algorithm 2's number of contiguous chunks (floor(n/k) each, the last takes the
+    rest), one client per chunk, so no client mixes domains. Each client holds out `val_frac` of its
+    data (seeded) for validation; pooled, that is 10% of every training domain as in the FedIIR code."""
+    g = torch.Generator().manual_seed(seed)
+    train = [d for i, d in enumerate(ds.domains) if i != test]
+    clients = []
+    for d, k in zip(train, split_counts([len(d.y) for d in train], P)):
+        perm = torch.randperm(len(d.y), generator=g)
+        size = len(perm) // k
+        for j in range(k):
+            idx = perm[j * size:(j + 1) * size if j < k - 1 else len(perm)]
+            x, y, vx, vy = holdout(d.x[idx], d.y[idx], val_frac, g)
+            clients.append(Client(len(clients), d.name, x, y, vx, vy))
+    t = ds.domains[test]
+    return _finish(t.name, clients, [(t.name, t.x, t.y)], device)
+
+
+def federate_fixed(ds, seed, device, val_frac=0.1):
+    """Fixed clients: every Domain of `ds` is a client with its own test set."""
+    g = torch.Generator().manual_seed(seed)
+    clients = []
+    for d in ds.domains:
+        x, y, vx, vy = holdout(d.x, d.y, val_frac, g)
+        clients.append(Client(len(clients), d.name, x, y, vx, vy, d.x_test, d.y_test))
+    return _finish("clients", clients, [(d.name, d.x_test, d.y_test) for d in ds.domains], device)
+
+
+def _finish(name, clients, tests, device):
+    for c in clients:
+        for f in ("x", "y", "val_x", "val_y", "test_x", "test_y"):
+            if getattr(c, f) is not None:
+                setattr(c, f, getattr(c, f).to(device))
+    group = torch.cat([torch.full((len(y),), i) for i, (_, _, y) in enumerate(tests)])
+    return Federation(name, clients, torch.cat([c.val_x for c in clients]), torch.cat([c.val_y for c in clients]),
+                      torch.cat([x for _, x, _ in tests]).to(device), torch.cat([y for _, _, y in tests]).to(device),
+                      group.to(device), [n for n, _, _ in tests])
+
+
+# ------------------------------------------------------------------------------ local training
+
+@dataclass
+class Context:
+    device: torch.device
+    gen: torch.Generator       # on the device: minibatch order and augmentation
+    sampler: torch.Generator   # on the CPU: which clients take part in a round
+    prep: object               # uint8 batch -> model input, see make_prep
+    amp: bool = False
+
+    def autocast(self):
+        return torch.autocast("cuda", torch.bfloat16) if self.amp else contextlib.nullcontext()
+
+
+def sample_clients(ctx, P, C):
+    """C of the P clients, uniformly without replacement."""
+    return torch.randperm(P, generator=ctx.sampler)[:C].tolist()
+
+
+def batches(n, batch_size, epochs, ctx):
+    """Index tensors of the minibatches of `epochs` shuffled passes over n examples (the last,
+    partial batch of each pass is kept, as in the FedIIR code). No host synchronisation."""
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=ctx.gen, device=ctx.device)
+        for i in range(0, n, batch_size):
+            yield perm[i:i + batch_size]
+
+
+def cross_entropy(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def sgd(model, args):
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                           weight_decay=args.weight_decay)
+
+
+def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=None):
+    """`epochs` (default args.local_epochs) passes of minibatch steps on loss_fn(model, x, y) over
+    the client's training split. A fresh SGD unless `opt` is given. Returns the mean loss as a
+    device tensor (read once per round by the skeleton)."""
+    model.train()
+    opt = opt or sgd(model, args)
+    total, steps = torch.zeros((), device=ctx.device), 0
+    for idx in batches(client.n, args.batch_size, epochs or args.local_epochs, ctx):
+        x, y = ctx.prep(client.x[idx], train=True, gen=ctx.gen), client.y[idx]
+        with ctx.autocast():
+            loss = loss_fn(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += loss.detach().float()
+        steps += 1
+    return total / steps
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def correct(model, x, y, ctx, batch_size=512):
+    """Per-example correctness (bool tensor on the device) of model on uint8 images x."""
+    model.eval()
+    out = []
+    for i in range(0, len(y), batch_size):
+        with ctx.autocast():
+            out.append(model(ctx.prep(x[i:i + batch_size])).argmax(1) == y[i:i + batch_size])
+    return torch.cat(out)
+
+
+def evaluate_global(model, fed, args, state, ctx):
+    """Accuracy of the global model on the pooled validation split and on the pooled test set(s),
+    plus the accuracy on each test set (one per client in the fixed-clients protocol)."""
+    val = correct(model, fed.val_x, fed.val_y, ctx).float().mean()
+    hit = correct(model, fed.test_x, fed.test_y, ctx).float()
+    k = len(fed.test_names)
+    per = torch.zeros(k, device=hit.device).index_add_(0, fed.test_group, hit)
+    per = per / torch.bincount(fed.test_group, minlength=k).clamp(min=1)
+    return val.item(), hit.mean().item(), per.tolist()
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def make_parser(method, doc):
+    p = Parser(prog=f"{method}.py", description=doc.strip().splitlines()[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
+    a("--data-root", default=None, help="dataset folder; MNIST family: none = the embedded 5,000 digits")
+    a("--test-domain", default="all", help="held-out domain: 'all' (each in turn), a name or an index")
+    a("--clients", type=int, default=None, help="number of clients P (default: one per training domain)")
+    a("--sample", type=int, default=None, help="clients per round C (default: min(P, training domains))")
+    a("--rounds", type=int, default=None, help="communication rounds T (default 100)")
+    a("--local-epochs", type=int, default=None, help="local epochs per round (default 1)")
+    a("--batch-size", type=int, default=None, help="local batch size (default: per dataset, FedIIR Table 3)")
+    a("--lr", type=float, default=None, help="local learning rate (default: per dataset, FedIIR Table 3)")
+    a("--momentum", type=float, default=None, help="local SGD momentum (default 0.9)")
+    a("--weight-decay", type=float, default=None, help="local SGD weight decay (default 0)")
+    a("--global-lr", type=float, default=None, help="server step size eta_g (default 1)")
+    a("--alpha", type=float, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
+    a("--model", default=None, choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"],
+      help="featurizer (default: per dataset)")
+    a("--head", default=None, choices=["linear", "mlp"], help="classifier (default: per dataset)")
+    a("--no-pretrained", action="store_true", help="ResNets from random weights (no ImageNet download)")
+    a("--eval-every", type=int, default=None, help="evaluate (and checkpoint) every this many rounds (default 10)")
+    a("--seed", type=int, default=0)
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    a("--amp", action="store_true", help="bf16 autocast (CUDA only)")
+    a("--out", default=None, help="results JSON (default results/<method>-<dataset>-seed<seed>.json)")
+    a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
+    return p
+
+
+def resolve(args, method, defaults=None):
+    """Fill the flags left unset: the method's per-dataset defaults, then common's, then checks."""
+    if args.dataset not in data.NAMES:
+        raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
+    defaults = defaults or {}
+    for table in (defaults.get(args.dataset, {}), defaults.get("*", {}),
+                  DATASET_DEFAULTS[args.dataset], COMMON_DEFAULTS):
+        for k, v in table.items():
+            if getattr(args, k, None) is None:
+                setattr(args, k, v)
+    for k in ("rounds", "local_epochs", "batch_size", "eval_every"):
+        if getattr(args, k) <= 0:
+            raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    for k in ("lr", "global_lr", "alpha"):
+        if not getattr(args, k) > 0:
+            raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if args.momentum < 0 or args.weight_decay < 0:
+        raise UserError("--momentum and --weight-decay must be >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.amp and args.device != "cuda":
+        raise UserError("--amp needs a CUDA device")
+    args.out = args.out or f"results/{method}-{args.dataset}-seed{args.seed}.json"
+    try:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        probe = Path(args.out).with_suffix(".probe")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write --out {args.out}: {e.strerror or e}")
+    return args
+
+
+def test_domains(args, ds):
+    """Indices of the domains to hold out, from --test-domain (and the clients/sample checks)."""
+    M = len(ds.domains)
+    if ds.protocol == "clients":
+        if args.test_domain != "all":
+            raise UserError(f"--test-domain does not apply to {ds.name}: its clients have their own test sets")
+        if args.clients != M:
+            raise UserError(f"--clients {args.clients} does not match the {M} clients of the split")
+        todo, n_train = [None], M
+    else:
+        names = [d.name for d in ds.domains]
+        if args.test_domain == "all":
+            todo = list(range(M))
+        elif args.test_domain in names:
+            todo = [names.index(args.test_domain)]
+        elif args.test_domain.lstrip("-").isdigit() and 0 <= int(args.test_domain) < M:
+            todo = [int(args.test_domain)]
+        else:
+            raise UserError(f"unknown test domain {args.test_domain!r} for {ds.name}; choose 'all', "
+                            f"one of {', '.join(names)} or an index 0..{M - 1}")
+        n_train = M - 1
+    args.clients = n_train if args.clients is None else args.clients
+    args.sample = min(args.clients, n_train) if args.sample is None else args.sample
+    if args.clients < n_train:
+        raise UserError(f"--clients {args.clients} is below the {n_train} training domains (a client "
+                        f"never mixes domains)")
+    if not 1 <= args.sample <= args.clients:
+        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
+    return todo
+
+
+# ------------------------------------------------------------------- results and checkpoints
+
+def write_json(path, obj):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path, blob):
+    tmp = f"{path}.tmp"
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, args):
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        saved = blob["args"]
+    except Exception as e:
+        raise UserError(f"corrupt checkpoint {path} ({type(e).__name__}); delete it or run without --resume")
+    now = identity(args)
+    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if diff:
+        raise UserError(f"--resume: {path} was made with other arguments ("
+                        + ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff) + ")")
+    return blob
+
+
+def identity(args):
+    """The arguments that decide the numbers of a run (everything but --resume)."""
+    return {k: v for k, v in vars(args).items() if k != "resume"}
+
+
+def seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# --------------------------------------------------------------------------------- the skeleton
+
+def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
+    """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
+    args.eval_every rounds, model selection on validation accuracy; results and checkpoints."""
+    ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha)
+    print(f"data: {ds.source}", flush=True)
+    todo = test_domains(args, ds)
+    device = torch.device(args.device)
+    ckpt_path = str(Path(args.out).with_suffix(".ckpt"))
+    results = {"method": method, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
+               "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None}
+    blob = None
+    if args.resume and os.path.exists(ckpt_path):
+        blob = load_checkpoint(ckpt_path, args)
+        results["domains"] = blob["finished"]
+        print(f"resuming from {ckpt_path}: {len(blob['finished'])} domain(s) done, "
+              f"'{blob['domain']}' at round {blob['round']}")
+    elif args.resume:
+        print(f"note: no checkpoint at {ckpt_path}; starting from the beginning")
+    print(f"{method} on {args.dataset}: {args.clients} clients, {args.sample} per round, {args.rounds} rounds, "
+          f"{args.local_epochs} local epoch(s), lr {args.lr}, batch {args.batch_size}, device {device}")
+    for k, test in enumerate(todo):
+        fed = federate_fixed(ds, args.seed, device) if test is None else \
+            federate(ds, test, args.clients, args.seed, device)
+        if fed.name in results["domains"]:
+            continue
+        resume = blob if blob is not None and blob["domain"] == fed.name else None
+        remaining = len(todo) - k - 1
+        results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,
+                                                    evaluate_fn, resume, results, ckpt_path, remaining)
+        accs = [r["test_acc"] for r in results["domains"].values()]
+        results["mean_test_acc"] = sum(accs) / len(accs)
+        write_json(args.out, results)
+    print_table(results)
+    print(f"results: {args.out}")
+    return results
+
+
+def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining):
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    model = build_model(args, ds).to(device)
+    if args.model.startswith("resnet") and device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    salt = sum(map(ord, fed.name))  # a per-domain stream, fixed by the seed
+    ctx = Context(device, torch.Generator(device).manual_seed(args.seed * 7919 + salt),
+                  torch.Generator().manual_seed(args.seed * 104729 + salt), make_prep(args.dataset, device), args.amp)
+    state = init_state(model, fed, args, ctx) if init_state else {}
+    start, history, best, spent = 1, [], None, 0.0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        state = resume["state"]
+        ctx.gen.set_state(resume["gen"])
+        ctx.sampler.set_state(resume["sampler"])
+        torch.set_rng_state(resume["torch_rng"])
+        start, history, best, spent = resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
+    print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
+          f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
+    t0, losses = time.perf_counter(), []
+    for t in range(start, args.rounds + 1):
+        out = round_fn(t, model, fed, args, state, ctx)
+        ids, vals = list(out), torch.stack([out[c] for c in out]).cpu()   # one sync per round
+        bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
+        if bad:
+            c = fed.clients[bad[0]]
+            raise NonFinite(f"non-finite loss in round {t} on client {c.id} (domain {c.domain}); "
+                            f"stopped; the last good checkpoint ({ckpt_path}) and results ({args.out}) are kept")
+        losses.append(vals.mean().item())
+        if t % args.eval_every and t != args.rounds:
+            continue
+        val, test, per = evaluate_fn(model, fed, args, state, ctx)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        now = spent + time.perf_counter() - t0
+        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now}
+        history.append(row)
+        losses = []
+        if best is None or val > best["val_acc"]:
+            best = dict(row, per_test=per)
+        rate = (now - spent) / (t - start + 1)
+        eta = rate * (args.rounds - t + remaining * args.rounds)
+        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f} | loss {row['loss']:.4f} | "
+              f"{rate:.2f} s/round | ETA {seconds(eta)}", flush=True)
+        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
+                                    "round": t, "model": model.state_dict(), "state": state,
+                                    "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
+                                    "torch_rng": torch.get_rng_state(), "history": history, "best": best,
+                                    "seconds": now})
+    out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
+           "last_test_acc": history[-1]["test_acc"], "history": history}
+    if ds.protocol == "clients":
+        out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
+    return out
+
+
+class NonFinite(Exception):
+    pass
+
+
+def print_table(results):
+    rows = results["domains"]
+    width = max([11] + [len(k) for k in rows])
+    print(f"\n{'test domain':<{width}}  test acc (best val)  last round  best round")
+    for name, r in rows.items():
+        print(f"{name:<{width}}  {r['test_acc']:19.4f}  {r['last_test_acc']:10.4f}  {r['best_round']:10d}")
+    if len(rows) > 1:
+        print(f"{'mean':<{width}}  {results['mean_test_acc']:19.4f}  "
+              f"{sum(r['last_test_acc'] for r in rows.values()) / len(rows):10.4f}")
+
+
+def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_state=None,
+         evaluate_fn=evaluate_global, check=None):
+    """The entry point of every method script: bad input -> one line on stderr and exit 2."""
+    p = make_parser(method, doc)
+    if add_args:
+        add_args(p)
+    args = p.parse_args(argv)
+    try:
+        resolve(args, method, defaults)
+        if check:
+            check(args)
+        return run(method, args, round_fn, init_state, evaluate_fn)
+    except UserError as e:
+        print(f"{method}.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except NonFinite as e:
+        print(f"{method}.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"\n{method}.py: interrupted; continue with the same arguments and --resume", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,342 @@
+"""Datasets as per-domain tensors.
+
+`load(name, root, seed, ...)` returns a `Dataset`: a list of `Domain`s, each holding its images as a
+uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. Nothing here knows about clients,
+models or methods; common.py turns domains into clients.
+
+Two protocols (DESIGN.md):
+- "lodo"    leave-one-domain-out: rmnist, pacs, vlcs, officehome, synthetic. One domain is held out
+            for testing, the others are split over clients.
+- "clients" fixed clients with their own test sets: mnist / cifar10 / cifar100 / emnist under a
+            Dirichlet(alpha) label skew (FedOMG Table 1). Each Domain is one client and carries its
+            own x_test / y_test.
+
+Sources. The MNIST family reads the 5,000-digit subset embedded in assets/mnist5k.npz unless
+--data-root is given; with --data-root it reads full MNIST through torchvision (downloading it into
+that folder). Never one silently for the other. PACS / VLCS / OfficeHome use DomainBed's layout
+ROOT/<Dataset>/<domain>/<class>/<image>; they are decoded once and cached as uint8 tensors at the
+training resolution in ROOT/<Dataset>/.cache-<size>.pt.
+
+    python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
+"""
+import argparse
+import hashlib
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchvision.transforms.functional as TF
+from torchvision.transforms import InterpolationMode
+
+EMBEDDED = Path(__file__).resolve().parent / "assets" / "mnist5k.npz"
+
+
+class UserError(Exception):
+    """A problem with the user's input or environment: printed as one line, never a traceback."""
+
+
+@dataclass
+class Domain:
+    name: str
+    x: torch.Tensor                      # uint8 [N, C, H, W]
+    y: torch.Tensor                      # int64 [N]
+    x_test: torch.Tensor | None = None   # "clients" protocol only: this client's own test set
+    y_test: torch.Tensor | None = None
+
+
+@dataclass
+class Dataset:
+    name: str
+    domains: list
+    num_classes: int
+    protocol: str        # "lodo" or "clients"
+    source: str          # one line saying where the data came from
+
+
+# ----------------------------------------------------------------------------------------- MNIST
+
+def mnist_arrays(root=None, kind="MNIST"):
+    """All digits of MNIST (train + test pooled) as uint8 [N, 28, 28] and int64 [N], plus a line
+    naming the source. root=None: the embedded 5,000-digit subset (sorted by label: shuffle it)."""
+    if root is None:
+        if kind != "MNIST":
+            raise UserError(f"{kind} is not embedded: pass --data-root DIR (downloaded by torchvision)")
+        with np.load(EMBEDDED) as f:
+            x, y = torch.from_numpy(f["images"]), torch.from_numpy(f["labels"]).long()
+        return x, y, f"embedded MNIST subset ({len(y):,} real digits, assets/mnist5k.npz)"
+    import torchvision.datasets as tvd
+    try:
+        parts = [getattr(tvd, kind)(root, train=t, download=True) for t in (True, False)]
+    except Exception as e:  # torchvision raises RuntimeError / URLError when offline
+        raise UserError(f"could not read or download {kind} under {root} ({type(e).__name__}: {e}); "
+                        f"put torchvision's {kind}/raw files there or run with network access")
+    x = torch.cat([p.data for p in parts])
+    y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
+    return x, y, f"torchvision {kind} under {root} ({len(y):,} images, train+test pooled)"
+
+
+def rmnist(root=None, seed=0):
+    """RotatedMNIST as DomainBed / FedIIR: pooled digits, seeded shuffle, domain i = images[i::6],
+    rotated by 0, 15, ..., 75 degrees (bilinear, fill 0)."""
+    x, y, source = mnist_arrays(root)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    x, y = x[perm].unsqueeze(1), y[perm]
+    domains = [Domain(str(a), rotate(x[i::6], a), y[i::6]) for i, a in enumerate(range(0, 90, 15))]
+    return Dataset("rmnist", domains, 10, "lodo", source)
+
+
+def rotate(x, degrees):
+    """Rotate a uint8 batch [N, C, H, W] counter-clockwise (bilinear, fill 0), staying uint8."""
+    return TF.rotate(x, float(degrees), interpolation=InterpolationMode.BILINEAR, fill=0)
+
+
+# ------------------------------------------------------------------- Dirichlet label skew (FL)
+
+def dirichlet_split(y, n_clients, alpha, seed, min_size=None):
+    """Label-skew partition (NIID-Bench / PFLlib style): for every class, draw client proportions
+    from Dirichlet(alpha), give no more to clients that already hold >= N / n_clients, and cut the
+    class's shuffled indices accordingly. Redraw until every client holds at least `min_size`
+    examples: NIID-Bench's 10, lowered to N / (20 n_clients) for small data (the embedded 5,000
+    digits over 100 clients at alpha 0.1 leave a few clients empty in most draws; 2 is met).
+    Returns a list of int64 index tensors, one per client."""
+    y = np.asarray(y)
+    n = len(y)
+    if min_size is None:
+        min_size = max(2, min(10, n // (20 * n_clients)))
+    rng = np.random.default_rng(seed)
+    for _ in range(1000):
+        parts = [[] for _ in range(n_clients)]
+        for c in np.unique(y):
+            ids = rng.permutation(np.flatnonzero(y == c))
+            p = rng.dirichlet(np.full(n_clients, alpha))
+            p = p * np.array([len(q) < n / n_clients for q in parts])
+            p = p / p.sum()
+            cuts = (np.cumsum(p) * len(ids)).astype(int)[:-1]
+            for k, chunk in enumerate(np.split(ids, cuts)):
+                parts[k].extend(chunk.tolist())
+        if min(len(q) for q in parts) >= min_size:
+            return [torch.tensor(sorted(q), dtype=torch.long) for q in parts]
+    raise UserError(f"no Dirichlet({alpha}) split of {n} examples over {n_clients} clients gives "
+                    f"every client {min_size} examples: use fewer clients or a larger --alpha")
+
+
+def label_skew(name, root=None, seed=0, clients=100, alpha=0.1, train_frac=0.75):
+    """FedOMG's conventional FL setting: one dataset split over `clients` by Dirichlet(alpha);
+    each client keeps the first 75% of its (shuffled) examples for training, the rest as its own
+    test set."""
+    if name == "mnist":
+        x, y, source = mnist_arrays(root)
+        x = x.unsqueeze(1)
+    elif name == "emnist":
+        x, y, source = emnist_arrays(root)
+    else:
+        x, y, source = cifar_arrays(root, name)
+    num_classes = int(y.max()) + 1
+    domains, g = [], torch.Generator().manual_seed(seed)
+    for k, idx in enumerate(dirichlet_split(y.numpy(), clients, alpha, seed)):
+        idx = idx[torch.randperm(len(idx), generator=g)]
+        cut = min(len(idx) - 1, max(1, int(train_frac * len(idx))))  # >= 1 train and 1 test
+        tr, te = idx[:cut], idx[cut:]
+        domains.append(Domain(f"client{k}", x[tr], y[tr], x[te], y[te]))
+    return Dataset(name, domains, num_classes, "clients", f"{source}; Dirichlet(alpha={alpha}) "
+                   f"label skew over {clients} clients")
+
+
+def cifar_arrays(root, name):
+    if root is None:
+        raise UserError(f"{name} is not embedded: pass --data-root DIR (torchvision downloads it there)")
+    import torchvision.datasets as tvd
+    cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
+    try:
+        parts = [cls(root, train=t, download=True) for t in (True, False)]
+    except Exception as e:
+        raise UserError(f"could not read or download {name} under {root} ({type(e).__name__}: {e})")
+    x = torch.cat([torch.from_numpy(p.data).permute(0, 3, 1, 2) for p in parts])
+    y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
+    return x, y, f"torchvision {name} under {root} ({len(y):,} images, train+test pooled)"
+
+
+def emnist_arrays(root):
+    """EMNIST 'digits' (the split whose accuracy level matches FedOMG's Table 1; the paper does not
+    name it). torchvision stores the images transposed; they are transposed back here."""
+    if root is None:
+        raise UserError("emnist is not embedded: pass --data-root DIR (torchvision downloads it there)")
+    import torchvision.datasets as tvd
+    try:
+        parts = [tvd.EMNIST(root, split="digits", train=t, download=True) for t in (True, False)]
+    except Exception as e:
+        raise UserError(f"could not read or download EMNIST under {root} ({type(e).__name__}: {e})")
+    x = torch.cat([p.data.transpose(1, 2) for p in parts]).unsqueeze(1)
+    y = torch.cat([p.targets for p in parts]).long()
+    return x, y, f"torchvision EMNIST digits under {root} ({len(y):,} images, train+test pooled)"
+
+
+# ------------------------------------------------------------- DomainBed image folders (photos)
+
+FOLDERS = {"pacs": "PACS", "vlcs": "VLCS", "officehome": "office_home"}
+IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp"}
+
+
+def image_folder(name, root, size=224):
+    """ROOT/<Dataset>/<domain>/<class>/<image>, domains and classes sorted (DomainBed). Images are
+    resized to size x size (the evaluation transform of DomainBed / FedIIR) and cached as uint8."""
+    if root is None:
+        raise UserError(f"{name} needs --data-root DIR holding {FOLDERS[name]}/<domain>/<class>/<images>; "
+                        f"get it with: python data.py --download {name} --data-root DIR")
+    base = Path(root) / FOLDERS[name]
+    if not base.is_dir():
+        raise UserError(f"{base} not found; get it with: python data.py --download {name} "
+                        f"--data-root {root} (or lay out any copy as {FOLDERS[name]}/<domain>/<class>/<images>)")
+    domains = sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
+    classes = sorted({c.name for d in domains for c in (base / d).iterdir() if c.is_dir()})
+    files = [(d, k, f) for d in domains for k, c in enumerate(classes) if (base / d / c).is_dir()
+             for f in sorted((base / d / c).iterdir()) if f.suffix.lower() in IMAGE_EXT]
+    if not files:
+        raise UserError(f"no images under {base}/<domain>/<class>/ (looked for {sorted(IMAGE_EXT)})")
+    key = hashlib.sha256("\n".join(str(f.relative_to(base)) for _, _, f in files).encode()).hexdigest()
+    cache = base / f".cache-{size}.pt"
+    x = y = None
+    if cache.exists():
+        try:
+            blob = torch.load(cache, weights_only=True)
+            x, y, cached_key = blob["x"], blob["y"], blob["key"]
+        except Exception as e:
+            raise UserError(f"corrupt cache {cache} ({type(e).__name__}); delete it to rebuild it")
+        if cached_key != key:
+            print(f"note: the files under {base} changed since {cache.name} was written; rebuilding it")
+            x = None
+    if x is None:
+        print(f"decoding {len(files):,} images under {base} once (cached in {cache.name})")
+        with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+            x = torch.stack(list(pool.map(lambda f: decode(f[2], size), files)))
+        y = torch.tensor([k for _, k, _ in files])
+        tmp = cache.with_suffix(".tmp")
+        torch.save({"x": x, "y": y, "key": key}, tmp)
+        os.replace(tmp, cache)
+    dom = np.array([d for d, _, _ in files])
+    out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)]) for d in domains]
+    return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px)")
+
+
+def decode(path, size):
+    from torchvision.io import ImageReadMode, decode_image, read_file
+    try:
+        img = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+    except Exception as e:
+        raise UserError(f"cannot decode image {path} ({type(e).__name__})")
+    return TF.resize(img, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
+
+
+# DomainBed's download sources (Google Drive ids). Users report these links dying over time: any
+# copy laid out as ROOT/<Dataset>/<domain>/<class>/<image> works.
+ARCHIVES = {  # name: (drive id, archive file, folder inside the archive, final folder)
+    "pacs": ("1JFr8f805nMUelQWWmfnJR3y4_SYoN5Pd", "PACS.zip", "kfold", "PACS"),
+    "vlcs": ("1skwblH1_okBwxWxmRsp9_qi15hyPpxg8", "VLCS.tar.gz", "VLCS", "VLCS"),
+    "officehome": ("1uY0pj7oFsjMxRwaD3Sxy0jgel0fsYXLC", "office_home.zip",
+                   "OfficeHomeDataset_10072016", "office_home"),
+}
+
+
+def download(name, root):
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    if name in ("mnist", "fmnist", "emnist", "cifar10", "cifar100"):
+        {"mnist": mnist_arrays, "fmnist": lambda r: mnist_arrays(r, "FashionMNIST"),
+         "emnist": emnist_arrays}.get(name, lambda r: cifar_arrays(r, name))(root)
+        print(f"{name} is ready under {root}")
+        return
+    import shutil, tarfile, urllib.request, zipfile
+    drive_id, archive, inner, final = ARCHIVES[name]
+    url = f"https://drive.usercontent.google.com/download?id={drive_id}&export=download&confirm=t"
+    path = root / archive
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
+            shutil.copyfileobj(r, f)
+    except OSError as e:
+        raise UserError(f"could not download {name} ({e}); fetch DomainBed's {archive} (Google Drive "
+                        f"id {drive_id}) by hand and lay it out as {root / final}/<domain>/<class>/<images>")
+    opener = zipfile.ZipFile(path) if archive.endswith(".zip") else tarfile.open(path)
+    with opener as a:
+        a.extractall(root)
+    if inner != final:
+        os.replace(root / inner, root / final)
+    path.unlink()
+    print(f"{name} is ready under {root / final}")
+
+
+# ------------------------------------------------------------------------- synthetic stand-ins
+
+def synthetic(seed=0, n_domains=3, n_per_domain=240, num_classes=4, size=16):
+    """Learnable toy domains for tests: the label is a class-specific binary pattern shared by all
+    domains; each domain adds its own colour cast and noise level (the 'style')."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = (torch.rand(num_classes, 1, size, size, generator=g) > 0.5).float()
+    domains = []
+    for d in range(n_domains):
+        cast = torch.rand(3, 1, 1, generator=g) * 0.5
+        y = torch.randint(num_classes, (n_per_domain,), generator=g)
+        noise = torch.rand(n_per_domain, 3, size, size, generator=g) * (0.2 + 0.2 * d)
+        x = 0.5 * patterns[y] + cast + noise
+        domains.append(Domain(f"style{d}", (x.clamp(0, 1) * 255).to(torch.uint8), y))
+    return Dataset("synthetic", domains, num_classes, "lodo", f"synthetic ({n_domains} domains, seed {seed})")
+
+
+def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "photo", "sketch"),
+                   classes=("dog", "horse", "house"), per_class=4, seed=0):
+    """Write a tiny image-folder tree laid out like DomainBed's (ROOT/<Dataset>/<domain>/<class>/),
+    with real JPEG and PNG files of mixed sizes, to test the folder loader and its cache."""
+    from torchvision.io import write_jpeg, write_png
+    g = torch.Generator().manual_seed(seed)
+    for d in domains:
+        for k, c in enumerate(classes):
+            folder = Path(root) / dataset / d / c
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                h, w = 24 + 8 * (i % 3), 32 - 4 * (i % 2)
+                img = (torch.rand(3, h, w, generator=g) * 60).to(torch.uint8)
+                img[k % 3] += 150  # the class decides the dominant channel
+                if i % 2:
+                    write_png(img, str(folder / f"{i}.png"))
+                else:
+                    write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
+
+
+# ----------------------------------------------------------------------------------- the entry
+
+LODO = ("rmnist", "pacs", "vlcs", "officehome", "synthetic")
+FL = ("mnist", "cifar10", "cifar100", "emnist")
+NAMES = LODO + FL
+
+
+def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224):
+    """The dataset `name` as per-domain CPU tensors (see the module docstring)."""
+    if name == "rmnist":
+        return rmnist(root, seed)
+    if name in FOLDERS:
+        return image_folder(name, root, size)
+    if name == "synthetic":
+        return synthetic(seed)
+    if name in FL:
+        return label_skew(name, root, seed, clients, alpha)
+    raise UserError(f"unknown dataset {name!r}; choose from {', '.join(NAMES)}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Fetch a dataset and lay it out for this repository.")
+    p.add_argument("--download", required=True, choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist",
+                                                                             "cifar10", "cifar100"])
+    p.add_argument("--data-root", required=True)
+    args = p.parse_args(argv)
+    try:
+        download(args.download, args.data_root)
+    except UserError as e:
+        print(f"data.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
