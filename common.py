@@ -99,8 +99,8 @@ class ResNet(nn.Module):
         try:
             self.net = getattr(torchvision.models, f"resnet{depth}")(weights=weights)
         except Exception as e:
-            raise UserError(f"could not get the ImageNet weights of resnet{depth} ({type(e).__name__}: "
-                            f"{e}); run once with network access or pass --no-pretrained")
+            raise UserError(f"could not get the ImageNet weights of resnet{depth} ({data.why(e)}); "
+                            f"run once with network access or pass --no-pretrained")
         self.net.fc = nn.Identity()
 
     def train(self, mode=True):
@@ -586,7 +586,8 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
         if bad:
             c = fed.clients[bad[0]]
-            raise NonFinite(f"non-finite loss in round {t} on client {c.id} (domain {c.domain}); "
+            raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
+                            f"testing on {fed.name}); "
                             f"stopped; the last good checkpoint ({ckpt_path}) and results ({args.out}) are kept")
         losses.append(vals.mean().item())
         if t % args.eval_every and t != args.rounds:

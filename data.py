@@ -20,9 +20,11 @@ training resolution in ROOT/<Dataset>/.cache-<size>.pt.
     python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
 """
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,12 @@ EMBEDDED = Path(__file__).resolve().parent / "assets" / "mnist5k.npz"
 
 class UserError(Exception):
     """A problem with the user's input or environment: printed as one line, never a traceback."""
+
+
+def why(e):
+    """An exception as one short line (torchvision's download errors span several)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}"
 
 
 @dataclass
@@ -72,7 +80,7 @@ def mnist_arrays(root=None, kind="MNIST"):
     try:
         parts = [getattr(tvd, kind)(root, train=t, download=True) for t in (True, False)]
     except Exception as e:  # torchvision raises RuntimeError / URLError when offline
-        raise UserError(f"could not read or download {kind} under {root} ({type(e).__name__}: {e}); "
+        raise UserError(f"could not read or download {kind} under {root} ({why(e)}); "
                         f"put torchvision's {kind}/raw files there or run with network access")
     x = torch.cat([p.data for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
@@ -154,7 +162,7 @@ def cifar_arrays(root, name):
     try:
         parts = [cls(root, train=t, download=True) for t in (True, False)]
     except Exception as e:
-        raise UserError(f"could not read or download {name} under {root} ({type(e).__name__}: {e})")
+        raise UserError(f"could not read or download {name} under {root} ({why(e)})")
     x = torch.cat([torch.from_numpy(p.data).permute(0, 3, 1, 2) for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
     return x, y, f"torchvision {name} under {root} ({len(y):,} images, train+test pooled)"
@@ -169,7 +177,7 @@ def emnist_arrays(root):
     try:
         parts = [tvd.EMNIST(root, split="digits", train=t, download=True) for t in (True, False)]
     except Exception as e:
-        raise UserError(f"could not read or download EMNIST under {root} ({type(e).__name__}: {e})")
+        raise UserError(f"could not read or download EMNIST under {root} ({why(e)})")
     x = torch.cat([p.data.transpose(1, 2) for p in parts]).unsqueeze(1)
     y = torch.cat([p.targets for p in parts]).long()
     return x, y, f"torchvision EMNIST digits under {root} ({len(y):,} images, train+test pooled)"
@@ -222,10 +230,19 @@ def image_folder(name, root, size=224):
     return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px)")
 
 
+@contextlib.contextmanager
+def quiet():
+    """torchvision >= 0.29 warns on every image-codec call that TorchCodec supersedes it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
+        yield
+
+
 def decode(path, size):
     from torchvision.io import ImageReadMode, decode_image, read_file
     try:
-        img = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+        with quiet():
+            img = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
     except Exception as e:
         raise UserError(f"cannot decode image {path} ({type(e).__name__})")
     return TF.resize(img, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
@@ -257,7 +274,7 @@ def download(name, root):
         with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
             shutil.copyfileobj(r, f)
     except OSError as e:
-        raise UserError(f"could not download {name} ({e}); fetch DomainBed's {archive} (Google Drive "
+        raise UserError(f"could not download {name} ({why(e)}); fetch DomainBed's {archive} (Google Drive "
                         f"id {drive_id}) by hand and lay it out as {root / final}/<domain>/<class>/<images>")
     opener = zipfile.ZipFile(path) if archive.endswith(".zip") else tarfile.open(path)
     with opener as a:
@@ -299,10 +316,11 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
                 h, w = 24 + 8 * (i % 3), 32 - 4 * (i % 2)
                 img = (torch.rand(3, h, w, generator=g) * 60).to(torch.uint8)
                 img[k % 3] += 150  # the class decides the dominant channel
-                if i % 2:
-                    write_png(img, str(folder / f"{i}.png"))
-                else:
-                    write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
+                with quiet():
+                    if i % 2:
+                        write_png(img, str(folder / f"{i}.png"))
+                    else:
+                        write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
 
 
 # ----------------------------------------------------------------------------------- the entry

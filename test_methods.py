@@ -1,0 +1,379 @@
+"""The test suite: pytest -q (about 3 minutes on 2 CPU cores, no GPU, no network).
+
+Most runs call a method's main() in-process on the synthetic domains or the embedded digits; a few
+run the scripts as subprocesses to check what a user sees (one line on stderr, the exit code).
+"""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+import data
+import fedavg
+
+HERE = Path(__file__).resolve().parent
+QUICK = ["--dataset", "synthetic", "--rounds", "4", "--eval-every", "2"]
+
+
+def run(main, argv, tmp_path, name="r.json"):
+    out = str(tmp_path / name)
+    return main(argv + ["--out", out]), out
+
+
+def fails(main, argv, capsys, code=2):
+    """main(argv) must exit with `code` and print exactly one line on stderr; returns that line."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def strip_times(results):
+    r = copy.deepcopy(results)
+    for d in r["domains"].values():
+        for row in d["history"]:
+            row.pop("seconds")
+    r["args"].pop("out", None)
+    r["args"].pop("resume", None)
+    return r
+
+
+def rows(x):
+    """Every image as bytes, to check set relations between splits."""
+    return {bytes(v.flatten().tolist()) for v in x.cpu()}
+
+
+# ---------------------------------------------------------------------------------- splits
+
+def test_algorithm2_counts():
+    assert common.split_counts([100, 50, 30], 3) == [1, 1, 1]
+    # 100/1 -> dom0; (50, 50, 30): tie, first -> dom0; (33.3, 50, 30) -> dom1
+    assert common.split_counts([100, 50, 30], 6) == [3, 2, 1]
+    assert common.split_counts([834, 834, 834, 833, 833], 50) == [10] * 5
+    assert sum(common.split_counts([7, 900, 15], 40)) == 40
+
+
+def test_federation_rmnist_50_clients():
+    ds = data.load("rmnist")
+    fed = common.federate(ds, 0, 50, seed=1, device="cpu")
+    assert len(fed.clients) == 50 and fed.name == "0"
+    by_domain = {d.name: rows(d.x) for d in ds.domains}
+    test_rows = by_domain["0"]
+    seen = set()
+    for c in fed.clients:
+        tr, va = rows(c.x), rows(c.val_x)
+        assert tr <= by_domain[c.domain] and va <= by_domain[c.domain]   # a client never mixes domains
+        assert not (tr & va)                                              # train / validation disjoint
+        assert not ((tr | va) & test_rows)                                # never trains on the test domain
+        assert len(c.val_y) == max(1, int(0.1 * (c.n + len(c.val_y))))   # 10% held out
+        seen |= tr | va
+    sizes = sorted(c.n + len(c.val_y) for c in fed.clients)
+    assert sizes[-1] - sizes[0] <= 10                                     # Algorithm 2: even sizes
+    assert seen == set().union(*(by_domain[d.name] for d in ds.domains[1:]))  # nothing dropped
+    assert rows(fed.test_x) == test_rows
+    assert len(fed.val_y) == sum(len(c.val_y) for c in fed.clients)
+
+
+def test_rmnist_domains_are_rotations():
+    ds = data.load("rmnist", seed=3)
+    assert [d.name for d in ds.domains] == ["0", "15", "30", "45", "60", "75"]
+    assert sum(len(d.y) for d in ds.domains) == 5000 and ds.domains[0].x.dtype == torch.uint8
+    # domain k holds images[k::6] of the seeded shuffle, rotated by 15k degrees
+    x, y, _ = data.mnist_arrays()
+    perm = torch.randperm(5000, generator=torch.Generator().manual_seed(3))
+    x, y = x[perm].unsqueeze(1), y[perm]
+    assert torch.equal(ds.domains[0].x, x[0::6]) and torch.equal(ds.domains[4].y, y[4::6])
+    assert torch.equal(ds.domains[2].x, data.rotate(x[2::6], 30))
+    # a 90-degree turn of a uint8 image is exact: checks the direction (counter-clockwise)
+    assert torch.equal(data.rotate(x[:3], 90), torch.rot90(x[:3], 1, (2, 3)))
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+def tiny_federation(n=(6, 10)):
+    g = torch.Generator().manual_seed(0)
+    clients = [common.Client(i, "d", (torch.rand(k, 1, 4, 4, generator=g) * 255).to(torch.uint8),
+                             torch.randint(3, (k,), generator=g), torch.zeros(1, 1, 4, 4, dtype=torch.uint8),
+                             torch.zeros(1, dtype=torch.long)) for i, k in enumerate(n)]
+    return common.Federation("d", clients, None, None, None, None, None, [])
+
+
+def tiny_args(**kw):
+    a = dict(sample=2, batch_size=100, local_epochs=1, lr=0.5, momentum=0.0, weight_decay=0.0,
+             global_lr=1.0, uniform_avg=False)
+    a.update(kw)
+    return type("Args", (), a)
+
+
+def tiny_ctx():
+    return common.Context(torch.device("cpu"), torch.Generator().manual_seed(0), torch.Generator().manual_seed(0),
+                          common.make_prep("rmnist", "cpu"))
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return common.Net(torch.nn.Flatten(), torch.nn.Linear(16, 3)).double().float()
+
+
+def full_batch_step(model, client, lr):
+    """One plain gradient step on the client's whole training set, written independently."""
+    m = copy.deepcopy(model)
+    loss = F.cross_entropy(m(client.x.float() / 255), client.y)
+    grads = torch.autograd.grad(loss, list(m.parameters()))
+    return torch.cat([(p - lr * g).reshape(-1) for p, g in zip(m.parameters(), grads)]).detach()
+
+
+@pytest.mark.parametrize("uniform,global_lr", [(False, 1.0), (False, 0.3), (True, 1.0)])
+def test_fedavg_round_is_weighted_mean_of_deltas(uniform, global_lr):
+    fed, model = tiny_federation(), tiny_model()
+    theta = common.get_flat(model)
+    expected_deltas = [full_batch_step(model, c, 0.5) - theta for c in fed.clients]
+    w = [1.0, 1.0] if uniform else [6.0, 10.0]
+    expected = theta + global_lr * (w[0] * expected_deltas[0] + w[1] * expected_deltas[1]) / sum(w)
+    losses = fedavg.fedavg_round(1, model, fed, tiny_args(global_lr=global_lr, uniform_avg=uniform), {}, tiny_ctx())
+    assert sorted(losses) == [0, 1]
+    assert torch.allclose(common.get_flat(model), expected, atol=1e-6)
+
+
+def test_one_client_one_step_is_plain_sgd():
+    fed, model = tiny_federation((8,)), tiny_model()
+    expected = full_batch_step(model, fed.clients[0], 0.5)
+    fedavg.fedavg_round(1, model, fed, tiny_args(sample=1), {}, tiny_ctx())
+    assert torch.allclose(common.get_flat(model), expected, atol=1e-6)
+
+
+def test_sampling_is_without_replacement():
+    ctx = tiny_ctx()
+    for _ in range(20):
+        s = common.sample_clients(ctx, 50, 5)
+        assert len(set(s)) == 5 and all(0 <= c < 50 for c in s)
+
+
+# ----------------------------------------------------------------------- end to end, results
+
+def test_fedavg_synthetic_learns_and_writes_the_results_json(tmp_path):
+    res, out = run(fedavg.main, QUICK, tmp_path)
+    on_disk = json.load(open(out))
+    assert on_disk == json.loads(json.dumps(res))
+    assert set(on_disk) >= {"method", "dataset", "seed", "args", "domains", "mean_test_acc"}
+    assert on_disk["method"] == "fedavg" and on_disk["dataset"] == "synthetic" and on_disk["seed"] == 0
+    assert list(on_disk["domains"]) == ["style0", "style1", "style2"]
+    for d in on_disk["domains"].values():
+        assert set(d) == {"test_acc", "val_acc", "best_round", "last_test_acc", "history"}
+        assert [r["round"] for r in d["history"]] == [2, 4]
+        assert all(set(r) == {"round", "val_acc", "test_acc", "loss", "seconds"} for r in d["history"])
+        secs = [r["seconds"] for r in d["history"]]
+        assert 0 < secs[0] < secs[1]                                   # cumulative wall-clock
+        best = max(d["history"], key=lambda r: r["val_acc"])
+        assert d["best_round"] == best["round"] and d["test_acc"] == best["test_acc"]
+        assert d["last_test_acc"] == d["history"][-1]["test_acc"]
+        assert all(0 <= r[k] <= 1 for r in d["history"] for k in ("val_acc", "test_acc"))
+    mean = sum(d["test_acc"] for d in on_disk["domains"].values()) / 3
+    assert math.isclose(on_disk["mean_test_acc"], mean)
+    assert mean > 0.6                                                  # 4 classes: chance is 0.25
+
+
+def test_embedded_rmnist_above_chance(tmp_path):
+    res, _ = run(fedavg.main, ["--rounds", "2", "--eval-every", "1", "--test-domain", "30"], tmp_path)
+    assert res["source"].startswith("embedded MNIST subset")
+    assert res["domains"]["30"]["test_acc"] > 0.2                      # 10 classes: chance is 0.1
+
+
+def test_determinism(tmp_path):
+    a, _ = run(fedavg.main, QUICK + ["--clients", "5", "--sample", "3"], tmp_path, "a.json")
+    b, _ = run(fedavg.main, QUICK + ["--clients", "5", "--sample", "3"], tmp_path, "b.json")
+    c, _ = run(fedavg.main, QUICK + ["--clients", "5", "--sample", "3", "--seed", "1"], tmp_path, "c.json")
+    assert strip_times(a) == strip_times(b)
+    assert strip_times(a)["domains"] != strip_times(c)["domains"]
+
+
+@pytest.mark.parametrize("stop_at", [("style0", 2), ("style1", 4)])
+def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at):
+    argv = QUICK + ["--rounds", "6", "--clients", "4", "--sample", "2"]
+    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
+    save = common.save_checkpoint
+
+    def save_then_die(path, blob):
+        save(path, blob)
+        if (blob["domain"], blob["round"]) == stop_at:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    out = str(tmp_path / "cut.json")
+    with pytest.raises(SystemExit) as e:
+        fedavg.main(argv + ["--out", out])
+    assert e.value.code == 130
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    resumed = fedavg.main(argv + ["--out", out, "--resume"])
+    assert strip_times(resumed) == strip_times(full)
+    assert json.load(open(out))["domains"].keys() == full["domains"].keys()
+
+
+def test_label_skew_fl_path_on_embedded_mnist(tmp_path):
+    # alpha 1 and a larger lr: at the default alpha 0.1 FedAvg needs far more than a test's rounds
+    res, _ = run(fedavg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3", "--local-epochs", "2",
+                               "--lr", "0.05", "--alpha", "1"], tmp_path)
+    d = res["domains"]["clients"]
+    assert res["protocol"] == "clients" and res["args"]["clients"] == 100 and res["args"]["sample"] == 20
+    assert len(d["per_client_test_acc"]) == 100
+    assert d["test_acc"] > 0.25                                        # 10 classes: chance is 0.1
+
+
+# ------------------------------------------------------------------------------- data paths
+
+def test_dirichlet_split():
+    y = torch.arange(10).repeat_interleave(300).numpy()
+    parts = data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)
+    flat = torch.cat(parts)
+    assert len(flat) == len(y) and len(set(flat.tolist())) == len(y)   # a partition of all examples
+    assert min(len(p) for p in parts) >= 10
+    skewed = sum(len(set(y[p.numpy()])) for p in parts) / 20
+    even = sum(len(set(y[p.numpy()])) for p in data.dirichlet_split(y, 20, 100.0, seed=0)) / 20
+    assert skewed < 5 < even                                           # alpha controls label skew
+    assert all(torch.equal(a, b) for a, b in zip(parts, data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)))
+    assert min(len(p) for p in data.dirichlet_split(y, 20, 0.1, seed=1)) >= 7  # default: N / (20 clients)
+
+
+def test_label_skew_clients_have_disjoint_train_and_test():
+    ds = data.load("mnist", clients=100, alpha=0.1)
+    assert len(ds.domains) == 100 and ds.protocol == "clients"
+    assert sum(len(d.y) + len(d.y_test) for d in ds.domains) == 5000
+    assert all(len(d.y) >= 1 and len(d.y_test) >= 1 for d in ds.domains)
+    d = max(ds.domains, key=lambda d: len(d.y))
+    assert not rows(d.x) & rows(d.x_test)
+
+
+def test_folder_loader_and_cache(tmp_path, monkeypatch, capsys):
+    data.make_fake_tree(tmp_path)
+    ds = data.load("pacs", str(tmp_path), size=32)
+    assert [d.name for d in ds.domains] == ["art_painting", "cartoon", "photo", "sketch"]
+    assert ds.num_classes == 3 and all(d.x.shape == (12, 3, 32, 32) for d in ds.domains)
+    assert ds.domains[1].y.tolist() == [0] * 4 + [1] * 4 + [2] * 4     # classes sorted: dog, horse, house
+    assert "decoding 48 images" in capsys.readouterr().out
+    # the class decides the dominant channel of the fake images: the decoded pixels must show it
+    x, y = ds.domains[0].x.float(), ds.domains[0].y
+    assert all(int(x[i].mean((1, 2)).argmax()) == int(y[i]) for i in range(len(y)))
+    # a second load reads the cache and decodes nothing
+    monkeypatch.setattr(data, "decode", lambda *a: pytest.fail("decoded again despite the cache"))
+    again = data.load("pacs", str(tmp_path), size=32)
+    assert all(torch.equal(a.x, b.x) for a, b in zip(ds.domains, again.domains))
+    monkeypatch.undo()
+    # a changed tree is noticed and the cache rebuilt
+    (tmp_path / "PACS" / "photo" / "dog" / "0.jpg").unlink()
+    assert len(data.load("pacs", str(tmp_path), size=32).domains[2].y) == 11
+    # a corrupt cache is one clear error, and the file is left for the user to inspect
+    (tmp_path / "PACS" / ".cache-32.pt").write_bytes(b"not a cache")
+    with pytest.raises(data.UserError, match="corrupt cache .*delete it"):
+        data.load("pacs", str(tmp_path), size=32)
+
+
+def test_fedavg_on_a_fake_pacs_tree_with_resnet(tmp_path):
+    data.make_fake_tree(tmp_path, per_class=2)
+    res, _ = run(fedavg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained",
+                               "--rounds", "1", "--test-domain", "sketch", "--batch-size", "8"], tmp_path)
+    assert res["args"]["model"] == "resnet18" and res["args"]["head"] == "mlp"
+    assert 0 <= res["domains"]["sketch"]["test_acc"] <= 1
+
+
+def test_resnet_batchnorm_stays_in_eval_mode():
+    a = type("A", (), dict(model="resnet18", no_pretrained=True, head="mlp"))
+    model = common.build_model(a, data.synthetic()).train()
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and not any(m.training for m in bns) and model.classifier.training
+    before = [m.running_mean.clone() for m in bns]
+    model(torch.randn(4, 3, 32, 32)).sum().backward()
+    assert all(torch.equal(b, m.running_mean) for b, m in zip(before, bns))
+
+
+def test_augment_is_seeded_and_keeps_shape_and_range():
+    x = torch.rand(5, 3, 32, 32)
+    a = common.augment(x, torch.Generator().manual_seed(1))
+    b = common.augment(x, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == x.shape and a.min() >= 0 and a.max() <= 1
+    assert not torch.allclose(a, common.augment(x, torch.Generator().manual_seed(2)))
+
+
+# ------------------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dataset", "nope"], "unknown dataset 'nope'; choose from rmnist"),
+    (["--test-domain", "90"], "unknown test domain '90' for rmnist; choose 'all', one of 0, 15"),
+    (["--dataset", "pacs"], "pacs needs --data-root DIR"),
+    (["--dataset", "pacs", "--data-root", "/nonexistent"], "/nonexistent/PACS not found; get it with: python data.py --download pacs"),
+    (["--dataset", "cifar10"], "cifar10 is not embedded: pass --data-root"),
+    (["--clients", "3"], "--clients 3 is below the 5 training domains"),
+    (["--clients", "10", "--sample", "11"], "--sample must be between 1 and --clients (10), got 11"),
+    (["--rounds", "0"], "--rounds must be positive, got 0"),
+    (["--lr", "-1"], "--lr must be positive, got -1.0"),
+    (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+    (["--out", "/dev/null/r.json"], "cannot write --out /dev/null/r.json"),
+    (["--dataset", "mnist", "--test-domain", "0"], "--test-domain does not apply to mnist"),
+    (["--amp", "--device", "cpu"], "--amp needs a CUDA device"),
+])
+def test_bad_input_is_one_line(argv, message, capsys):
+    assert message in fails(fedavg.main, argv, capsys)
+
+
+def test_missing_pretrained_weights(monkeypatch, tmp_path, capsys):
+    import urllib.error
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
+
+    def offline(*a, **k):
+        raise urllib.error.URLError("offline")
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    data.make_fake_tree(tmp_path, per_class=1)
+    line = fails(fedavg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--rounds", "1",
+                               "--out", str(tmp_path / "r.json")], capsys)
+    assert "could not get the ImageNet weights of resnet18" in line and "--no-pretrained" in line
+
+
+def test_resume_with_other_arguments_and_corrupt_checkpoint(tmp_path, capsys):
+    out = str(tmp_path / "r.json")
+    fedavg.main(QUICK + ["--out", out, "--test-domain", "0"])
+    line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", "--lr", "0.01", "--resume"], capsys)
+    assert "was made with other arguments (lr: 0.05 -> 0.01)" in line
+    Path(out).with_suffix(".ckpt").write_bytes(b"garbage")
+    line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", "--resume"], capsys)
+    assert "corrupt checkpoint" in line
+
+
+def test_non_finite_loss_stops_and_keeps_what_was_written(tmp_path, capsys):
+    def poisoned(t, model, fed, args, state, ctx):
+        losses = fedavg.fedavg_round(t, model, fed, args, state, ctx)
+        if fed.name == "style1" and t == 3:
+            losses[next(iter(losses))] = torch.tensor(float("nan"))
+        return losses
+    out = str(tmp_path / "r.json")
+    argv = QUICK + ["--out", out]
+    line = fails(lambda a: common.main("fedavg", fedavg.__doc__, poisoned, a, fedavg.add_args), argv, capsys, code=1)
+    assert "non-finite loss in round 3 on client" in line and "testing on style1" in line
+    assert list(json.load(open(out))["domains"]) == ["style0"]        # the finished domain is kept
+    blob = torch.load(Path(out).with_suffix(".ckpt"), weights_only=True)
+    assert (blob["domain"], blob["round"]) == ("style1", 2)            # the last good checkpoint
+
+
+def test_scripts_fail_without_a_traceback(tmp_path):
+    """What a user sees: real processes, one line, no traceback; a diverging run is caught."""
+    for argv, code in ((["--dataset", "nope"], 2), (["--sample", "0"], 2), (["--bogus-flag"], 2),
+                       (QUICK + ["--lr", "1e30", "--test-domain", "0"], 1)):
+        p = subprocess.run([sys.executable, str(HERE / "fedavg.py"), *argv, "--out", str(tmp_path / "x.json")],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert p.returncode == code, p.stderr
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "non-finite loss in round" in p.stderr
+
+
+def test_data_py_download_offline_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "pacs", "--data-root", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "could not download pacs" in p.stderr and "PACS/<domain>/<class>/<images>" in p.stderr
