@@ -20,7 +20,6 @@ training resolution in ROOT/<Dataset>/.cache-<size>.pt.
     python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
 """
 import argparse
-import contextlib
 import hashlib
 import os
 import sys
@@ -33,6 +32,9 @@ import numpy as np
 import torch
 import torchvision.transforms.functional as TF
 from torchvision.transforms import InterpolationMode
+
+# torchvision >= 0.29 warns on every image-codec call that TorchCodec supersedes it
+warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
 
 EMBEDDED = Path(__file__).resolve().parent / "assets" / "mnist5k.npz"
 
@@ -230,19 +232,10 @@ def image_folder(name, root, size=224):
     return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px)")
 
 
-@contextlib.contextmanager
-def quiet():
-    """torchvision >= 0.29 warns on every image-codec call that TorchCodec supersedes it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
-        yield
-
-
 def decode(path, size):
     from torchvision.io import ImageReadMode, decode_image, read_file
     try:
-        with quiet():
-            img = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+        img = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
     except Exception as e:
         raise UserError(f"cannot decode image {path} ({type(e).__name__})")
     return TF.resize(img, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
@@ -316,11 +309,10 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
                 h, w = 24 + 8 * (i % 3), 32 - 4 * (i % 2)
                 img = (torch.rand(3, h, w, generator=g) * 60).to(torch.uint8)
                 img[k % 3] += 150  # the class decides the dominant channel
-                with quiet():
-                    if i % 2:
-                        write_png(img, str(folder / f"{i}.png"))
-                    else:
-                        write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
+                if i % 2:
+                    write_png(img, str(folder / f"{i}.png"))
+                else:
+                    write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
 
 
 # ----------------------------------------------------------------------------------- the entry

@@ -19,6 +19,7 @@ import common
 import data
 import fedavg
 
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")  # torchvision 0.29
 HERE = Path(__file__).resolve().parent
 QUICK = ["--dataset", "synthetic", "--rounds", "4", "--eval-every", "2"]
 
