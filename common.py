@@ -252,9 +252,10 @@ def split_counts(sizes, P):
 
 
 def holdout(x, y, frac, g):
-    """Shuffle, then the first `frac` of the examples (at least one) is validation, the rest train."""
+    """Shuffle, then the first `frac` of the examples is validation (at least one, but never the
+    last training example), the rest train."""
     perm = torch.randperm(len(y), generator=g)
-    nv = max(1, int(frac * len(y)))
+    nv = min(len(y) - 1, max(1, int(frac * len(y))))
     return x[perm[nv:]], y[perm[nv:]], x[perm[:nv]], y[perm[:nv]]
 
 
@@ -551,11 +552,16 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
         remaining = len(todo) - k - 1
         results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,
                                                     evaluate_fn, resume, results, ckpt_path, remaining)
-        accs = [r["test_acc"] for r in results["domains"].values()]
-        results["mean_test_acc"] = sum(accs) / len(accs)
-        write_json(args.out, results)
+        write_json(args.out, with_mean(results))
+    write_json(args.out, with_mean(results))
     print_table(results)
     print(f"results: {args.out}")
+    return results
+
+
+def with_mean(results):
+    accs = [r["test_acc"] for r in results["domains"].values()]
+    results["mean_test_acc"] = sum(accs) / len(accs)
     return results
 
 

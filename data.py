@@ -111,12 +111,13 @@ def dirichlet_split(y, n_clients, alpha, seed, min_size=None):
     from Dirichlet(alpha), give no more to clients that already hold >= N / n_clients, and cut the
     class's shuffled indices accordingly. Redraw until every client holds at least `min_size`
     examples: NIID-Bench's 10, lowered to N / (20 n_clients) for small data (the embedded 5,000
-    digits over 100 clients at alpha 0.1 leave a few clients empty in most draws; 2 is met).
+    digits over 100 clients at alpha 0.1 leave a few clients empty in most draws), but at least 3
+    so that every client keeps a training, a validation and a test example.
     Returns a list of int64 index tensors, one per client."""
     y = np.asarray(y)
     n = len(y)
     if min_size is None:
-        min_size = max(2, min(10, n // (20 * n_clients)))
+        min_size = max(3, min(10, n // (20 * n_clients)))
     rng = np.random.default_rng(seed)
     for _ in range(1000):
         parts = [[] for _ in range(n_clients)]

@@ -217,6 +217,8 @@ def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at):
     resumed = fedavg.main(argv + ["--out", out, "--resume"])
     assert strip_times(resumed) == strip_times(full)
     assert json.load(open(out))["domains"].keys() == full["domains"].keys()
+    again = fedavg.main(argv + ["--out", out, "--resume"])               # all done: nothing to train
+    assert strip_times(again) == strip_times(full)
 
 
 def test_label_skew_fl_path_on_embedded_mnist(tmp_path):
@@ -251,6 +253,9 @@ def test_label_skew_clients_have_disjoint_train_and_test():
     assert all(len(d.y) >= 1 and len(d.y_test) >= 1 for d in ds.domains)
     d = max(ds.domains, key=lambda d: len(d.y))
     assert not rows(d.x) & rows(d.x_test)
+    fed = common.federate_fixed(ds, 0, "cpu")                           # the 10% validation hold-out
+    assert all(c.n >= 1 and len(c.val_y) >= 1 for c in fed.clients)     # leaves every client data
+    assert len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0] == "client0"
 
 
 def test_folder_loader_and_cache(tmp_path, monkeypatch, capsys):
