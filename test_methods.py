@@ -383,3 +383,127 @@ def test_data_py_download_offline_is_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "could not download pacs" in p.stderr and "PACS/<domain>/<class>/<images>" in p.stderr
+
+
+# ---------------------------------------------------------------------------------- FedIIR
+
+import fediir  # noqa: E402
+
+
+def tiny_net64():
+    torch.manual_seed(1)
+    return common.Net(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()), torch.nn.Linear(3, 2)).double()
+
+
+def iir_objective_by_hand(model, x, y, g_tilde, gamma):
+    """R + γ ||∇_ω R − g̃||² with ∇_ω R written out for a linear head: (softmax − onehot)ᵀ z / n."""
+    z = model.featurizer(x)
+    logits = model.classifier(z)
+    r = torch.softmax(logits, 1) - F.one_hot(y, 2).double()
+    gW, gb = r.T @ z / len(y), r.mean(0)
+    return F.cross_entropy(logits, y) + gamma * (((gW - g_tilde[0]) ** 2).sum() + ((gb - g_tilde[1]) ** 2).sum())
+
+
+def test_fediir_penalty_gradient_matches_finite_differences():
+    model = tiny_net64()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randint(2, (7,), generator=g)
+    g_tilde = [torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)]
+    loss = fediir.iir_loss(g_tilde, 0.7)(model, x, y)
+    assert torch.allclose(loss, iir_objective_by_hand(model, x, y, g_tilde, 0.7), atol=1e-12)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    eps = 1e-6
+    for p, gp in zip(model.parameters(), grads):          # featurizer and classifier, every entry
+        fd = torch.zeros_like(p)
+        for i in range(p.numel()):
+            with torch.no_grad():
+                p.view(-1)[i] += eps
+                up = iir_objective_by_hand(model, x, y, g_tilde, 0.7)
+                p.view(-1)[i] -= 2 * eps
+                down = iir_objective_by_hand(model, x, y, g_tilde, 0.7)
+                p.view(-1)[i] += eps
+            fd.view(-1)[i] = (up - down) / (2 * eps)
+        assert torch.allclose(gp, fd, atol=1e-7), (gp, fd)
+    assert grads[0].abs().sum() > 0                        # the penalty's gradient reaches φ
+
+
+def test_fediir_with_gamma_zero_is_fedavg_bit_for_bit(tmp_path):
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1"]
+    for extra in ([], ["--uniform-avg"]):
+        a, _ = run(fedavg.main, argv + extra, tmp_path, "avg.json")
+        b, _ = run(fediir.main, argv + extra + ["--gamma", "0"], tmp_path, "iir.json")
+        assert strip_times(a)["domains"] == strip_times(b)["domains"]
+    c, _ = run(fediir.main, argv + ["--gamma", "0.5"], tmp_path, "iir.json")
+    assert strip_times(a)["domains"] != strip_times(c)["domains"]   # and the penalty does act
+
+
+@pytest.mark.parametrize("mode", ["batches", "clients"])
+def test_fediir_global_gradient_is_the_mean_classifier_gradient(mode):
+    ds = data.synthetic()
+    fed = common.federate(ds, 0, 3, seed=0, device="cpu")
+    args = type("A", (), dict(model="smallconv", head="mlp", batch_size=50, gbar=mode))
+    torch.manual_seed(0)
+    model = common.build_model(args, ds)
+    ctx = tiny_ctx()
+    S = [2, 0]
+    per = []
+    for c in S:                                           # independently: ordinary backward passes
+        cl = fed.clients[c]
+        chunks = [(cl.x[i:i + 50], cl.y[i:i + 50]) for i in range(0, cl.n, 50)] if mode == "batches" else [(cl.x, cl.y)]
+        for xb, yb in chunks:
+            model.zero_grad()
+            F.cross_entropy(model(xb.float() / 255), yb).backward()
+            per.append(torch.cat([p.grad.reshape(-1) for p in model.classifier.parameters()]))
+    expected = torch.stack(per).mean(0)
+    got = torch.cat([g.reshape(-1) for g in fediir.global_gradient(model, fed, S, args, ctx)])
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert len(per) == (sum(math.ceil(fed.clients[c].n / 50) for c in S) if mode == "batches" else 2)
+
+
+def test_fediir_ema_recursion(monkeypatch):
+    fed, model = tiny_federation(), tiny_model()
+    args = tiny_args(gamma=0.1, ema=0.95, half=False)
+    feed = iter([[torch.full((3, 16), 1.0), torch.full((3,), 2.0)], [torch.full((3, 16), -3.0), torch.full((3,), 5.0)]])
+    monkeypatch.setattr(fediir, "global_gradient", lambda *a: next(feed))
+    state = fediir.init_state(model, fed, args, None)
+    ctx = tiny_ctx()
+    fediir.fediir_round(1, model, fed, args, state, ctx)
+    assert torch.allclose(state["g_tilde"][0], torch.full((3, 16), 0.05))          # 0.95·0 + 0.05·g1
+    fediir.fediir_round(2, model, fed, args, state, ctx)
+    assert torch.allclose(state["g_tilde"][0], torch.full((3, 16), 0.95 * 0.05 - 0.05 * 3))
+    assert torch.allclose(state["g_tilde"][1], torch.full((3,), 0.95 * 0.1 + 0.05 * 5))
+
+
+def test_fediir_learns_and_resumes(tmp_path, monkeypatch):
+    argv = QUICK + ["--rounds", "4", "--clients", "4", "--sample", "2", "--gamma", "0.01", "--test-domain", "2"]
+    full, _ = run(fediir.main, argv, tmp_path, "full.json")
+    assert full["domains"]["style2"]["test_acc"] > 0.6
+    save = common.save_checkpoint
+
+    def save_then_die(path, blob):
+        save(path, blob)
+        if blob["round"] == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    out = str(tmp_path / "cut.json")
+    with pytest.raises(SystemExit):
+        fediir.main(argv + ["--out", out])
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    assert strip_times(fediir.main(argv + ["--out", out, "--resume"])) == strip_times(full)   # g̃ restored
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gamma", "-1"], "--gamma must be >= 0, got -1.0"),
+    (["--gamma", "nan"], "--gamma must be >= 0, got nan"),
+    (["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
+    (["--ema", "-0.1"], "--ema must be in [0, 1), got -0.1"),
+    (["--gbar", "sometimes"], "argument --gbar: invalid choice: 'sometimes'"),
+])
+def test_fediir_bad_input(argv, message, capsys):
+    assert message in fails(fediir.main, argv, capsys)
+
+
+def test_fediir_defaults_follow_table_3(tmp_path):
+    res, _ = run(fediir.main, QUICK + ["--rounds", "1", "--test-domain", "0"], tmp_path)
+    assert res["args"]["gamma"] == 1e-2 and res["args"]["ema"] == 0.95 and res["args"]["gbar"] == "batches"
+    assert fediir.GAMMA == {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}
