@@ -258,6 +258,30 @@ def test_label_skew_clients_have_disjoint_train_and_test():
     assert len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0] == "client0"
 
 
+def write_fake_mnist(root, n_train=42, n_test=18):
+    """torchvision's raw MNIST layout (ROOT/MNIST/raw/*-ubyte, idx format) with random digits."""
+    import struct
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        x = (torch.rand(n, 28, 28, generator=g) * 255).to(torch.uint8)
+        y = torch.arange(n) % 10
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">iiii", 2051, n, 28, 28) + bytes(x.flatten().tolist()))
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">ii", 2049, n) + bytes(y.tolist()))
+    return x, y
+
+
+def test_full_mnist_through_torchvision_with_data_root(tmp_path, capsys):
+    x_test, _ = write_fake_mnist(tmp_path)
+    x, y, source = data.mnist_arrays(str(tmp_path))
+    assert len(y) == 60 and source.startswith("torchvision MNIST under") and torch.equal(x[42:], x_test)
+    res, _ = run(fedavg.main, ["--data-root", str(tmp_path), "--rounds", "1", "--test-domain", "75",
+                               "--batch-size", "8"], tmp_path)
+    assert capsys.readouterr().out.startswith(f"data: torchvision MNIST under {tmp_path}")   # the first line
+    assert res["source"].startswith("torchvision MNIST") and sum(1 for _ in res["domains"]) == 1
+
+
 def test_folder_loader_and_cache(tmp_path, monkeypatch, capsys):
     data.make_fake_tree(tmp_path)
     ds = data.load("pacs", str(tmp_path), size=32)

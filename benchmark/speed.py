@@ -1,10 +1,12 @@
-"""How much the harness costs: FedAvg rounds through common.py against a bare training loop.
+"""How much the harness costs (FedAvg rounds through common.py against a bare training loop) and
+what a FedIIR round costs against a FedAvg round.
 
 On the embedded RotatedMNIST (test domain 0), P clients with C sampled per round, both variants train
 the same sampled clients with the same model, batch size and optimiser (fresh SGD, momentum 0.9)
 for one local epoch. The harness round also resets each client to θ, flattens its update and
-aggregates. The two are timed alternately in one process (this machine is shared and noisy) and
-the medians are compared.
+aggregates. A FedIIR round (its g_bar pass plus the penalised steps, Table 3's γ) trains the same
+clients too. The variants are timed alternately in one process (this machine is shared and noisy)
+and the medians are compared.
 
     python benchmark/speed.py                       # 50 clients, 5 sampled
     python benchmark/speed.py --clients 5 --rounds 3
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
+import fediir  # noqa: E402
 
 
 def bare_round(model, clients, lr, batch_size):
@@ -46,7 +49,7 @@ def main():
     a = p.parse_args()
     argv = ["--clients", str(a.clients), "--sample", str(a.sample), "--device", a.device]
     args = common.resolve(common.make_parser("fedavg", fedavg.__doc__).parse_args(argv), "speed")
-    args.uniform_avg = False
+    args.uniform_avg, args.gamma, args.ema, args.gbar, args.half = False, fediir.GAMMA["rmnist"], 0.95, "batches", False
     ds = data.load("rmnist")
     dev = torch.device(a.device)
     fed = common.federate(ds, 0, a.clients, 0, dev)
@@ -55,7 +58,8 @@ def main():
     ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
                          common.make_prep("rmnist", dev))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    harness, bare, images = [], [], []
+    harness, bare, iir, images = [], [], [], []
+    iir_state = fediir.init_state(model, fed, args, ctx)
     for r in range(a.rounds + 1):                     # round 0 warms up both
         state = ctx.sampler.get_state()
         t = time.perf_counter()
@@ -69,9 +73,16 @@ def main():
         bare_round(model, sampled, args.lr, args.batch_size)
         sync()
         tb = time.perf_counter() - t
+        ctx.sampler.set_state(state)
+        t = time.perf_counter()
+        losses = fediir.fediir_round(r, model, fed, args, iir_state, ctx)
+        torch.stack(list(losses.values())).sum().item()
+        sync()
+        ti = time.perf_counter() - t
         if r:
             harness.append(th)
             bare.append(tb)
+            iir.append(ti)
             images.append(sum(c.n for c in sampled))
     n = statistics.median(images)
     h, b = statistics.median(harness), statistics.median(bare)
@@ -80,6 +91,8 @@ def main():
     print(f"harness (fedavg_round): {h:.3f} s/round, {n / h:,.0f} images/s")
     print(f"bare training loop:     {b:.3f} s/round, {n / b:,.0f} images/s")
     print(f"harness overhead: {100 * (h / b - 1):+.1f}%")
+    i = statistics.median(iir)
+    print(f"FedIIR round:           {i:.3f} s/round, {n / i:,.0f} images/s, {i / h:.2f} x the FedAvg round")
 
 
 if __name__ == "__main__":
