@@ -25,7 +25,7 @@ from the code, so the defaults follow the code:
   weigh more (`--gbar batches`, default). Under Algorithm 2 the clients are nearly equal in size and
   the two differ only through the clients' last partial batches.
 - The g_bar pass uses no augmentation (the paper's R_c is the risk on the client's data) and runs
-  the featurizer without a graph: only ω needs a gradient there.
+  the featurizer once per example without a graph: only ω needs a gradient there.
 - Aggregation p_c: by data size as fedavg.py; `--uniform-avg` gives Algorithm 1's and the code's 1/C.
   With γ = 0 this file computes bit for bit what fedavg.py computes (a test checks it).
 The EMA starts from zeros without bias correction, as in the code (round 1 aligns to 0.05 g_bar).
@@ -48,12 +48,18 @@ import common
 GAMMA = {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}  # Table 3
 
 
-def classifier_grad(model, x, y):
-    """∇_ω of the mean cross-entropy of a batch, without a graph through the featurizer."""
-    with torch.no_grad():
-        z = model.featurizer(x)
-    loss = F.cross_entropy(model.classifier(z), y)
-    return [g.float() for g in torch.autograd.grad(loss, list(model.classifier.parameters()))]
+def client_features(model, client, ctx, chunk=256):
+    """Φ(x) for all of a client's training data at θ^{t-1}: no graph (only ω needs a gradient in
+    step 2), in large chunks (fewer, fuller kernel launches than minibatches)."""
+    with torch.inference_mode(), ctx.autocast():
+        return torch.cat([model.featurizer(ctx.prep(client.x[i:i + chunk])).float()
+                          for i in range(0, client.n, chunk)])
+
+
+def classifier_grad(model, z, y):
+    """∇_ω of the mean cross-entropy of features z (a plain tensor: the graph is the classifier's)."""
+    loss = F.cross_entropy(model.classifier(z.clone()), y)  # clone: inference tensors cannot enter autograd
+    return torch.autograd.grad(loss, list(model.classifier.parameters()))
 
 
 def global_gradient(model, fed, S, args, ctx):
@@ -65,18 +71,14 @@ def global_gradient(model, fed, S, args, ctx):
     count = 0
     for c in S:
         client = fed.clients[c]
-        full = [torch.zeros_like(p) for p in total]                    # Σ_batches n_b ∇_ω R(θ; ζ_b)
-        for i in range(0, client.n, args.batch_size):
-            x, y = ctx.prep(client.x[i:i + args.batch_size]), client.y[i:i + args.batch_size]
-            with ctx.autocast():
-                g = classifier_grad(model, x, y)
-            if args.gbar == "batches":
-                total = [a + gi for a, gi in zip(total, g)]
-                count += 1
-            else:
-                full = [a + len(y) * gi for a, gi in zip(full, g)]
-        if args.gbar == "clients":
-            total = [a + f / client.n for a, f in zip(total, full)]    # ∇_ω R_c(θ), full batch
+        z = client_features(model, client, ctx)
+        if args.gbar == "clients":                                     # ∇_ω R_c(θ), full batch
+            total = [a + g for a, g in zip(total, classifier_grad(model, z, client.y))]
+            count += 1
+            continue
+        for i in range(0, client.n, args.batch_size):                  # ∇_ω R(θ; ζ_b), every batch
+            g = classifier_grad(model, z[i:i + args.batch_size], client.y[i:i + args.batch_size])
+            total = [a + gi for a, gi in zip(total, g)]
             count += 1
     return [a / count for a in total]
 
