@@ -39,7 +39,7 @@ def fedavg_round(t, model, fed, args, state, ctx):
         n_c = 1.0 if args.uniform_avg else float(client.n)
         delta_sum += n_c * (common.get_flat(model) - theta)     # n_c Δ_c
         weight_sum += n_c
-    common.set_flat(model, theta + args.global_lr * delta_sum / weight_sum)  # step 3
+    common.set_flat(model, theta + args.global_lr * (delta_sum / weight_sum))  # step 3
     return losses
 
 

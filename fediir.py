@@ -112,7 +112,7 @@ def fediir_round(t, model, fed, args, state, ctx):
         p_c = 1.0 if args.uniform_avg else float(client.n)
         delta_sum += p_c * (common.get_flat(model) - theta)            # p_c Δ_c
         weight_sum += p_c
-    common.set_flat(model, theta + args.global_lr * delta_sum / weight_sum)  # step 4
+    common.set_flat(model, theta + args.global_lr * (delta_sum / weight_sum))  # step 4
     return losses
 
 

@@ -531,3 +531,155 @@ def test_fediir_defaults_follow_table_3(tmp_path):
     res, _ = run(fediir.main, QUICK + ["--rounds", "1", "--test-domain", "0"], tmp_path)
     assert res["args"]["gamma"] == 1e-2 and res["args"]["ema"] == 0.95 and res["args"]["gbar"] == "batches"
     assert fediir.GAMMA == {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}
+
+
+# ---------------------------------------------------------------------------------- FedOMG
+
+import fedomg  # noqa: E402
+
+
+def gram(U, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    G = torch.randn(U, 500, generator=g, dtype=torch.float64)
+    if kind == "client-like":                                   # correlated, like updates from one model
+        G = torch.randn(1, 500, generator=g, dtype=torch.float64) + 0.8 * G
+    elif kind == "parallel":
+        G = torch.randn(1, 500, generator=g, dtype=torch.float64) + 1e-3 * G
+    elif kind == "wide-range":                                  # norms spanning 1e-2 .. 1e2
+        G = G * torch.logspace(-2, 2, U, dtype=torch.float64)[:, None]
+    K = G @ G.T
+    return K / K.diagonal().sqrt().mean() ** 2, torch.full((U,), 1.0 / U, dtype=torch.float64)
+
+
+def brute_force(K, p, kappa, steps=400):
+    """The minimum of Eq. 15 over a dense grid of the simplex (U = 2 or 3)."""
+    t = torch.linspace(0, 1, steps + 1, dtype=torch.float64)
+    if len(p) == 2:
+        cands = torch.stack([t, 1 - t], 1)
+    else:
+        a, b = torch.meshgrid(t, t, indexing="ij")
+        keep = (a + b) <= 1
+        cands = torch.stack([a[keep], b[keep], 1 - a[keep] - b[keep]], 1)
+    vals = cands @ K @ p + kappa * (p @ K @ p).sqrt() * torch.einsum("ni,ij,nj->n", cands, K, cands).clamp(min=0).sqrt()
+    return vals.min().item()
+
+
+@pytest.mark.parametrize("U,kind", [(2, "random"), (3, "random"), (3, "wide-range"), (2, "parallel"), (3, "client-like")])
+def test_fedomg_exact_solver_is_the_minimum(U, kind):
+    K, p = gram(U, kind)
+    gamma = fedomg.solve_exact(K, p, 0.5)
+    assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12          # on the simplex
+    exact = fedomg.objective(gamma, K, p, 0.5).item()
+    assert exact <= brute_force(K, p, 0.5) + 1e-9
+    assert exact >= brute_force(K, p, 0.5, steps=50) - 0.02 * abs(brute_force(K, p, 0.5, steps=50)) - 1e-6
+
+
+@pytest.mark.parametrize("U,kind,evals", [(2, "random", 21), (3, "random", 21), (5, "random", 21), (10, "random", 21),
+                                          (3, "client-like", 21), (10, "client-like", 201), (20, "client-like", 201),
+                                          (20, "random", 201), (3, "parallel", 21), (20, "parallel", 21)])
+def test_fedomg_sgd_solver_reaches_the_exact_objective(U, kind, evals):
+    K, p = gram(U, kind, seed=U)
+    gamma = fedomg.solve_sgd(K, p, 0.5, evaluations=evals)
+    assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12
+    sgd = fedomg.objective(gamma, K, p, 0.5).item()
+    exact = fedomg.objective(fedomg.solve_exact(K, p, 0.5), K, p, 0.5).item()
+    assert exact <= sgd + 1e-12 and (sgd - exact) / abs(exact) < 1e-3
+
+
+def test_fedomg_sgd_solver_falls_short_when_norms_span_orders_of_magnitude():
+    """The documented limit of Table 4's solver: exact is far better here, never worse."""
+    K, p = gram(10, "wide-range")
+    sgd = fedomg.objective(fedomg.solve_sgd(K, p, 0.5), K, p, 0.5).item()
+    exact = fedomg.objective(fedomg.solve_exact(K, p, 0.5), K, p, 0.5).item()
+    assert exact < sgd and (sgd - exact) / abs(exact) > 1e-3
+
+
+@pytest.mark.parametrize("solver", ["sgd", "exact"])
+@pytest.mark.parametrize("rescale", [True, False])
+def test_fedomg_step_with_identical_updates(solver, rescale):
+    d = torch.randn(300, dtype=torch.float64)
+    G, p = d.repeat(4, 1), torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    kappa = 0.5
+    step = fedomg.omg_step(G, d.clone(), p, kappa, solver, rescale)
+    factor = (1 + kappa) / (1 + kappa ** 2) if rescale else 1 + kappa      # Γg = d for every Γ on the simplex
+    assert torch.allclose(step, factor * d, atol=1e-9)
+
+
+@pytest.mark.parametrize("solver", ["sgd", "exact"])
+def test_fedomg_step_is_invariant_to_client_order(solver):
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(1, 200, generator=g, dtype=torch.float64) + torch.randn(5, 200, generator=g, dtype=torch.float64)
+    p = torch.tensor([0.1, 0.3, 0.2, 0.15, 0.25], dtype=torch.float64)
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    a = fedomg.omg_step(G, p @ G, p, 0.5, solver)
+    b = fedomg.omg_step(G[perm], p[perm] @ G[perm], p[perm], 0.5, solver)
+    assert torch.allclose(a, b, atol=1e-7)
+    assert not torch.allclose(a, (p @ G) / 1.25, atol=1e-3)                # κ does change the direction
+
+
+def test_fedomg_step_matches_eq_16_computed_directly():
+    g = torch.Generator().manual_seed(4)
+    G = torch.randn(3, 50, generator=g, dtype=torch.float64)
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    g_FL = p @ G
+    K = G @ G.T
+    gamma = fedomg.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
+    Gg = gamma @ G                                                           # without the Gram shortcut
+    expected = (g_FL + 0.5 * g_FL.norm() / Gg.norm() * Gg) / 1.25
+    assert torch.allclose(fedomg.omg_step(G, g_FL, p, 0.5, "exact"), expected, atol=1e-6)
+
+
+def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path):
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7"]
+    a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
+    b, _ = run(fedomg.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
+    assert strip_times(a)["domains"] == strip_times(b)["domains"]
+    c, _ = run(fedomg.main, argv + ["--kappa", "0.5", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
+    assert strip_times(a)["domains"] != strip_times(c)["domains"]
+
+
+def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch):
+    argv = QUICK + ["--clients", "3", "--sample", "2", "--test-domain", "0", "--rounds", "4"]
+    full, _ = run(fedomg.main, argv, tmp_path, "full.json")
+    assert full["domains"]["style0"]["test_acc"] > 0.6
+    fresh, _ = run(fedomg.main, argv + ["--fresh-opt"], tmp_path, "fresh.json")
+    assert strip_times(full)["domains"] != strip_times(fresh)["domains"]    # the kept momentum acts
+    save = common.save_checkpoint
+
+    def save_then_die(path, blob):
+        save(path, blob)
+        if blob["round"] == 2:
+            assert len(blob["state"]["momentum"]) >= 2                     # per-client momentum is saved
+            raise KeyboardInterrupt
+    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    out = str(tmp_path / "cut.json")
+    with pytest.raises(SystemExit):
+        fedomg.main(argv + ["--out", out])
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    assert strip_times(fedomg.main(argv + ["--out", out, "--resume"])) == strip_times(full)
+
+
+def test_fedomg_fl_setting_on_embedded_mnist(tmp_path):
+    res, _ = run(fedomg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3", "--local-epochs", "2",
+                               "--lr", "0.05", "--alpha", "1", "--lr-step", "1"], tmp_path)
+    assert res["args"]["global_lr"] == 1.0 and res["args"]["clients"] == 100 and res["args"]["sample"] == 20
+    assert res["domains"]["clients"]["test_acc"] > 0.25
+
+
+def test_fedomg_dg_defaults_follow_the_paper():
+    p = common.make_parser("fedomg", fedomg.__doc__)
+    fedomg.add_args(p)
+    a = common.resolve(p.parse_args(["--dataset", "pacs", "--out", "/tmp/fedomg-defaults.json"]), "fedomg", fedomg.DEFAULTS)
+    assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay, a.global_lr) == \
+        ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 5e-2)
+    assert (a.kappa, a.solver, a.solver_evals, a.no_rescale) == (0.5, "sgd", 21, False)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5"),
+    (["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
+    (["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
+    (["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
+])
+def test_fedomg_bad_input(argv, message, capsys):
+    assert message in fails(fedomg.main, argv, capsys)
