@@ -1,0 +1,80 @@
+"""FedOMG's server cost: the share of a round spent in the server step (Gram matrix, Eq. 15 solve,
+Eq. 16) for U = 3, 20 and 100 participating clients.
+
+1. Embedded RotatedMNIST with the ConvNet, 100 clients (test domain 0), U sampled per round: whole
+   FedOMG rounds, the server step timed inside them.
+2. ResNet-18-sized updates (11.2M parameters), simulated with random tensors: the server step alone.
+
+    python benchmark/fedomg_server.py [--solver sgd|exact] [--rounds 2]
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import data  # noqa: E402
+import fedomg  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--solver", default="sgd", choices=["sgd", "exact"])
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per U")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    timed = []
+    step = fedomg.omg_step
+
+    def timed_step(*args, **kw):
+        sync()
+        t = time.perf_counter()
+        out = step(*args, **kw)
+        sync()
+        timed.append(time.perf_counter() - t)
+        return out
+    fedomg.omg_step = timed_step
+
+    parser = common.make_parser("fedomg", fedomg.__doc__)
+    fedomg.add_args(parser)
+    ds = data.load("rmnist")
+    fed = common.federate(ds, 0, 100, 0, dev)
+    print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, {a.device}, medians of {a.rounds} rounds")
+    for U in (3, 20, 100):
+        args = common.resolve(parser.parse_args(["--clients", "100", "--sample", str(U), "--solver", a.solver,
+                                                 "--device", a.device]), "speed", fedomg.DEFAULTS)
+        torch.manual_seed(0)
+        model = common.build_model(args, ds).to(dev)
+        ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
+                             common.make_prep("rmnist", dev))
+        state = fedomg.init_state(model, fed, args, ctx)
+        rounds, servers = [], []
+        for r in range(a.rounds + 1):                       # round 0 warms up
+            t = time.perf_counter()
+            fedomg.fedomg_round(r + 1, model, fed, args, state, ctx)
+            sync()
+            if r:
+                rounds.append(time.perf_counter() - t)
+                servers.append(timed[-1])
+        R, S = statistics.median(rounds), statistics.median(servers)
+        print(f"U = {U:3d}: round {R:7.3f} s, server step {S:.4f} s = {100 * S / R:.2f}% of the round")
+    n = 11_176_512                                          # ResNet-18 featurizer + a 7-class linear head
+    print(f"ResNet-18-sized updates ({n / 1e6:.1f}M parameters, random), server step alone:")
+    for U in (3, 20, 100):
+        G = torch.randn(U, n, device=dev)
+        g_FL = G.mean(0)
+        w = torch.full((U,), 1.0 / U)
+        for _ in range(a.rounds + 1):
+            fedomg.omg_step(G, g_FL, w, 0.5, a.solver)
+        print(f"U = {U:3d}: {statistics.median(timed[-a.rounds:]):.3f} s ({U * n * 4 / 2**30:.2f} GiB of updates held)")
+        del G
+
+
+if __name__ == "__main__":
+    main()
