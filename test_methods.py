@@ -54,6 +54,24 @@ def rows(x):
     return {bytes(v.flatten().tolist()) for v in x.cpu()}
 
 
+def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
+    """Run main, die right after the checkpoint for which stop(blob) holds, then --resume."""
+    save = common.save_checkpoint
+
+    def save_then_die(path, blob):
+        save(path, blob)
+        if stop(blob):
+            if check:
+                check(blob)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--out", out])
+    assert e.value.code == 130
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    return main(argv + ["--out", out, "--resume"])
+
+
 # ---------------------------------------------------------------------------------- splits
 
 def test_algorithm2_counts():
@@ -202,19 +220,9 @@ def test_determinism(tmp_path):
 def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at):
     argv = QUICK + ["--rounds", "6", "--clients", "4", "--sample", "2"]
     full, _ = run(fedavg.main, argv, tmp_path, "full.json")
-    save = common.save_checkpoint
-
-    def save_then_die(path, blob):
-        save(path, blob)
-        if (blob["domain"], blob["round"]) == stop_at:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
     out = str(tmp_path / "cut.json")
-    with pytest.raises(SystemExit) as e:
-        fedavg.main(argv + ["--out", out])
-    assert e.value.code == 130
-    monkeypatch.setattr(common, "save_checkpoint", save)
-    resumed = fedavg.main(argv + ["--out", out, "--resume"])
+    resumed = interrupted_then_resumed(fedavg.main, argv, out, monkeypatch,
+                                       lambda blob: (blob["domain"], blob["round"]) == stop_at)
     assert strip_times(resumed) == strip_times(full)
     assert json.load(open(out))["domains"].keys() == full["domains"].keys()
     again = fedavg.main(argv + ["--out", out, "--resume"])               # all done: nothing to train
@@ -502,29 +510,9 @@ def test_fediir_learns_and_resumes(tmp_path, monkeypatch):
     argv = QUICK + ["--rounds", "4", "--clients", "4", "--sample", "2", "--gamma", "0.01", "--test-domain", "2"]
     full, _ = run(fediir.main, argv, tmp_path, "full.json")
     assert full["domains"]["style2"]["test_acc"] > 0.6
-    save = common.save_checkpoint
-
-    def save_then_die(path, blob):
-        save(path, blob)
-        if blob["round"] == 2:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
-    out = str(tmp_path / "cut.json")
-    with pytest.raises(SystemExit):
-        fediir.main(argv + ["--out", out])
-    monkeypatch.setattr(common, "save_checkpoint", save)
-    assert strip_times(fediir.main(argv + ["--out", out, "--resume"])) == strip_times(full)   # g̃ restored
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--gamma", "-1"], "--gamma must be >= 0, got -1.0"),
-    (["--gamma", "nan"], "--gamma must be >= 0, got nan"),
-    (["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
-    (["--ema", "-0.1"], "--ema must be in [0, 1), got -0.1"),
-    (["--gbar", "sometimes"], "argument --gbar: invalid choice: 'sometimes'"),
-])
-def test_fediir_bad_input(argv, message, capsys):
-    assert message in fails(fediir.main, argv, capsys)
+    resumed = interrupted_then_resumed(fediir.main, argv, str(tmp_path / "cut.json"), monkeypatch,
+                                       lambda blob: blob["round"] == 2)
+    assert strip_times(resumed) == strip_times(full)                     # g̃ restored
 
 
 def test_fediir_defaults_follow_table_3(tmp_path):
@@ -644,19 +632,12 @@ def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch):
     assert full["domains"]["style0"]["test_acc"] > 0.6
     fresh, _ = run(fedomg.main, argv + ["--fresh-opt"], tmp_path, "fresh.json")
     assert strip_times(full)["domains"] != strip_times(fresh)["domains"]    # the kept momentum acts
-    save = common.save_checkpoint
 
-    def save_then_die(path, blob):
-        save(path, blob)
-        if blob["round"] == 2:
-            assert len(blob["state"]["momentum"]) >= 2                     # per-client momentum is saved
-            raise KeyboardInterrupt
-    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
-    out = str(tmp_path / "cut.json")
-    with pytest.raises(SystemExit):
-        fedomg.main(argv + ["--out", out])
-    monkeypatch.setattr(common, "save_checkpoint", save)
-    assert strip_times(fedomg.main(argv + ["--out", out, "--resume"])) == strip_times(full)
+    def momentum_saved(blob):
+        assert len(blob["state"]["momentum"]) >= 2                          # per-client momentum
+    resumed = interrupted_then_resumed(fedomg.main, argv, str(tmp_path / "cut.json"), monkeypatch,
+                                       lambda blob: blob["round"] == 2, momentum_saved)
+    assert strip_times(resumed) == strip_times(full)
 
 
 def test_fedomg_fl_setting_on_embedded_mnist(tmp_path):
@@ -675,11 +656,16 @@ def test_fedomg_dg_defaults_follow_the_paper():
     assert (a.kappa, a.solver, a.solver_evals, a.no_rescale) == (0.5, "sgd", 21, False)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5"),
-    (["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
-    (["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
-    (["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
+@pytest.mark.parametrize("module,argv,message", [
+    ("fediir", ["--gamma", "-1"], "--gamma must be >= 0, got -1.0"),
+    ("fediir", ["--gamma", "nan"], "--gamma must be >= 0, got nan"),
+    ("fediir", ["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
+    ("fediir", ["--ema", "-0.1"], "--ema must be in [0, 1), got -0.1"),
+    ("fediir", ["--gbar", "sometimes"], "argument --gbar: invalid choice: 'sometimes'"),
+    ("fedomg", ["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5"),
+    ("fedomg", ["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
+    ("fedomg", ["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
+    ("fedomg", ["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
 ])
-def test_fedomg_bad_input(argv, message, capsys):
-    assert message in fails(fedomg.main, argv, capsys)
+def test_method_flags_bad_input(module, argv, message, capsys):
+    assert message in fails(sys.modules[module].main, argv, capsys)
