@@ -226,8 +226,11 @@ def image_folder(name, root, size=224):
             x = torch.stack(list(pool.map(lambda f: decode(f[2], size), files)))
         y = torch.tensor([k for _, k, _ in files])
         tmp = cache.with_suffix(".tmp")
-        torch.save({"x": x, "y": y, "key": key}, tmp)
-        os.replace(tmp, cache)
+        try:
+            torch.save({"x": x, "y": y, "key": key}, tmp)
+            os.replace(tmp, cache)
+        except OSError as e:  # e.g. a read-only copy of the dataset: go on, decode again next time
+            print(f"note: cannot write the cache {cache} ({e.strerror or e}); the next run decodes again")
     dom = np.array([d for d, _, _ in files])
     out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)]) for d in domains]
     return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px)")

@@ -314,6 +314,16 @@ def test_folder_loader_and_cache(tmp_path, monkeypatch, capsys):
         data.load("pacs", str(tmp_path), size=32)
 
 
+def test_unwritable_cache_is_a_note_not_a_failure(tmp_path, monkeypatch, capsys):
+    data.make_fake_tree(tmp_path, per_class=1)
+
+    def read_only(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(torch, "save", read_only)
+    ds = data.load("pacs", str(tmp_path), size=16)
+    assert len(ds.domains) == 4 and "cannot write the cache" in capsys.readouterr().out
+
+
 def test_fedavg_on_a_fake_pacs_tree_with_resnet(tmp_path):
     data.make_fake_tree(tmp_path, per_class=2)
     res, _ = run(fedavg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained",
