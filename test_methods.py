@@ -657,6 +657,15 @@ def test_fedomg_fl_setting_on_embedded_mnist(tmp_path):
     assert res["domains"]["clients"]["test_acc"] > 0.25
 
 
+def test_fedomg_headline_command_on_a_fake_pacs_tree(tmp_path):
+    """`python fedomg.py --dataset pacs` end to end: ResNet-18, momentum kept, 11M-parameter updates."""
+    data.make_fake_tree(tmp_path, per_class=2)
+    res, _ = run(fedomg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained", "--rounds", "2",
+                               "--local-epochs", "1", "--test-domain", "photo", "--batch-size", "8"], tmp_path)
+    assert (res["args"]["model"], res["args"]["head"], res["args"]["global_lr"]) == ("resnet18", "linear", 5e-2)
+    assert list(res["domains"]) == ["photo"] and 0 <= res["domains"]["photo"]["test_acc"] <= 1
+
+
 def test_fedomg_dg_defaults_follow_the_paper():
     p = common.make_parser("fedomg", fedomg.__doc__)
     fedomg.add_args(p)
