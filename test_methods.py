@@ -666,10 +666,10 @@ def test_fedomg_headline_command_on_a_fake_pacs_tree(tmp_path):
     assert list(res["domains"]) == ["photo"] and 0 <= res["domains"]["photo"]["test_acc"] <= 1
 
 
-def test_fedomg_dg_defaults_follow_the_paper():
+def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     p = common.make_parser("fedomg", fedomg.__doc__)
     fedomg.add_args(p)
-    a = common.resolve(p.parse_args(["--dataset", "pacs", "--out", "/tmp/fedomg-defaults.json"]), "fedomg", fedomg.DEFAULTS)
+    a = common.resolve(p.parse_args(["--dataset", "pacs", "--out", str(tmp_path / "r.json")]), "fedomg", fedomg.DEFAULTS)
     assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay, a.global_lr) == \
         ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 5e-2)
     assert (a.kappa, a.solver, a.solver_evals, a.no_rescale) == (0.5, "sgd", 21, False)
