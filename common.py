@@ -544,10 +544,10 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     print(f"{method} on {args.dataset}: {args.clients} clients, {args.sample} per round, {args.rounds} rounds, "
           f"{args.local_epochs} local epoch(s), lr {args.lr}, batch {args.batch_size}, device {device}")
     for k, test in enumerate(todo):
+        if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
+            continue                                            # finished before a --resume
         fed = federate_fixed(ds, args.seed, device) if test is None else \
             federate(ds, test, args.clients, args.seed, device)
-        if fed.name in results["domains"]:
-            continue
         resume = blob if blob is not None and blob["domain"] == fed.name else None
         remaining = len(todo) - k - 1
         results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,

@@ -99,7 +99,7 @@ def iir_loss(g_tilde, gamma):
 def fediir_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                     # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
-    if args.gamma > 0:                                                 # step 2 (+ EMA, App. C)
+    if args.gamma > 0:                        # step 2 (+ EMA, App. C); skipped at γ = 0: FedAvg exactly
         g_bar = global_gradient(model, fed, S, args, ctx)
         state["g_tilde"] = [args.ema * gt + (1 - args.ema) * gb for gt, gb in zip(state["g_tilde"], g_bar)]
     gamma = args.gamma / 2 if args.half else args.gamma
