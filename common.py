@@ -10,8 +10,9 @@ A method file plugs in with plain functions:
     init_state(model, fed, args, ctx) -> dict
         the method's state across rounds (FedIIR's global gradient, persistent client optimisers,
         personalised models, ...): tensors, numbers, lists and dicts; checkpointed with the model.
-    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs)
-        optional; the default scores the global model.
+    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs[, extra])
+        optional; the default scores the global model. `extra`, a dict of further numbers, goes
+        into the history and the results (PerInvFL scores personalised models and the global one).
 
 A method with phases (FedLOE's stage 2) counts every communication as a round and switches on t.
 
@@ -39,8 +40,13 @@ from data import UserError
 # Per dataset: the model and FedIIR's Table 3 (lr / batch) for the DG benchmarks; FedOMG's Table 1
 # (small CNN, lr 0.005, batch 16, 5 local epochs, 100 clients, 20% participation) for label skew.
 COMMON_DEFAULTS = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
-                       eval_every=10, alpha=0.1, head="linear")
+                       eval_every=10, alpha=0.1, head="linear", select="val", p_test=0.1)
 _FL = dict(model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100, sample=20)
+# RC-MNIST (PerInvFL Table 6): IRM's ColoredMNIST MLP trained full batch (IRM's code), weight decay
+# 2.2e-3 = IRM's L2 1.1e-3·||w||²; the test context is out of distribution, the validation split is
+# not, so the last round is reported (IRM's protocol), never the best-validation one.
+_RC = dict(model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3, clients=4, sample=4,
+           rounds=500, eval_every=50, select="last")
 DATASET_DEFAULTS = {
     "rmnist": dict(model="convnet", lr=1e-2, batch_size=64),
     "vlcs": dict(model="resnet18", lr=1e-3, batch_size=32, head="mlp"),
@@ -48,6 +54,7 @@ DATASET_DEFAULTS = {
     "officehome": dict(model="resnet50", lr=1e-3, batch_size=32, head="mlp"),
     "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
+    "rcmnist": _RC, "rcfmnist": _RC,
 }
 PHOTOS = ("pacs", "vlcs", "officehome")  # ImageNet-normalised, augmented like the FedIIR code
 
@@ -403,6 +410,9 @@ def make_parser(method, doc):
     a("--weight-decay", type=float, default=None, help="local SGD weight decay (default 0)")
     a("--global-lr", type=float, default=None, help="server step size eta_g (default 1)")
     a("--alpha", type=float, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
+    a("--p-test", type=float, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts (0.1)")
+    a("--select", default=None, choices=["val", "last"],
+      help="report the round with the best validation accuracy, or the last (default: val; rcmnist: last)")
     a("--model", default=None, choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"],
       help="featurizer (default: per dataset)")
     a("--head", default=None, choices=["linear", "mlp"], help="classifier (default: per dataset)")
@@ -432,6 +442,8 @@ def resolve(args, method, defaults=None):
     for k in ("lr", "global_lr", "alpha"):
         if not getattr(args, k) > 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if not 0 <= args.p_test <= 1:
+        raise UserError(f"--p-test must be in [0, 1], got {args.p_test}")
     if args.momentum < 0 or args.weight_decay < 0:
         raise UserError("--momentum and --weight-decay must be >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -526,7 +538,8 @@ def seconds(s):
 def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
     args.eval_every rounds, model selection on validation accuracy; results and checkpoints."""
-    ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha)
+    ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
+                   p_test=args.p_test)
     print(f"data: {ds.source}", flush=True)
     todo = test_domains(args, ds)
     device = torch.device(args.device)
@@ -598,18 +611,20 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         losses.append(vals.mean().item())
         if t % args.eval_every and t != args.rounds:
             continue
-        val, test, per = evaluate_fn(model, fed, args, state, ctx)
+        val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
+        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global model's)
         if device.type == "cuda":
             torch.cuda.synchronize()
         now = spent + time.perf_counter() - t0
-        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now}
+        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now, **extra}
         history.append(row)
         losses = []
-        if best is None or val > best["val_acc"]:
+        if best is None or val > best["val_acc"] or args.select == "last":
             best = dict(row, per_test=per)
         rate = (now - spent) / (t - start + 1)
         eta = rate * (args.rounds - t + remaining * args.rounds)
-        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f} | loss {row['loss']:.4f} | "
+        more = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
+        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{more} | loss {row['loss']:.4f} | "
               f"{rate:.2f} s/round | ETA {seconds(eta)}", flush=True)
         save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
                                     "round": t, "model": model.state_dict(), "state": state,
@@ -617,7 +632,7 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
                                     "torch_rng": torch.get_rng_state(), "history": history, "best": best,
                                     "seconds": now})
     out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
-           "last_test_acc": history[-1]["test_acc"], "history": history}
+           "last_test_acc": history[-1]["test_acc"], "history": history, **{k: best[k] for k in extra}}
     if ds.protocol == "clients":
         out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
     return out
@@ -630,7 +645,8 @@ class NonFinite(Exception):
 def print_table(results):
     rows = results["domains"]
     width = max([11] + [len(k) for k in rows])
-    print(f"\n{'test domain':<{width}}  test acc (best val)  last round  best round")
+    sel = "(last)" if results["args"].get("select") == "last" else "(best val)"
+    print(f"\n{'test domain':<{width}}  test acc {sel:<10}  last round  best round")
     for name, r in rows.items():
         print(f"{name:<{width}}  {r['test_acc']:19.4f}  {r['last_test_acc']:10.4f}  {r['best_round']:10d}")
     if len(rows) > 1:

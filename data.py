@@ -69,9 +69,10 @@ class Dataset:
 
 # ----------------------------------------------------------------------------------------- MNIST
 
-def mnist_arrays(root=None, kind="MNIST"):
-    """All digits of MNIST (train + test pooled) as uint8 [N, 28, 28] and int64 [N], plus a line
-    naming the source. root=None: the embedded 5,000-digit subset (sorted by label: shuffle it)."""
+def mnist_arrays(root=None, kind="MNIST", test=True):
+    """All digits of MNIST (train + test pooled; `test=False`: the training set only) as uint8
+    [N, 28, 28] and int64 [N], plus a line naming the source. root=None: the embedded 5,000-digit
+    subset (sorted by label: shuffle it)."""
     if root is None:
         if kind != "MNIST":
             raise UserError(f"{kind} is not embedded: pass --data-root DIR (downloaded by torchvision)")
@@ -80,13 +81,13 @@ def mnist_arrays(root=None, kind="MNIST"):
         return x, y, f"embedded MNIST subset ({len(y):,} real digits, assets/mnist5k.npz)"
     import torchvision.datasets as tvd
     try:
-        parts = [getattr(tvd, kind)(root, train=t, download=True) for t in (True, False)]
+        parts = [getattr(tvd, kind)(root, train=t, download=True) for t in ((True, False) if test else (True,))]
     except Exception as e:  # torchvision raises RuntimeError / URLError when offline
         raise UserError(f"could not read or download {kind} under {root} ({why(e)}); "
                         f"put torchvision's {kind}/raw files there or run with network access")
     x = torch.cat([p.data for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
-    return x, y, f"torchvision {kind} under {root} ({len(y):,} images, train+test pooled)"
+    return x, y, f"torchvision {kind} under {root} ({len(y):,} images, {'train+test pooled' if test else 'train set'})"
 
 
 def rmnist(root=None, seed=0):
@@ -102,6 +103,47 @@ def rmnist(root=None, seed=0):
 def rotate(x, degrees):
     """Rotate a uint8 batch [N, C, H, W] counter-clockwise (bilinear, fill 0), staying uint8."""
     return TF.rotate(x, float(degrees), interpolation=InterpolationMode.BILINEAR, fill=0)
+
+
+# ------------------------------------------------------------- RC-MNIST (PerInvFL, Table 6)
+
+P_TRAIN = (0.95, 0.90, 0.85, 0.80)   # colour-label agreement of clients 1..4 (PerInvFL Table 6)
+
+
+def colored(x, digit, p, g):
+    """IRM's ColoredMNIST law (Arjovsky et al.): 14x14 (every second pixel), label = (digit < 5)
+    flipped with probability 0.25, colour = label kept with probability p (PerInvFL's p^e: the
+    share of images whose colour agrees with the label), two channels with the other one zeroed."""
+    y = (digit < 5).long() ^ (torch.rand(len(digit), generator=g) < 0.25).long()
+    colour = y ^ (torch.rand(len(digit), generator=g) >= p).long()
+    img = x[:, ::2, ::2]
+    out = torch.zeros(len(y), 2, 14, 14, dtype=torch.uint8)
+    out[torch.arange(len(y)), colour] = img
+    return out, y
+
+
+def rcmnist(root=None, seed=0, p_test=0.1, kind="MNIST"):
+    """RC-MNIST / RC-FMNIST as PerInvFL's Table 6 and Appendix: 4 fixed clients; client i's
+    training context has colour agreement P_TRAIN[i], its test context p_test, and all its images
+    are rotated by 90·i degrees (exact, no interpolation). Training images come from the first 5/6
+    of MNIST's training set (50,000 of 60,000: 12,500 per client), test images from the rest
+    (2,500 per client); both shuffled by `seed`. On the embedded 5,000 digits the same 5/6 : 1/6."""
+    x, digit, source = mnist_arrays(root, kind, test=False)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(digit), generator=g)
+    x, digit = x[perm], digit[perm]
+    n_tr, n_te = len(digit) * 5 // 6 // 4, len(digit) // 6 // 4
+    domains = []
+    for i, p in enumerate(P_TRAIN):
+        tr = slice(i * n_tr, (i + 1) * n_tr)
+        te = slice(4 * n_tr + i * n_te, 4 * n_tr + (i + 1) * n_te)
+        xtr, ytr = colored(x[tr], digit[tr], p, g)
+        xte, yte = colored(x[te], digit[te], p_test, g)
+        rot = lambda z: torch.rot90(z, i, dims=(2, 3))
+        domains.append(Domain(f"p{p:.2f}-rot{90 * i}", rot(xtr), ytr, rot(xte), yte))
+    name = "rcmnist" if kind == "MNIST" else "rcfmnist"
+    return Dataset(name, domains, 2, "clients", f"{source}; {name}: 4 clients x {n_tr:,} train / "
+                   f"{n_te:,} test, p_train {', '.join(map(str, P_TRAIN))}, p_test {p_test}")
 
 
 # ------------------------------------------------------------------- Dirichlet label skew (FL)
@@ -323,10 +365,11 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
 
 LODO = ("rmnist", "pacs", "vlcs", "officehome", "synthetic")
 FL = ("mnist", "cifar10", "cifar100", "emnist")
-NAMES = LODO + FL
+FIXED = ("rcmnist", "rcfmnist")     # fixed clients, each with its own test context
+NAMES = LODO + FL + FIXED
 
 
-def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224):
+def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1):
     """The dataset `name` as per-domain CPU tensors (see the module docstring)."""
     if name == "rmnist":
         return rmnist(root, seed)
@@ -336,6 +379,8 @@ def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224):
         return synthetic(seed)
     if name in FL:
         return label_skew(name, root, seed, clients, alpha)
+    if name in FIXED:
+        return rcmnist(root, seed, p_test, "MNIST" if name == "rcmnist" else "FashionMNIST")
     raise UserError(f"unknown dataset {name!r}; choose from {', '.join(NAMES)}")
 
 

@@ -266,10 +266,10 @@ def test_label_skew_clients_have_disjoint_train_and_test():
     assert len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0] == "client0"
 
 
-def write_fake_mnist(root, n_train=42, n_test=18):
-    """torchvision's raw MNIST layout (ROOT/MNIST/raw/*-ubyte, idx format) with random digits."""
+def write_fake_mnist(root, n_train=42, n_test=18, kind="MNIST"):
+    """torchvision's raw MNIST layout (ROOT/<kind>/raw/*-ubyte, idx format) with random digits."""
     import struct
-    raw = Path(root) / "MNIST" / "raw"
+    raw = Path(root) / kind / "raw"
     raw.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
     for prefix, n in (("train", n_train), ("t10k", n_test)):
@@ -685,6 +685,199 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedomg", ["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
     ("fedomg", ["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
     ("fedomg", ["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
+    ("perinvfl", ["--dataset", "rmnist"], "perinvfl.py scores each client's own model on its own test set"),
+    ("perinvfl", ["--dataset", "rcmnist", "--beta", "nan"], "--beta must be >= 0, got nan"),
+    ("perinvfl", ["--dataset", "rcmnist", "--lam", "-1"], "--lam must be >= 0, got -1.0"),
+    ("perinvfl", ["--dataset", "rcmnist", "--S", "0"], "--S must be at least 1, got 0"),
+    ("perinvfl", ["--dataset", "rcmnist", "--inv", "vrex"], "argument --inv: invalid choice: 'vrex'"),
+    ("fedavg", ["--dataset", "rcmnist", "--p-test", "1.5"], "--p-test must be in [0, 1], got 1.5"),
+    ("fedavg", ["--dataset", "rcmnist", "--clients", "5"], "--clients 5 does not match the 4 clients"),
 ])
 def test_method_flags_bad_input(module, argv, message, capsys):
     assert message in fails(sys.modules[module].main, argv, capsys)
+
+
+# ---------------------------------------------------------------------------------------- perinvfl
+import perinvfl  # noqa: E402
+
+
+def irm_penalty_by_hand(z, y):
+    """d/dw CE(w·z, y) at w = 1 is mean_i (softmax(z_i)·z_i − z_{i,y_i}); IRMv1 squares it."""
+    d = (z.softmax(1) * z).sum(1) - z.gather(1, y[:, None])[:, 0]
+    return d.mean().pow(2)
+
+
+def test_irm_penalty_and_its_gradient_match_a_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    z = (3 * torch.randn(7, 4, generator=g, dtype=torch.float64)).requires_grad_()
+    y = torch.randint(4, (7,), generator=g)
+    p = perinvfl.irm_penalty(z, y)
+    q = irm_penalty_by_hand(z, y)
+    assert p.item() > 1e-4 and torch.allclose(p, q, rtol=1e-12)
+    gp, = torch.autograd.grad(p, z)
+    gq, = torch.autograd.grad(irm_penalty_by_hand(z, y), z)
+    assert torch.allclose(gp, gq, rtol=1e-10)
+    e, zz = 1e-6, z.detach().clone()                      # and one entry by central differences
+    zz[2, 1] += e
+    up = irm_penalty_by_hand(zz, y)
+    zz[2, 1] -= 2 * e
+    assert abs((up - irm_penalty_by_hand(zz, y)).item() / (2 * e) - gp[2, 1].item()) < 1e-7
+
+
+def pinv_args(**kw):
+    a = dict(sample=2, batch_size=100, lr=0.05, momentum=0.0, weight_decay=0.01, global_lr=1.0, inv="irm",
+             personalize="dual", beta=0.0, lam=3.0, anneal=0, R=1, S=1, opt="sgd", eta_q=0.5)
+    a.update(kw)
+    return type("Args", (), a)
+
+
+def pinv_loss_by_hand(theta, x, y, lam, wd, weight=1.0):
+    """L_INV of tiny_model (Flatten + Linear(16, 3)) from a flat parameter vector, written out."""
+    W, b = theta[:48].view(3, 16), theta[48:]
+    z = x.flatten(1) @ W.T + b
+    loss = weight * F.cross_entropy(z, y) + lam * irm_penalty_by_hand(z, y) + wd / 2 * theta.pow(2).sum()
+    return loss / lam if lam > 1 else loss
+
+
+def grad_by_hand(theta, client, lam, wd, weight=1.0):
+    theta = theta.clone().requires_grad_()
+    g, = torch.autograd.grad(pinv_loss_by_hand(theta, client.x.float() / 255, client.y, lam, wd, weight), theta)
+    return g
+
+
+def pinv_setup(**kw):
+    model, fed, ctx, args = tiny_model(), tiny_federation(), tiny_ctx(), pinv_args(**kw)
+    state = perinvfl.init_state(model, fed, args, ctx)
+    return model, fed, ctx, args, state
+
+
+def test_perinvfl_lines_8_to_10_against_a_hand_computation():
+    """One round, plain steps: ν_{i,1} = ν − γ∇L_INV(ν; D_i) (line 9), θ_i = θ_i − η(∇L_INV(θ_i) +
+    2β(θ_i − ν_{i,0})) (line 8), ν' = ν − α(ν − mean_i ν_{i,1}) (line 10), for α = 1 and 0.5."""
+    for alpha in (1.0, 0.5):
+        model, fed, ctx, args, state = pinv_setup(beta=0.7, global_lr=alpha)
+        nu = common.get_flat(model)
+        theta0 = nu + 0.1 * torch.randn(len(nu), generator=torch.Generator().manual_seed(1))
+        state["theta"] = [theta0.clone(), theta0.clone()]
+        perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+        nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay) for c in fed.clients]
+        assert torch.allclose(common.get_flat(model), nu - alpha * (nu - sum(nu_i) / 2), atol=1e-6)
+        for i, c in enumerate(fed.clients):
+            want = theta0 - args.lr * (grad_by_hand(theta0, c, args.lam, args.weight_decay) + 2 * args.beta * (theta0 - nu))
+            assert torch.allclose(state["theta"][i], want, atol=1e-6)
+
+
+def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
+    model, fed, ctx, args, state = pinv_setup(beta=0.0, S=3, R=2)
+    nu = common.get_flat(model)
+    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    for i, c in enumerate(fed.clients):                   # β = 0: R·S steps of local IRM from θ_i^0 = ν
+        theta = nu.clone()
+        for _ in range(6):
+            theta = theta - args.lr * grad_by_hand(theta, c, args.lam, args.weight_decay)
+        assert torch.allclose(state["theta"][i], theta, atol=1e-5)
+    # 2βη = 1: line 8 becomes θ ← ν_{i,r} − η∇L_INV(θ): θ_i never strays more than one gradient step
+    model, fed, ctx, args, state = pinv_setup(beta=1 / (2 * 0.05), S=4)
+    far = [common.get_flat(model) + 5.0, common.get_flat(model) - 5.0]
+    state["theta"] = [f.clone() for f in far]
+    nu = common.get_flat(model)
+    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    for i, c in enumerate(fed.clients):
+        assert (state["theta"][i] - nu).norm() < 0.05 * (far[i] - nu).norm()
+
+
+def test_perinvfl_groupdro_updates_q_from_the_uploaded_risks():
+    model, fed, ctx, args, state = pinv_setup(inv="groupdro")
+    nu = common.get_flat(model)
+    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    W, b = nu[:48].view(3, 16), nu[48:]
+    risks = torch.stack([F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) for c in fed.clients])
+    q = 0.5 * torch.exp(args.eta_q * risks)
+    assert torch.allclose(state["q"], q / q.sum(), atol=1e-6) and not torch.allclose(state["q"], torch.full((2,), 0.5))
+    # and the next round's ν-step of client i is on N q_i R_i (no IRM term under GroupDRO)
+    model2, fed, ctx, args, state2 = pinv_setup(inv="groupdro")
+    state2["q"] = state["q"].clone()
+    perinvfl.perinvfl_round(1, model2, fed, args, state2, ctx)
+    nu_i = []
+    for i, c in enumerate(fed.clients):
+        th = nu.clone().requires_grad_()
+        W, b = th[:48].view(3, 16), th[48:]
+        loss = 2 * state["q"][i] * F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) + 0.005 * th.pow(2).sum()
+        nu_i.append(nu - args.lr * torch.autograd.grad(loss, th)[0])
+    assert torch.allclose(common.get_flat(model2), sum(nu_i) / 2, atol=1e-6)
+
+
+def test_perinvfl_ablations_l2_and_ft():
+    model, fed, ctx, args, state = pinv_setup(personalize="ft", beta=5.0, S=2)
+    nu = common.get_flat(model)
+    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    for i, c in enumerate(fed.clients):                   # ft: from ν, S plain-ERM steps, no β term
+        th = nu.clone()
+        for _ in range(2):
+            t_ = th.clone().requires_grad_()
+            W, b = t_[:48].view(3, 16), t_[48:]
+            loss = F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) + 0.005 * t_.pow(2).sum()
+            th = th - args.lr * torch.autograd.grad(loss, t_)[0]
+        assert torch.allclose(state["theta"][i], th, atol=1e-6)
+    model, fed, ctx, args, state = pinv_setup(personalize="l2", beta=0.7)
+    theta0 = common.get_flat(model) + 0.3
+    state["theta"] = [theta0.clone(), theta0.clone()]
+    nu = common.get_flat(model)
+    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    for i, c in enumerate(fed.clients):                   # l2: ERM + β||θ − ν||², no IRM term
+        t_ = theta0.clone().requires_grad_()
+        W, b = t_[:48].view(3, 16), t_[48:]
+        loss = F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) + 0.005 * t_.pow(2).sum() \
+            + 0.7 * (t_ - nu).pow(2).sum()
+        assert torch.allclose(state["theta"][i], theta0 - args.lr * torch.autograd.grad(loss, t_)[0], atol=1e-6)
+
+
+def test_rcmnist_construction():
+    x, digit, _ = data.mnist_arrays()
+    g = torch.Generator().manual_seed(0)
+    big = torch.arange(40000) % 10
+    for p in (0.9, 0.1):                                   # the law on many draws
+        xc, y = data.colored(x[:1].expand(40000, 28, 28), big, p, g)
+        assert abs((y != (big < 5).long()).float().mean().item() - 0.25) < 0.01
+        assert abs((xc[:, 1].amax((1, 2)) > 0).long().eq(y).float().mean().item() - p) < 0.01
+    ds = data.load("rcmnist", seed=3, p_test=0.2)
+    assert ds.protocol == "clients" and ds.num_classes == 2 and len(ds.domains) == 4
+    perm = torch.randperm(len(digit), generator=torch.Generator().manual_seed(3))
+    small = x[perm][:, ::2, ::2]
+    n_tr, n_te = 5000 * 5 // 6 // 4, 5000 // 6 // 4
+    for i, (d, p) in enumerate(zip(ds.domains, data.P_TRAIN)):
+        assert d.x.shape == (n_tr, 2, 14, 14) and d.x_test.shape == (n_te, 2, 14, 14)
+        for xs, ys, lo, pe in ((d.x, d.y, i * n_tr, p), (d.x_test, d.y_test, 4 * n_tr + i * n_te, 0.2)):
+            upright = torch.rot90(xs, -i, dims=(2, 3))         # client i is rotated by 90·i degrees
+            assert torch.equal(upright.amax(1), small[lo:lo + len(ys)])   # its own, disjoint slice
+            colour = (upright[:, 1].amax((1, 2)) > 0).long()
+            assert abs(colour.eq(ys).float().mean().item() - pe) < 0.06
+            assert abs((ys != (digit[perm][lo:lo + len(ys)] < 5).long()).float().mean().item() - 0.25) < 0.06
+    other = data.load("rcmnist", seed=3, p_test=0.5)       # --p-test changes the test colours only
+    assert all(torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and torch.equal(a.y_test, b.y_test)
+               and not torch.equal(a.x_test, b.x_test) for a, b in zip(ds.domains, other.domains))
+
+
+def test_rcfmnist_through_torchvision_on_a_stand_in(tmp_path, capsys):
+    write_fake_mnist(tmp_path, n_train=96, n_test=30, kind="FashionMNIST")
+    ds = data.load("rcfmnist", str(tmp_path))
+    assert ds.name == "rcfmnist" and "torchvision FashionMNIST" in ds.source
+    assert [len(d.y) for d in ds.domains] == [20] * 4 and [len(d.y_test) for d in ds.domains] == [4] * 4  # 96 train images only
+    res, _ = run(fedavg.main, ["--dataset", "rcfmnist", "--data-root", str(tmp_path), "--rounds", "2"], tmp_path)
+    assert res["args"]["select"] == "last" and res["domains"]["clients"]["best_round"] == 2
+    assert "FashionMNIST is not embedded: pass --data-root" in fails(perinvfl.main, ["--dataset", "rcfmnist"], capsys)
+
+
+def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch):
+    argv = ["--dataset", "rcmnist", "--p-test", "0.9", "--rounds", "12", "--eval-every", "4", "--anneal", "6",
+            "--lam", "100", "--lr", "2e-3"]
+    res, out = run(perinvfl.main, argv, tmp_path)
+    r = res["domains"]["clients"]
+    assert r["test_acc"] > 0.7 and r["global_test_acc"] > 0.7          # colour agrees at p_test 0.9
+    assert r["best_round"] == 12 and len(r["per_client_test_acc"]) == 4 and len(r["global_per_test"]) == 4
+    assert abs(sum(r["per_client_test_acc"].values()) / 4 - r["test_acc"]) < 1e-6   # equal test sets
+    out2 = str(tmp_path / "resumed.json")
+    resumed = interrupted_then_resumed(perinvfl.main, argv + ["--inv", "groupdro"], out2, monkeypatch,
+                                       lambda b: b["round"] == 4)
+    straight, _ = run(perinvfl.main, argv + ["--inv", "groupdro"], tmp_path, "straight.json")
+    assert strip_times(resumed) == strip_times(straight)
