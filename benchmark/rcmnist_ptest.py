@@ -1,0 +1,77 @@
+"""PerInvFL's Tables 2 / 3 / 5 layout from finished runs: test accuracy at p_test = 0.1 ... 0.5.
+
+The training contexts of rcmnist / rcfmnist do not depend on --p-test (data.rcmnist draws the test
+colours last; a test checks that the training data are bit-identical across p_test), so one run
+trained with --p-test 0.1 is scored here on the test contexts of every p_test: the final global
+model (`<out>.ckpt`, written at the last round) and, for perinvfl.py, each client's θ_i on its own
+test context. The p_test of the run itself is re-scored too and must equal the run's own number.
+
+    python fedavg.py --dataset rcmnist --seed 0 --out results/rc/fedavg-s0.json
+    python perinvfl.py --dataset rcmnist --seed 0 --out results/rc/perinvfl-dual-s0.json
+    python benchmark/rcmnist_ptest.py results/rc/*.json
+"""
+import json
+import sys
+from argparse import Namespace
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+import data  # noqa: E402
+
+P_TEST = (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+def label(res):
+    a = res["args"]
+    if res["method"] != "perinvfl":
+        return res["method"]
+    return f"perinvfl {a['inv']} {a['personalize']}"
+
+
+def score(path):
+    """{row label: [acc at each p_test]} for one results file (personalised and global rows)."""
+    res = json.loads(Path(path).read_text())
+    args = Namespace(**res["args"])
+    blob = torch.load(Path(args.out).with_suffix(".ckpt"), map_location="cpu", weights_only=True)
+    assert blob["round"] == args.rounds and blob["finished"] == {}, f"{path}: checkpoint is not the last round"
+    ctx = common.Context(torch.device("cpu"), None, None, common.make_prep(args.dataset, "cpu"))
+    rows = defaultdict(list)
+    for p in P_TEST:
+        ds = data.load(args.dataset, args.data_root, args.seed, p_test=p)
+        fed = common.federate_fixed(ds, args.seed, "cpu")
+        model = common.build_model(args, ds)
+        model.load_state_dict(blob["model"])
+        _, g, _ = common.evaluate_global(model, fed, args, blob["state"], ctx)
+        name = label(res)
+        rows[name + (" (global ν)" if res["method"] == "perinvfl" else "")].append(g)
+        if res["method"] == "perinvfl":
+            hits = []
+            for c in fed.clients:
+                common.set_flat(model, blob["state"]["theta"][c.id])
+                hits.append(common.correct(model, c.test_x, c.test_y, ctx).float())
+            rows[name].append(torch.cat(hits).mean().item())
+        if abs(p - args.p_test) < 1e-9:   # must reproduce the run's own number
+            own = res["domains"]["clients"]
+            assert abs(rows[name][-1] - own["test_acc"]) < 1e-6, (path, rows[name][-1], own["test_acc"])
+    return rows
+
+
+def main(paths):
+    table = defaultdict(list)
+    for path in paths:
+        for name, accs in score(path).items():
+            table[name].append(accs)
+    print("| method | " + " | ".join(f"p_test {p}" for p in P_TEST) + " | mean | seeds |")
+    print("|---" * (len(P_TEST) + 3) + "|")
+    for name, runs in sorted(table.items()):
+        t = 100 * torch.tensor(runs)
+        cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(t.mean(0), t.std(0, unbiased=False))]
+        print(f"| {name} | " + " | ".join(cells) + f" | {t.mean():.1f} | {len(runs)} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
