@@ -55,8 +55,9 @@ DATASET_DEFAULTS = {
     "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
     "rcmnist": _RC, "rcfmnist": _RC,
+    "waterbird": dict(model="resnet18", lr=1e-3, batch_size=32, clients=4, sample=4, select="last"),
 }
-PHOTOS = ("pacs", "vlcs", "officehome")  # ImageNet-normalised, augmented like the FedIIR code
+PHOTOS = ("pacs", "vlcs", "officehome", "waterbird")  # ImageNet-normalised, augmented like the FedIIR code
 
 # -------------------------------------------------------------------------------------- models
 

@@ -146,6 +146,64 @@ def rcmnist(root=None, seed=0, p_test=0.1, kind="MNIST"):
                    f"{n_te:,} test, p_train {', '.join(map(str, P_TRAIN))}, p_test {p_test}")
 
 
+# ---------------------------------------------------------- WaterBird (PerInvFL Table 4 / 6)
+
+WATER = ("Albatross", "Auklet", "Cormorant", "Frigatebird", "Fulmar", "Gull", "Jaeger", "Kittiwake", "Pelican",
+         "Puffin", "Tern", "Gadwall", "Grebe", "Mallard", "Merganser", "Guillemot", "Pacific_Loon")  # Sagawa et al.
+PLACES = {1: ("o/ocean", "l/lake/natural"), 0: ("b/bamboo_forest", "f/forest/broadleaf")}   # water, land
+BIRD_RANGES = ((0, 1715), (1716, 2908), (2909, 3844), (3845, 5993))   # PerInvFL Table 6, CUB train set
+
+
+def waterbird(root, seed=0, p_test=0.1, size=224, n_train=400, n_test=100):
+    """WaterBird as PerInvFL's Table 6 on Sagawa et al.'s law: 4 fixed clients; client i draws
+    n_train + n_test birds (without replacement) from its index range of CUB-200-2011's training
+    images (ordered by image id), label = waterbird (the species families of Sagawa et al.); each
+    bird is cut out with its CUB segmentation mask and pasted on a Places photo that matches its
+    label with probability P_TRAIN[i] (training) or p_test (test): water = ocean / natural lake,
+    land = bamboo / broadleaf forest, drawn without replacement. Layout under ROOT: CUB_200_2011/
+    (images.txt, train_test_split.txt, images/), segmentations/ (CUB's separate download, same
+    relative paths, .png) and places/ (Places365's data_large: places/o/ocean/*.jpg, ...)."""
+    if root is None:
+        raise UserError("waterbird needs --data-root DIR holding CUB_200_2011/, segmentations/ and places/")
+    cub, seg, places = Path(root) / "CUB_200_2011", Path(root) / "segmentations", Path(root) / "places"
+    for d in (cub / "images", seg, places):
+        if not d.is_dir():
+            raise UserError(f"{d} not found (waterbird: CUB_200_2011/, segmentations/, places/ under --data-root)")
+    try:
+        paths = dict(line.split() for line in (cub / "images.txt").read_text().splitlines() if line.strip())
+        split = dict(line.split() for line in (cub / "train_test_split.txt").read_text().splitlines() if line.strip())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {cub}/images.txt and train_test_split.txt ({why(e)})")
+    train = [paths[i] for i in sorted(paths, key=int) if split.get(i) == "1"]
+    g = torch.Generator().manual_seed(seed)
+    pool = {k: [f for c in cats for f in sorted((places / c).glob("*.jpg"))] for k, cats in PLACES.items()}
+    for k in pool:
+        pool[k] = [pool[k][j] for j in torch.randperm(len(pool[k]), generator=g)]
+
+    def compose(rel, label, p):
+        water = label if torch.rand((), generator=g) < p else 1 - label
+        if not pool[water]:
+            raise UserError(f"not enough {'water' if water else 'land'} photos under {places}")
+        m = decode(seg / Path(rel).with_suffix(".png"), size).float().mean(0, keepdim=True) / 255
+        img = decode(cub / "images" / rel, size).float() * m + decode(pool[water].pop(), size).float() * (1 - m)
+        return img.round().to(torch.uint8)
+
+    domains = []
+    for i, (lo, hi) in enumerate(BIRD_RANGES):   # scaled to the images found (the same on all 5,994)
+        lo, hi = lo * len(train) // 5994, (hi + 1) * len(train) // 5994 - 1
+        idx = list(range(lo, hi + 1))
+        if len(idx) < 2:
+            raise UserError(f"CUB_200_2011 has only {len(train)} training images: too few for 4 clients")
+        pick = [idx[j] for j in torch.randperm(len(idx), generator=g)[:n_train + n_test]]
+        cut = max(1, round(len(pick) * n_train / (n_train + n_test)))
+        y = torch.tensor([int(any(w in train[j].split("/")[0] for w in WATER)) for j in pick])
+        parts = [torch.stack([compose(train[j], int(y[k]), pe) for k, j in enumerate(pick) if sl.start <= k < sl.stop])
+                 for sl, pe in ((slice(0, cut), P_TRAIN[i]), (slice(cut, len(pick)), p_test))]
+        domains.append(Domain(f"p{P_TRAIN[i]:.2f}-birds{lo}-{hi}", parts[0], y[:cut], parts[1], y[cut:]))
+    return Dataset("waterbird", domains, 2, "clients", f"waterbird from {root} (CUB train birds, Places "
+                   f"backgrounds; {', '.join(str(len(d.y)) for d in domains)} train per client, p_test {p_test})")
+
+
 # ------------------------------------------------------------------- Dirichlet label skew (FL)
 
 def dirichlet_split(y, n_clients, alpha, seed, min_size=None):
@@ -365,7 +423,7 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
 
 LODO = ("rmnist", "pacs", "vlcs", "officehome", "synthetic")
 FL = ("mnist", "cifar10", "cifar100", "emnist")
-FIXED = ("rcmnist", "rcfmnist")     # fixed clients, each with its own test context
+FIXED = ("rcmnist", "rcfmnist", "waterbird")     # fixed clients, each with its own test context
 NAMES = LODO + FL + FIXED
 
 
@@ -379,6 +437,8 @@ def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1):
         return synthetic(seed)
     if name in FL:
         return label_skew(name, root, seed, clients, alpha)
+    if name == "waterbird":
+        return waterbird(root, seed, p_test, size)
     if name in FIXED:
         return rcmnist(root, seed, p_test, "MNIST" if name == "rcmnist" else "FashionMNIST")
     raise UserError(f"unknown dataset {name!r}; choose from {', '.join(NAMES)}")

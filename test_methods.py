@@ -881,3 +881,64 @@ def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch):
                                        lambda b: b["round"] == 4)
     straight, _ = run(perinvfl.main, argv + ["--inv", "groupdro"], tmp_path, "straight.json")
     assert strip_times(resumed) == strip_times(straight)
+
+
+def write_fake_waterbird(root, n=48, per_place=40):
+    """CUB_200_2011 / segmentations / places laid out like the real downloads, with solid-colour
+    birds (red), masks covering the left half, water photos blue and land photos green."""
+    from torchvision.io import write_jpeg, write_png
+    root = Path(root)
+    classes = ["001.Black_footed_Albatross", "020.Yellow_breasted_Chat", "059.California_Gull", "100.Brown_Pelican",
+               "130.Tree_Sparrow"]
+    lines, split = [], []
+    for k in range(n + 6):                                   # every 8th image is a test image of CUB
+        rel = f"{classes[k % 5]}/img_{k:04d}.jpg"
+        lines.append(f"{k + 1} {rel}")
+        split.append(f"{k + 1} {0 if k % 8 == 7 else 1}")
+        for base, img in ((root / "CUB_200_2011" / "images", torch.zeros(3, 20, 24, dtype=torch.uint8)),):
+            (base / rel).parent.mkdir(parents=True, exist_ok=True)
+            img[0] = 250
+            write_jpeg(img, str(base / rel), quality=100)
+        m = torch.zeros(1, 20, 24, dtype=torch.uint8)
+        m[:, :, :12] = 255
+        (root / "segmentations" / rel).parent.mkdir(parents=True, exist_ok=True)
+        write_png(m, str((root / "segmentations" / rel).with_suffix(".png")))
+    (root / "CUB_200_2011" / "images.txt").write_text("\n".join(lines) + "\n")
+    (root / "CUB_200_2011" / "train_test_split.txt").write_text("\n".join(split) + "\n")
+    for cat, ch in (("o/ocean", 2), ("l/lake/natural", 2), ("b/bamboo_forest", 1), ("f/forest/broadleaf", 1)):
+        (root / "places" / cat).mkdir(parents=True)
+        for j in range(per_place):
+            img = torch.zeros(3, 30, 30, dtype=torch.uint8)
+            img[ch] = 240
+            write_jpeg(img, str(root / "places" / cat / f"{j:08d}.jpg"), quality=100)
+
+
+def test_waterbird_on_a_fake_tree(tmp_path, capsys):
+    write_fake_waterbird(tmp_path)
+    ds = data.load("waterbird", str(tmp_path), seed=1, p_test=0.0, size=32)
+    train = [ln.split()[1] for ln, sp in zip((tmp_path / "CUB_200_2011/images.txt").read_text().split("\n"),
+                                             (tmp_path / "CUB_200_2011/train_test_split.txt").read_text().split("\n"))
+             if ln and sp.endswith(" 1")]
+    assert len(train) == 48 and ds.protocol == "clients" and ds.num_classes == 2
+    sizes = [(hi + 1) * 48 // 5994 - lo * 48 // 5994 for lo, hi in data.BIRD_RANGES]   # Table 6's ranges, scaled
+    assert [len(d.y) + len(d.y_test) for d in ds.domains] == sizes == [13, 10, 7, 18]
+    agree = []
+    for d in ds.domains:
+        assert d.x.shape[1:] == (3, 32, 32) and d.x.dtype == torch.uint8
+        for x, y, test in ((d.x, d.y, False), (d.x_test, d.y_test, True)):
+            assert (x[:, 0, :, :14].float().mean() > 200) and (x[:, 0, :, 18:].float().mean() < 40)  # bird left, place right
+            water = (x[:, 2, :, 18:].float().mean((1, 2)) > 120).long()
+            if test:
+                assert torch.equal(water, 1 - y)                                  # p_test 0: never the label's place
+            else:
+                agree.append(water.eq(y).float())
+    assert torch.cat(agree).mean() > 0.6                                          # p_e 0.95 ... 0.80
+    labels = torch.cat([torch.cat([d.y, d.y_test]) for d in ds.domains])
+    assert 0 < labels.float().mean() < 1                                          # Albatross, Gull, Pelican: water
+    assert "waterbird needs --data-root" in fails(fedavg.main, ["--dataset", "waterbird"], capsys)
+    res, _ = run(perinvfl.main, ["--dataset", "waterbird", "--data-root", str(tmp_path), "--no-pretrained",
+                                 "--rounds", "1", "--batch-size", "8"], tmp_path)        # ResNet-18, 224 px
+    assert len(res["domains"]["clients"]["global_per_test"]) == 4
+    import shutil
+    shutil.rmtree(tmp_path / "segmentations")
+    assert "segmentations not found" in fails(fedavg.main, ["--dataset", "waterbird", "--data-root", str(tmp_path)], capsys)
