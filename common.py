@@ -546,7 +546,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     device = torch.device(args.device)
     ckpt_path = str(Path(args.out).with_suffix(".ckpt"))
     results = {"method": method, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
-               "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None}
+               "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None, "complete": False}
     blob = None
     if args.resume and os.path.exists(ckpt_path):
         blob = load_checkpoint(ckpt_path, args)
@@ -567,6 +567,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
         results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,
                                                     evaluate_fn, resume, results, ckpt_path, remaining)
         write_json(args.out, with_mean(results))
+    results["complete"] = True                                  # every held-out domain is done
     write_json(args.out, with_mean(results))
     print_table(results)
     print(f"results: {args.out}")
@@ -633,10 +634,15 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
                                     "torch_rng": torch.get_rng_state(), "history": history, "best": best,
                                     "seconds": now})
     out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
-           "last_test_acc": history[-1]["test_acc"], "history": history, **{k: best[k] for k in extra}}
+           "train_examples": sum(c.n for c in fed.clients),
+           "last_test_acc": history[-1]["test_acc"], "history": history,
+           **{k: v for k, v in best.items() if k not in ROW_KEYS}}   # a method's extra numbers
     if ds.protocol == "clients":
         out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
     return out
+
+
+ROW_KEYS = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
 
 
 class NonFinite(Exception):

@@ -942,3 +942,37 @@ def test_waterbird_on_a_fake_tree(tmp_path, capsys):
     import shutil
     shutil.rmtree(tmp_path / "segmentations")
     assert "segmentations not found" in fails(fedavg.main, ["--dataset", "waterbird", "--data-root", str(tmp_path)], capsys)
+
+
+# --------------------------------------------------------------------------------------- benchmark
+sys.path.insert(0, str(HERE / "benchmark"))
+import report as bench_report  # noqa: E402
+import run as bench_run  # noqa: E402
+
+
+def test_benchmark_run_and_report(tmp_path, capsys):
+    argv = ["--dataset", "synthetic", "--methods", "fedavg", "fediir", "--seeds", "0", "1", "--rounds", "2",
+            "--out-dir", str(tmp_path), "--jobs", "2", "--", "--eval-every", "1", "--test-domain", "0"]
+    folder = bench_run.main(argv)
+    files = sorted(p.name for p in folder.glob("*.json"))
+    assert files == ["fedavg-seed0.json", "fedavg-seed1.json", "fediir-seed0.json", "fediir-seed1.json"]
+    stamp = {p: p.stat().st_mtime_ns for p in folder.glob("*.json")}
+    partial = json.loads((folder / "fediir-seed1.json").read_text())
+    (folder / "fediir-seed1.json").write_text(json.dumps(dict(partial, complete=False)))   # as if cut short
+    capsys.readouterr()
+    bench_run.main(argv)
+    out = capsys.readouterr().out
+    assert out.count("skip ") == 3 and "fediir.py --dataset synthetic" in out and "--resume" in out
+    assert all(p.stat().st_mtime_ns == t for p, t in stamp.items() if p.name != "fediir-seed1.json")
+    text = bench_report.main([str(folder), "--out", str(tmp_path / "report.md")])
+    runs = {k: [r["domains"]["style0"]["test_acc"] for r in v] for k, v in bench_report.load(folder)[0].items()}
+    m = 100 * sum(runs["fedavg"]) / 2
+    s = 100 * abs(runs["fedavg"][0] - runs["fedavg"][1]) / math.sqrt(2)
+    assert f"{m:.1f} ± {s:.1f}" in text and "| fediir |" in text and "s / round" in text
+    best = max(("fedavg", "fediir"), key=lambda k: sum(runs[k]))
+    assert f"| {best} | **" in text                                       # the best mean is bold
+    png = (folder / "accuracy.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 500
+    assert "report.py: error: " in str(pytest.raises(SystemExit, bench_report.main, [str(tmp_path / "nope")]).value)
+    assert "unknown method 'fedfoo'" in str(pytest.raises(SystemExit, bench_run.main, ["--dataset", "synthetic",
+                                                                                      "--methods", "fedfoo"]).value)
