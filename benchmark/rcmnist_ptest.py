@@ -4,7 +4,9 @@ The training contexts of rcmnist / rcfmnist do not depend on --p-test (data.rcmn
 colours last; a test checks that the training data are bit-identical across p_test), so one run
 trained with --p-test 0.1 is scored here on the test contexts of every p_test: the final global
 model (`<out>.ckpt`, written at the last round) and, for perinvfl.py, each client's θ_i on its own
-test context. The p_test of the run itself is re-scored too and must equal the run's own number.
+test context, and both on the clients' training splits (p_e = 0.95 ... 0.80: the shape alone gives at
+most 75% there, so more means the colour or memorised noise is used). The p_test of the run itself
+is re-scored too and must equal the run's own number. Std over seeds with n − 1.
 
     python fedavg.py --dataset rcmnist --seed 0 --out results/rc/fedavg-s0.json
     python perinvfl.py --dataset rcmnist --seed 0 --out results/rc/perinvfl-dual-s0.json
@@ -51,13 +53,26 @@ def score(path):
         if res["method"] == "perinvfl":
             hits = []
             for c in fed.clients:
-                common.set_flat(model, blob["state"]["theta"][c.id])
-                hits.append(common.correct(model, c.test_x, c.test_y, ctx).float())
+                hits.append(common.correct(set_theta(model, blob, c), c.test_x, c.test_y, ctx).float())
             rows[name].append(torch.cat(hits).mean().item())
+        if p == P_TEST[0]:                # the training contexts are the same for every p_test
+            train = {name + (" (global ν)" if res["method"] == "perinvfl" else ""): None}
+            model.load_state_dict(blob["model"])
+            train[next(iter(train))] = torch.cat([common.correct(model, c.x, c.y, ctx) for c in fed.clients]).float().mean().item()
+            if res["method"] == "perinvfl":
+                train[name] = torch.cat([common.correct(set_theta(model, blob, c), c.x, c.y, ctx)
+                                         for c in fed.clients]).float().mean().item()
         if abs(p - args.p_test) < 1e-9:   # must reproduce the run's own number
             own = res["domains"]["clients"]
             assert abs(rows[name][-1] - own["test_acc"]) < 1e-6, (path, rows[name][-1], own["test_acc"])
+    for k, v in train.items():
+        rows[k].append(v)
     return rows
+
+
+def set_theta(model, blob, client):
+    common.set_flat(model, blob["state"]["theta"][client.id])
+    return model
 
 
 def main(paths):
@@ -65,12 +80,13 @@ def main(paths):
     for path in paths:
         for name, accs in score(path).items():
             table[name].append(accs)
-    print("| method | " + " | ".join(f"p_test {p}" for p in P_TEST) + " | mean | seeds |")
-    print("|---" * (len(P_TEST) + 3) + "|")
+    print("| method | " + " | ".join(f"p_test {p}" for p in P_TEST) + " | mean | training contexts | seeds |")
+    print("|---" * (len(P_TEST) + 4) + "|")
     for name, runs in sorted(table.items()):
         t = 100 * torch.tensor(runs)
-        cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(t.mean(0), t.std(0, unbiased=False))]
-        print(f"| {name} | " + " | ".join(cells) + f" | {t.mean():.1f} | {len(runs)} |")
+        std = t.std(0) if len(runs) > 1 else torch.zeros(t.shape[1])
+        cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(t.mean(0), std)]
+        print(f"| {name} | " + " | ".join(cells[:-1]) + f" | {t[:, :-1].mean():.1f} | {cells[-1]} | {len(runs)} |")
 
 
 if __name__ == "__main__":

@@ -82,8 +82,8 @@ def main(argv=None):
             if complete(out):
                 print(f"skip {out} (complete)")
                 continue
-            cmd = [sys.executable, str(ROOT / f"{script}.py")] + shared + extra + \
-                  ["--seed", str(seed), "--out", str(out), "--resume"]
+            where = os.path.relpath(out, ROOT) if out.is_relative_to(ROOT) else str(out)  # no local paths in results
+            cmd = [sys.executable, f"{script}.py"] + shared + extra + ["--seed", str(seed), "--out", where, "--resume"]
             todo.append((out, cmd))
     n_gpu, running, failed, k = gpus(), [], [], 0
     while todo or running:
