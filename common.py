@@ -10,8 +10,9 @@ A method file plugs in with plain functions:
     init_state(model, fed, args, ctx) -> dict
         the method's state across rounds (FedIIR's global gradient, persistent client optimisers,
         personalised models, ...): tensors, numbers, lists and dicts; checkpointed with the model.
-    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs)
-        optional; the default scores the global model.
+    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs[, extra])
+        optional; the default scores the global model. `extra`, a dict of numbers (FedLOE's
+        in-domain accuracy), is added to the history row.
 
 A method with phases (FedLOE's stage 2) counts every communication as a round and switches on t.
 
@@ -598,11 +599,12 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         losses.append(vals.mean().item())
         if t % args.eval_every and t != args.rounds:
             continue
-        val, test, per = evaluate_fn(model, fed, args, state, ctx)
+        val, test, per, *extra = evaluate_fn(model, fed, args, state, ctx)
         if device.type == "cuda":
             torch.cuda.synchronize()
         now = spent + time.perf_counter() - t0
-        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now}
+        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now,
+               **(extra[0] if extra else {})}
         history.append(row)
         losses = []
         if best is None or val > best["val_acc"]:
