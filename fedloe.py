@@ -39,8 +39,8 @@ The predictions are m numbers per example and head, far less than the images the
 
 Choices where the paper is silent (the official code was not available; ANCHORS.md):
 - Stage-1 optimiser: a fresh Adam per client per communication (weight decay --weight-decay, 0):
-  keeping P Adam states across communications would cost 2|θ| per client; with 8 communications
-  the difference is small. Stage 2: a fresh SGD per client per communication, momentum --momentum 0.
+  keeping the P Adam states across communications would cost 2|θ| floats per client (ResNet-50,
+  100 clients: 19 GB). Stage 2: a fresh SGD per client per communication, momentum --momentum 0.
 - Table 5's "stage 2: 8 iterations, 4 communications" is read like its stage 1 (256 iterations =
   the epoch budget): --stage2-epochs 8 over 4 communications, 2 epochs of head SGD before each.
   Algorithm 1 can also be read as 4 head epochs alternating with 4 server fits (--stage2-epochs 4).
@@ -53,7 +53,7 @@ Choices where the paper is silent (the official code was not available; ANCHORS.
   100 steps cost milliseconds) of Adam with Table 5's stage-2 lr 0.05 and weight decay 5e-4. Table 5
   names SGD for stage 2; this file uses it for the heads (2.1). For φ, SGD at lr 0.05 diverged
   with IRM λ = 100 (φ non-finite in the second communication on the synthetic domains: the penalty
-  is quartic in the logits); Adam's steps are bounded by its lr, and DomainBed (whose IRM / V-REx /
+  grows with the square of the logits); Adam's steps are bounded by its lr, and DomainBed (whose IRM / V-REx /
   Fish the FedDG benchmark uses) trains them with Adam. The penalties, in DomainBed's form:
     irm  λ · mean_c (∂/∂w R_c(w·Σφŷ) at w = 1)²   (IRMv1 on each client's full tuning split;
          the paper's Σ_c is P × this mean)
@@ -236,9 +236,10 @@ def stage2_round(t, model, fed, args, state, ctx):
     if not bool(torch.isfinite(phi).all()):                               # one host sync per round
         raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
                                f"{fed.name}); lower --dg-lambda or --stage2-lr")
+    W, b = ensemble(phi, Ws, bs)                                         # Eq. 12: ψ = Σ_c φ_c ψ̂_c
     with torch.no_grad():
-        head.weight.copy_(ensemble(phi, Ws, bs)[0])                      # Eq. 12: ψ = Σ_c φ_c ψ̂_c
-        head.bias.copy_(ensemble(phi, Ws, bs)[1])
+        head.weight.copy_(W)
+        head.bias.copy_(b)
     state["phi"] = phi.cpu()
     print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1 / P:.4f})", flush=True)
     n_psi, m = W0.numel() + b0.numel(), b0.numel()
