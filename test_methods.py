@@ -692,6 +692,21 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("perinvfl", ["--dataset", "rcmnist", "--inv", "vrex"], "argument --inv: invalid choice: 'vrex'"),
     ("fedavg", ["--dataset", "rcmnist", "--p-test", "1.5"], "--p-test must be in [0, 1], got 1.5"),
     ("fedavg", ["--dataset", "rcmnist", "--clients", "5"], "--clients 5 does not match the 4 clients"),
+    ("fedloe", ["--rounds", "5"], "fedloe sets the rounds and local epochs from --stage1-epochs"),
+    ("fedloe", ["--local-epochs", "2"], "drop --rounds / --local-epochs"),
+    ("fedloe", ["--stage1-epochs", "10", "--stage1-comms", "4"], "--stage1-epochs (10) must be a positive multiple of --stage1-comms (4)"),
+    ("fedloe", ["--stage1-comms", "0"], "must be a positive multiple of --stage1-comms (0) >= 1"),
+    ("fedloe", ["--stage2-epochs", "3"], "--stage2-epochs (3) must be a multiple of --stage2-comms (4), both >= 0"),
+    ("fedloe", ["--stage2-comms", "-1"], "--stage2-comms (-1), both >= 0"),
+    ("fedloe", ["--head", "mlp"], "fedloe ensembles linear heads (Eq. 12 is exact only for them)"),
+    ("fedloe", ["--sample", "5"], "fedloe uses every client at every communication"),
+    ("fedloe", ["--dataset", "mnist"], "fedloe is leave-one-domain-out; mnist has fixed clients"),
+    ("fedloe", ["--dg", "coral"], "argument --dg: invalid choice: 'coral'"),
+    ("fedloe", ["--dg-lambda", "-1"], "--dg-lambda must be >= 0, got -1.0"),
+    ("fedloe", ["--meta-lr", "0"], "--meta-lr must be positive, got 0.0"),
+    ("fedloe", ["--stage2-lr", "nan"], "--stage2-lr must be positive, got nan"),
+    ("fedloe", ["--server-steps", "-1"], "--server-steps must be >= 0, got -1"),
+    ("fedloe", ["--clients", "2000"], "too few for a train/tune split; use fewer --clients"),
 ])
 def test_method_flags_bad_input(module, argv, message, capsys):
     assert message in fails(sys.modules[module].main, argv, capsys)
@@ -976,3 +991,163 @@ def test_benchmark_run_and_report(tmp_path, capsys):
     assert "report.py: error: " in str(pytest.raises(SystemExit, bench_report.main, [str(tmp_path / "nope")]).value)
     assert "unknown method 'fedfoo'" in str(pytest.raises(SystemExit, bench_run.main, ["--dataset", "synthetic",
                                                                                       "--methods", "fedfoo"]).value)
+
+
+# ---------------------------------------------------------------------------------- FedLOE
+
+import fedloe  # noqa: E402
+
+LOE = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1", "--stage1-epochs", "4", "--stage1-comms", "2",
+       "--stage2-epochs", "2", "--stage2-comms", "2", "--server-steps", "20"]
+
+
+def test_fedloe_ensemble_of_linear_heads_is_a_linear_head():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    Ws, bs, phi, z = r(5, 3, 7), r(5, 3), r(5), r(11, 7)
+    W, b = fedloe.ensemble(phi, Ws, bs)
+    by_heads = sum(phi[c] * (z @ Ws[c].T + bs[c]) for c in range(5))     # Σ_c φ_c h_c(z)
+    assert torch.allclose(F.linear(z, W, b), by_heads, atol=1e-12)       # = h_{Σ φ_c ψ_c}(z): Eq. 12 is exact
+
+
+def tiny_predictions():
+    """Two clients (environments) with 2 and 3 tuning examples, two heads, two classes."""
+    Y = torch.tensor([[[1.0, -1.0], [0.5, 0.0]], [[0.0, 2.0], [1.0, 1.0]],                       # client 0
+                      [[2.0, 0.0], [-1.0, 0.5]], [[0.3, 0.1], [0.0, -2.0]], [[1.0, 1.0], [2.0, 0.0]]],  # client 1
+                     dtype=torch.float64)
+    return Y, torch.tensor([0, 1, 0, 1, 1]), torch.tensor([0, 0, 1, 1, 1]), torch.tensor([2.0, 3.0], dtype=torch.float64)
+
+
+def by_hand(phi, Y, y, env):
+    """Per client: risk R_c, IRMv1's dR_c(w·s)/dw at 1 = mean(Σ_j p_j s_j − s_y), and ∇_φ R_c, in plain floats."""
+    R, dw, gphi, n = [0.0, 0.0], [0.0, 0.0], [[0.0, 0.0], [0.0, 0.0]], [0, 0]
+    for i in range(len(y)):
+        s = [sum(phi[k] * Y[i][k][j] for k in range(2)) for j in range(2)]
+        e = [math.exp(v) for v in s]
+        p = [v / sum(e) for v in e]
+        c, yi = env[i], y[i]
+        R[c] += -math.log(p[yi])
+        dw[c] += sum(p[j] * s[j] for j in range(2)) - s[yi]
+        for k in range(2):
+            gphi[c][k] += sum(p[j] * Y[i][k][j] for j in range(2)) - Y[i][k][yi]
+        n[c] += 1
+    return [R[c] / n[c] for c in range(2)], [dw[c] / n[c] for c in range(2)], [[g / n[c] for g in gphi[c]] for c in range(2)]
+
+
+def test_fedloe_irm_rex_fish_match_hand_computed_values():
+    Y, y, env, n_env = tiny_predictions()
+    phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    R, dw, _ = by_hand(phi.tolist(), Y.tolist(), y.tolist(), env.tolist())
+    got = fedloe.risks(phi, Y, y, env, n_env)
+    assert torch.allclose(got, torch.tensor(R, dtype=torch.float64), atol=1e-12)
+    assert math.isclose(fedloe.irm_penalty(phi, Y, y, env, n_env).item(), (dw[0] ** 2 + dw[1] ** 2) / 2, abs_tol=1e-12)
+    assert math.isclose(fedloe.rex_penalty(got).item(), ((R[0] - R[1]) / 2) ** 2, abs_tol=1e-12)
+    # Fish: one step of a fresh Adam on client 0's risk, one on client 1's at the moved point, the meta step
+    lr, wd, meta, (b1, b2, eps) = 0.4, 0.01, 0.3, (0.9, 0.999, 1e-8)
+    tilde, m, v = phi.tolist(), [0.0, 0.0], [0.0, 0.0]
+    for step, c in enumerate((0, 1), 1):
+        g = by_hand(tilde, Y.tolist(), y.tolist(), env.tolist())[2][c]
+        g = [g[k] + wd * tilde[k] for k in range(2)]
+        m = [b1 * m[k] + (1 - b1) * g[k] for k in range(2)]
+        v = [b2 * v[k] + (1 - b2) * g[k] ** 2 for k in range(2)]
+        tilde = [tilde[k] - lr * (m[k] / (1 - b1 ** step)) / (math.sqrt(v[k] / (1 - b2 ** step)) + eps) for k in range(2)]
+    expected = [phi[k].item() + meta * (tilde[k] - phi[k].item()) for k in range(2)]
+    got = fedloe.fish_step(phi, Y, y, env, n_env, lr, wd, meta)
+    assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize("dg", ["irm", "rex"])
+def test_fedloe_server_lowers_the_eq_11_objective(dg):
+    Y, y, env, n_env = tiny_predictions()
+    p = n_env / n_env.sum()
+    args = type("A", (), dict(dg=dg, dg_lambda=1.0, stage2_lr=0.05, stage2_wd=0.0, server_steps=50, meta_lr=0.05))
+
+    def objective(phi):
+        R = fedloe.risks(phi, Y, y, env, n_env)
+        pen = fedloe.irm_penalty(phi, Y, y, env, n_env) if dg == "irm" else fedloe.rex_penalty(R)
+        return ((p * R).sum() + pen).item()
+    phi = fedloe.solve_phi(Y, y, env, n_env, p, args)
+    assert objective(phi) < objective(torch.full((2,), 0.5, dtype=torch.float64)) - 1e-3
+
+
+def test_fedloe_stage1_with_one_communication_is_one_shot_averaging():
+    fed, model = tiny_federation((6, 10)), tiny_model()
+    args = tiny_args(lr=0.05, weight_decay=0.0, local_epochs=3)
+    expected, weights = 0, 0
+    for c in fed.clients:                                    # independently: 3 full-batch Adam steps per client
+        m = copy.deepcopy(model)
+        opt = torch.optim.Adam(m.parameters(), lr=0.05)
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(m(c.x.float() / 255), c.y).backward()
+            opt.step()
+        expected = expected + c.n * common.get_flat(m)
+        weights += c.n
+    state = {"bytes": {"stage1": [0, 0], "stage2": [0, 0]}}
+    fedloe.stage1_round(model, fed, args, state, tiny_ctx())
+    assert torch.allclose(common.get_flat(model), expected / weights, atol=1e-6)
+    assert state["bytes"]["stage1"] == [2 * 51 * 4, 2 * 51 * 4]           # P·|θ| float32 up and down
+
+
+def test_fedloe_stage2_with_uniform_phi_and_no_server_steps_is_the_plain_average():
+    fed, model = tiny_federation((12, 20)), tiny_model()
+    fedloe.split_appendix_d2(fed, 0)
+    args = tiny_args(stage2_lr=0.5, stage2_wd=5e-4, stage2_epochs=3, stage2_comms=1, server_steps=0, dg="irm",
+                     dg_lambda=100.0, meta_lr=0.05)
+    heads = []
+    for c in fed.clients:                                    # independently: 3 full-batch SGD steps on the head
+        W, b = model.classifier.weight.detach().clone(), model.classifier.bias.detach().clone()
+        for _ in range(3):
+            W.requires_grad_(), b.requires_grad_()
+            gW, gb = torch.autograd.grad(F.cross_entropy(F.linear(c.x.float().flatten(1) / 255, W, b), c.y), [W, b])
+            W, b = (W - 0.5 * (gW + 5e-4 * W)).detach(), (b - 0.5 * (gb + 5e-4 * b)).detach()
+        heads.append((W, b))
+    state = {"bytes": {"stage1": [0, 0], "stage2": [0, 0]}}
+    fedloe.stage2_round(3, model, fed, args, state, tiny_ctx())
+    assert torch.equal(state["phi"], torch.full((2,), 0.5))
+    assert torch.allclose(model.classifier.weight, (heads[0][0] + heads[1][0]) / 2, atol=1e-6)
+    assert torch.allclose(model.classifier.bias, (heads[0][1] + heads[1][1]) / 2, atol=1e-6)
+
+
+def test_fedloe_split_follows_appendix_d2():
+    ds = data.synthetic()
+    fed = common.federate(ds, 0, 4, seed=0, device="cpu")
+    before = [(rows(c.x), rows(c.val_x), c.n + len(c.val_y)) for c in fed.clients]
+    fedloe.split_appendix_d2(fed, 0)
+    for c, (train, hold, total) in zip(fed.clients, before):
+        assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train   # 90 / 10
+        assert not rows(c.x) & rows(c.tune_x)
+        assert rows(c.val_x) | rows(c.id_x) == hold and not rows(c.val_x) & rows(c.id_x)
+        assert abs(len(c.val_y) - 0.05 * total) <= 1 and abs(len(c.id_y) - 0.05 * total) <= 1  # 5% + 5%
+    assert len(fed.val_y) == sum(len(c.val_y) for c in fed.clients)
+    assert len(fed.id_y) == sum(len(c.id_y) for c in fed.clients)
+
+
+def test_fedloe_end_to_end_frozen_featurizer_bytes_and_resume(tmp_path, monkeypatch):
+    blobs, save = {}, common.save_checkpoint
+
+    def keep(path, blob):
+        blobs[blob["round"]] = copy.deepcopy(blob)
+        save(path, blob)
+    monkeypatch.setattr(common, "save_checkpoint", keep)
+    full, _ = run(fedloe.main, LOE, tmp_path, "full.json")
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    d = full["domains"]["style1"]
+    assert [r["round"] for r in d["history"]] == [1, 2, 3, 4] and d["last_test_acc"] > 0.6   # chance: 0.25
+    assert all(0 <= r["in_domain_acc"] <= 1 for r in d["history"])
+    part = lambda t, name: [v for k, v in blobs[t]["model"].items() if k.startswith(name)]
+    for t in (3, 4):                                         # stage 2 leaves θ̂ bit for bit and moves ψ
+        assert all(torch.equal(a, b) for a, b in zip(part(t, "featurizer"), part(2, "featurizer")))
+        assert not torch.equal(part(t, "classifier")[0], part(t - 1, "classifier")[0])
+    assert not all(torch.equal(a, b) for a, b in zip(part(2, "featurizer"), part(1, "featurizer")))  # stage 1 trains θ
+    P, n_theta, n_psi = 4, sum(v.numel() for v in blobs[4]["model"].values()), sum(v.numel() for v in part(4, "classifier"))
+    n_tune, m = 4 * 10, 4            # 240 examples per domain, 2 training domains, 4 clients: 108 train -> 10 tune each
+    assert blobs[4]["state"]["bytes"] == {
+        "stage1": [2 * P * n_theta * 4, 3 * P * n_theta * 4],                          # θ^0 down, then 2 averages
+        "stage2": [2 * (P * n_psi * 4 + n_tune * (P * m * 4 + 8)), 2 * (P * P * n_psi * 4 + P * n_psi * 4)]}
+    # --stage2-comms 0 ("our FedAvg") is the first K1 rounds of the full run
+    only1, _ = run(fedloe.main, LOE + ["--stage2-comms", "0"], tmp_path, "s1.json")
+    assert strip_times(only1)["domains"]["style1"]["history"] == strip_times(full)["domains"]["style1"]["history"][:2]
+    resumed = interrupted_then_resumed(fedloe.main, LOE, str(tmp_path / "cut.json"), monkeypatch,
+                                       lambda blob: blob["round"] == 3)
+    assert strip_times(resumed) == strip_times(full)
