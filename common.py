@@ -10,8 +10,9 @@ A method file plugs in with plain functions:
     init_state(model, fed, args, ctx) -> dict
         the method's state across rounds (FedIIR's global gradient, persistent client optimisers,
         personalised models, ...): tensors, numbers, lists and dicts; checkpointed with the model.
-    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs)
-        optional; the default scores the global model.
+    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs[, extra])
+        optional; the default scores the global model. `extra`, a dict, is added to the history row
+        and, from the best row, to the held-out domain's results.
 
 A method with phases (FedLOE's stage 2) counts every communication as a round and switches on t.
 
@@ -47,6 +48,7 @@ DATASET_DEFAULTS = {
     "pacs": dict(model="resnet18", lr=2.5e-3, batch_size=32, head="mlp"),
     "officehome": dict(model="resnet50", lr=1e-3, batch_size=32, head="mlp"),
     "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
+    "stained": dict(model="mlp", lr=0.1, batch_size=64, clients=50),  # FedIPG VI-C (lr: fedipg.py docstring)
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
 }
 PHOTOS = ("pacs", "vlcs", "officehome")  # ImageNet-normalised, augmented like the FedIIR code
@@ -403,6 +405,7 @@ def make_parser(method, doc):
     a("--weight-decay", type=float, default=None, help="local SGD weight decay (default 0)")
     a("--global-lr", type=float, default=None, help="server step size eta_g (default 1)")
     a("--alpha", type=float, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
+    a("--stain", default="fg", choices=["fg", "bg", "both"], help="stained MNIST: foreground, background or both")
     a("--model", default=None, choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"],
       help="featurizer (default: per dataset)")
     a("--head", default=None, choices=["linear", "mlp"], help="classifier (default: per dataset)")
@@ -526,7 +529,8 @@ def seconds(s):
 def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
     args.eval_every rounds, model selection on validation accuracy; results and checkpoints."""
-    ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha)
+    ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
+                   stain=args.stain)
     print(f"data: {ds.source}", flush=True)
     todo = test_domains(args, ds)
     device = torch.device(args.device)
@@ -598,11 +602,12 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         losses.append(vals.mean().item())
         if t % args.eval_every and t != args.rounds:
             continue
-        val, test, per = evaluate_fn(model, fed, args, state, ctx)
+        val, test, per, *extra = evaluate_fn(model, fed, args, state, ctx)  # extra: {key: value} for the row
         if device.type == "cuda":
             torch.cuda.synchronize()
         now = spent + time.perf_counter() - t0
-        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now}
+        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now,
+               **(extra[0] if extra else {})}
         history.append(row)
         losses = []
         if best is None or val > best["val_acc"]:
@@ -618,6 +623,7 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
                                     "seconds": now})
     out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
            "last_test_acc": history[-1]["test_acc"], "history": history}
+    out.update({k: v for k, v in best.items() if k not in ("round", "loss", "seconds", "per_test") and k not in out})
     if ds.protocol == "clients":
         out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
     return out
