@@ -42,10 +42,12 @@ Where the paper is silent, and what this file does:
 - The penalty and its gradient, exactly. Every layer holding parameters is affine in them (conv,
   linear: z = W∗x + b; GroupNorm / BatchNorm: z = γ·x̂ + β), so ⟨∇R, w⟩ = Σ_l ⟨∂R/∂z_l, z_l⟩ over the
   layer outputs z_l: one backward to the activations (with a graph, no weight gradients), then one
-  backward of R + λ d² (double backward). Measured on the rmnist ConvNet (CPU, batch 64) this is
-  the cheapest of the exact ways tried: plain double backward through ∇_w R, forward-over-reverse
-  (torch.func.jvp of grad) and reverse-over-forward cost 10–20% more. `--penalty params` gives the
-  plain double backward (same numbers up to rounding; a test checks both against d/ds R(s·w)).
+  backward of R + λ d² (double backward). On the rmnist ConvNet (CPU, batch 64) this was the
+  cheapest exact way tried: a step costs 2.6× a plain one, against 3.3× for the double backward
+  through ∇_w R (`--penalty params`, benchmark/fedipg_speed.py); forward-over-reverse (torch.func
+  jvp of grad, giving ∇R and the Hessian-vector product Hw at once) and reverse-over-forward (a jvp
+  along w inside grad) cost about as much as the latter. Both modes give the same numbers up to
+  rounding; a test checks them against finite differences and d/ds R(s·w).
 - λ (Figure 4: (1e-4, 1e-2) helps, smaller for complex tasks): 1e-3 for rmnist, stained and
   synthetic (the middle of the range), 1e-4 for the ResNet datasets (its low end, as advised).
 - Stained MNIST (Section VI-C, data.stained states its construction): the MLP of IRM's

@@ -6,7 +6,8 @@ penalty from the parameter gradients (--penalty params), all training the same s
 the same model, batch size and optimiser, timed alternately in one process (this machine is shared
 and noisy); medians are compared. Then one batch of 64 is timed step by step: a plain step (forward
 + backward) against the penalised step's parts (forward with the hooks, the backward to the layer
-outputs with a graph, the double backward of R + λ d²).
+outputs with a graph, the double backward of R + λ d²), and the size of the penalty's gradient
+against the risk's is printed.
 
     python benchmark/fedipg_speed.py                       # 50 clients, 5 sampled
 """
@@ -37,6 +38,7 @@ def median_time(fn, repeat):
 
 def step_parts(model, x, y, lam, repeat):
     """Seconds of a plain step and of the parts of the penalised step, on one batch."""
+    w = list(model.parameters())
     def plain():
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -67,6 +69,13 @@ def step_parts(model, x, y, lam, repeat):
     def params():
         model.zero_grad()
         fedipg.ipg_loss(lam, "params")(model, x, y).backward()
+    model.zero_grad()
+    risk, d = to_layers()
+    g_R = torch.autograd.grad(risk, w, retain_graph=True)
+    g_P = torch.autograd.grad(lam * d * d, w)
+    norm = lambda gs: sum((v ** 2).sum() for v in gs).sqrt().item()
+    print(f"at the model after the timed rounds, on one batch: R = {risk.item():.4f}, d = <grad R, w> = {d.item():.4f}, "
+          f"|grad(lam d^2)| / |grad R| = {norm(g_P) / norm(g_R):.2e}")
     plain(), full(), params()                                    # warm-up
     out = {k: median_time(f, repeat) for k, f in
            (("plain step", plain), ("forward with hooks", forward), ("+ backward to the layer outputs", to_layers),
