@@ -140,14 +140,14 @@ def fedipg_round(t, model, fed, args, state, ctx):
                 state["since"], state["received"] = t, w_t
             if t - state["since"] < value - 1:
                 continue                                                   # still computing
-            start, tau, state["since"] = state["received"], t - state["since"], None   # τ = K − 1
+            start, tau, state["since"] = state["received"].to(w_t.device), t - state["since"], None  # τ = K − 1
         elif i == args.aberrant_client and kind == "unreliable":
             down, up = (torch.rand(2, generator=ctx.sampler) < value).tolist()
             if down:
                 state["since"], state["received"] = t, w_t
             if not up:
                 continue                                                   # upload lost
-            start, tau = state["received"], t - state["since"]
+            start, tau = state["received"].to(w_t.device), t - state["since"]   # (a resume loads it on the CPU)
         arrived.append((i, start, tau))
 
     loss_fn = ipg_loss(args.lam, args.penalty)
@@ -220,7 +220,7 @@ def init_state(model, fed, args, ctx):
     if args.penalty == "layers" and args.lam > 0:
         affine_layers(model)                                               # refuse other layers early
     if len(args.exit_clients) >= P:
-        raise common.UserError(f"--exit-clients names every client: nobody is left to train")
+        raise common.UserError("--exit-clients names every client: nobody is left to train")
     kind = args.aberrant[0] if args.aberrant else None
     return {"exited": list(args.exit_clients), "contrib": {},              # I_OOD, C_i^t per client
             "since": 1 if kind == "unreliable" else None,                  # round of the last download
