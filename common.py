@@ -53,6 +53,7 @@ DATASET_DEFAULTS = {
     "pacs": dict(model="resnet18", lr=2.5e-3, batch_size=32, head="mlp"),
     "officehome": dict(model="resnet50", lr=1e-3, batch_size=32, head="mlp"),
     "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
+    "stained": dict(model="mlp", lr=0.1, batch_size=64, clients=50),  # FedIPG VI-C (lr: fedipg.py docstring)
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
     "rcmnist": _RC, "rcfmnist": _RC,
     "waterbird": dict(model="resnet18", lr=1e-3, batch_size=32, clients=4, sample=4, select="last"),
@@ -414,6 +415,7 @@ def make_parser(method, doc):
     a("--p-test", type=float, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts (0.1)")
     a("--select", default=None, choices=["val", "last"],
       help="report the round with the best validation accuracy, or the last (default: val; rcmnist: last)")
+    a("--stain", default="fg", choices=["fg", "bg", "both"], help="stained MNIST: foreground, background or both")
     a("--model", default=None, choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"],
       help="featurizer (default: per dataset)")
     a("--head", default=None, choices=["linear", "mlp"], help="classifier (default: per dataset)")
@@ -540,7 +542,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
     args.eval_every rounds, model selection on validation accuracy; results and checkpoints."""
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
-                   p_test=args.p_test)
+                   p_test=args.p_test, stain=args.stain)
     print(f"data: {ds.source}", flush=True)
     todo = test_domains(args, ds)
     device = torch.device(args.device)

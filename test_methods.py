@@ -707,6 +707,18 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedloe", ["--stage2-lr", "nan"], "--stage2-lr must be positive, got nan"),
     ("fedloe", ["--server-steps", "-1"], "--server-steps must be >= 0, got -1"),
     ("fedloe", ["--clients", "2000"], "too few for a train/tune split; use fewer --clients"),
+    ("fedipg", ["--lam", "-1"], "--lam must be >= 0, got -1.0"),
+    ("fedipg", ["--exit", "auto", "--exit-warmup", "0"], "--exit-warmup must be between 1 and --rounds (100), got 0"),
+    ("fedipg", ["--exit-L", "0"], "--exit-L must be positive, got 0.0"),
+    ("fedipg", ["--exit-clients", "a,b"], "--exit-clients takes client numbers like 3,7, got 'a,b'"),
+    ("fedipg", ["--aberrant", "fast:2"], "--aberrant takes slow:K, unreliable:P or rotate:DEG, got 'fast:2'"),
+    ("fedipg", ["--aberrant", "slow:0"], "--aberrant slow:0: K must be >= 1 and P in (0, 1]"),
+    ("fedipg", ["--aberrant", "unreliable:1.5"], "--aberrant unreliable:1.5: K must be >= 1 and P in (0, 1]"),
+    ("fedipg", ["--exit", "sometimes"], "argument --exit: invalid choice: 'sometimes'"),
+    ("fedipg", QUICK + ["--clients", "4", "--aberrant", "slow:2"], "--aberrant slow needs every client in every round: --sample 4"),
+    ("fedipg", QUICK + ["--aberrant", "rotate:90", "--aberrant-client", "9"], "client 9 does not exist: there are 2 clients"),
+    ("fedipg", QUICK + ["--exit-clients", "0,1"], "--exit-clients names every client"),
+    ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
 ])
 def test_method_flags_bad_input(module, argv, message, capsys):
     assert message in fails(sys.modules[module].main, argv, capsys)
@@ -1151,3 +1163,213 @@ def test_fedloe_end_to_end_frozen_featurizer_bytes_and_resume(tmp_path, monkeypa
     resumed = interrupted_then_resumed(fedloe.main, LOE, str(tmp_path / "cut.json"), monkeypatch,
                                        lambda blob: blob["round"] == 3)
     assert strip_times(resumed) == strip_times(full)
+
+
+# ---------------------------------------------------------------------------------- FedIPG
+
+import fedipg  # noqa: E402
+
+
+def scaled_risk_derivative(model, x, y):
+    """d/ds R(s·w) at s = 1, independently of fedipg: the model called with every parameter times s."""
+    s = torch.ones((), dtype=torch.float64, requires_grad=True)
+    params = {k: s * p for k, p in model.named_parameters()}
+    risk = F.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+    return torch.autograd.grad(risk, s, create_graph=True)[0]
+
+
+@pytest.mark.parametrize("mode", ["layers", "params"])
+def test_fedipg_penalty_and_its_gradient_match_finite_differences(mode):
+    model = tiny_net64()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randint(2, (7,), generator=g)
+    w = list(model.parameters())
+    grad_R = torch.autograd.grad(F.cross_entropy(model(x), y), w)
+    d = scaled_risk_derivative(model, x, y)
+    assert torch.allclose(sum((gi * wi).sum() for gi, wi in zip(grad_R, w)), d, atol=1e-12)   # ⟨∇R, w⟩ = d/ds R(s·w)
+    with torch.no_grad():                                  # and d/ds by a central difference in s
+        fd_s = (F.cross_entropy(torch.func.functional_call(model, {k: 1.000001 * p for k, p in model.named_parameters()}, (x,)), y)
+                - F.cross_entropy(torch.func.functional_call(model, {k: 0.999999 * p for k, p in model.named_parameters()}, (x,)), y)) / 2e-6
+    assert abs(fd_s - d) < 1e-8 and abs(d) > 1e-3
+
+    lam = 0.7
+    f = lambda: F.cross_entropy(model(x), y) + lam * scaled_risk_derivative(model, x, y) ** 2   # Eq. 9 by hand
+    loss = fedipg.ipg_loss(lam, mode)(model, x, y)
+    assert torch.allclose(loss, f(), atol=1e-12)
+    grads = torch.autograd.grad(loss, w)
+    eps = 1e-6
+    for p, gp in zip(w, grads):                            # every entry of every parameter
+        fd = torch.zeros_like(p)
+        for i in range(p.numel()):
+            with torch.no_grad():
+                p.view(-1)[i] += eps
+            up = f().detach()
+            with torch.no_grad():
+                p.view(-1)[i] -= 2 * eps
+            down = f().detach()
+            with torch.no_grad():
+                p.view(-1)[i] += eps
+            fd.view(-1)[i] = (up - down) / (2 * eps)
+        assert torch.allclose(gp, fd, atol=1e-7), (gp, fd)
+    plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
+    assert not torch.allclose(grads[0], plain[0], atol=1e-4)  # the penalty does change the step
+
+
+@pytest.mark.parametrize("arch", ["convnet", "resnet18"])
+def test_fedipg_layer_identity_holds_for_groupnorm_and_batchnorm_models(arch):
+    """⟨∇R, w⟩ from the layer outputs = from the parameter gradients, with GroupNorm, BatchNorm in
+    eval mode and ResNet's in-place additions and ReLUs."""
+    a = type("A", (), dict(model=arch, head="mlp" if arch == "resnet18" else "linear", no_pretrained=True))
+    torch.manual_seed(0)
+    model = common.build_model(a, data.synthetic()).train()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(4, 3, 32, 32, generator=g), torch.randint(4, (4,), generator=g)
+    w = [p for p in model.parameters()]
+    ga = torch.autograd.grad(fedipg.ipg_loss(0.5, "layers")(model, x, y), w)
+    gb = torch.autograd.grad(fedipg.ipg_loss(0.5, "params")(model, x, y), w)
+    scale = max(v.abs().max() for v in gb)
+    assert all(torch.allclose(u, v, atol=1e-4 * scale) for u, v in zip(ga, gb))
+    plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
+    assert any(not torch.allclose(u, v, atol=1e-3 * scale) for u, v in zip(ga, plain))
+
+
+def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path):
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7"]
+    a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
+    b, _ = run(fedipg.main, argv + ["--lam", "0", "--exit", "off"], tmp_path, "ipg.json")
+    assert strip_times(a)["domains"] == strip_times(b)["domains"]
+    c, _ = run(fedipg.main, argv + ["--lam", "0.01"], tmp_path, "ipg.json")
+    assert strip_times(a)["domains"] != strip_times(c)["domains"]
+
+
+def ipg_args(**kw):
+    return tiny_args(**dict(dict(lam=0.0, penalty="layers", exit="off", exit_warmup=3, exit_L=0.5, exit_clients=[],
+                                 aberrant=None, aberrant_client=0), **kw))
+
+
+def recording_local_sgd(log):
+    """Stands in for common.local_sgd: records the model each client starts from, moves it by a
+    client-specific amount."""
+    def fake(model, client, args, ctx, loss_fn=None, **kw):
+        w = common.get_flat(model)
+        log.append((client.id, w.clone()))
+        common.set_flat(model, w + (client.id + 1) * 0.01)
+        return torch.zeros(())
+    return fake
+
+
+def test_fedipg_slow_client_trains_from_the_model_it_last_received(monkeypatch):
+    fed, model = tiny_federation((6, 10, 8)), tiny_model()
+    args = ipg_args(sample=3, aberrant=["slow", 3], aberrant_client=1)
+    state, ctx, log, w = fedipg.init_state(model, fed, args, None), tiny_ctx(), [], {}
+    monkeypatch.setattr(common, "local_sgd", recording_local_sgd(log))
+    for t in range(1, 8):
+        w[t] = common.get_flat(model)
+        log.clear()
+        fedipg.fedipg_round(t, model, fed, args, state, ctx)
+        starts = dict(log)
+        assert torch.equal(starts[0], w[t]) and torch.equal(starts[2], w[t])       # regular: fresh
+        assert (1 in starts) == (t in (3, 6))                                       # slow:3 arrives every 3rd round
+        if t in (3, 6):
+            assert torch.equal(starts[1], w[t - 2])                                 # computed from w^{t−2}: τ = 2
+            n = {0: 6, 1: 10, 2: 8}
+            step = sum(n[i] * (i + 1) * 0.01 for i in n) / 24                       # Eq. 3 on the current model
+            assert torch.allclose(common.get_flat(model), w[t] + step, atol=1e-6)
+
+
+def test_fedipg_unreliable_client_uploads_from_its_last_download(monkeypatch):
+    fed, model = tiny_federation((6, 10)), tiny_model()
+    args = ipg_args(sample=2, aberrant=["unreliable", 0.5], aberrant_client=0)
+    state, ctx, log, w = fedipg.init_state(model, fed, args, None), tiny_ctx(), [], {}
+    replay = torch.Generator().manual_seed(0)                                       # the draws, redone
+    monkeypatch.setattr(common, "local_sgd", recording_local_sgd(log))
+    last, stale = 1, 0
+    for t in range(1, 13):
+        w[t] = common.get_flat(model)
+        log.clear()
+        fedipg.fedipg_round(t, model, fed, args, state, ctx)
+        torch.randperm(2, generator=replay)                                         # sample_clients
+        down, up = (torch.rand(2, generator=replay) < 0.5).tolist()
+        last = t if down else last
+        starts = dict(log)
+        assert (0 in starts) == up
+        if up:
+            assert torch.equal(starts[0], w[last])
+            stale += last < t
+    assert stale >= 1
+
+
+def planted_federation():
+    """Six synthetic clients; client 3's labels are permuted, so its gradient fights the others'."""
+    fed = common.federate(data.synthetic(), 0, 6, seed=0, device="cpu")
+    fed.clients[3].y = (fed.clients[3].y + 1) % 4
+    return fed
+
+
+def test_fedipg_exit_ranks_a_planted_aberrant_client_worst_and_removes_it(capsys):
+    fed = planted_federation()
+    args = type("A", (), dict(model="smallconv", head="linear"))
+    torch.manual_seed(0)
+    model = common.build_model(args, data.synthetic())
+    args = ipg_args(sample=2, lr=0.05, momentum=0.9, batch_size=32, exit="auto", exit_warmup=3, lam=1e-3)
+    state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx()
+    for t in range(1, 5):
+        losses = fedipg.fedipg_round(t, model, fed, args, state, ctx)
+        assert len(losses) == (6 if t <= 3 else 2)                      # warm-up: every client takes part
+    mean = {i: sum(v) / len(v) for i, v in state["contrib"].items()}
+    assert len(state["contrib"][0]) == 3 and min(mean, key=mean.get) == 3
+    assert state["exited"] == [3] and "exiting: [3]" in capsys.readouterr().out
+    for t in range(5, 9):
+        assert 3 not in fedipg.fedipg_round(t, model, fed, args, state, ctx)   # never aggregated again
+
+
+def test_fedipg_contribution_is_eq_13():
+    fed = tiny_federation((6, 10, 4))
+    g = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 1.0])]
+    state = {"contrib": {}}
+    fedipg.contributions(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2], g, [True, True, False])
+    grad_R = (6 * g[0] + 10 * g[1]) / 16                                          # the fresh clients only
+    for i, n in enumerate((6, 10, 4)):
+        expected = 0.1 * n / 20 * (grad_R @ g[i] - 0.25 * g[i] @ g[i]) / (grad_R @ grad_R)
+        assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)
+
+
+def test_fedipg_end_to_end_with_exits_and_aberrant_client_resumes(tmp_path, monkeypatch):
+    argv = QUICK + ["--rounds", "4", "--clients", "6", "--sample", "6", "--test-domain", "2", "--exit", "auto",
+                    "--exit-warmup", "2", "--aberrant", "rotate:180", "--exit-clients", "5"]
+    full, _ = run(fedipg.main, argv, tmp_path, "full.json")
+    d = full["domains"]["style2"]
+    assert d["test_acc"] > 0.6 and d["id_acc"] > 0.6                              # 4 classes: chance 0.25
+    assert 5 in d["exited"] and d["ood_acc"] is not None
+    assert set(d["history"][0]) >= {"id_acc", "ood_acc", "aberrant_acc", "regular_acc", "exited"}
+    resumed = interrupted_then_resumed(fedipg.main, argv, str(tmp_path / "cut.json"), monkeypatch,
+                                       lambda blob: blob["round"] == 2)
+    assert strip_times(resumed) == strip_times(full)
+
+
+def test_stained_mnist_construction():
+    for stain in ("fg", "bg", "both"):
+        ds = data.load("stained", stain=stain)
+        assert [d.name for d in ds.domains] == [f"c{k}" for k in range(10)] and ds.num_classes == 10
+        assert sum(len(d.y) for d in ds.domains) == 5000 and ds.domains[0].x.shape[1:] == (3, 14, 14)
+        for k in (0, 7):
+            x, y = ds.domains[k].x.long(), ds.domains[k].y
+            colour = data.PALETTE[(y + k) % 10]
+            corner = x[:, :, 0, 0]                                                  # background pixel
+            expected = {"fg": torch.zeros_like(colour), "bg": colour, "both": 255 - colour}[stain]
+            assert torch.equal(corner, expected)
+            if stain == "fg":                                                       # strokes: a multiple of the colour
+                i = x.sum(1).flatten(1).argmax(1)
+                top = x.flatten(2)[torch.arange(len(y)), :, i]
+                assert torch.allclose(top.float() / top.max(1, keepdim=True).values, colour.float() / 255, atol=0.02)
+    # the held-out combination pairs every digit with the one colour it never had in training
+    seen = {(int(yy), (int(yy) + k) % 10) for k in range(1, 10) for yy in range(10)}
+    assert not any((d, (d + 0) % 10) in seen for d in range(10))
+
+
+def test_fedipg_on_stained_mnist_learns_its_training_combinations(tmp_path):
+    res, _ = run(fedipg.main, ["--dataset", "stained", "--stain", "fg", "--rounds", "10", "--eval-every", "10",
+                               "--test-domain", "c4"], tmp_path)
+    a = res["args"]
+    assert (a["model"], a["clients"], a["sample"], a["lam"], a["lr"]) == ("mlp", 50, 9, 1e-3, 0.1)
+    assert res["domains"]["c4"]["val_acc"] > 0.2                                    # 10 classes: chance 0.1
