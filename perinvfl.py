@@ -67,7 +67,7 @@ DEFAULTS = {"rcmnist": RC, "rcfmnist": RC, "*": dict(opt="sgd", lam=1.0, anneal=
 def irm_penalty(logits, y):
     """IRMv1: ||∇_{w|w=1} R(w·f)||², the squared derivative of the risk w.r.t. a dummy scale on the
     logits, kept in the graph (double backward) so that its gradient reaches θ."""
-    w = torch.ones((), device=logits.device, requires_grad=True)
+    w = torch.ones((), dtype=logits.dtype, device=logits.device, requires_grad=True)
     g, = torch.autograd.grad(F.cross_entropy(logits * w, y), w, create_graph=True)
     return g.pow(2)
 

@@ -186,9 +186,10 @@ def test_fedavg_synthetic_learns_and_writes_the_results_json(tmp_path):
     assert on_disk == json.loads(json.dumps(res))
     assert set(on_disk) >= {"method", "dataset", "seed", "args", "domains", "mean_test_acc"}
     assert on_disk["method"] == "fedavg" and on_disk["dataset"] == "synthetic" and on_disk["seed"] == 0
-    assert list(on_disk["domains"]) == ["style0", "style1", "style2"]
+    assert list(on_disk["domains"]) == ["style0", "style1", "style2"] and on_disk["complete"] is True
     for d in on_disk["domains"].values():
-        assert set(d) == {"test_acc", "val_acc", "best_round", "last_test_acc", "history"}
+        assert set(d) == {"test_acc", "val_acc", "best_round", "last_test_acc", "history", "train_examples"}
+        assert d["train_examples"] == 2 * 240 - 2 * int(0.1 * 240)     # two training domains, 10% held out
         assert [r["round"] for r in d["history"]] == [2, 4]
         assert all(set(r) == {"round", "val_acc", "test_acc", "loss", "seconds"} for r in d["history"])
         secs = [r["seconds"] for r in d["history"]]
