@@ -43,8 +43,9 @@ Where the paper is silent, and what this file does:
   linear: z = W∗x + b; GroupNorm / BatchNorm: z = γ·x̂ + β), so ⟨∇R, w⟩ = Σ_l ⟨∂R/∂z_l, z_l⟩ over the
   layer outputs z_l: one backward to the activations (with a graph, no weight gradients), then one
   backward of R + λ d² (double backward). On the rmnist ConvNet (CPU, batch 64) this was the
-  cheapest exact way tried: a step costs 2.6× a plain one, against 3.3× for the double backward
-  through ∇_w R (`--penalty params`, benchmark/fedipg_speed.py); forward-over-reverse (torch.func
+  cheapest exact way tried: a step cost 2.6–3.3× a plain one, against 3.3–4.2× for the double
+  backward through ∇_w R (`--penalty params`), and a round 2.9× FedAvg's against 3.6× (two runs of
+  benchmark/fedipg_speed.py); forward-over-reverse (torch.func
   jvp of grad, giving ∇R and the Hessian-vector product Hw at once) and reverse-over-forward (a jvp
   along w inside grad) cost about as much as the latter. Both modes give the same numbers up to
   rounding; a test checks them against finite differences and d/ds R(s·w).
