@@ -526,6 +526,17 @@ def load_checkpoint(path, args):
     return blob
 
 
+def to_device(obj, device):
+    """A method's state (tensors in dicts and lists) moved to `device`."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
 def identity(args):
     """The arguments that decide the numbers of a run (everything but --resume)."""
     return {k: v for k, v in vars(args).items() if k != "resume"}
@@ -595,7 +606,7 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
     start, history, best, spent = 1, [], None, 0.0
     if resume is not None:
         model.load_state_dict(resume["model"])
-        state = resume["state"]
+        state = to_device(resume["state"], device)   # checkpoints load on the CPU
         ctx.gen.set_state(resume["gen"])
         ctx.sampler.set_state(resume["sampler"])
         torch.set_rng_state(resume["torch_rng"])
