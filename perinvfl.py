@@ -97,9 +97,9 @@ def make_opt(net, args, saved=None):
 def batch(client, args, ctx):
     """The client's training split (full batch, the default) or a random minibatch of it."""
     if args.batch_size >= client.n:
-        return ctx.prep(client.x), client.y
+        return ctx.prep(client.x, train=True, gen=ctx.gen), client.y   # (augmented: photos only)
     idx = torch.randperm(client.n, generator=ctx.gen, device=ctx.device)[:args.batch_size]
-    return ctx.prep(client.x[idx]), client.y[idx]
+    return ctx.prep(client.x[idx], train=True, gen=ctx.gen), client.y[idx]
 
 
 # ------------------------------------------------------------------------------- Algorithm 1
