@@ -296,7 +296,7 @@ def add_args(p):
 
 
 def check(args):
-    if args.dataset in data.FL:
+    if args.dataset not in data.LODO:
         raise common.UserError(f"fedloe is leave-one-domain-out; {args.dataset} has fixed clients "
                                f"(choose one of {', '.join(data.LODO)})")
     if args.rounds != BY_STAGES or args.local_epochs != BY_STAGES:

@@ -702,6 +702,7 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedloe", ["--head", "mlp"], "fedloe ensembles linear heads (Eq. 12 is exact only for them)"),
     ("fedloe", ["--sample", "5"], "fedloe uses every client at every communication"),
     ("fedloe", ["--dataset", "mnist"], "fedloe is leave-one-domain-out; mnist has fixed clients"),
+    ("fedloe", ["--dataset", "rcmnist"], "fedloe is leave-one-domain-out; rcmnist has fixed clients"),
     ("fedloe", ["--dg", "coral"], "argument --dg: invalid choice: 'coral'"),
     ("fedloe", ["--dg-lambda", "-1"], "--dg-lambda must be >= 0, got -1.0"),
     ("fedloe", ["--meta-lr", "0"], "--meta-lr must be positive, got 0.0"),
