@@ -31,6 +31,9 @@ PAPERS = {  # (dataset, scenario) -> [(label, mean test accuracy %, source)]
     ("vlcs", "small"): [("fedavg", 76.3, "FedIIR Tab. 1"), ("fediir", 76.6, "FedIIR Tab. 1"),
                         ("fedomg", 82.0, "FedOMG Tab. 2")],
     ("mnist", "fl"): [("fedavg", 93.77, "FedOMG Tab. 1"), ("fedomg", 98.75, "FedOMG Tab. 1")],
+    ("stained-fg", "large"): [("fedavg", 45.73, "FedIPG Tab. III"), ("fedipg", 63.99, "FedIPG Tab. III")],
+    ("stained-bg", "large"): [("fedavg", 49.71, "FedIPG Tab. III"), ("fedipg", 62.77, "FedIPG Tab. III")],
+    ("stained-both", "large"): [("fedavg", 52.78, "FedIPG Tab. III"), ("fedipg", 62.08, "FedIPG Tab. III")],
     ("rcmnist", "fl"): [("fedavg", 20.77, "PerInvFL Tab. 2, p_test 0.1"), ("perinvfl (global)", 51.48, "IRM row"),
                         ("perinvfl", 53.46, "PerInvFL Tab. 2")],
 }
@@ -186,7 +189,8 @@ def report(folder):
              f"({'last round' if a.get('select') == 'last' else 'at the best validation round'}), "
              f"mean ± std over seeds.", ""]
     lines += accuracy_table(runs)
-    paper = PAPERS.get((first["dataset"], scenario(first)))
+    name = first["dataset"] + (f"-{a.get('stain')}" if first["dataset"] == "stained" else "")
+    paper = PAPERS.get((name, scenario(first)))
     if paper:
         lines += ["", "Published (full data, GPUs, the papers' own round counts; not comparable in scale): "
                   + "; ".join(f"{lab} {m:.2f} ({src})" for lab, m, src in paper) + "."]
