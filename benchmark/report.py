@@ -14,6 +14,7 @@ otherwise a plain PNG is drawn with numpy alone (axes and lines; the legend is i
 """
 import argparse
 import json
+import os
 import struct
 import sys
 import zlib
@@ -177,7 +178,7 @@ def plain_png(cs, path, W=640, H=400, pad=40):
     return "plain"
 
 
-def report(folder):
+def report(folder, where="."):
     runs, skipped = load(folder)
     if not runs:
         return [f"## {folder}", "", "no complete results here", ""]
@@ -199,7 +200,8 @@ def report(folder):
     cs = curves(runs)
     how = plot(cs, png, Path(folder).name)
     legend = ", ".join(f"{lab} = rgb{COLOURS[k % len(COLOURS)]}" for k, lab in enumerate(cs))
-    lines += ["", f"![test accuracy against round]({png.name})", "",
+    link = os.path.relpath(png, where)                       # relative to the markdown file
+    lines += ["", f"![test accuracy against round]({link})", "",
               f"Test accuracy (%, mean over seeds and test domains) against round; "
               + ("" if how == "matplotlib" else "y axis 0–100 % (ticks every 10), x axis 0 to the last round; ")
               + f"colours: {legend}."]
@@ -216,7 +218,8 @@ def main(argv=None):
     for f in a.folders:
         if not Path(f).is_dir():
             sys.exit(f"report.py: error: {f} is not a folder of results")
-    text = "\n".join(line for f in a.folders for line in report(f))
+    where = Path(a.out).parent if a.out else Path(a.folders[0])
+    text = "\n".join(line for f in a.folders for line in report(f, where))
     if a.out:
         Path(a.out).write_text(text)
         print(f"report: {a.out}")
