@@ -35,44 +35,43 @@ def label(res):
 
 
 def score(path):
-    """{row label: [acc at each p_test]} for one results file (personalised and global rows)."""
+    """{row label: [acc at each p_test..., acc on the training contexts]} for one results file: the
+    global model, and for perinvfl.py also each client's θ_i on its own data."""
     res = json.loads(Path(path).read_text())
     args = Namespace(**res["args"])
     blob = torch.load(Path(args.out).with_suffix(".ckpt"), map_location="cpu", weights_only=True)
     assert blob["round"] == args.rounds and blob["finished"] == {}, f"{path}: checkpoint is not the last round"
     ctx = common.Context(torch.device("cpu"), None, None, common.make_prep(args.dataset, "cpu"))
-    rows = defaultdict(list)
+    name = label(res)
+    load = {name: lambda model, c: model.load_state_dict(blob["model"])}              # the global model
+    if res["method"] == "perinvfl":
+        load = {name + " (global ν)": load[name],
+                name: lambda model, c: common.set_flat(model, blob["state"]["theta"][c.id])}  # θ_i
+    rows, train = defaultdict(list), {}
     for p in P_TEST:
         ds = data.load(args.dataset, args.data_root, args.seed, p_test=p)
-        fed = common.federate_fixed(ds, args.seed, "cpu")
-        model = common.build_model(args, ds)
-        model.load_state_dict(blob["model"])
-        _, g, _ = common.evaluate_global(model, fed, args, blob["state"], ctx)
-        name = label(res)
-        rows[name + (" (global ν)" if res["method"] == "perinvfl" else "")].append(g)
-        if res["method"] == "perinvfl":
-            hits = []
-            for c in fed.clients:
-                hits.append(common.correct(set_theta(model, blob, c), c.test_x, c.test_y, ctx).float())
-            rows[name].append(torch.cat(hits).mean().item())
-        if p == P_TEST[0]:                # the training contexts are the same for every p_test
-            train = {name + (" (global ν)" if res["method"] == "perinvfl" else ""): None}
-            model.load_state_dict(blob["model"])
-            train[next(iter(train))] = torch.cat([common.correct(model, c.x, c.y, ctx) for c in fed.clients]).float().mean().item()
-            if res["method"] == "perinvfl":
-                train[name] = torch.cat([common.correct(set_theta(model, blob, c), c.x, c.y, ctx)
-                                         for c in fed.clients]).float().mean().item()
+        fed, model = common.federate_fixed(ds, args.seed, "cpu"), common.build_model(args, ds)
+        for row, put in load.items():
+            rows[row].append(accuracy(model, put, fed, ctx, "test"))
+            if p == P_TEST[0]:            # the training contexts are the same for every p_test
+                train[row] = accuracy(model, put, fed, ctx, "train")
         if abs(p - args.p_test) < 1e-9:   # must reproduce the run's own number
-            own = res["domains"]["clients"]
-            assert abs(rows[name][-1] - own["test_acc"]) < 1e-6, (path, rows[name][-1], own["test_acc"])
-    for k, v in train.items():
-        rows[k].append(v)
+            own = res["domains"]["clients"]["test_acc"]
+            assert abs(rows[name][-1] - own) < 1e-6, (path, rows[name][-1], own)
+    for row, acc in train.items():
+        rows[row].append(acc)
     return rows
 
 
-def set_theta(model, blob, client):
-    common.set_flat(model, blob["state"]["theta"][client.id])
-    return model
+def accuracy(model, put, fed, ctx, split):
+    """Pooled accuracy over every client's test context (or training split), each client scored with
+    the weights put(model, client) gives it."""
+    hits = []
+    for c in fed.clients:
+        put(model, c)
+        x, y = (c.test_x, c.test_y) if split == "test" else (c.x, c.y)
+        hits.append(common.correct(model, x, y, ctx))
+    return torch.cat(hits).float().mean().item()
 
 
 def main(paths):
