@@ -120,7 +120,8 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     nu_sum, risks = torch.zeros_like(nu), {}
     for i in common.sample_clients(ctx, N, args.sample):
         client, nq = fed.clients[i], N * state["q"][i]
-        model.train(), theta_net.train()
+        model.train()
+        theta_net.train()
         common.set_flat(model, nu)                                   # ν_{i,0} ← ν^t (line 5)
         opt_nu = make_opt(model, args, state["opt_nu"][i])
         common.set_flat(theta_net, state["theta"][i])

@@ -11,7 +11,6 @@ against the risk's is printed.
 
     python benchmark/fedipg_speed.py                       # 50 clients, 5 sampled
 """
-import argparse
 import statistics
 import sys
 import time
@@ -21,10 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
-import data  # noqa: E402
 import fedavg  # noqa: E402
 import fedipg  # noqa: E402
+from speed import alternate, setup  # noqa: E402  (benchmark/speed.py: the shared CLI and timing loop)
 
 
 def median_time(fn, repeat):
@@ -84,42 +82,15 @@ def step_parts(model, x, y, lam, repeat):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, default=50)
-    p.add_argument("--sample", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=6, help="timed rounds of each variant")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a = p.parse_args()
-    argv = ["--clients", str(a.clients), "--sample", str(a.sample), "--device", a.device]
-    parser = common.make_parser("fedipg", fedipg.__doc__)
-    fedipg.add_args(parser)
-    args = common.resolve(parser.parse_args(argv), "speed")
+    a, args, fed, model, ctx = setup("fedipg", fedipg.__doc__, fedipg.add_args)
     fedipg.check(args)
     args.uniform_avg = False
-    ds = data.load("rmnist")
-    dev = torch.device(a.device)
-    fed = common.federate(ds, 0, a.clients, 0, dev)
-    torch.manual_seed(0)
-    model = common.build_model(args, ds).to(dev)
-    ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                         common.make_prep("rmnist", dev))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     state = fedipg.init_state(model, fed, args, ctx)
     params_args = type("A", (), dict(vars(args), penalty="params"))
-    variants = {"FedAvg": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx),
-                "FedIPG": lambda r: fedipg.fedipg_round(r, model, fed, args, state, ctx),
-                "FedIPG --penalty params": lambda r: fedipg.fedipg_round(r, model, fed, params_args, state, ctx)}
-    times = {k: [] for k in variants}
-    for r in range(a.rounds + 1):                                # round 0 warms up every variant
-        s = ctx.sampler.get_state()
-        for name, fn in variants.items():
-            ctx.sampler.set_state(s)                             # every variant trains the same clients
-            t = time.perf_counter()
-            losses = fn(r + 1)
-            torch.stack(list(losses.values())).sum().item()      # the skeleton's one sync per round
-            sync()
-            if r:
-                times[name].append(time.perf_counter() - t)
+    times = alternate({"FedAvg": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx),
+                       "FedIPG": lambda r: fedipg.fedipg_round(r, model, fed, args, state, ctx),
+                       "FedIPG --penalty params": lambda r: fedipg.fedipg_round(r, model, fed, params_args, state, ctx)},
+                      ctx, a.rounds)
     base = statistics.median(times["FedAvg"])
     print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, λ {args.lam}, "
           f"{a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, medians")

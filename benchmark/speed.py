@@ -40,16 +40,20 @@ def bare_round(model, clients, lr, batch_size):
             opt.step()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(method, doc, add_args=None):
+    """The shared CLI of the speed scripts and what they time: `method`'s arguments resolved for the
+    embedded rmnist, test domain 0 held out, P clients, the model and a context on --device."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--clients", type=int, default=50)
     p.add_argument("--sample", type=int, default=5)
     p.add_argument("--rounds", type=int, default=6, help="timed rounds of each variant")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
+    parser = common.make_parser(method, doc)
+    if add_args:
+        add_args(parser)
     argv = ["--clients", str(a.clients), "--sample", str(a.sample), "--device", a.device]
-    args = common.resolve(common.make_parser("fedavg", fedavg.__doc__).parse_args(argv), "speed")
-    args.uniform_avg, args.gamma, args.ema, args.gbar, args.half = False, fediir.GAMMA["rmnist"], 0.95, "batches", False
+    args = common.resolve(parser.parse_args(argv), "speed")
     ds = data.load("rmnist")
     dev = torch.device(a.device)
     fed = common.federate(ds, 0, a.clients, 0, dev)
@@ -57,41 +61,47 @@ def main():
     model = common.build_model(args, ds).to(dev)
     ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
                          common.make_prep("rmnist", dev))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    harness, bare, iir, images = [], [], [], []
-    iir_state = fediir.init_state(model, fed, args, ctx)
-    for r in range(a.rounds + 1):                     # round 0 warms up both
-        state = ctx.sampler.get_state()
-        t = time.perf_counter()
-        losses = fedavg.fedavg_round(r, model, fed, args, {}, ctx)
-        torch.stack(list(losses.values())).sum().item()  # the skeleton's one sync per round
-        sync()
-        th = time.perf_counter() - t
-        ctx.sampler.set_state(state)                  # the bare loop trains the same clients
+    return a, args, fed, model, ctx
+
+
+def alternate(variants, ctx, rounds):
+    """{name: [seconds of each timed round]}: in every round each variant in turn, all on the same
+    sampled clients; round 0 warms them up. A variant returning losses is synchronised once, as the
+    skeleton does."""
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    times = {k: [] for k in variants}
+    for r in range(rounds + 1):
+        s = ctx.sampler.get_state()
+        for name, fn in variants.items():
+            ctx.sampler.set_state(s)
+            t = time.perf_counter()
+            losses = fn(r + 1)
+            if losses:
+                torch.stack(list(losses.values())).sum().item()
+            sync()
+            if r:
+                times[name].append(time.perf_counter() - t)
+    return times
+
+
+def main():
+    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__)
+    args.uniform_avg, args.gamma, args.ema, args.gbar, args.half = False, fediir.GAMMA["rmnist"], 0.95, "batches", False
+    iir_state, images = fediir.init_state(model, fed, args, ctx), []
+
+    def bare(r):
         sampled = [fed.clients[c] for c in common.sample_clients(ctx, len(fed.clients), args.sample)]
-        t = time.perf_counter()
+        images.append(sum(c.n for c in sampled))
         bare_round(model, sampled, args.lr, args.batch_size)
-        sync()
-        tb = time.perf_counter() - t
-        ctx.sampler.set_state(state)
-        t = time.perf_counter()
-        losses = fediir.fediir_round(r, model, fed, args, iir_state, ctx)
-        torch.stack(list(losses.values())).sum().item()
-        sync()
-        ti = time.perf_counter() - t
-        if r:
-            harness.append(th)
-            bare.append(tb)
-            iir.append(ti)
-            images.append(sum(c.n for c in sampled))
-    n = statistics.median(images)
-    h, b = statistics.median(harness), statistics.median(bare)
+    times = alternate({"harness": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx), "bare": bare,
+                       "iir": lambda r: fediir.fediir_round(r, model, fed, args, iir_state, ctx)}, ctx, a.rounds)
+    n = statistics.median(images[1:])
+    h, b, i = (statistics.median(times[k]) for k in ("harness", "bare", "iir"))
     print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, {a.device}, "
           f"{torch.get_num_threads()} threads, {a.rounds} rounds each, medians")
     print(f"harness (fedavg_round): {h:.3f} s/round, {n / h:,.0f} images/s")
     print(f"bare training loop:     {b:.3f} s/round, {n / b:,.0f} images/s")
     print(f"harness overhead: {100 * (h / b - 1):+.1f}%")
-    i = statistics.median(iir)
     print(f"FedIIR round:           {i:.3f} s/round, {n / i:,.0f} images/s, {i / h:.2f} x the FedAvg round")
 
 
