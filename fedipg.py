@@ -40,16 +40,22 @@ Where the paper is silent, and what this file does:
 - A client that delivered nothing during the warm-up exits: its delay exceeds the warm-up, and by
   Theorem 2 a contribution turns negative as τ grows. --exit-warmup defaults to 5 rounds (chosen: a
   slow:K client with K ≤ 5 arrives at least once). Clients can also be named: --exit-clients 3,7.
-- The penalty and its gradient, exactly. Every layer holding parameters is affine in them (conv,
-  linear: z = W∗x + b; GroupNorm / BatchNorm: z = γ·x̂ + β), so ⟨∇R, w⟩ = Σ_l ⟨∂R/∂z_l, z_l⟩ over the
-  layer outputs z_l: one backward to the activations (with a graph, no weight gradients), then one
-  backward of R + λ d² (double backward). On the rmnist ConvNet (CPU, batch 64) this was the
-  cheapest exact way tried: a step cost 2.6–3.3× a plain one, against 3.3–4.2× for the double
-  backward through ∇_w R (`--penalty params`), and a round 2.9× FedAvg's against 3.6× (two runs
-  of benchmark/fedipg_speed.py); forward-over-reverse (torch.func.jvp of grad, giving ∇R and the
-  Hessian-vector product Hw at once) and reverse-over-forward (a jvp along w inside grad) cost as
-  much as the latter or more (measured once, not kept). Both modes give the same numbers up to
-  rounding; a test checks them against finite differences and d/ds R(s·w).
+- The penalty and its gradient, exactly, three ways (--penalty; all equal up to rounding, tested
+  against finite differences and against d/ds R(s·w) by scaling the model):
+  tangent  d = ⟨∂R/∂z, ż⟩ at the logits, ż = d/ds z(x; s·w) carried forward beside z by hand
+           (forward mode along w; the rules in `tangent`), then one backward of R + λ d² through
+           both streams (reverse over forward). Plain chains of layers only (MLP, ConvNets).
+  layers   every layer holding parameters is affine in them (conv, linear: z = W∗x + b; GroupNorm /
+           BatchNorm: z = γ·x̂ + β), so d = Σ_l ⟨∂R/∂z_l, z_l⟩ over the layer outputs: a backward to
+           the activations with a graph, then a double backward. Any such model (ResNets).
+  params   d = ⟨∇_w R, w⟩ from the parameter gradients with a graph, then a double backward.
+  The default, auto, takes tangent where it applies, else layers. On the rmnist ConvNet (CPU, one
+  thread, benchmark/fedipg_speed.py) a round cost 2.4× FedAvg's with tangent, 2.9× with layers and
+  3.5× with params: tangent needs one extra convolution per layer forward (none for the first)
+  and differentiates ordinary ops, where the double backward differentiates each transposed
+  convolution of the first backward and GroupNorm's backward (many small kernels). Forward-over-
+  reverse (torch.func.jvp of grad: ∇R and the Hessian-vector product Hw at once) and torch's own
+  forward AD under grad cost as much as params or more (measured once, not kept).
 - λ (Figure 4: (1e-4, 1e-2) helps, smaller for complex tasks): 1e-3 for rmnist, stained and
   synthetic (the middle of the range), 1e-4 for the ResNet datasets (its low end, as advised).
 - Stained MNIST (Section VI-C, data.stained states its construction): the MLP of IRM's
@@ -85,9 +91,69 @@ from data import rotate
 
 LAMBDA = {"rmnist": 1e-3, "stained": 1e-3, "synthetic": 1e-3, "pacs": 1e-4, "vlcs": 1e-4, "officehome": 1e-4}
 AFFINE = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.BatchNorm2d)   # outputs affine in their own parameters
+CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.Flatten)
 
 
 # ------------------------------------------------------------------------ the penalty (Eq. 9)
+
+def chain(model):
+    """The model as a list of layers if it is a plain chain of the layers `tangent` knows, else None."""
+    parts = [model.featurizer, model.classifier] if isinstance(model, common.Net) else [model]
+    layers = [m for part in parts for m in (part if isinstance(part, nn.Sequential) else [part])]
+    ok = all(type(m) in CHAIN and getattr(m, "affine", True) for m in layers)
+    return layers if ok else None
+
+
+def tangent(layers, x):
+    """The logits z and ż = d/ds z(x; s·w) at s = 1, carried forward by hand beside z, as ordinary
+    differentiable tensors (forward mode along w itself; autograd then differentiates both streams):
+        conv / linear  z = W a + b    ż = W ȧ + z                  ȧ = 0: ż = z;  ȧ = a: ż = 2z − b
+        GroupNorm      y = γ x̂ + β    ẏ = γ ⊙ rstd (ȧ − mean ȧ − x̂ mean(x̂ ȧ)) + y      (per group)
+                                      ȧ = a: ẏ = γ ⊙ x̂ eps rstd² + y  (scale-free but for eps)
+        ReLU, pools, flatten: piecewise linear, applied to ȧ as to a (ReLU: ȧ ⊙ 1[a > 0]; max pool:
+        ȧ at the argmax).
+    ȧ = 0 and ȧ = a hold exactly from the input up to the first GroupNorm or hidden linear layer;
+    they are tracked (da is None, da is a) to skip the products they make unnecessary."""
+    a, da = x, None
+    for m in layers:
+        same = da is a
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            z = m(a)
+            if da is None:
+                da = z
+            elif same and m.bias is not None:
+                da = 2 * z - m.bias.view(-1, *[1] * (z.dim() - 2))
+            else:
+                da = z + (m._conv_forward(da, m.weight, None) if isinstance(m, nn.Conv2d) else F.linear(da, m.weight))
+            a = z
+        elif isinstance(m, nn.GroupNorm):
+            N, C, G = a.shape[0], a.shape[1], m.num_groups
+            xc = a.reshape(N, G, -1) - a.reshape(N, G, -1).mean(-1, keepdim=True)
+            rstd = ((xc * xc).mean(-1, keepdim=True) + m.eps).rsqrt()
+            shape, gamma = (N, C) + (1,) * (a.dim() - 2), m.weight.view(1, G, -1)
+            y = F.group_norm(a, G, m.weight, m.bias, m.eps)
+            if da is None:
+                da = y
+            elif same:
+                da = torch.addcmul(y, xc.view_as(a), (m.eps * rstd ** 3 * gamma).reshape(shape))
+            else:
+                xh, dg = xc * rstd, da.reshape(N, G, -1)
+                dxh = torch.addcmul(dg - dg.mean(-1, keepdim=True), xh, (xh * dg).mean(-1, keepdim=True), value=-1)
+                da = torch.addcmul(y, dxh.view_as(a), (rstd * gamma).reshape(shape))
+            a = y
+        else:
+            if isinstance(m, nn.MaxPool2d):
+                b, idx = F.max_pool2d(a, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, True)
+            else:
+                b = m(a)
+            if same:
+                da = b
+            elif da is not None:
+                da = (da * (a > 0).to(a.dtype) if isinstance(m, nn.ReLU) else
+                      da.flatten(2).gather(2, idx.flatten(2)).view_as(b) if isinstance(m, nn.MaxPool2d) else m(da))
+            a = b
+    return a, da
+
 
 def affine_layers(model):
     layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
@@ -98,11 +164,15 @@ def affine_layers(model):
     return layers
 
 
-def ipg_loss(lam, mode="layers"):
-    """f_i = R_i + λ d², d = ⟨∇R_i(w), w⟩ (Eq. 9); its gradient by double backward."""
+def ipg_loss(lam, mode="auto"):
+    """f_i = R_i + λ d², d = ⟨∇R_i(w), w⟩ (Eq. 9), in one of three exact ways (docstring)."""
     def loss_fn(model, x, y):
         if lam == 0:
             return common.cross_entropy(model, x, y)
+        if mode == "tangent" or (mode == "auto" and chain(model)):                                   # d = ⟨∂R/∂z, ż⟩ at the logits
+            z, dz = tangent(chain(model), x)
+            d = ((z.softmax(1) - F.one_hot(y, z.shape[1]).to(z.dtype)) * dz).sum(1).mean()
+            return F.cross_entropy(z, y) + lam * d * d
         if mode == "params":                                    # d = Σ ⟨∂R/∂w, w⟩ over the parameters
             risk = common.cross_entropy(model, x, y)
             w = [p for p in model.parameters() if p.requires_grad]
@@ -219,7 +289,10 @@ def init_state(model, fed, args, ctx):
         c = fed.clients[args.aberrant_client]
         c.x, c.val_x = (rotate(v.cpu(), args.aberrant[1]).to(v.device) for v in (c.x, c.val_x))
         fed.val_x = torch.cat([c.val_x for c in fed.clients])
-    if args.penalty == "layers" and args.lam > 0:
+    if args.penalty == "tangent" and args.lam > 0 and not chain(model):
+        raise common.UserError(f"--penalty tangent needs a chain of {', '.join(m.__name__ for m in CHAIN)} "
+                               f"(not --model {args.model}); use --penalty layers")
+    if args.penalty in ("auto", "layers") and args.lam > 0 and not chain(model):
         affine_layers(model)                                               # refuse other layers early
     if len(args.exit_clients) >= P:
         raise common.UserError("--exit-clients names every client: nobody is left to train")
@@ -255,8 +328,9 @@ def evaluate(model, fed, args, state, ctx):
 
 def add_args(p):
     p.add_argument("--lam", type=float, default=None, help="penalty weight λ (default: 1e-3; 1e-4 for ResNets)")
-    p.add_argument("--penalty", default="layers", choices=["layers", "params"],
-                   help="⟨∇R, w⟩ from the layer outputs (cheaper) or the parameter gradients")
+    p.add_argument("--penalty", default="auto", choices=["auto", "tangent", "layers", "params"],
+                   help="⟨∇R, w⟩ carried forward (tangent), from the layer outputs or from the parameter "
+                        "gradients; auto: tangent for chains of plain layers (MLP, ConvNets), else layers")
     p.add_argument("--exit", default="off", choices=["off", "auto"], help="the exit strategy (Section IV)")
     p.add_argument("--exit-warmup", type=int, default=5, help="rounds of contribution estimates before exits")
     p.add_argument("--exit-L", type=float, default=0.5, help="smoothness L of Eq. 13 (dimensionless here)")

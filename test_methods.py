@@ -721,6 +721,8 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedipg", QUICK + ["--aberrant", "rotate:90", "--aberrant-client", "9"], "client 9 does not exist: there are 2 clients"),
     ("fedipg", QUICK + ["--exit-clients", "0,1"], "--exit-clients names every client"),
     ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
+    ("fedipg", QUICK + ["--model", "resnet18", "--no-pretrained", "--penalty", "tangent"],
+     "--penalty tangent needs a chain of Conv2d, Linear, ReLU, GroupNorm, MaxPool2d, AdaptiveAvgPool2d, Flatten"),
 ])
 def test_method_flags_bad_input(module, argv, message, capsys):
     assert message in fails(sys.modules[module].main, argv, capsys)
@@ -1180,11 +1182,22 @@ def scaled_risk_derivative(model, x, y):
     return torch.autograd.grad(risk, s, create_graph=True)[0]
 
 
-@pytest.mark.parametrize("mode", ["layers", "params"])
-def test_fedipg_penalty_and_its_gradient_match_finite_differences(mode):
-    model = tiny_net64()
+def tiny_chain64():
+    """Conv, ReLU, GroupNorm, max pool, a second block, average pool and an MLP head: every rule of
+    fedipg.tangent, the ȧ = 0 and ȧ = a shortcuts and the general case."""
+    torch.manual_seed(1)
+    nn = torch.nn
+    return common.Net(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.GroupNorm(2, 4), nn.MaxPool2d(2),
+                                    nn.Conv2d(4, 4, 3), nn.ReLU(), nn.GroupNorm(2, 4), nn.AdaptiveAvgPool2d(1),
+                                    nn.Flatten(), nn.Linear(4, 3), nn.ReLU()), nn.Linear(3, 2)).double()
+
+
+@pytest.mark.parametrize("mode,net", [("layers", "mlp"), ("params", "mlp"), ("tangent", "chain"), ("layers", "chain")])
+def test_fedipg_penalty_and_its_gradient_match_finite_differences(mode, net):
+    model = tiny_net64() if net == "mlp" else tiny_chain64()
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randint(2, (7,), generator=g)
+    shape = (7, 4) if net == "mlp" else (7, 1, 6, 6)
+    x, y = torch.randn(*shape, generator=g, dtype=torch.float64), torch.randint(2, (7,), generator=g)
     w = list(model.parameters())
     grad_R = torch.autograd.grad(F.cross_entropy(model(x), y), w)
     d = scaled_risk_derivative(model, x, y)
@@ -1217,6 +1230,25 @@ def test_fedipg_penalty_and_its_gradient_match_finite_differences(mode):
     assert not torch.allclose(grads[0], plain[0], atol=1e-4)  # the penalty does change the step
 
 
+@pytest.mark.parametrize("arch", ["convnet", "cnn", "mlp"])
+def test_fedipg_tangent_penalty_equals_the_parameter_gradient_one(arch):
+    """--penalty tangent (forward by hand) against --penalty params (double backward through ∇_w R) on
+    the models it serves, in float64: the loss and every gradient entry, and the mode auto picks it."""
+    a = type("A", (), dict(model=arch, head="linear", no_pretrained=True))
+    torch.manual_seed(0)
+    model = common.build_model(a, data.synthetic()).double()
+    assert fedipg.chain(model) is not None
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(5, 3, 16, 16, generator=g, dtype=torch.float64), torch.randint(4, (5,), generator=g)
+    w = list(model.parameters())
+    lt, lp = fedipg.ipg_loss(0.5, "tangent")(model, x, y), fedipg.ipg_loss(0.5, "params")(model, x, y)
+    assert torch.allclose(lt, lp, rtol=1e-12) and torch.equal(lt, fedipg.ipg_loss(0.5)(model, x, y))
+    gt, gp = torch.autograd.grad(lt, w), torch.autograd.grad(lp, w)
+    assert all(torch.allclose(u, v, rtol=1e-9, atol=1e-12 * v.abs().max()) for u, v in zip(gt, gp))
+    plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
+    assert any(not torch.allclose(u, v, rtol=1e-6) for u, v in zip(gt, plain))
+
+
 @pytest.mark.parametrize("arch", ["convnet", "resnet18"])
 def test_fedipg_layer_identity_holds_for_groupnorm_and_batchnorm_models(arch):
     """⟨∇R, w⟩ from the layer outputs = from the parameter gradients, with GroupNorm, BatchNorm in
@@ -1229,6 +1261,9 @@ def test_fedipg_layer_identity_holds_for_groupnorm_and_batchnorm_models(arch):
     w = [p for p in model.parameters()]
     ga = torch.autograd.grad(fedipg.ipg_loss(0.5, "layers")(model, x, y), w)
     gb = torch.autograd.grad(fedipg.ipg_loss(0.5, "params")(model, x, y), w)
+    if arch == "resnet18":                                 # not a plain chain: auto takes layers
+        assert fedipg.chain(model) is None
+        assert all(torch.equal(u, v) for u, v in zip(ga, torch.autograd.grad(fedipg.ipg_loss(0.5)(model, x, y), w)))
     scale = max(v.abs().max() for v in gb)
     assert all(torch.allclose(u, v, atol=1e-4 * scale) for u, v in zip(ga, gb))
     plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
@@ -1245,7 +1280,7 @@ def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path):
 
 
 def ipg_args(**kw):
-    return tiny_args(**dict(dict(lam=0.0, penalty="layers", exit="off", exit_warmup=3, exit_L=0.5, exit_clients=[],
+    return tiny_args(**dict(dict(lam=0.0, penalty="auto", exit="off", exit_warmup=3, exit_L=0.5, exit_clients=[],
                                  aberrant=None, aberrant_client=0), **kw))
 
 

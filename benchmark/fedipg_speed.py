@@ -1,15 +1,16 @@
 """What a FedIPG round costs against a FedAvg round, and where the extra time goes.
 
 On the embedded RotatedMNIST (test domain 0), P clients with C sampled per round: a FedAvg round
-(fedavg.py), a FedIPG round with the penalty from the layer outputs (the default) and one with the
-penalty from the parameter gradients (--penalty params), all training the same sampled clients with
-the same model, batch size and optimiser, timed alternately in one process (this machine is shared
-and noisy); medians are compared. Then one batch of 64 is timed step by step: a plain step (forward
-+ backward) against the penalised step's parts (forward with the hooks, the backward to the layer
-outputs with a graph, the double backward of R + λ d²), and the size of the penalty's gradient
-against the risk's is printed.
+(fedavg.py) and FedIPG rounds with each way of computing the penalty (--penalty tangent, the
+default for this ConvNet; layers; params), all training the same sampled clients with the same
+model, batch size and optimiser, timed alternately in one process (this machine is shared and
+noisy); medians are compared. Then one batch of 64 is timed: a plain step (forward + backward), the
+tangent mode's two forward streams alone, and each penalised step; and the size of the penalty's
+gradient against the risk's is printed. --clock cpu times this process's CPU use instead of the
+wall clock (steadier when other jobs share the CPU).
 
     python benchmark/fedipg_speed.py                       # 50 clients, 5 sampled
+    python benchmark/fedipg_speed.py --clock cpu --rounds 10
 """
 import statistics
 import sys
@@ -25,60 +26,47 @@ import fedipg  # noqa: E402
 from speed import alternate, setup  # noqa: E402  (benchmark/speed.py: the shared CLI and timing loop)
 
 
-def median_time(fn, repeat):
+def median_time(fn, repeat, clock):
     times = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
 
 
-def step_parts(model, x, y, lam, repeat):
-    """Seconds of a plain step and of the parts of the penalised step, on one batch."""
+def step_parts(model, x, y, lam, repeat, clock):
+    """Seconds of a plain step and of each penalised step (and the tangent step's forward), one batch."""
     w = list(model.parameters())
+    layers = fedipg.chain(model)
+
     def plain():
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
-    z = []
 
-    def keep(module, inputs, out):
-        z.append(out)
-        return out.clone()
+    def tangent_forward():
+        with torch.no_grad():
+            fedipg.tangent(layers, x)
 
-    def forward():
-        z.clear()
-        hooks = [m.register_forward_hook(keep) for m in fedipg.affine_layers(model)]
-        risk = F.cross_entropy(model(x), y)
-        for h in hooks:
-            h.remove()
-        return risk
-
-    def to_layers():
-        risk = forward()
-        dz = torch.autograd.grad(risk, z, create_graph=True)
-        return risk, sum((a * b).sum() for a, b in zip(dz, z))
-
-    def full():
-        model.zero_grad()
-        risk, d = to_layers()
-        (risk + lam * d * d).backward()
-
-    def params():
-        model.zero_grad()
-        fedipg.ipg_loss(lam, "params")(model, x, y).backward()
-    model.zero_grad()
-    risk, d = to_layers()
+    def step(mode):
+        def f():
+            model.zero_grad()
+            fedipg.ipg_loss(lam, mode)(model, x, y).backward()
+        return f
+    z, dz = fedipg.tangent(layers, x)
+    risk = F.cross_entropy(z, y)
+    d = ((z.softmax(1) - F.one_hot(y, z.shape[1]).to(z.dtype)) * dz).sum(1).mean()
     g_R = torch.autograd.grad(risk, w, retain_graph=True)
     g_P = torch.autograd.grad(lam * d * d, w)
     norm = lambda gs: sum((v ** 2).sum() for v in gs).sqrt().item()
     print(f"at the model after the timed rounds, on one batch: R = {risk.item():.4f}, d = <grad R, w> = {d.item():.4f}, "
           f"|grad(lam d^2)| / |grad R| = {norm(g_P) / norm(g_R):.2e}")
-    plain(), full(), params()                                    # warm-up
-    out = {k: median_time(f, repeat) for k, f in
-           (("plain step", plain), ("forward with hooks", forward), ("+ backward to the layer outputs", to_layers),
-            ("+ double backward (the whole step)", full), ("--penalty params step", params))}
-    return out
+    variants = (("plain step", plain), ("tangent: the two forward streams", tangent_forward),
+                ("--penalty tangent step", step("tangent")), ("--penalty layers step", step("layers")),
+                ("--penalty params step", step("params")))
+    for _, f in variants:                                       # warm-up
+        f()
+    return {k: median_time(f, repeat, clock) for k, f in variants}
 
 
 def main():
@@ -86,20 +74,20 @@ def main():
     fedipg.check(args)
     args.uniform_avg = False
     state = fedipg.init_state(model, fed, args, ctx)
-    params_args = type("A", (), dict(vars(args), penalty="params"))
+    mode = {m: type("A", (), dict(vars(args), penalty=m)) for m in ("tangent", "layers", "params")}
     times = alternate({"FedAvg": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx),
-                       "FedIPG": lambda r: fedipg.fedipg_round(r, model, fed, args, state, ctx),
-                       "FedIPG --penalty params": lambda r: fedipg.fedipg_round(r, model, fed, params_args, state, ctx)},
-                      ctx, a.rounds)
+                       **{f"FedIPG --penalty {m}": (lambda r, m=m: fedipg.fedipg_round(r, model, fed, mode[m], state, ctx))
+                          for m in mode}}, ctx, a.rounds, a.clock)
     base = statistics.median(times["FedAvg"])
     print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, λ {args.lam}, "
-          f"{a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, medians")
+          f"{a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, medians of "
+          f"{'CPU' if a.clock is time.process_time else 'wall-clock'} time")
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"{name + ':':26s} {m:.3f} s/round, {m / base:.2f} x FedAvg")
+        print(f"{name + ':':27s} {m:.3f} s/round, {m / base:.2f} x FedAvg")
     x = ctx.prep(fed.clients[0].x[:64])
-    parts = step_parts(model, x, fed.clients[0].y[:64], args.lam, 2 * a.rounds + 1)
-    print("one batch of 64 (cumulative):")
+    parts = step_parts(model, x, fed.clients[0].y[:64], args.lam, 2 * a.rounds + 1, a.clock)
+    print("one batch of 64:")
     for k, v in parts.items():
         print(f"  {k:36s} {v * 1e3:8.1f} ms  {v / parts['plain step']:.2f} x the plain step")
 

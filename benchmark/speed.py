@@ -48,7 +48,10 @@ def setup(method, doc, add_args=None):
     p.add_argument("--sample", type=int, default=5)
     p.add_argument("--rounds", type=int, default=6, help="timed rounds of each variant")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="wall-clock, or this process's CPU time (steadier on a loaded machine; CPU only)")
     a = p.parse_args()
+    a.clock = time.process_time if a.clock == "cpu" and a.device == "cpu" else time.perf_counter
     parser = common.make_parser(method, doc)
     if add_args:
         add_args(parser)
@@ -64,7 +67,7 @@ def setup(method, doc, add_args=None):
     return a, args, fed, model, ctx
 
 
-def alternate(variants, ctx, rounds):
+def alternate(variants, ctx, rounds, clock=time.perf_counter):
     """{name: [seconds of each timed round]}: in every round each variant in turn, all on the same
     sampled clients; round 0 warms them up. A variant returning losses is synchronised once, as the
     skeleton does."""
@@ -74,13 +77,13 @@ def alternate(variants, ctx, rounds):
         s = ctx.sampler.get_state()
         for name, fn in variants.items():
             ctx.sampler.set_state(s)
-            t = time.perf_counter()
+            t = clock()
             losses = fn(r + 1)
             if losses:
                 torch.stack(list(losses.values())).sum().item()
             sync()
             if r:
-                times[name].append(time.perf_counter() - t)
+                times[name].append(clock() - t)
     return times
 
 
@@ -94,7 +97,7 @@ def main():
         images.append(sum(c.n for c in sampled))
         bare_round(model, sampled, args.lr, args.batch_size)
     times = alternate({"harness": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx), "bare": bare,
-                       "iir": lambda r: fediir.fediir_round(r, model, fed, args, iir_state, ctx)}, ctx, a.rounds)
+                       "iir": lambda r: fediir.fediir_round(r, model, fed, args, iir_state, ctx)}, ctx, a.rounds, a.clock)
     n = statistics.median(images[1:])
     h, b, i = (statistics.median(times[k]) for k in ("harness", "bare", "iir"))
     print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, {a.device}, "
