@@ -113,13 +113,19 @@ def speed_table(runs):
                 last = d["history"][-1]
                 s = last["seconds"] / last["round"]
                 sec.append(s)
-                if "train_examples" in d:
-                    ips.append(d["train_examples"] * a["sample"] / a["clients"] * a["local_epochs"] / s)
+                if "train_examples" in d:                  # images through local training, whole run
+                    trained = a.get("stage1_comms", last["round"])   # fedloe: stage 1 trains, stage 2 heads only
+                    ips.append(d["train_examples"] * a["sample"] / a["clients"] * a["local_epochs"] * trained
+                               / last["seconds"])
         rates[lab] = (np.mean(sec), np.mean(ips) if ips else float("nan"))
     base = rates.get("fedavg", (None,))[0]
     for lab, (s, i) in rates.items():
         ratio = f"{s / base:.2f}" if base else "–"
         lines.append(f"| {lab} | {s:.3f} | {i:,.0f} | {ratio} |")
+    if any(r["method"] == "fedloe" for rs in runs.values() for r in rs):
+        lines += ["", "fedloe: a round is one communication (stage 1: every client trains E1/K1 local epochs; "
+                  "stage 2: heads only), so its s / round is not a FedAvg round's; its images / s counts the "
+                  "stage-1 images over the whole run."]
     return lines
 
 

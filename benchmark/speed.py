@@ -1,15 +1,17 @@
 """How much the harness costs (FedAvg rounds through common.py against a bare training loop) and
-what a FedIIR round costs against a FedAvg round.
+what a round of every method that runs on this setting costs against a FedAvg round.
 
-On the embedded RotatedMNIST (test domain 0), P clients with C sampled per round, both variants train
-the same sampled clients with the same model, batch size and optimiser (fresh SGD, momentum 0.9)
-for one local epoch. The harness round also resets each client to θ, flattens its update and
-aggregates. A FedIIR round (its g_bar pass plus the penalised steps, Table 3's γ) trains the same
-clients too. The variants are timed alternately in one process (this machine is shared and noisy)
-and the medians are compared.
+On the embedded RotatedMNIST (test domain 0), P clients with C sampled per round, every variant
+trains the same sampled clients with the same model, batch size and optimiser for one local epoch,
+each method with its own defaults for rmnist (FedIIR: Table 3's γ; FedOMG: its server step; FedIPG:
+λ 1e-3, --penalty auto). The bare loop is what a researcher would write in a few lines (fresh SGD,
+momentum 0.9); the harness round also resets each client to θ, flattens its update and aggregates.
+The variants are timed alternately in one process (this machine is shared and noisy) and the
+medians are compared. FedLOE (every client in every communication, Adam) and PerInvFL (fixed-client
+datasets only) do not fit this setting: their speed is in the benchmark's tables.
 
     python benchmark/speed.py                       # 50 clients, 5 sampled
-    python benchmark/speed.py --clients 5 --rounds 3
+    python benchmark/speed.py --clients 5 --rounds 3 --clock cpu
 """
 import argparse
 import statistics
@@ -25,6 +27,8 @@ import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
 import fediir  # noqa: E402
+import fedipg  # noqa: E402
+import fedomg  # noqa: E402
 
 
 def bare_round(model, clients, lr, batch_size):
@@ -87,25 +91,42 @@ def alternate(variants, ctx, rounds, clock=time.perf_counter):
     return times
 
 
+def method_args(module, name, a):
+    """`name`'s arguments for this setting, resolved as its script resolves them."""
+    p = common.make_parser(name, module.__doc__)
+    module.add_args(p)
+    args = common.resolve(p.parse_args(["--clients", str(a.clients), "--sample", str(a.sample), "--device", a.device]),
+                          "speed", getattr(module, "DEFAULTS", None))
+    if hasattr(module, "check"):
+        module.check(args)
+    return args
+
+
 def main():
-    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__)
-    args.uniform_avg, args.gamma, args.ema, args.gbar, args.half = False, fediir.GAMMA["rmnist"], 0.95, "batches", False
-    iir_state, images = fediir.init_state(model, fed, args, ctx), []
+    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args)
+    rounds = {"FedAvg (harness)": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx)}
+    for name, module in (("FedIIR", fediir), ("FedOMG", fedomg), ("FedIPG", fedipg)):
+        m_args = method_args(module, name.lower(), a)
+        state = module.init_state(model, fed, m_args, ctx)
+        fn = getattr(module, f"{name.lower()}_round")
+        rounds[name] = lambda r, fn=fn, m_args=m_args, state=state: fn(r, model, fed, m_args, state, ctx)
+    images = []
 
     def bare(r):
         sampled = [fed.clients[c] for c in common.sample_clients(ctx, len(fed.clients), args.sample)]
         images.append(sum(c.n for c in sampled))
         bare_round(model, sampled, args.lr, args.batch_size)
-    times = alternate({"harness": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx), "bare": bare,
-                       "iir": lambda r: fediir.fediir_round(r, model, fed, args, iir_state, ctx)}, ctx, a.rounds, a.clock)
+    times = alternate({**rounds, "bare training loop": bare}, ctx, a.rounds, a.clock)
     n = statistics.median(images[1:])
-    h, b, i = (statistics.median(times[k]) for k in ("harness", "bare", "iir"))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["FedAvg (harness)"]
     print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, {a.device}, "
-          f"{torch.get_num_threads()} threads, {a.rounds} rounds each, medians")
-    print(f"harness (fedavg_round): {h:.3f} s/round, {n / h:,.0f} images/s")
-    print(f"bare training loop:     {b:.3f} s/round, {n / b:,.0f} images/s")
-    print(f"harness overhead: {100 * (h / b - 1):+.1f}%")
-    print(f"FedIIR round:           {i:.3f} s/round, {n / i:,.0f} images/s, {i / h:.2f} x the FedAvg round")
+          f"{torch.get_num_threads()} threads, {a.rounds} rounds each, medians of "
+          f"{'CPU' if a.clock is time.process_time else 'wall-clock'} time\n")
+    print("| round | s / round | images / s | × FedAvg |\n|---|---|---|---|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |")
+    print(f"\nharness overhead against the bare loop: {100 * (base / med['bare training loop'] - 1):+.1f}%")
 
 
 if __name__ == "__main__":
