@@ -137,8 +137,9 @@ def tangent(layers, x):
             elif same:
                 da = torch.addcmul(y, xc.view_as(a), (m.eps * rstd ** 3 * gamma).reshape(shape))
             else:
-                xh, dg = xc * rstd, da.reshape(N, G, -1)
-                dxh = torch.addcmul(dg - dg.mean(-1, keepdim=True), xh, (xh * dg).mean(-1, keepdim=True), value=-1)
+                dg = da.reshape(N, G, -1)                       # x̂ mean(x̂ ȧ) = xc rstd² mean(xc ȧ)
+                dxh = torch.addcmul(dg - dg.mean(-1, keepdim=True), xc, rstd * rstd * (xc * dg).mean(-1, keepdim=True),
+                                    value=-1)
                 da = torch.addcmul(y, dxh.view_as(a), (rstd * gamma).reshape(shape))
             a = y
         else:
