@@ -1004,6 +1004,9 @@ def test_benchmark_run_and_report(tmp_path, capsys):
     assert f"| {best} | **" in text                                       # the best mean is bold
     png = (folder / "accuracy.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 500
+    (tmp_path / "report.md").write_text("# Intro\nhow these were made\n\n## stale section\nold table\n")
+    again = bench_report.main([str(folder), "--out", str(tmp_path / "report.md")])   # the introduction is kept
+    assert again == "# Intro\nhow these were made\n\n" + text and "old table" not in again
     assert "report.py: error: " in str(pytest.raises(SystemExit, bench_report.main, [str(tmp_path / "nope")]).value)
     assert "unknown method 'fedfoo'" in str(pytest.raises(SystemExit, bench_run.main, ["--dataset", "synthetic",
                                                                                       "--methods", "fedfoo"]).value)

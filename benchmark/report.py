@@ -6,8 +6,10 @@ seconds per round and images per second with the ratio to FedAvg; accuracy again
 
 Runs are grouped by folder, then by label (the file name before `-seed`). The std is over seeds
 (n − 1 in the denominator; 0 with one seed). Images per second = training examples of the sampled
-clients × local epochs / seconds per round (evaluation time included; a method's extra passes, e.g.
-FedIIR's global-gradient pass, are not counted as images). The paper's numbers are printed beside a
+clients × local epochs × training rounds / seconds of the run (evaluation time included; a method's
+extra passes, e.g. FedIIR's global-gradient pass, are not counted as images; FedLOE's training rounds
+are its stage-1 communications). With --out, an existing file's text above its first "## " heading
+(a hand-written introduction: how the results were made) is kept. The paper's numbers are printed beside a
 table when the dataset and scenario match one of the papers (from ../shared/notes/PAPERS.md); they
 used the full datasets, GPUs and their own round counts. The plot uses matplotlib if it is installed;
 otherwise a plain PNG is drawn with numpy alone (axes and lines; the legend is in the markdown).
@@ -226,6 +228,10 @@ def main(argv=None):
             sys.exit(f"report.py: error: {f} is not a folder of results")
     where = Path(a.out).parent if a.out else Path(a.folders[0])
     text = "\n".join(line for f in a.folders for line in report(f, where))
+    if a.out and Path(a.out).is_file():                       # keep the introduction
+        old = Path(a.out).read_text()
+        intro = old[:old.index("\n## ") + 1] if "\n## " in old else ""
+        text = intro + text
     if a.out:
         Path(a.out).write_text(text)
         print(f"report: {a.out}")
