@@ -213,6 +213,8 @@ def report(folder, where="."):
               f"Test accuracy (%, mean over seeds and test domains) against round; "
               + ("" if how == "matplotlib" else "y axis 0–100 % (ticks every 10), x axis 0 to the last round; ")
               + f"colours: {legend}."]
+    for md in sorted(Path(folder).glob("*.md")):               # tables written beside the runs (rcmnist_ptest.py)
+        lines += ["", f"More from these runs: [{md.name}]({os.path.relpath(md, where)})."]
     if skipped:
         lines += ["", f"Left out (incomplete or unreadable): {', '.join(skipped)}."]
     return lines + [""]
