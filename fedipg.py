@@ -51,7 +51,7 @@ Where the paper is silent, and what this file does:
   params   d = ⟨∇_w R, w⟩ from the parameter gradients with a graph, then a double backward.
   The default, auto, takes tangent where it applies, else layers. On the rmnist ConvNet (CPU, one
   thread, benchmark/fedipg_speed.py) a round cost 2.4× FedAvg's with tangent, 2.9× with layers and
-  3.5× with params: tangent needs one extra convolution per layer forward (none for the first)
+  3.4× with params: tangent needs one extra convolution per layer forward (none for the first)
   and differentiates ordinary ops, where the double backward differentiates each transposed
   convolution of the first backward and GroupNorm's backward (many small kernels). Forward-over-
   reverse (torch.func.jvp of grad: ∇R and the Hessian-vector product Hw at once) and torch's own
