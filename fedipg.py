@@ -49,13 +49,10 @@ Where the paper is silent, and what this file does:
            BatchNorm: z = γ·x̂ + β), so d = Σ_l ⟨∂R/∂z_l, z_l⟩ over the layer outputs: a backward to
            the activations with a graph, then a double backward. Any such model (ResNets).
   params   d = ⟨∇_w R, w⟩ from the parameter gradients with a graph, then a double backward.
-  The default, auto, takes tangent where it applies, else layers. On the rmnist ConvNet (CPU, one
-  thread, benchmark/fedipg_speed.py) a round cost 2.4× FedAvg's with tangent, 2.9× with layers and
-  3.4× with params: tangent needs one extra convolution per layer forward (none for the first)
-  and differentiates ordinary ops, where the double backward differentiates each transposed
-  convolution of the first backward and GroupNorm's backward (many small kernels). Forward-over-
-  reverse (torch.func.jvp of grad: ∇R and the Hessian-vector product Hw at once) and torch's own
-  forward AD under grad cost as much as params or more (measured once, not kept).
+  The default, auto, takes tangent where it applies, else layers. On the rmnist ConvNet (CPU,
+  benchmark/fedipg_speed.py) a round cost 2.4× FedAvg's with tangent, 2.9× with layers, 3.4× with
+  params (README: where the time goes); torch.func's forward-over-reverse (jvp of grad: ∇R and the
+  Hessian-vector product Hw at once) and torch's forward AD under grad cost as much as params or more.
 - λ (Figure 4: (1e-4, 1e-2) helps, smaller for complex tasks): 1e-3 for rmnist, stained and
   synthetic (the middle of the range), 1e-4 for the ResNet datasets (its low end, as advised).
 - Stained MNIST (Section VI-C, data.stained states its construction): the MLP of IRM's
@@ -170,8 +167,9 @@ def ipg_loss(lam, mode="auto"):
     def loss_fn(model, x, y):
         if lam == 0:
             return common.cross_entropy(model, x, y)
-        if mode == "tangent" or (mode == "auto" and chain(model)):                                   # d = ⟨∂R/∂z, ż⟩ at the logits
-            z, dz = tangent(chain(model), x)
+        layers = chain(model) if mode in ("tangent", "auto") else None
+        if layers:                                              # d = ⟨∂R/∂z, ż⟩ at the logits
+            z, dz = tangent(layers, x)
             d = ((z.softmax(1) - F.one_hot(y, z.shape[1]).to(z.dtype)) * dz).sum(1).mean()
             return F.cross_entropy(z, y) + lam * d * d
         if mode == "params":                                    # d = Σ ⟨∂R/∂w, w⟩ over the parameters
