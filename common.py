@@ -147,7 +147,13 @@ def build_model(args, ds):
             if isinstance(m, nn.Linear):
                 nn.init.kaiming_normal_(m.weight)
                 nn.init.zeros_(m.bias)
-    return Net(phi, omega)
+    net = Net(phi, omega)
+    if args.model == "mlp":   # IRM's ColoredMNIST code, for which its warm-up and penalty weight were tuned
+        for m in net.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+    return net
 
 
 def get_flat(model):
@@ -413,6 +419,8 @@ def make_parser(method, doc):
     a("--global-lr", type=float, default=None, help="server step size eta_g (default 1)")
     a("--alpha", type=float, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
     a("--p-test", type=float, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts (0.1)")
+    a("--no-rotation", action="store_true",
+      help="rcmnist / rcfmnist: the same four clients and colour laws without the rotation by 90·i degrees")
     a("--select", default=None, choices=["val", "last"],
       help="report the round with the best validation accuracy, or the last (default: val; rcmnist: last)")
     a("--stain", default="fg", choices=["fg", "bg", "both"], help="stained MNIST: foreground, background or both")
@@ -445,6 +453,8 @@ def resolve(args, method, defaults=None):
     for k in ("lr", "global_lr", "alpha"):
         if not getattr(args, k) > 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"):
+        raise UserError(f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}")
     if not 0 <= args.p_test <= 1:
         raise UserError(f"--p-test must be in [0, 1], got {args.p_test}")
     if args.momentum < 0 or args.weight_decay < 0:
@@ -553,7 +563,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
     args.eval_every rounds, model selection on validation accuracy; results and checkpoints."""
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
-                   p_test=args.p_test, stain=args.stain)
+                   p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
     print(f"data: {ds.source}", flush=True)
     todo = test_domains(args, ds)
     device = torch.device(args.device)

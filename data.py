@@ -122,10 +122,12 @@ def colored(x, digit, p, g):
     return out, y
 
 
-def rcmnist(root=None, seed=0, p_test=0.1, kind="MNIST"):
+def rcmnist(root=None, seed=0, p_test=0.1, kind="MNIST", rotation=True):
     """RC-MNIST / RC-FMNIST as PerInvFL's Table 6 and Appendix: 4 fixed clients; client i's
     training context has colour agreement P_TRAIN[i], its test context p_test, and all its images
-    are rotated by 90·i degrees (exact, no interpolation). Training images come from the first 5/6
+    are rotated by 90·i degrees (exact, no interpolation; `rotation=False`: not rotated, the rest
+    unchanged, so that the rotation cannot tell the model which client an image comes from).
+    Training images come from the first 5/6
     of MNIST's training set (50,000 of 60,000: 12,500 per client), test images from the rest
     (2,500 per client); both shuffled by `seed`. On the embedded 5,000 digits the same 5/6 : 1/6."""
     x, digit, source = mnist_arrays(root, kind, test=False)
@@ -139,11 +141,13 @@ def rcmnist(root=None, seed=0, p_test=0.1, kind="MNIST"):
         te = slice(4 * n_tr + i * n_te, 4 * n_tr + (i + 1) * n_te)
         xtr, ytr = colored(x[tr], digit[tr], p, g)
         xte, yte = colored(x[te], digit[te], p_test, g)
-        rot = lambda z: torch.rot90(z, i, dims=(2, 3))
-        domains.append(Domain(f"p{p:.2f}-rot{90 * i}", rot(xtr), ytr, rot(xte), yte))
+        k = i if rotation else 0
+        rot = lambda z: torch.rot90(z, k, dims=(2, 3))
+        domains.append(Domain(f"p{p:.2f}-rot{90 * k}", rot(xtr), ytr, rot(xte), yte))
     name = "rcmnist" if kind == "MNIST" else "rcfmnist"
     return Dataset(name, domains, 2, "clients", f"{source}; {name}: 4 clients x {n_tr:,} train / "
-                   f"{n_te:,} test, p_train {', '.join(map(str, P_TRAIN))}, p_test {p_test}")
+                   f"{n_te:,} test, p_train {', '.join(map(str, P_TRAIN))}, p_test {p_test}"
+                   + ("" if rotation else ", no rotation"))
 
 
 # ---------------------------------------------------------- WaterBird (PerInvFL Table 4 / 6)
@@ -457,7 +461,7 @@ FIXED = ("rcmnist", "rcfmnist", "waterbird")     # fixed clients, each with its 
 NAMES = LODO + FL + FIXED
 
 
-def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, stain="fg"):
+def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, stain="fg", rotation=True):
     """The dataset `name` as per-domain CPU tensors (see the module docstring)."""
     if name == "rmnist":
         return rmnist(root, seed)
@@ -472,7 +476,7 @@ def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, 
     if name == "waterbird":
         return waterbird(root, seed, p_test, size)
     if name in FIXED:
-        return rcmnist(root, seed, p_test, "MNIST" if name == "rcmnist" else "FashionMNIST")
+        return rcmnist(root, seed, p_test, "MNIST" if name == "rcmnist" else "FashionMNIST", rotation)
     raise UserError(f"unknown dataset {name!r}; choose from {', '.join(NAMES)}")
 
 

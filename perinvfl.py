@@ -17,38 +17,55 @@ Algorithm 1 (one round t; all N clients take part, as in the paper):
     server: ν^{t+1} ← ν^t − α (ν^t − (1/N) Σ_i ν_{i,R})                                   (line 10)
 θ_i lives on its client across rounds. Every client holds one training context (Table 6), so
 E_train^i = D_i is one environment and each client is one environment of the federated IRM.
+Clients upload Δ_i = ν_{i,R} − ν^t (the same information as ν_{i,R}); line 10 is ν^t + α mean_i Δ_i.
 
 `--personalize` gives Table 5's ablations: `dual` (Eq. 4, line 8 as above), `l2` (IRM-L2: plain ERM
-+ β ||θ_i − ν_{i,r}||²), `ft` (IRM-FT: θ_i ← ν_{i,r}, then S steps of plain ERM, no regulariser).
++ β ||θ_i − ν_{i,r}||²), `ft` (IRM-FT, local fine-tuning as Cheng et al.'s FTFA: θ_i = ν fine-tuned
+on D_i by `--ft-epochs` epochs of plain ERM in minibatches of `--ft-batch`, with a fresh optimiser
+and no regulariser). θ_i never feeds back into ν under `ft`, so it is computed when it is scored
+(at each evaluation), which gives the numbers that fine-tuning at every round would give.
 Evaluation: each personalised θ_i on its own test context (per client and pooled, the reported
 test accuracy), and ν on every client's test context (`global_*` in the results: the "IRM" row).
 
 Hyperparameters. The paper gives none. They are not tuned on test accuracy here; on RC-MNIST /
 RC-FMNIST they are the IRM paper's published ColoredMNIST settings (Arjovsky et al., the law this
-benchmark uses, ANCHORS.md), mapped onto Algorithm 1 with one local step per round:
-- full-batch steps with Adam, lr 4.9e-4 (γ = η), L2 1.1e-3 (weight decay 2.2e-3 in the loss);
-  λ = 1 for the first 190 rounds, then 91257 with the whole loss divided by λ; 500 rounds.
-  The Adam moments of ν_i and θ_i stay on client i across rounds (a fresh Adam would make every
-  single local step a sign step); `--opt sgd` gives Algorithm 1's plain gradient steps.
-- R = S = 1, α = 1 (line 10 becomes the plain average, Algorithm 1's mean of ν_{i,R}).
+benchmark uses), mapped onto Algorithm 1 so that ν follows centralised IRM step for step:
+- full-batch steps, Adam lr 4.898e-4, L2 1.10794568e-3 on all parameters, λ = 1 for the first 190
+  rounds, then 91257.186 with the whole loss divided by λ (IRM's code); 500 rounds; R = S = 1;
+  IRM's MLP initialisation (Xavier-uniform weights, zero biases: common.build_model).
+- `--opt adam` (rcmnist default) is Algorithm 1 with Adam in place of the plain steps: ν's Adam
+  runs on the server (FedOpt, Reddi et al. 2021) on the pseudo-gradient −mean_i Δ_i / γ, with
+  lr α·η; each client takes its R plain steps of line 9 with γ = --lr. With R = 1 the
+  pseudo-gradient is mean_i ∇L_INV(ν^t; D_i), the gradient of IRM's objective (mean over the
+  environments), so ν is centralised full-batch IRM exactly (a test checks it). Adam moments kept
+  per client and averaged models would not be: they converge to a median-like point, not to
+  argmin Σ_i L_INV. θ_i never leaves its client, so its Adam (line 8) is an ordinary local Adam
+  whose moments stay on the client. `--opt sgd`: Algorithm 1's plain steps with γ = η = --lr.
+- IRM's rescaling divides L_INV by λ once λ > 1. Line 8's objective is Eq. 4 as a whole, divided by
+  λ: (L_IRM(θ_i) + β ||θ_i − ν||²) / λ, so that β keeps the paper's balance against the invariance
+  loss at every round (dividing L_IRM alone would make the pull λ·β and pin θ_i to ν).
+- α = 1 (line 10 becomes the plain average, Algorithm 1's mean of ν_{i,R}).
 - β = 1. Not from test accuracy and not from the validation split either: the validation split is
   drawn like the training context, where the spurious colour is predictive, so it would always
-  pick the smallest β. Remark 1 says a client with few training contexts needs β large enough to
-  keep θ_i near ν* (Theorem 3, case 2: here one context per client): β = 1 makes the pull 2(θ − ν)
-  as large as the annealed IRM gradient.
+  pick the smallest β. Remark 1 only says that β must be "appropriately chosen" and that fewer
+  training contexts call for a smaller β; here every client has one context. β = 1 weighs
+  ||θ_i − ν||² like the risk, as Eq. 4 is printed.
+- IRM-FT: 1 epoch in minibatches of 64 (FTFA fine-tunes for a few local epochs), Adam at --lr.
 - GroupDRO: η_q = 0.01 (DomainBed's default); client i's ν-loss is N q_i R_i, so that uniform q is
   ERM; q is updated from the risks uploaded at the end of a round (the risk of ν^t on D_i), which
   the next round uses — Sagawa et al.'s update order with one round of lag, needing no extra
   communication. With one context per client, GroupDRO's local objective for θ_i is its risk.
-- The model: IRM's MLP 392 → 390 → 390 (ReLU) with a linear head to 2 logits and the cross-entropy
-  (IRM: one logit and the binary cross-entropy, the same model family and the same penalty form).
+- The model: IRM's MLP 392 → 390 → 390 (ReLU) with a linear head to 2 logits and the cross-entropy.
+  IRM uses one logit and the binary cross-entropy: CE of logits (a, b) is BCE of a − b, and the
+  dummy scale multiplies both, so the loss and the penalty are the same functions of a − b.
 - Model selection: the last round (common's `--select last` for RC-MNIST): see common.py.
 
-Communication per round: ν down and ν_{i,R} up (|θ| floats each); θ_i never leaves the client.
+Communication per round: ν down and Δ_i up (|θ| floats each); θ_i never leaves the client.
 
-    python perinvfl.py --dataset rcmnist --p-test 0.1
-    python perinvfl.py --dataset rcmnist --personalize ft
-    python perinvfl.py --dataset rcfmnist --data-root ./data --inv groupdro
+    python perinvfl.py --dataset rcmnist --data-root DIR --p-test 0.1
+    python perinvfl.py --dataset rcmnist --data-root DIR --no-rotation
+    python perinvfl.py --dataset rcmnist --data-root DIR --personalize ft
+    python perinvfl.py --dataset rcfmnist --data-root DIR --inv groupdro
 """
 import copy
 
@@ -58,7 +75,7 @@ import torch.nn.functional as F
 import common
 import data
 
-RC = dict(opt="adam", lr=4.9e-4, lam=91257.0, anneal=190, beta=1.0)
+RC = dict(opt="adam", lr=4.898e-4, weight_decay=2 * 1.10794568e-3, lam=91257.186, anneal=190, beta=1.0)
 DEFAULTS = {"rcmnist": RC, "rcfmnist": RC, "*": dict(opt="sgd", lam=1.0, anneal=0, beta=1.0)}
 
 
@@ -73,22 +90,34 @@ def irm_penalty(logits, y):
 
 
 def inv_loss(net, x, y, args, lam, weight=1.0, erm=False):
-    """L_INV of one environment with IRM's L2 term, all divided by λ once λ > 1 (the IRM code).
-    Returns (loss, risk). `weight` is GroupDRO's N q_i; `erm` drops the invariance term."""
+    """L_INV of one environment with IRM's L2 term (not yet divided by λ). Returns (loss, risk).
+    `weight` is GroupDRO's N q_i; `erm` drops the invariance term."""
     logits = net(x)
     risk = F.cross_entropy(logits, y)
     loss = weight * risk if args.inv == "groupdro" else risk
     loss = loss + args.weight_decay / 2 * sum(p.pow(2).sum() for p in net.parameters())
     if args.inv == "irm" and not erm:
         loss = loss + lam * irm_penalty(logits, y)                       # Eq. 4 / 5
-        if lam > 1:
-            loss = loss / lam
     return loss, risk
 
 
-def make_opt(net, args, saved=None):
-    opt = torch.optim.Adam(net.parameters(), lr=args.lr) if args.opt == "adam" else \
-        torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum)
+def rescale(args, lam, erm=False):
+    """IRM's code divides the whole loss by λ once λ > 1 (to keep the gradients in range)."""
+    return lam if args.inv == "irm" and not erm and lam > 1 else 1.0
+
+
+def theta_loss(net, nu_ir, x, y, args, lam):
+    """Line 8's objective for θ_i: Eq. 4 (`dual`) or IRM-L2's ERM, plus β ||θ_i − ν_{i,r}||²."""
+    erm = args.personalize == "l2"
+    loss, _ = inv_loss(net, x, y, args, lam, erm=erm)
+    theta = torch.cat([p.reshape(-1) for p in net.parameters()])
+    return (loss + args.beta * (theta - nu_ir).pow(2).sum()) / rescale(args, lam, erm)
+
+
+def make_opt(params, args, saved=None, lr=None):
+    lr = lr or args.lr
+    opt = torch.optim.Adam(params, lr=lr) if args.opt == "adam" else \
+        torch.optim.SGD(params, lr=lr, momentum=args.momentum)
     if saved:
         opt.load_state_dict(saved)
     return opt
@@ -108,7 +137,7 @@ def init_state(model, fed, args, ctx):
     nu0 = common.get_flat(model)
     N = len(fed.clients)
     return {"theta": [nu0.clone() for _ in range(N)],               # θ_i^0 = ν^0
-            "opt_theta": [None] * N, "opt_nu": [None] * N,
+            "opt_theta": [None] * N, "server_opt": None,              # θ_i's optimiser, ν's (server)
             "q": torch.full((N,), 1.0 / N, device=nu0.device)}       # GroupDRO's q, uniform
 
 
@@ -117,26 +146,21 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     lam = args.lam if t > args.anneal else 1.0                       # IRM's penalty schedule
     N = len(fed.clients)
     theta_net = copy.deepcopy(model)                                 # holds θ_i while client i works
-    nu_sum, risks = torch.zeros_like(nu), {}
+    deltas, risks = [], {}
     for i in common.sample_clients(ctx, N, args.sample):
         client, nq = fed.clients[i], N * state["q"][i]
         model.train()
         theta_net.train()
-        common.set_flat(model, nu)                                   # ν_{i,0} ← ν^t (line 5)
-        opt_nu = make_opt(model, args, state["opt_nu"][i])
+        delta = torch.zeros_like(nu)                                 # ν_{i,r} − ν^t; ν_{i,0} ← ν^t (line 5)
         common.set_flat(theta_net, state["theta"][i])
-        opt_th = make_opt(theta_net, args, state["opt_theta"][i])
+        opt_th = make_opt(theta_net.parameters(), args, state["opt_theta"][i])
         for r in range(args.R):
-            nu_ir = common.get_flat(model)                           # ν_{i,r}
-            if args.personalize == "ft":                             # IRM-FT: restart from ν_{i,r}
-                common.set_flat(theta_net, nu_ir)
-                opt_th = make_opt(theta_net, args)
-            for s in range(args.S):                                  # line 8
+            nu_ir = nu + delta                                       # ν_{i,r}
+            common.set_flat(model, nu_ir)
+            steps = 0 if args.personalize == "ft" else args.S        # (IRM-FT: θ_i at evaluation)
+            for s in range(steps):                                   # line 8
                 x, y = batch(client, args, ctx)
-                loss, _ = inv_loss(theta_net, x, y, args, lam, erm=args.personalize != "dual")
-                if args.personalize != "ft":                         # + β ||θ_i − ν_{i,r}||²
-                    theta = torch.cat([p.reshape(-1) for p in theta_net.parameters()])
-                    loss = loss + args.beta * (theta - nu_ir).pow(2).sum()
+                loss = theta_loss(theta_net, nu_ir, x, y, args, lam)
                 opt_th.zero_grad(set_to_none=True)
                 loss.backward()
                 opt_th.step()
@@ -144,20 +168,40 @@ def perinvfl_round(t, model, fed, args, state, ctx):
             loss, risk = inv_loss(model, x, y, args, lam, weight=nq)
             if r == 0:
                 risks[i] = risk.detach()                             # R(f_ν^t; D_i), uploaded
-            opt_nu.zero_grad(set_to_none=True)
-            loss.backward()
-            opt_nu.step()
-        nu_sum += common.get_flat(model)                             # ν_{i,R}, uploaded
+            grad = torch.autograd.grad(loss / rescale(args, lam), list(model.parameters()))
+            delta -= args.lr * torch.cat([g.reshape(-1) for g in grad])   # γ = --lr
+        deltas.append(delta)                                         # Δ_i = ν_{i,R} − ν^t, uploaded
         state["theta"][i] = common.get_flat(theta_net)               # θ_i stays on client i
-        state["opt_theta"][i] = opt_th.state_dict() if args.personalize != "ft" else None
-        state["opt_nu"][i] = opt_nu.state_dict()
-    common.set_flat(model, nu - args.global_lr * (nu - nu_sum / len(risks)))   # line 10
+        state["opt_theta"][i] = opt_th.state_dict()
+    mean_delta = torch.stack(deltas).mean(0)
+    if args.opt == "adam":                                           # line 10 with Adam (FedOpt)
+        nu_p = nu.clone().requires_grad_()
+        opt = make_opt([nu_p], args, state["server_opt"], lr=args.global_lr * args.lr)
+        nu_p.grad = -mean_delta / args.lr                            # = mean_i ∇L_INV(ν^t; D_i) if R = 1
+        opt.step()
+        state["server_opt"] = opt.state_dict()
+        common.set_flat(model, nu_p.detach())
+    else:
+        common.set_flat(model, nu + args.global_lr * mean_delta)     # line 10: ν − α(ν − mean ν_{i,R})
     if args.inv == "groupdro":                                       # Sagawa et al.: q ∝ q exp(η_q R)
         ids = list(risks)
         q = state["q"].clone()
         q[ids] = q[ids] * torch.exp(args.eta_q * torch.stack([risks[i] for i in ids]))
         state["q"] = q / q.sum()
     return risks
+
+
+def fine_tune(net, client, args, ctx):
+    """IRM-FT's θ_i: ν (in `net`) after --ft-epochs epochs of ERM (+ IRM's L2) on the client's
+    training split in minibatches of --ft-batch, with a fresh optimiser."""
+    net.train()
+    opt = make_opt(net.parameters(), args)
+    for idx in common.batches(client.n, args.ft_batch, args.ft_epochs, ctx):
+        loss, _ = inv_loss(net, ctx.prep(client.x[idx], train=True, gen=ctx.gen), client.y[idx], args, 1.0, erm=True)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return common.get_flat(net)
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -168,6 +212,9 @@ def evaluate(model, fed, args, state, ctx):
     net = copy.deepcopy(model)
     val, hit, per = [], [], []
     for c in fed.clients:
+        if args.personalize == "ft":                                 # θ_i = ν fine-tuned on D_i
+            common.set_flat(net, common.get_flat(model))
+            state["theta"][c.id] = fine_tune(net, c, args, ctx)
         common.set_flat(net, state["theta"][c.id])
         val.append(common.correct(net, c.val_x, c.val_y, ctx))
         h = common.correct(net, c.test_x, c.test_y, ctx).float()
@@ -183,13 +230,16 @@ def add_args(p):
     a("--inv", default="irm", choices=["irm", "groupdro"], help="L_INV: IRMv1 or GroupDRO")
     a("--personalize", default="dual", choices=["dual", "l2", "ft"],
       help="dual: Eq. 4; l2: ERM + beta||theta - nu||^2 (IRM-L2); ft: fine-tune nu locally (IRM-FT)")
+    a("--ft-epochs", type=int, default=1, help="IRM-FT: local epochs of fine-tuning of nu")
+    a("--ft-batch", type=int, default=64, help="IRM-FT: minibatch size of the fine-tuning")
     a("--beta", type=float, default=None, help="weight of ||theta_i - nu||^2 (default 1)")
     a("--lam", type=float, default=None, help="IRMv1 penalty weight lambda after annealing (rcmnist: 91257)")
     a("--anneal", type=int, default=None, help="rounds with lambda = 1 first (rcmnist: 190)")
     a("--R", type=int, default=1, help="local steps of nu per round (Algorithm 1's R)")
     a("--S", type=int, default=1, help="steps of theta_i per step of nu (Algorithm 1's S)")
     a("--opt", default=None, choices=["adam", "sgd"],
-      help="local update rule for lines 8-9 (rcmnist: adam, as IRM; else sgd: plain steps)")
+      help="adam: Adam for theta_i (line 8) and on the server for nu (line 10, FedOpt), as IRM (rcmnist); "
+           "sgd: Algorithm 1's plain steps")
     a("--eta-q", type=float, default=0.01, help="GroupDRO step size for q")
 
 
@@ -197,9 +247,9 @@ def check(args):
     if args.dataset in data.LODO:
         raise data.UserError(f"perinvfl.py scores each client's own model on its own test set: use a "
                              f"fixed-clients dataset ({', '.join(data.FIXED + data.FL)}), not {args.dataset}")
-    for k in ("R", "S"):
+    for k in ("R", "S", "ft_epochs", "ft_batch"):
         if getattr(args, k) < 1:
-            raise data.UserError(f"--{k} must be at least 1, got {getattr(args, k)}")
+            raise data.UserError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(args, k)}")
     for k in ("beta", "lam", "anneal", "eta_q"):
         if not getattr(args, k) >= 0:   # also catches nan
             raise data.UserError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k)}")
