@@ -1214,6 +1214,35 @@ import report as bench_report  # noqa: E402
 import run as bench_run  # noqa: E402
 
 
+import irm_central  # noqa: E402
+
+
+def test_irm_central_environments_penalty_and_resumable_results(tmp_path, capsys):
+    envs = irm_central.environments("colored", None, 0)  # IRM's ColoredMNIST: 5/6 of the training set, halved
+    assert [len(y) for _, y in envs] == [2083, 2083, 834]
+    for (x, y), p in zip(envs, (0.8, 0.9, 0.1)):
+        assert x.shape[1:] == (2, 14, 14) and y.shape[1:] == (1,)
+        colour = (x[:, 1].amax((1, 2)) > 0).float()[:, None]
+        assert abs(colour.eq(y).float().mean().item() - p) < 0.04
+    rot, flat = irm_central.environments("rc", None, 0), irm_central.environments("rc-norot", None, 0)
+    assert [len(y) for _, y in rot] == [1041] * 4 + [832] and torch.equal(rot[1][1], flat[1][1])
+    assert torch.equal(torch.rot90(rot[1][0], -1, dims=(2, 3)), flat[1][0])
+    g = torch.Generator().manual_seed(0)                  # the penalty: (d/ds BCE(s·z, y) at s = 1)²
+    z, y = torch.randn(9, 1, generator=g, dtype=torch.float64), torch.randint(2, (9, 1), generator=g).double()
+    assert torch.allclose(irm_central.penalty(z, y), (((torch.sigmoid(z) - y) * z).mean()) ** 2, rtol=1e-12)
+    out = tmp_path / "c.json"
+    irm_central.main(["--data", "colored", "--steps", "2", "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["method"], r["steps"]) for r in runs] == [("irm", 2), ("erm", 2)]
+    irm_central.main(["--data", "colored", "--steps", "2", "--out", str(out)])   # done runs are skipped
+    assert json.loads(out.read_text())["runs"] == runs
+    assert "| colored | irm |" in capsys.readouterr().out
+    for argv in (["--steps", "0", "--out", str(out)], ["--report", str(tmp_path / "none.json")]):
+        with pytest.raises(SystemExit) as e:
+            irm_central.main(argv)
+        assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_benchmark_run_and_report(tmp_path, capsys):
     argv = ["--dataset", "synthetic", "--methods", "fedavg", "fediir", "--seeds", "0", "1", "--rounds", "2",
             "--out-dir", str(tmp_path), "--jobs", "2", "--", "--eval-every", "1", "--test-domain", "0"]

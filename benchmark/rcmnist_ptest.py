@@ -49,7 +49,7 @@ def score(path):
                 name: lambda model, c: common.set_flat(model, blob["state"]["theta"][c.id])}  # θ_i
     rows, train = defaultdict(list), {}
     for p in P_TEST:
-        ds = data.load(args.dataset, args.data_root, args.seed, p_test=p)
+        ds = data.load(args.dataset, args.data_root, args.seed, p_test=p, rotation=not getattr(args, "no_rotation", False))
         fed, model = common.federate_fixed(ds, args.seed, "cpu"), common.build_model(args, ds)
         for row, put in load.items():
             rows[row].append(accuracy(model, put, fed, ctx, "test"))
