@@ -1112,18 +1112,86 @@ def test_report_ptest_from_real_checkpoints(tmp_path):
     assert (tmp_path / "ptest.png").is_file() and (tmp_path / "ptest.svg").is_file()
 
 
-def test_benchmark_without_matplotlib_is_one_line(tmp_path):
-    """matplotlib is for benchmark/ only: the method files never import it; without it report.py
-    says so in one line, no traceback."""
-    hide = "import sys; sys.modules['matplotlib'] = None; "
+def test_benchmark_without_matplotlib_or_submitit_is_one_line(tmp_path):
+    """matplotlib and submitit are optional: the method files import neither; without them report.py
+    and run.py --launcher slurm say so in one line, no traceback."""
+    hide = "import sys; sys.modules['matplotlib'] = sys.modules['submitit'] = None; "
     p = subprocess.run([sys.executable, "-c", hide + "import common, data, fedavg, fediir, fedomg, fedloe, perinvfl, "
                         "fedipg"], capture_output=True, text=True, cwd=HERE, timeout=120)
     assert p.returncode == 0, p.stderr
-    code = hide + f"sys.argv = ['report.py', {str(tmp_path)!r}]; import runpy; runpy.run_path('benchmark/report.py', " \
-                  "run_name='__main__')"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
-    assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "matplotlib" in p.stderr and "pip install" in p.stderr
+    for script, argv in (("report.py", [str(tmp_path)]),
+                         ("run.py", ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0",
+                                     "--out-dir", str(tmp_path), "--launcher", "slurm"])):
+        code = hide + f"sys.argv = ['{script}'] + {argv!r}; import runpy; runpy.run_path('benchmark/{script}', " \
+                      "run_name='__main__')"
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
+        assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert ("matplotlib" if script == "report.py" else "submitit") in p.stderr and "pip install" in p.stderr
+    assert not list(tmp_path.rglob("*.json"))                                   # nothing ran
+
+
+STUB = """import json, os, sys, time
+a = sys.argv[1:]
+out, seed = a[a.index("--out") + 1], int(a[a.index("--seed") + 1])
+start = time.time()
+time.sleep(1.0 if seed == 0 else 0.2)
+fail = os.path.exists(out + ".fail")
+json.dump({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(), "argv": a,
+           "complete": not fail}, open(out, "w"))
+sys.exit(1 if fail else 0)
+"""
+
+
+def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys):
+    """--launcher multi_gpu with a stand-in for the method scripts (no GPU needed): each run sees
+    only its GPU, two runs never overlap on one GPU, the GPUs work in parallel (run 0 is long, so
+    handing GPUs round-robin would put run 2 on its GPU); after a failed run, --dry-run lists and a
+    second invocation runs only that one, with --resume."""
+    (tmp_path / "stub.py").write_text(STUB)
+    monkeypatch.setattr(bench_run, "command", lambda script, args: [sys.executable, str(tmp_path / "stub.py"), *args])
+    argv = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", *map(str, range(6)), "--out-dir",
+            str(tmp_path), "--launcher", "multi_gpu", "--gpus", "3,5"]
+    folder = tmp_path / "synthetic"
+    folder.mkdir()
+    (folder / "fedavg-seed4.json.fail").write_text("")                   # this run fails the first time
+    assert "1 run(s) failed" in str(pytest.raises(SystemExit, bench_run.main, argv).value)
+    runs = [json.loads((folder / f"fedavg-seed{s}.json").read_text()) for s in range(6)]
+    assert {r["gpu"] for r in runs} == {"3", "5"}
+    overlap = [(r, q) for i, r in enumerate(runs) for q in runs[i + 1:] if r["start"] < q["end"] and q["start"] < r["end"]]
+    assert overlap and all(r["gpu"] != q["gpu"] for r, q in overlap)
+    (folder / "fedavg-seed4.json.fail").unlink()
+    stamp = {p: p.stat().st_mtime_ns for p in folder.glob("*.json")}
+    capsys.readouterr()
+    bench_run.main(argv + ["--dry-run"])
+    out = capsys.readouterr().out
+    assert out.count("would run") == 1 and "--seed 4 " in out and "--resume" in out and out.count("skip ") == 5
+    assert all(p.stat().st_mtime_ns == t for p, t in stamp.items())        # a dry run runs nothing
+    bench_run.main(argv)
+    assert [p.name for p in folder.glob("*.json") if p.stat().st_mtime_ns != stamp[p]] == ["fedavg-seed4.json"]
+    assert json.loads((folder / "fedavg-seed4.json").read_text())["complete"]
+    for bad, msg in ((["--gpus", "0,a"], "distinct GPU ids"), (["--gpus", "1,1"], "distinct GPU ids"),
+                     (["--launcher", "local", "--gpus", "0"], "--gpus is for --launcher multi_gpu")):
+        assert msg in str(pytest.raises(SystemExit, bench_run.main, argv + bad).value)
+
+
+def test_run_slurm_through_submitit_local(tmp_path, capsys):
+    """--launcher slurm end to end through submitit's local executor: one job per run, the runs'
+    .log and submitit's logs beside the results; a second invocation after a cut run submits only it."""
+    argv = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0", "1", "--rounds", "1", "--out-dir",
+            str(tmp_path), "--launcher", "slurm", "--cluster", "local", "--gpus-per-job", "0", "--time", "5",
+            "--", "--test-domain", "0"]
+    folder = bench_run.main(argv)
+    assert capsys.readouterr().out.count("submitted ") == 2
+    for s in (0, 1):
+        assert json.loads((folder / f"fedavg-seed{s}.json").read_text())["complete"]
+        assert "results: " in (folder / f"fedavg-seed{s}.log").read_text()
+    assert len(list((folder / "slurm").glob("*_log.out"))) == 2
+    res = json.loads((folder / "fedavg-seed1.json").read_text())
+    (folder / "fedavg-seed1.json").write_text(json.dumps(dict(res, complete=False)))   # as if the job was cut
+    bench_run.main(argv)
+    out = capsys.readouterr().out
+    assert out.count("submitted ") == 1 and "--seed 1 " in out and "skip " in out
+    assert json.loads((folder / "fedavg-seed1.json").read_text())["complete"]
 
 
 # ---------------------------------------------------------------------------------- FedLOE
