@@ -280,7 +280,9 @@ def speed_figure(speed):
     names = list(speed["seconds"])
     secs = [np.array(speed["seconds"][k]) for k in names]
     med = np.array([np.median(v) for v in secs])
-    fig, ax = new_axes("benchmark/speed.py: " + speed["setting"], "seconds per round", "round of", width=7.0)
+    fig, ax = new_axes(textwrap.fill("benchmark/speed.py: " + speed["setting"], 90), "seconds per round",
+                       "one round of", width=7.0)
+    ax.set_axisbelow(True)
     ax.barh(names, med, xerr=[med - [v.min() for v in secs], [v.max() for v in secs] - med],
             color=[f"C{k}" for k in range(len(names))], capsize=3)
     ax.invert_yaxis()                                           # first timed variant on top, as the table
@@ -328,7 +330,7 @@ def report(folder, where="."):
     lines += ["", f"![test accuracy against round]({link(stem, 'svg')})", "",
               "Test accuracy (%) against round: each seed's accuracy is its mean over the test domains; line: "
               "the mean over seeds, band: ± the std over seeds" + ("; dashed: the published number" if paper else "")
-              + f" ([PNG]({link(stem, 'png')}))."]
+              + f"; identical curves are drawn once, named together ([PNG]({link(stem, 'png')}))."]
     if first["dataset"] in ("rcmnist", "rcfmnist"):             # PerInvFL's p_test table as a figure
         paths = [f for f in sorted(Path(folder).glob("*.json")) if f.name not in skipped]
         p_test, table, source = ptest_table(folder, paths)
@@ -339,7 +341,7 @@ def report(folder, where="."):
             lines += ["", f"![test accuracy against p_test]({link(stem, 'svg')})", "",
                       f"The same runs scored on the test contexts of every p_test (from {source}): line: the mean "
                       "over seeds, band: ± the std over seeds" + ("; dashed: PerInvFL's Table 2" if rc else "")
-                      + f" ([PNG]({link(stem, 'png')}))."]
+                      + f"; rows equal in every cell are drawn once, named together ([PNG]({link(stem, 'png')}))."]
     for md in sorted(Path(folder).glob("*.md")):               # tables written beside the runs (rcmnist_ptest.py)
         lines += ["", f"More from these runs: [{md.name}]({os.path.relpath(md, where)})."]
     if skipped:
@@ -358,7 +360,7 @@ def speed_report(path, where="."):
     stem = Path(path).with_suffix("")
     save(speed_figure(speed), stem)
     return ["## speed", "", f"`benchmark/speed.py`: {speed['setting']}.", "",
-            "| round | s / round | images / s | × first |", "|---|---|---|---|",
+            f"| round | s / round | images / s | × {next(iter(med))} |", "|---|---|---|---|",
             *[f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |" for k, v in med.items()], "",
             f"![seconds per round]({os.path.relpath(f'{stem}.svg', where)})", "",
             f"Bars: the median over the timed rounds; whiskers: the fastest and the slowest round "
