@@ -1274,6 +1274,188 @@ def test_benchmark_run_and_report(tmp_path, capsys):
                                                                                       "--methods", "fedfoo"]).value)
 
 
+def fake_results(folder, dataset, protocol, labels, seeds=(0, 1), domains=("0", "15"), rounds=(1, 2, 3)):
+    """Tiny results files as the method scripts write them (the fields report.py reads)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, lab in enumerate(labels):
+        for seed in seeds:
+            acc = lambda t, d: 0.1 + 0.05 * k + 0.1 * t + 0.02 * seed + 0.01 * d
+            doms = {d: {"test_acc": acc(rounds[-1], i), "train_examples": 100, "history": [
+                {"round": t, "test_acc": acc(t, i), "seconds": 0.5 * t,
+                 **({"global_test_acc": acc(t, i) - 0.01} if lab == "perinvfl" else {})} for t in rounds]}
+                for i, d in enumerate(domains)}
+            if lab == "perinvfl":
+                for d in doms.values():
+                    d["global_test_acc"] = d["history"][-1]["global_test_acc"]
+            res = {"method": lab, "dataset": dataset, "seed": seed, "protocol": protocol, "complete": True,
+                   "source": f"fake {dataset}; made by the test", "mean_test_acc": acc(rounds[-1], 0), "domains": doms,
+                   "args": {"clients": 50, "sample": 5, "rounds": rounds[-1], "local_epochs": 1, "p_test": 0.1}}
+            (folder / f"{lab}-seed{seed}.json").write_text(json.dumps(res))
+
+
+def legend_texts(fig):
+    return [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
+
+
+def test_report_draws_every_figure(tmp_path, monkeypatch):
+    """From small fake results: accuracy against round per table, accuracy against p_test on rcmnist
+    (from ptest.md, or from the checkpoints through rcmnist_ptest when they are there) and speed.py's
+    bars; PNG and SVG; every method named in the legend, the published numbers dashed."""
+    rot, rc = tmp_path / "rot", tmp_path / "rc"
+    fake_results(rot, "rmnist", "lodo", ["fedavg", "fediir", "fedomg"])
+    fake_results(rc, "rcmnist", "clients", ["fedavg", "perinvfl"], seeds=(0, 1, 2), domains=("clients",))
+    (rc / "ptest.md").write_text(
+        "| method | p_test 0.1 | p_test 0.2 | p_test 0.3 | p_test 0.4 | p_test 0.5 | mean | training contexts | seeds |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+        "| fedavg | 11.5 ± 0.5 | 21.1 ± 1.1 | 29.3 ± 2.2 | 38.7 ± 1.9 | 48.1 ± 1.3 | 29.7 | 87.5 ± 0.7 | 3 |\n"
+        "| perinvfl irm dual | 14.8 ± 1.9 | 23.8 ± 0.9 | 31.0 ± 1.3 | 39.8 ± 1.8 | 48.6 ± 1.8 | 31.6 | 88.6 ± 0.9 | 3 |\n")
+    speed = {"setting": "fake rmnist, 2 rounds", "images_per_round": 100,
+             "seconds": {"FedAvg (harness)": [1.0, 1.2], "FedIIR": [1.5, 1.4], "bare training loop": [0.9, 1.0]}}
+    (tmp_path / "speed.json").write_text(json.dumps(speed))
+    text = bench_report.main([str(rot), str(rc), "--speed", str(tmp_path / "speed.json"),
+                              "--out", str(tmp_path / "report.md")])
+    for stem in (rot / "accuracy", rc / "accuracy", rc / "ptest", tmp_path / "speed"):
+        assert Path(f"{stem}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+        assert "<svg" in Path(f"{stem}.svg").read_text()
+        assert f"({stem.relative_to(tmp_path)}.svg)" in text                  # shown in the markdown
+    assert "from ptest.md" in text and "| FedIIR | 1.450 | 69 | 1.32 |" in text
+
+    runs = bench_report.load(rot)[0]
+    paper = bench_report.PAPERS["rmnist", "large"]
+    names = legend_texts(bench_report.accuracy_figure(runs, "t", paper))
+    assert [n.split(" (")[0] for n in names[:3]] == ["fedavg", "fediir", "fedomg"]
+    assert "fedavg: published, FedIIR Tab. 2" in names and "fedipg: published, FedIPG Tab. II" not in names  # no run
+    fig = bench_report.accuracy_figure(runs, "t")
+    line = fig.axes[0].get_lines()[0]                                      # fedavg: the mean over its seeds
+    per_seed = [[0.1 + 0.1 * t + 0.02 * s + 0.005 for t in (1, 2, 3)] for s in (0, 1)]
+    assert torch.allclose(torch.tensor(line.get_ydata()), 100 * torch.tensor(per_seed).mean(0).double())
+    names = legend_texts(bench_report.accuracy_figure(bench_report.load(rc)[0], "t"))
+    assert any(n.startswith("perinvfl (global)") for n in names) and any(n.startswith("fedavg") for n in names)
+    p_test, table, source = bench_report.ptest_table(rc, sorted(rc.glob("*.json")))
+    assert source == "ptest.md" and table["fedavg"][2] == 3 and p_test == [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert torch.allclose(torch.tensor(table["perinvfl irm dual"][1]), torch.tensor([1.9, 0.9, 1.3, 1.8, 1.8]).double())
+    names = legend_texts(bench_report.ptest_figure(table, "t", p_test))
+    assert names[:2] == ["fedavg (3 seeds)", "perinvfl irm dual (3 seeds)"] and "IRM: published, PerInvFL Tab. 2" in names
+    names = legend_texts(bench_report.speed_figure(speed))
+    assert names == list(speed["seconds"])
+
+    # with a checkpoint beside every run, the p_test figure is scored by rcmnist_ptest.py's functions
+    import rcmnist_ptest
+    for f in rc.glob("*.json"):
+        f.with_suffix(".ckpt").write_bytes(b"")
+    scored = {"fedavg": [[0.2, 0.3, 0.4, 0.5, 0.6, 0.9], [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]]}
+    monkeypatch.setattr(rcmnist_ptest, "table", lambda paths: scored if len(paths) == 6 else {})
+    p_test, table, source = bench_report.ptest_table(rc, sorted(rc.glob("*.json")))
+    assert source == "the runs' checkpoints" and list(table) == ["fedavg"] and table["fedavg"][2] == 2
+    assert torch.allclose(torch.tensor(table["fedavg"][0]), torch.tensor([30., 40, 50, 60, 70]).double())
+    assert torch.allclose(torch.tensor(table["fedavg"][1]), torch.full((5,), 200 ** 0.5).double())
+    assert "from the runs' checkpoints" in bench_report.main([str(rc)])
+    for f in rc.glob("*.ckpt"):
+        f.unlink()
+    (rc / "ptest.md").write_text("| method | p_test 0.1 | seeds |\n|---|---|---|\n| fedavg | n/a | 3 |\n")
+    assert "is not rcmnist_ptest.py's table" in str(pytest.raises(SystemExit, bench_report.main, [str(rc)]).value)
+    (tmp_path / "bad.json").write_text("{}")
+    assert "not a speed.py --json file" in str(pytest.raises(SystemExit, bench_report.main,
+                                                             ["--speed", str(tmp_path / "bad.json")]).value)
+
+
+def test_report_ptest_from_real_checkpoints(tmp_path):
+    """Two 1-round FedAvg runs on rcmnist: report.py scores their checkpoints at every p_test through
+    rcmnist_ptest.py, and the p_test of the runs themselves gives their own number back."""
+    for seed in (0, 1):
+        fedavg.main(["--dataset", "rcmnist", "--rounds", "1", "--seed", str(seed), "--out",
+                     str(tmp_path / f"fedavg-seed{seed}.json")])
+    p_test, table, source = bench_report.ptest_table(tmp_path, sorted(tmp_path.glob("*.json")))
+    assert source == "the runs' checkpoints" and list(table) == ["fedavg"] and p_test == [0.1, 0.2, 0.3, 0.4, 0.5]
+    m, s, n = table["fedavg"]
+    own = [json.loads((tmp_path / f"fedavg-seed{seed}.json").read_text())["mean_test_acc"] for seed in (0, 1)]
+    assert n == 2 and len(m) == 5 and abs(m[0] - 50 * sum(own)) < 1e-6 and (s >= 0).all()
+    assert "from the runs' checkpoints" in bench_report.main([str(tmp_path)])
+    assert (tmp_path / "ptest.png").is_file() and (tmp_path / "ptest.svg").is_file()
+
+
+def test_benchmark_without_matplotlib_or_submitit_is_one_line(tmp_path):
+    """matplotlib and submitit are optional: the method files import neither; without them report.py
+    and run.py --launcher slurm say so in one line, no traceback."""
+    hide = "import sys; sys.modules['matplotlib'] = sys.modules['submitit'] = None; "
+    p = subprocess.run([sys.executable, "-c", hide + "import common, data, fedavg, fediir, fedomg, fedloe, perinvfl, "
+                        "fedipg"], capture_output=True, text=True, cwd=HERE, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for script, argv in (("report.py", [str(tmp_path)]),
+                         ("run.py", ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0",
+                                     "--out-dir", str(tmp_path), "--launcher", "slurm"])):
+        code = hide + f"sys.argv = ['{script}'] + {argv!r}; import runpy; runpy.run_path('benchmark/{script}', " \
+                      "run_name='__main__')"
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
+        assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert ("matplotlib" if script == "report.py" else "submitit") in p.stderr and "pip install" in p.stderr
+    assert not list(tmp_path.rglob("*.json"))                                   # nothing ran
+
+
+STUB = """import json, os, sys, time
+a = sys.argv[1:]
+out, seed = a[a.index("--out") + 1], int(a[a.index("--seed") + 1])
+start = time.time()
+time.sleep(1.0 if seed == 0 else 0.2)
+fail = os.path.exists(out + ".fail")
+json.dump({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(), "argv": a,
+           "complete": not fail}, open(out, "w"))
+sys.exit(1 if fail else 0)
+"""
+
+
+def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys):
+    """--launcher multi_gpu with a stand-in for the method scripts (no GPU needed): each run sees
+    only its GPU, two runs never overlap on one GPU, the GPUs work in parallel (run 0 is long, so
+    handing GPUs round-robin would put run 2 on its GPU); after a failed run, --dry-run lists and a
+    second invocation runs only that one, with --resume."""
+    (tmp_path / "stub.py").write_text(STUB)
+    monkeypatch.setattr(bench_run, "command", lambda script, args: [sys.executable, str(tmp_path / "stub.py"), *args])
+    argv = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", *map(str, range(6)), "--out-dir",
+            str(tmp_path), "--launcher", "multi_gpu", "--gpus", "3,5"]
+    folder = tmp_path / "synthetic"
+    folder.mkdir()
+    (folder / "fedavg-seed4.json.fail").write_text("")                   # this run fails the first time
+    assert "1 run(s) failed" in str(pytest.raises(SystemExit, bench_run.main, argv).value)
+    runs = [json.loads((folder / f"fedavg-seed{s}.json").read_text()) for s in range(6)]
+    assert {r["gpu"] for r in runs} == {"3", "5"}
+    overlap = [(r, q) for i, r in enumerate(runs) for q in runs[i + 1:] if r["start"] < q["end"] and q["start"] < r["end"]]
+    assert overlap and all(r["gpu"] != q["gpu"] for r, q in overlap)
+    (folder / "fedavg-seed4.json.fail").unlink()
+    stamp = {p: p.stat().st_mtime_ns for p in folder.glob("*.json")}
+    capsys.readouterr()
+    bench_run.main(argv + ["--dry-run"])
+    out = capsys.readouterr().out
+    assert out.count("would run") == 1 and "--seed 4 " in out and "--resume" in out and out.count("skip ") == 5
+    assert all(p.stat().st_mtime_ns == t for p, t in stamp.items())        # a dry run runs nothing
+    bench_run.main(argv)
+    assert [p.name for p in folder.glob("*.json") if p.stat().st_mtime_ns != stamp[p]] == ["fedavg-seed4.json"]
+    assert json.loads((folder / "fedavg-seed4.json").read_text())["complete"]
+    for bad, msg in ((["--gpus", "0,a"], "distinct GPU ids"), (["--gpus", "1,1"], "distinct GPU ids"),
+                     (["--launcher", "local", "--gpus", "0"], "--gpus is for --launcher multi_gpu")):
+        assert msg in str(pytest.raises(SystemExit, bench_run.main, argv + bad).value)
+
+
+def test_run_slurm_through_submitit_local(tmp_path, capsys):
+    """--launcher slurm end to end through submitit's local executor: one job per run, the runs'
+    .log and submitit's logs beside the results; a second invocation after a cut run submits only it."""
+    argv = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0", "1", "--rounds", "1", "--out-dir",
+            str(tmp_path), "--launcher", "slurm", "--cluster", "local", "--gpus-per-job", "0", "--time", "5",
+            "--", "--test-domain", "0"]
+    folder = bench_run.main(argv)
+    assert capsys.readouterr().out.count("submitted ") == 2
+    for s in (0, 1):
+        assert json.loads((folder / f"fedavg-seed{s}.json").read_text())["complete"]
+        assert "results: " in (folder / f"fedavg-seed{s}.log").read_text()
+    assert len(list((folder / "slurm").glob("*_log.out"))) == 2
+    res = json.loads((folder / "fedavg-seed1.json").read_text())
+    (folder / "fedavg-seed1.json").write_text(json.dumps(dict(res, complete=False)))   # as if the job was cut
+    bench_run.main(argv)
+    out = capsys.readouterr().out
+    assert out.count("submitted ") == 1 and "--seed 1 " in out and "skip " in out
+    assert json.loads((folder / "fedavg-seed1.json").read_text())["complete"]
+
+
 # ---------------------------------------------------------------------------------- FedLOE
 
 import fedloe  # noqa: E402

@@ -39,7 +39,7 @@ def score(path):
     global model, and for perinvfl.py also each client's θ_i on its own data."""
     res = json.loads(Path(path).read_text())
     args = Namespace(**res["args"])
-    blob = torch.load(Path(args.out).with_suffix(".ckpt"), map_location="cpu", weights_only=True)
+    blob = torch.load(Path(path).with_suffix(".ckpt"), map_location="cpu", weights_only=True)  # written beside it
     assert blob["round"] == args.rounds and blob["finished"] == {}, f"{path}: checkpoint is not the last round"
     ctx = common.Context(torch.device("cpu"), None, None, common.make_prep(args.dataset, "cpu"))
     name = label(res)
@@ -74,14 +74,20 @@ def accuracy(model, put, fed, ctx, split):
     return torch.cat(hits).float().mean().item()
 
 
-def main(paths):
-    table = defaultdict(list)
+def table(paths):
+    """{row label: [[acc at each p_test..., acc on the training contexts] for each run]} (also drawn
+    by benchmark/report.py)."""
+    rows = defaultdict(list)
     for path in paths:
         for name, accs in score(path).items():
-            table[name].append(accs)
+            rows[name].append(accs)
+    return rows
+
+
+def main(paths):
     print("| method | " + " | ".join(f"p_test {p}" for p in P_TEST) + " | mean | training contexts | seeds |")
     print("|---" * (len(P_TEST) + 4) + "|")
-    for name, runs in sorted(table.items()):
+    for name, runs in sorted(table(paths).items()):
         t = 100 * torch.tensor(runs)
         std = t.std(0) if len(runs) > 1 else torch.zeros(t.shape[1])
         cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(t.mean(0), std)]

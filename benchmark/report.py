@@ -1,8 +1,10 @@
-"""Tables and plots from results JSON files (benchmark/run.py's folders, or any results of the
+"""Tables and figures from results JSON files (benchmark/run.py's folders, or any results of the
 method scripts): test accuracy per held-out domain, mean ± std over seeds, the best mean in bold;
-seconds per round and images per second with the ratio to FedAvg; accuracy against round as PNG.
+seconds per round and images per second with the ratio to FedAvg; figures (PNG and SVG) of accuracy
+against round, of accuracy against p_test on RC-MNIST, and of benchmark/speed.py's seconds per round.
 
     python benchmark/report.py results/benchmark/rmnist-50clients [more folders] [--out report.md]
+    python benchmark/report.py --speed speed.json [folders]        # speed.py --json's table and bars
 
 Runs are grouped by folder, then by label (the file name before `-seed`). The std is over seeds
 (n − 1 in the denominator; 0 with one seed). Images per second = training examples of the sampled
@@ -11,15 +13,18 @@ extra passes, e.g. FedIIR's global-gradient pass, are not counted as images; Fed
 are its stage-1 communications). With --out, an existing file's text above its first "## " heading
 (a hand-written introduction: how the results were made) is kept. The paper's numbers are printed beside a
 table when the dataset and scenario match one of the papers (from ../shared/notes/PAPERS.md); they
-used the full datasets, GPUs and their own round counts. The plot uses matplotlib if it is installed;
-otherwise a plain PNG is drawn with numpy alone (axes and lines; the legend is in the markdown).
+used the full datasets, GPUs and their own round counts; the figures draw them as dashed lines.
+
+Every figure is written beside its data: <folder>/accuracy.{png,svg} (mean over seeds ± std band, per
+method); on rcmnist / rcfmnist <folder>/ptest.{png,svg} (every p_test: scored from the checkpoints by
+rcmnist_ptest.py when every run has its .ckpt, else from the ptest.md it wrote); with --speed, the
+bar chart beside the JSON. The figures need matplotlib (pip install matplotlib; benchmark/ only).
 """
 import argparse
 import json
 import os
-import struct
 import sys
-import zlib
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +45,6 @@ PAPERS = {  # (dataset, scenario) -> [(label, mean test accuracy %, source)]
     ("rcmnist", "fl"): [("fedavg", 20.77, "PerInvFL Tab. 2, p_test 0.1"), ("perinvfl (global)", 51.48, "IRM row"),
                         ("perinvfl", 53.46, "PerInvFL Tab. 2")],
 }
-COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127)]
 
 
 def load(folder):
@@ -131,59 +134,176 @@ def speed_table(runs):
     return lines
 
 
-def curves(runs):
-    """{label: (rounds, mean test accuracy over seeds and domains)} on the rounds all runs share."""
+def per_seed(runs):
+    """{label: (rounds, [[accuracy % per round] per seed])}, each seed's accuracy the mean over its
+    test domains, on the rounds all of the label's runs share."""
     out = {}
     for lab, rs in sorted(runs.items()):
         hist = [d["history"] for r in rs for d in r["domains"].values()]
         common = sorted(set.intersection(*[{row["round"] for row in h} for h in hist]))
-        acc = [np.mean([next(row["test_acc"] for row in h if row["round"] == t) for h in hist]) for t in common]
+        acc = [[np.mean([next(row["test_acc"] for row in d["history"] if row["round"] == t)
+                         for d in r["domains"].values()]) for t in common] for r in rs]
         out[lab] = (np.array(common), 100 * np.array(acc))
     return out
 
 
-def plot(cs, path, title):
+def band(ys):
+    """Mean and std (n − 1; 0 with one seed) over the rows (seeds)."""
+    ys = np.asarray(ys, dtype=float)
+    return ys.mean(0), (ys.std(0, ddof=1) if len(ys) > 1 else np.zeros(ys.shape[1]))
+
+
+def merged(series):
+    """[(labels, (x, y))] from {label: (x, y)}: identical y drawn once and named together (PerInvFL's
+    global ν does not depend on --personalize, so its three variants give the same curve)."""
+    out = []
+    for lab, v in series.items():
+        same = next((g for g in out if np.array_equal(g[1][1], v[1])), None)
+        if same:
+            same[0].append(lab)
+        else:
+            out.append(([lab], v))
+    return out
+
+
+def matplotlib_figure():
+    """matplotlib's Figure class, imported here only: the method files never need matplotlib and
+    report.py imports it when it draws. A Figure without pyplot needs no backend or display."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
-        return plain_png(cs, path)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for k, (lab, (x, y)) in enumerate(cs.items()):
-        ax.plot(x, y, marker="o", ms=3, label=lab, color=np.array(COLOURS[k % len(COLOURS)]) / 255)
-    ax.set(xlabel="round", ylabel="test accuracy (%)", title=title)
+        sys.exit("report.py: error: the figures need matplotlib, which is not installed "
+                 "(pip install matplotlib)")
+    matplotlib.rcParams["svg.hashsalt"] = "report"          # the same SVG for the same data (no random ids)
+    return Figure
+
+
+def new_axes(title, xlabel, ylabel, width=8.0):
+    fig = matplotlib_figure()(figsize=(width, 4.2))
+    ax = fig.subplots()
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return "matplotlib"
+    return fig, ax
 
 
-def plain_png(cs, path, W=640, H=400, pad=40):
-    """Lines on axes, y from 0 to 100 %, x from round 0 to the last round; no text."""
-    img = np.full((H, W, 3), 255, np.uint8)
-    img[H - pad, pad:W - pad // 2] = 0
-    img[pad // 2:H - pad + 1, pad] = 0
-    for q in range(0, 101, 10):                                        # y ticks every 10 %
-        yy = int(H - pad - q / 100 * (H - 1.5 * pad))
-        img[yy, pad - 5:pad] = 0
-        img[yy, pad + 1:W - pad // 2:4] = 200
-    xmax = max(max(x) for x, _ in cs.values())
-    for k, (x, y) in enumerate(cs.values()):
-        px = pad + x / xmax * (W - 1.5 * pad)
-        py = H - pad - y / 100 * (H - 1.5 * pad)
-        for i in range(len(px)):
-            a = (px[i - 1], py[i - 1]) if i else (px[i], py[i])
-            for t in np.linspace(0, 1, 200):
-                u, v = int(a[0] + t * (px[i] - a[0])), int(a[1] + t * (py[i] - a[1]))
-                img[max(v - 1, 0):v + 2, max(u - 1, 0):u + 2] = COLOURS[k % len(COLOURS)]
-    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(H))
-    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xffffffff)
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0))
-                           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    return "plain"
+MARKERS = "osD^vPX*ph"
+
+
+def curve(ax, k, x, m, s, labels, n):
+    """Method k's mean (line) ± std (band). Each method has its own marker, and the earlier a method
+    the thicker its line, so that a curve lying on another one (FedIPG on FedAvg) stays visible."""
+    ax.plot(x, m, marker=MARKERS[k % len(MARKERS)], ms=4, lw=max(4.0 - 0.8 * k, 1.0), color=f"C{k}",
+            label="\n= ".join(labels) + f" ({n} seed{'s' * (n > 1)})")
+    ax.fill_between(x, m - s, m + s, color=f"C{k}", alpha=0.15, lw=0)
+
+
+def legend(ax):
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)   # beside, not on, the curves
+
+
+def accuracy_figure(runs, title, paper=()):
+    """Test accuracy against round: mean over seeds (line) ± std over seeds (band) per method, each
+    published number as a dashed line in its method's colour."""
+    fig, ax = new_axes(title, "communication round", "test accuracy (%)")
+    colour = {}
+    for k, (labs, (x, ys)) in enumerate(merged(per_seed(runs))):
+        curve(ax, k, x, *band(ys), labs, len(ys))
+        colour.update({lab: f"C{k}" for lab in labs})
+    for lab, acc, src in paper:
+        if lab in colour:
+            ax.axhline(acc, ls="--", lw=1, color=colour[lab], label=f"{lab}: published, {src}")
+    ax.set_ylim(0, 100)
+    ax.xaxis.get_major_locator().set_params(integer=True)     # rounds: no 12.5
+    legend(ax)
+    return fig
+
+
+PTEST_PAPER = {  # PerInvFL's Table 2 (RC-MNIST) at p_test 0.1 ... 0.5: our row drawn in its colour, a marker
+    "FedAvg": ("fedavg", "x", [20.77, 29.66, 37.74, 45.15, 54.12]),
+    "IRM": ("perinvfl irm dual (global ν)", "1", [51.48, 51.70, 52.17, 51.53, 51.18]),
+    "PerInvFL": ("perinvfl irm dual", "+", [53.46, 52.75, 53.63, 51.41, 52.73]),
+}
+
+
+def ptest_table(folder, paths):
+    """(the p_test values, {row: (mean %, std %, seeds) at each}, where from): scored from the runs'
+    checkpoints by rcmnist_ptest.py when every run has one beside its results, else read from the
+    ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed); (None, None, None) without."""
+    if paths and all(Path(f).with_suffix(".ckpt").is_file() for f in paths):
+        import rcmnist_ptest                                  # torch and the data: only when scoring
+        try:
+            scored = rcmnist_ptest.table(paths)
+        except (AssertionError, OSError, RuntimeError, KeyError) as e:   # e.g. a checkpoint of a cut run
+            sys.exit(f"report.py: error: could not score the checkpoints in {folder}: {e}")
+        ps = list(rcmnist_ptest.P_TEST)
+        return ps, {name: (*band(100 * np.array(runs)[:, :len(ps)]), len(runs))
+                    for name, runs in sorted(scored.items())}, "the runs' checkpoints"
+    md = Path(folder) / "ptest.md"
+    if not md.is_file():
+        return None, None, None
+    try:
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.read_text().splitlines()
+                if line.startswith("|") and not line.startswith("|---")]
+        cols = [i for i, c in enumerate(rows[0]) if c.startswith("p_test ")]
+        cell = lambda c: [float(v) for v in c.split("±")]
+        return ([float(rows[0][i].split()[1]) for i in cols],
+                {r[0]: (*np.array([cell(r[i]) for i in cols]).T, int(r[-1])) for r in rows[1:]}, md.name)
+    except (IndexError, ValueError) as e:
+        sys.exit(f"report.py: error: {md} is not rcmnist_ptest.py's table ({e})")
+
+
+def ptest_figure(table, title, p_test, paper=True):
+    """Accuracy against p_test (PerInvFL's Table 2 as a figure): mean ± std over seeds per row, the
+    paper's rows dashed in the colour of the row they correspond to."""
+    fig, ax = new_axes(title, "p_test (probability that the test colour agrees with the label)",
+                       "test accuracy (%)")
+    colour = {}
+    rows = {name: (n, np.array([m, s])) for name, (m, s, n) in table.items()}
+    for k, (names, (n, (m, s))) in enumerate(merged(rows)):
+        curve(ax, k, p_test, m, s, names, n)
+        colour.update({name: f"C{k}" for name in names})
+    for name, (ours, marker, acc) in PTEST_PAPER.items() if paper and p_test == [0.1, 0.2, 0.3, 0.4, 0.5] else ():
+        # two of them may share a colour (merged rows): markers tell them apart
+        ax.plot(p_test, acc, ls="--", lw=1, marker=marker, ms=7, color=colour.get(ours, "0.4"),
+                label=f"{name}: published, PerInvFL Tab. 2")
+    ax.set_xticks(p_test)
+    ax.set_ylim(0, 100)
+    legend(ax)
+    return fig
+
+
+def speed_figure(speed):
+    """Seconds per round of every variant timed by speed.py: the median (bar) and the fastest and
+    slowest timed round (whiskers)."""
+    names = list(speed["seconds"])
+    secs = [np.array(speed["seconds"][k]) for k in names]
+    med = np.array([np.median(v) for v in secs])
+    fig, ax = new_axes(textwrap.fill("benchmark/speed.py: " + speed["setting"], 90), "seconds per round",
+                       "one round of", width=7.0)
+    ax.set_axisbelow(True)
+    ax.barh(names, med, xerr=[med - [v.min() for v in secs], [v.max() for v in secs] - med],
+            color=[f"C{k}" for k in range(len(names))], capsize=3)
+    ax.invert_yaxis()                                           # first timed variant on top, as the table
+    ax.legend(ax.patches, names, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return fig
+
+
+def save(fig, stem):
+    """stem.png (any viewer) and stem.svg (crisp in the GitHub README), without dates inside."""
+    fig.savefig(f"{stem}.png", dpi=130, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(f"{stem}.svg", bbox_inches="tight", metadata={"Date": None})
+    return fig
+
+
+def title(first, name):
+    """The benchmark's name, dataset and protocol on the first line, the data source below."""
+    a = first["args"]
+    how = ("fixed clients, test: every client's own test set, pooled" if first["protocol"] == "clients"
+           else "leave one domain out, each held out in turn")
+    return (f"{name}: {first['dataset']}, {how}; {a['clients']} clients, {a['sample']} per round\n"
+            + "\n".join(textwrap.fill(part, 100) for part in ("data: " + first["source"]).split("; ")))
 
 
 def report(folder, where="."):
@@ -199,20 +319,29 @@ def report(folder, where="."):
              f"mean ± std over seeds.", ""]
     lines += accuracy_table(runs)
     name = first["dataset"] + (f"-{a.get('stain')}" if first["dataset"] == "stained" else "")
-    paper = PAPERS.get((name, scenario(first)))
+    paper = PAPERS.get((name, scenario(first)), [])
     if paper:
         lines += ["", "Published (full data, GPUs, the papers' own round counts; not comparable in scale): "
                   + "; ".join(f"{lab} {m:.2f} ({src})" for lab, m, src in paper) + "."]
     lines += ["", *speed_table(runs)]
-    png = Path(folder) / "accuracy.png"
-    cs = curves(runs)
-    how = plot(cs, png, Path(folder).name)
-    legend = ", ".join(f"{lab} = rgb{COLOURS[k % len(COLOURS)]}" for k, lab in enumerate(cs))
-    link = os.path.relpath(png, where)                       # relative to the markdown file
-    lines += ["", f"![test accuracy against round]({link})", "",
-              f"Test accuracy (%, mean over seeds and test domains) against round; "
-              + ("" if how == "matplotlib" else "y axis 0–100 % (ticks every 10), x axis 0 to the last round; ")
-              + f"colours: {legend}."]
+    link = lambda stem, ext: os.path.relpath(f"{stem}.{ext}", where)     # relative to the markdown file
+    stem = Path(folder) / "accuracy"
+    save(accuracy_figure(runs, title(first, Path(folder).name), paper), stem)
+    lines += ["", f"![test accuracy against round]({link(stem, 'svg')})", "",
+              "Test accuracy (%) against round: each seed's accuracy is its mean over the test domains; line: "
+              "the mean over seeds, band: ± the std over seeds" + ("; dashed: the published number" if paper else "")
+              + f"; identical curves are drawn once, named together ([PNG]({link(stem, 'png')}))."]
+    if first["dataset"] in ("rcmnist", "rcfmnist"):             # PerInvFL's p_test table as a figure
+        paths = [f for f in sorted(Path(folder).glob("*.json")) if f.name not in skipped]
+        p_test, table, source = ptest_table(folder, paths)
+        if table:
+            stem, rc = Path(folder) / "ptest", first["dataset"] == "rcmnist"
+            head = title(first, Path(folder).name).replace(f", p_test {a['p_test']}", "")   # every p_test here
+            save(ptest_figure(table, head, p_test, paper=rc), stem)
+            lines += ["", f"![test accuracy against p_test]({link(stem, 'svg')})", "",
+                      f"The same runs scored on the test contexts of every p_test (from {source}): line: the mean "
+                      "over seeds, band: ± the std over seeds" + ("; dashed: PerInvFL's Table 2" if rc else "")
+                      + f"; rows equal in every cell are drawn once, named together ([PNG]({link(stem, 'png')}))."]
     for md in sorted(Path(folder).glob("*.md")):               # tables written beside the runs (rcmnist_ptest.py)
         lines += ["", f"More from these runs: [{md.name}]({os.path.relpath(md, where)})."]
     if skipped:
@@ -220,16 +349,39 @@ def report(folder, where="."):
     return lines + [""]
 
 
+def speed_report(path, where="."):
+    """The table and bar chart of a speed.py --json file (the chart beside it)."""
+    try:
+        speed = json.loads(Path(path).read_text())
+        med = {k: float(np.median(v)) for k, v in speed["seconds"].items()}
+        n, base = speed["images_per_round"], next(iter(med.values()))
+    except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
+        sys.exit(f"report.py: error: {path} is not a speed.py --json file ({e.__class__.__name__}: {e})")
+    stem = Path(path).with_suffix("")
+    save(speed_figure(speed), stem)
+    return ["## speed", "", f"`benchmark/speed.py`: {speed['setting']}.", "",
+            f"| round | s / round | images / s | × {next(iter(med))} |", "|---|---|---|---|",
+            *[f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |" for k, v in med.items()], "",
+            f"![seconds per round]({os.path.relpath(f'{stem}.svg', where)})", "",
+            f"Bars: the median over the timed rounds; whiskers: the fastest and the slowest round "
+            f"([PNG]({os.path.relpath(f'{stem}.png', where)})).", ""]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("folders", nargs="+")
+    p.add_argument("folders", nargs="*")
+    p.add_argument("--speed", default=None, help="a benchmark/speed.py --json file: its table and bar chart")
     p.add_argument("--out", default=None, help="write the markdown here (default: print it)")
     a = p.parse_args(argv)
+    if not a.folders and not a.speed:
+        sys.exit("report.py: error: give a folder of results or --speed FILE")
     for f in a.folders:
         if not Path(f).is_dir():
             sys.exit(f"report.py: error: {f} is not a folder of results")
-    where = Path(a.out).parent if a.out else Path(a.folders[0])
-    text = "\n".join(line for f in a.folders for line in report(f, where))
+    matplotlib_figure()                                       # no matplotlib: say so before writing anything
+    where = Path(a.out).parent if a.out else Path((a.folders or [Path(a.speed).parent])[0])
+    lines = [line for f in a.folders for line in report(f, where)]
+    text = "\n".join(lines + (speed_report(a.speed, where) if a.speed else []))
     if a.out and Path(a.out).is_file():                       # keep the introduction
         old = Path(a.out).read_text()
         intro = old[:old.index("\n## ") + 1] if "\n## " in old else ""

@@ -12,8 +12,10 @@ datasets only) do not fit this setting: their speed is in the benchmark's tables
 
     python benchmark/speed.py                       # 50 clients, 5 sampled
     python benchmark/speed.py --clients 5 --rounds 3 --clock cpu
+    python benchmark/speed.py --json speed.json     # also the timings, for report.py --speed (bar chart)
 """
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -44,9 +46,10 @@ def bare_round(model, clients, lr, batch_size):
             opt.step()
 
 
-def setup(method, doc, add_args=None):
-    """The shared CLI of the speed scripts and what they time: `method`'s arguments resolved for the
-    embedded rmnist, test domain 0 held out, P clients, the model and a context on --device."""
+def setup(method, doc, add_args=None, own_args=None):
+    """The shared CLI of the speed scripts (own_args adds a script's own flags) and what they time:
+    `method`'s arguments resolved for the embedded rmnist, test domain 0 held out, P clients, the
+    model and a context on --device."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--clients", type=int, default=50)
     p.add_argument("--sample", type=int, default=5)
@@ -54,6 +57,8 @@ def setup(method, doc, add_args=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall-clock, or this process's CPU time (steadier on a loaded machine; CPU only)")
+    if own_args:
+        own_args(p)
     a = p.parse_args()
     a.clock = time.process_time if a.clock == "cpu" and a.device == "cpu" else time.perf_counter
     parser = common.make_parser(method, doc)
@@ -103,7 +108,8 @@ def method_args(module, name, a):
 
 
 def main():
-    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args)
+    json_flag = lambda p: p.add_argument("--json", default=None, help="also write every timed round here")
+    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, json_flag)
     rounds = {"FedAvg (harness)": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx)}
     for name, module in (("FedIIR", fediir), ("FedOMG", fedomg), ("FedIPG", fedipg)):
         m_args = method_args(module, name.lower(), a)
@@ -120,13 +126,17 @@ def main():
     n = statistics.median(images[1:])
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["FedAvg (harness)"]
-    print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, {a.device}, "
-          f"{torch.get_num_threads()} threads, {a.rounds} rounds each, medians of "
-          f"{'CPU' if a.clock is time.process_time else 'wall-clock'} time\n")
+    setting = (f"embedded rmnist (leave one domain out, domain 0 held out), {a.clients} clients, {a.sample} per "
+               f"round, batch {args.batch_size}, {a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, medians of "
+               f"{'CPU' if a.clock is time.process_time else 'wall-clock'} time")
+    print(setting + "\n")
     print("| round | s / round | images / s | × FedAvg |\n|---|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |")
     print(f"\nharness overhead against the bare loop: {100 * (base / med['bare training loop'] - 1):+.1f}%")
+    if a.json:                                                  # machine-readable: report.py --speed draws it
+        Path(a.json).write_text(json.dumps({"setting": setting, "images_per_round": n, "seconds": times}, indent=1))
+        print(f"speed: {a.json}")
 
 
 if __name__ == "__main__":
