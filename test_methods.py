@@ -1322,6 +1322,71 @@ def test_benchmark_run_and_report(tmp_path, capsys):
                                                                                       "--methods", "fedfoo"]).value)
 
 
+import gpu_check  # noqa: E402
+
+
+def fake_results(loss=1.0, val=0.5, secs=3.0, out="a.json"):
+    return {"method": "fedavg", "args": {"out": out, "seed": 0}, "mean_test_acc": 0.4,
+            "domains": {"0": {"test_acc": 0.4, "history": [{"round": 1, "val_acc": 0.25, "test_acc": 0.3, "loss": 2.0,
+                                                            "seconds": 1.0},
+                                                           {"round": 2, "val_acc": val, "test_acc": 0.4, "loss": loss,
+                                                            "seconds": secs}]}}}
+
+
+def test_gpu_check_comparisons_targets_and_table(tmp_path):
+    a = fake_results(loss=0.5)
+    assert gpu_check.same_json(a, fake_results(loss=0.5, secs=9.5, out="b.json"))  # timings and --out aside
+    assert not gpu_check.same_json(a, fake_results(loss=0.5 + 1e-7))
+    assert a["domains"]["0"]["history"][1]["seconds"] == 3.0                       # the input is left alone
+    d = gpu_check.differences(a, fake_results(loss=0.50025, val=0.52))          # relative: 2.5e-4 / 0.5
+    assert math.isclose(d["loss"], 5e-4, rel_tol=1e-6) and math.isclose(d["acc"], 0.02, rel_tol=1e-6)
+    assert gpu_check.within(d, gpu_check.TOL["fp32"]) and not gpu_check.within(d, {"loss": 1e-4, "acc": 0.05})
+    assert not gpu_check.within(gpu_check.differences(a, fake_results(loss=0.5, val=0.6)), gpu_check.TOL["fp32"])
+    rows = [gpu_check.target_row("harness", "harness", 0.95), gpu_check.target_row("harness", "harness", 0.85),
+            gpu_check.target_row("FedIPG", "fedipg", 2.1), gpu_check.target_row("FedIIR", "fediir", 1.25),
+            gpu_check.target_row("exit", "exit", None)]
+    assert [r["ok"] for r in rows] == [True, False, False, True, None]
+    assert rows[0]["target"] == ">= 0.9" and rows[2]["target"] == "<= 2"
+    text = gpu_check.format_table(rows + [{"check": "runs: x", "measured": "ok", "target": "", "ok": True}])
+    assert text.splitlines()[:2] == ["| check | measured | target | ok |", "|---|---|---|---|"]
+    assert "| harness | 0.850 | >= 0.9 | **NO** |" in text and "| exit | — | <= 1.5 | — |" in text
+    gpu_check.write_report(tmp_path / "r" / "g.json", rows, {"device": "test"})
+    back = json.loads((tmp_path / "r" / "g.json").read_text())
+    assert back["device"] == "test" and back["rows"] == rows and back["all_ok"] is False
+    gpu_check.write_report(tmp_path / "g.json", [rows[0], rows[4]], {})
+    assert json.loads((tmp_path / "g.json").read_text())["all_ok"] is True       # not measured is no failure
+    state = {"w": torch.zeros(3), "opt": [{"step": torch.tensor(1.0, device="meta"), "m": torch.zeros(2, device="meta")}]}
+    assert gpu_check.misplaced(state, "cpu") == ["state['opt'][0]['m'] (meta)"]   # a scalar step count may stay
+    assert gpu_check.misplaced(state, "meta") == ["state['w'] (cpu)"]
+
+
+def test_gpu_check_without_cuda_is_one_line():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")                                # hides a GPU if there is one
+    p = subprocess.run([sys.executable, str(HERE / "benchmark" / "gpu_check.py")], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == ["gpu_check.py: no CUDA device is visible; the CPU path is checked by pytest"]
+
+
+def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
+    """The measuring code itself, on tiny settings on the CPU (its numbers mean nothing here)."""
+    syn = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--sample", "2"]
+    step = common.local_sgd
+    rows = gpu_check.check_runs([("fedipg", "fedipg", syn + gpu_check.TWO_ROUNDS["fedipg"])], "cpu", tmp_path)
+    assert [(r["check"], r["ok"]) for r in rows] == [("runs: fedipg", True), ("repeat: fedipg", True)]
+    assert common.local_sgd is step                                                 # the guards are lifted
+    stray = lambda model, fed, args, ctx: {"g_tilde": [torch.zeros(1)], "stray": torch.zeros(2, device="meta")}
+    monkeypatch.setattr(fediir, "init_state", stray)
+    rows = gpu_check.check_runs([("fediir", "fediir", syn + ["--rounds", "1", "--gamma", "0"])], "cpu", tmp_path)
+    assert rows[0]["ok"] is False and rows[0]["measured"] == "RuntimeError: off the cpu: checkpoint['state']['stray'] (meta)"
+    setup = gpu_check.setting(fedavg, "fedavg", syn, "cpu", tmp_path)
+    ips = gpu_check.harness_vs_bare(*setup, rounds=1)
+    assert set(ips) == {"harness", "bare"} and all(v > 0 for v in ips.values())
+    assert gpu_check.determinism_cost(*setup, rounds=1) > 0 and torch.are_deterministic_algorithms_enabled()
+    ratios = gpu_check.round_ratios(setup, 1, "cpu", tmp_path)
+    assert set(ratios) == {"fediir", "fedipg", "fedomg"} and all(v > 0 for v in ratios.values())
+
+
 # ---------------------------------------------------------------------------------- FedLOE
 
 import fedloe  # noqa: E402
