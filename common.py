@@ -32,9 +32,15 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.deterministic
 
 import data
 from data import UserError
+
+# cuBLAS reproduces its matrix products only with a fixed workspace, and it reads this setting once,
+# when CUDA starts: so it is set here, at import, before anything touches the GPU (a value the user
+# exported wins). It costs nothing on the CPU and little on the GPU (README: GPU).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # ------------------------------------------------------------------------------------ defaults
 # Per dataset: the model and FedIIR's Table 3 (lr / batch) for the DG benchmarks; FedOMG's Table 1
@@ -74,6 +80,15 @@ class Net(nn.Module):
         return self.classifier(self.featurizer(x))
 
 
+class GlobalMean(nn.Module):
+    """Global average pooling as a plain mean over height and width. torch computes AdaptiveAvgPool2d(1)
+    as this very mean (bit for bit on the CPU, measured), but through a special case inside it; its
+    own CUDA backward kernel has no deterministic version, and written out no dispatch can reach it."""
+
+    def forward(self, x):
+        return x.mean((2, 3), keepdim=True)
+
+
 def conv_net(in_ch, width=64):
     """DomainBed's MNIST ConvNet: 4 conv3x3 (w, 2w, 2w, 2w; the 2nd strided), each ReLU + GroupNorm(8),
     global average pool -> 2w features (128 for w = 64)."""
@@ -81,7 +96,7 @@ def conv_net(in_ch, width=64):
     for out, stride in ((width, 1), (2 * width, 2), (2 * width, 1), (2 * width, 1)):
         layers += [nn.Conv2d(c, out, 3, stride, 1), nn.ReLU(), nn.GroupNorm(8, out)]
         c = out
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()), c
+    return nn.Sequential(*layers, GlobalMean(), nn.Flatten()), c
 
 
 def small_cnn(in_ch, size):
@@ -111,6 +126,7 @@ class ResNet(nn.Module):
             raise UserError(f"could not get the ImageNet weights of resnet{depth} ({data.why(e)}); "
                             f"run once with network access or pass --no-pretrained")
         self.net.fc = nn.Identity()
+        self.net.avgpool = GlobalMean()   # deterministic backward on CUDA (no parameters: weights load as before)
 
     def train(self, mode=True):
         super().train(mode)
@@ -176,12 +192,18 @@ MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
 
-def augment(x, gen):
+YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])   # RGB -> YIQ
+YIQ_PAIR = (torch.linalg.inv(YIQ), YIQ)
+
+
+def augment(x, gen, yiq=YIQ_PAIR):
     """The FedIIR code's training augmentation, batched on the device: RandomResizedCrop(scale
     0.7-1, ratio 3/4-4/3) and horizontal flip as one affine warp, ColorJitter(0.3, 0.3, 0.3, 0.3),
     RandomGrayscale(0.1). x: float [N, 3, H, W] in [0, 1]. Differences from torchvision: the crop
     is taken from the cached 224px image (not the original), a crop that would leave the image is
-    clipped to it, jitter runs in a fixed order, and hue is a rotation in YIQ space."""
+    clipped to it, jitter runs in a fixed order, and hue is a rotation in YIQ space.
+    yiq: (YIQ⁻¹, YIQ) on x's device; make_prep moves them there once, because a copy to the GPU or an
+    inverse on it inside a step would be a host synchronisation."""
     n, dev = x.shape[0], x.device
     u = lambda *s: torch.rand(*s, generator=gen, device=dev)
     area = 0.7 + 0.3 * u(n)
@@ -201,24 +223,24 @@ def augment(x, gen):
     g = gray(x)
     x = ((x - g) * f() + g).clamp(0, 1)                                           # saturation
     a = 2 * math.pi * 0.3 * (2 * u(n) - 1)                                        # hue in [-0.3, 0.3] turns
-    yiq = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]], device=dev)
+    to_rgb, to_yiq = yiq
     rot = torch.zeros(n, 3, 3, device=dev)
     rot[:, 0, 0], rot[:, 1, 1], rot[:, 2, 2] = 1, a.cos(), a.cos()
     rot[:, 1, 2], rot[:, 2, 1] = -a.sin(), a.sin()
-    x = torch.einsum("ij,njk,kl,nlhw->nihw", torch.linalg.inv(yiq), rot, yiq, x).clamp(0, 1)
+    x = torch.einsum("ij,njk,kl,nlhw->nihw", to_rgb, rot, to_yiq, x).clamp(0, 1)
     return torch.where(u(n, 1, 1, 1) < 0.1, gray(x).expand_as(x), x)             # grayscale
 
 
 def make_prep(dataset, device):
     """uint8 batch -> model input. Digits: pixels / 255. Photos: augmentation when training, then
     ImageNet mean/std (channels-last on CUDA for the ResNets)."""
-    mean, std = MEAN.to(device), STD.to(device)
+    mean, std, yiq = MEAN.to(device), STD.to(device), tuple(m.to(device) for m in YIQ_PAIR)
 
     def prep(x, train=False, gen=None):
         x = x.float().div_(255)
         if dataset in PHOTOS:
             if train:
-                x = augment(x, gen)
+                x = augment(x, gen, yiq)
             x = (x - mean) / std
             if x.is_cuda:
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -388,10 +410,15 @@ def evaluate_global(model, fed, args, state, ctx):
     plus the accuracy on each test set (one per client in the fixed-clients protocol)."""
     val = correct(model, fed.val_x, fed.val_y, ctx).float().mean()
     hit = correct(model, fed.test_x, fed.test_y, ctx).float()
-    k = len(fed.test_names)
-    per = torch.zeros(k, device=hit.device).index_add_(0, fed.test_group, hit)
-    per = per / torch.bincount(fed.test_group, minlength=k).clamp(min=1)
-    return val.item(), hit.mean().item(), per.tolist()
+    return val.item(), hit.mean().item(), group_means(hit, fed.test_group, len(fed.test_names)).tolist()
+
+
+def group_means(v, group, k):
+    """The mean of v over each of the k groups (0 for an empty group). A product with the one-hot
+    membership matrix, reproducible in either mode; index_add_'s float sums on CUDA follow no fixed
+    order outside deterministic mode (--nondeterministic)."""
+    member = F.one_hot(group, k).to(v.dtype)
+    return (v @ member) / member.sum(0).clamp(min=1)
 
 
 # ------------------------------------------------------------------------------------- the CLI
@@ -432,6 +459,8 @@ def make_parser(method, doc):
     a("--seed", type=int, default=0)
     a("--device", default="auto", choices=["auto", "cpu", "cuda"])
     a("--amp", action="store_true", help="bf16 autocast (CUDA only)")
+    a("--nondeterministic", action="store_true",
+      help="CUDA: let cuDNN and cuBLAS pick their fastest kernels; two runs then differ (README: GPU)")
     a("--out", default=None, help="results JSON (default results/<method>-<dataset>-seed<seed>.json)")
     a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
     return p
@@ -559,9 +588,24 @@ def seconds(s):
 
 # --------------------------------------------------------------------------------- the skeleton
 
+def set_deterministic(on=True):
+    """Reproducible kernels on every device (the default), or CUDA's fastest (--nondeterministic).
+    On: cuDNN's deterministic algorithms without benchmarking, cuBLAS's fixed workspace (set at
+    import), and any op left without a deterministic kernel raises instead of varying silently.
+    CPU kernels are deterministic either way: the flag changes no CPU number (a test checks it)."""
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on
+    # Deterministic mode would also fill every new tensor with NaN, to expose reads of memory
+    # never written; this code reads none (the bit-exact tests would see it), and the fill is an
+    # extra kernel per allocation on the launch-bound small models.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
 def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
     args.eval_every rounds, model selection on validation accuracy; results and checkpoints."""
+    set_deterministic(not args.nondeterministic)      # before the model or anything else meets CUDA
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
     print(f"data: {ds.source}", flush=True)

@@ -88,7 +88,7 @@ from data import rotate
 
 LAMBDA = {"rmnist": 1e-3, "stained": 1e-3, "synthetic": 1e-3, "pacs": 1e-4, "vlcs": 1e-4, "officehome": 1e-4}
 AFFINE = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.BatchNorm2d)   # outputs affine in their own parameters
-CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.Flatten)
+CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)
 
 
 # ------------------------------------------------------------------------ the penalty (Eq. 9)
@@ -310,9 +310,7 @@ def evaluate(model, fed, args, state, ctx):
     ood = torch.isin(owner, torch.tensor(state["exited"], dtype=torch.long, device=hit.device))
     val = hit[~ood].mean() if state["exited"] else hit.mean()
     test = common.correct(model, fed.test_x, fed.test_y, ctx).float()
-    k = len(fed.test_names)
-    per = torch.zeros(k, device=test.device).index_add_(0, fed.test_group, test)
-    per = per / torch.bincount(fed.test_group, minlength=k).clamp(min=1)
+    per = common.group_means(test, fed.test_group, len(fed.test_names))
     if not (args.exit != "off" or args.exit_clients or args.aberrant):
         return val.item(), test.mean().item(), per.tolist()
     extra = {"id_acc": val.item(), "ood_acc": hit[ood].mean().item() if ood.any() else None,

@@ -161,12 +161,15 @@ def ensemble(phi, Ws, bs):
 
 def risks(phi, Y, y, env, n_env, scale=None):
     """Per-client risks R_c of the combined prediction Σ_c' φ_c' ŷ_c' (Y: [N, P, m] for the pooled
-    tuning examples, env: the client of each). `scale` [P]: IRMv1's dummy multiplier w per client."""
+    tuning examples, env: the client of each). `scale` [P]: IRMv1's dummy multiplier w per client.
+    Per-client sums as products with the one-hot membership: reproducible on CUDA in either mode (index_add_'s
+    float sums are unordered there outside deterministic mode)."""
+    member = F.one_hot(env, len(n_env)).to(Y.dtype)                       # [N, P]
     logits = torch.einsum("nkm,k->nm", Y, phi)
     if scale is not None:
-        logits = logits * scale[env, None]
+        logits = logits * (member @ scale)[:, None]                        # w of each example's client
     ce = F.cross_entropy(logits, y, reduction="none")
-    return torch.zeros(len(n_env), dtype=ce.dtype, device=ce.device).index_add_(0, env, ce) / n_env
+    return (ce @ member) / n_env
 
 
 def irm_penalty(phi, Y, y, env, n_env):
@@ -240,7 +243,7 @@ def stage2_round(t, model, fed, args, state, ctx):
     with torch.no_grad():
         head.weight.copy_(W)
         head.bias.copy_(b)
-    state["phi"] = phi.cpu()
+    state["phi"] = phi
     print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1 / P:.4f})", flush=True)
     n_psi, m = W0.numel() + b0.numel(), b0.numel()
     count(state, "stage2", up=P * n_psi * 4 + len(y) * (P * m * 4 + y.element_size()),
@@ -271,7 +274,7 @@ def init_state(model, fed, args, ctx):
     split_appendix_d2(fed, args.seed)
     n_theta = sum(p.numel() for p in model.parameters())
     return {"bytes": {"stage1": [0, len(fed.clients) * n_theta * 4], "stage2": [0, 0]},  # θ^0 goes down
-            "phi": torch.zeros(0)}
+            "phi": torch.zeros(0, device=ctx.device)}
 
 
 def evaluate(model, fed, args, state, ctx):

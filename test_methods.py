@@ -22,6 +22,9 @@ import fedavg
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")  # torchvision 0.29
 HERE = Path(__file__).resolve().parent
 QUICK = ["--dataset", "synthetic", "--rounds", "4", "--eval-every", "2"]
+# The bit-exactness promise is per device: those tests run on the CPU always and on CUDA when present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+on_every_device = pytest.mark.parametrize("device", DEVICES)
 
 
 def run(main, argv, tmp_path, name="r.json"):
@@ -180,6 +183,11 @@ def test_sampling_is_without_replacement():
 
 # ----------------------------------------------------------------------- end to end, results
 
+def test_group_means():
+    v, group = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), torch.tensor([2, 0, 2, 0, 2, 2])
+    assert common.group_means(v, group, 4).tolist() == [0.5, 0.0, 0.75, 0.0]      # empty groups: 0
+
+
 def test_fedavg_synthetic_learns_and_writes_the_results_json(tmp_path):
     res, out = run(fedavg.main, QUICK, tmp_path)
     on_disk = json.load(open(out))
@@ -209,17 +217,36 @@ def test_embedded_rmnist_above_chance(tmp_path):
     assert res["domains"]["30"]["test_acc"] > 0.2                      # 10 classes: chance is 0.1
 
 
-def test_determinism(tmp_path):
-    a, _ = run(fedavg.main, QUICK + ["--clients", "5", "--sample", "3"], tmp_path, "a.json")
-    b, _ = run(fedavg.main, QUICK + ["--clients", "5", "--sample", "3"], tmp_path, "b.json")
-    c, _ = run(fedavg.main, QUICK + ["--clients", "5", "--sample", "3", "--seed", "1"], tmp_path, "c.json")
+@on_every_device
+def test_determinism(tmp_path, device):
+    argv = QUICK + ["--clients", "5", "--sample", "3", "--device", device]
+    a, _ = run(fedavg.main, argv, tmp_path, "a.json")
+    b, _ = run(fedavg.main, argv, tmp_path, "b.json")
+    c, _ = run(fedavg.main, argv + ["--seed", "1"], tmp_path, "c.json")
     assert strip_times(a) == strip_times(b)
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
 
 
+@pytest.mark.parametrize("module", ["fedipg", "fedloe"])
+def test_nondeterministic_changes_no_cpu_number(tmp_path, module):
+    """Deterministic mode is on by default and --nondeterministic turns it off; on the CPU, whose
+    kernels are deterministic either way, the numbers stay the same."""
+    main = {"fedipg": lambda a: fedipg.main(QUICK + ["--clients", "4", "--sample", "2"] + a),
+            "fedloe": lambda a: fedloe.main(LOE + a)}[module]
+    argv = ["--test-domain", "1", "--device", "cpu"]
+    a, _ = run(main, argv, tmp_path, "a.json")
+    assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    b, _ = run(main, argv + ["--nondeterministic"], tmp_path, "b.json")
+    assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+    common.set_deterministic(True)
+    assert strip_times(a)["domains"] == strip_times(b)["domains"]
+
+
+@on_every_device
 @pytest.mark.parametrize("stop_at", [("style0", 2), ("style1", 4)])
-def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at):
-    argv = QUICK + ["--rounds", "6", "--clients", "4", "--sample", "2"]
+def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at, device):
+    argv = QUICK + ["--rounds", "6", "--clients", "4", "--sample", "2", "--device", device]
     full, _ = run(fedavg.main, argv, tmp_path, "full.json")
     out = str(tmp_path / "cut.json")
     resumed = interrupted_then_resumed(fedavg.main, argv, out, monkeypatch,
@@ -349,6 +376,19 @@ def test_augment_is_seeded_and_keeps_shape_and_range():
     b = common.augment(x, torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and a.shape == x.shape and a.min() >= 0 and a.max() <= 1
     assert not torch.allclose(a, common.augment(x, torch.Generator().manual_seed(2)))
+    gray = common.augment(torch.rand(5, 1, 32, 32).expand(5, 3, 32, 32), torch.Generator().manual_seed(1))
+    assert torch.allclose(gray, gray[:, :1].expand_as(gray), atol=1e-5)   # a hue rotation (YIQ) keeps greys grey
+
+
+def test_global_pooling_is_a_plain_mean_in_every_model():
+    """AdaptiveAvgPool2d's CUDA backward kernel is not deterministic: no model may hold one."""
+    x = torch.randn(3, 8, 5, 7)
+    assert torch.equal(common.GlobalMean()(x), torch.nn.AdaptiveAvgPool2d(1)(x))   # the same numbers
+    for model in ("convnet", "smallconv", "resnet18"):
+        a = type("A", (), dict(model=model, no_pretrained=True, head="linear"))
+        net = common.build_model(a, data.synthetic())
+        assert any(isinstance(m, common.GlobalMean) for m in net.modules()), model
+        assert not any(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in net.modules()), model
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -395,14 +435,16 @@ def test_resume_with_other_arguments_and_corrupt_checkpoint(tmp_path, capsys):
     assert "corrupt checkpoint" in line
 
 
-def test_non_finite_loss_stops_and_keeps_what_was_written(tmp_path, capsys):
+@on_every_device
+def test_non_finite_loss_stops_and_keeps_what_was_written(tmp_path, capsys, device):
     def poisoned(t, model, fed, args, state, ctx):
         losses = fedavg.fedavg_round(t, model, fed, args, state, ctx)
         if fed.name == "style1" and t == 3:
-            losses[next(iter(losses))] = torch.tensor(float("nan"))
+            c = next(iter(losses))
+            losses[c] = torch.full_like(losses[c], float("nan"))           # on the run's device
         return losses
     out = str(tmp_path / "r.json")
-    argv = QUICK + ["--out", out]
+    argv = QUICK + ["--out", out, "--device", device]
     line = fails(lambda a: common.main("fedavg", fedavg.__doc__, poisoned, a, fedavg.add_args), argv, capsys, code=1)
     assert "non-finite loss in round 3 on client" in line and "testing on style1" in line
     assert list(json.load(open(out))["domains"]) == ["style0"]        # the finished domain is kept
@@ -588,8 +630,9 @@ def test_fediir_penalty_gradient_matches_finite_differences():
     assert grads[0].abs().sum() > 0                        # the penalty's gradient reaches φ
 
 
-def test_fediir_with_gamma_zero_is_fedavg_bit_for_bit(tmp_path):
-    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1"]
+@on_every_device
+def test_fediir_with_gamma_zero_is_fedavg_bit_for_bit(tmp_path, device):
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--device", device]
     for extra in ([], ["--uniform-avg"]):
         a, _ = run(fedavg.main, argv + extra, tmp_path, "avg.json")
         b, _ = run(fediir.main, argv + extra + ["--gamma", "0"], tmp_path, "iir.json")
@@ -635,8 +678,10 @@ def test_fediir_ema_recursion(monkeypatch):
     assert torch.allclose(state["g_tilde"][1], torch.full((3,), 0.95 * 0.1 + 0.05 * 5))
 
 
-def test_fediir_learns_and_resumes(tmp_path, monkeypatch):
-    argv = QUICK + ["--rounds", "4", "--clients", "4", "--sample", "2", "--gamma", "0.01", "--test-domain", "2"]
+@on_every_device
+def test_fediir_learns_and_resumes(tmp_path, monkeypatch, device):
+    argv = QUICK + ["--rounds", "4", "--clients", "4", "--sample", "2", "--gamma", "0.01", "--test-domain", "2",
+                    "--device", device]
     full, _ = run(fediir.main, argv, tmp_path, "full.json")
     assert full["domains"]["style2"]["test_acc"] > 0.6
     resumed = interrupted_then_resumed(fediir.main, argv, str(tmp_path / "cut.json"), monkeypatch,
@@ -746,8 +791,9 @@ def test_fedomg_step_matches_eq_16_computed_directly():
     assert torch.allclose(fedomg.omg_step(G, g_FL, p, 0.5, "exact"), expected, atol=1e-6)
 
 
-def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path):
-    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7"]
+@on_every_device
+def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path, device):
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7", "--device", device]
     a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
     b, _ = run(fedomg.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
@@ -755,8 +801,9 @@ def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path):
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
 
 
-def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch):
-    argv = QUICK + ["--clients", "3", "--sample", "2", "--test-domain", "0", "--rounds", "4"]
+@on_every_device
+def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch, device):
+    argv = QUICK + ["--clients", "3", "--sample", "2", "--test-domain", "0", "--rounds", "4", "--device", device]
     full, _ = run(fedomg.main, argv, tmp_path, "full.json")
     assert full["domains"]["style0"]["test_acc"] > 0.6
     fresh, _ = run(fedomg.main, argv + ["--fresh-opt"], tmp_path, "fresh.json")
@@ -842,7 +889,7 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedipg", QUICK + ["--exit-clients", "0,1"], "--exit-clients names every client"),
     ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
     ("fedipg", QUICK + ["--model", "resnet18", "--no-pretrained", "--penalty", "tangent"],
-     "--penalty tangent needs a chain of Conv2d, Linear, ReLU, GroupNorm, MaxPool2d, AdaptiveAvgPool2d, Flatten"),
+     "--penalty tangent needs a chain of Conv2d, Linear, ReLU, GroupNorm, MaxPool2d, GlobalMean, Flatten"),
 ])
 def test_method_flags_bad_input(module, argv, message, capsys):
     assert message in fails(sys.modules[module].main, argv, capsys)
@@ -1131,9 +1178,10 @@ def test_rcfmnist_through_torchvision_on_a_stand_in(tmp_path, capsys):
     assert "FashionMNIST is not embedded: pass --data-root" in fails(perinvfl.main, ["--dataset", "rcfmnist"], capsys)
 
 
-def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch):
+@on_every_device
+def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch, device):
     argv = ["--dataset", "rcmnist", "--p-test", "0.9", "--rounds", "12", "--eval-every", "4", "--anneal", "6",
-            "--lam", "100", "--lr", "2e-3"]
+            "--lam", "100", "--lr", "2e-3", "--device", device]
     res, out = run(perinvfl.main, argv, tmp_path)
     r = res["domains"]["clients"]
     before = r["history"][1]                                            # round 8, before λ = 100 bites
@@ -1454,6 +1502,69 @@ def test_run_slurm_through_submitit_local(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("submitted ") == 1 and "--seed 1 " in out and "skip " in out
     assert json.loads((folder / "fedavg-seed1.json").read_text())["complete"]
+import gpu_check  # noqa: E402
+
+
+def fake_results(loss=1.0, val=0.5, secs=3.0, out="a.json"):
+    return {"method": "fedavg", "args": {"out": out, "seed": 0}, "mean_test_acc": 0.4,
+            "domains": {"0": {"test_acc": 0.4, "history": [{"round": 1, "val_acc": 0.25, "test_acc": 0.3, "loss": 2.0,
+                                                            "seconds": 1.0},
+                                                           {"round": 2, "val_acc": val, "test_acc": 0.4, "loss": loss,
+                                                            "seconds": secs}]}}}
+
+
+def test_gpu_check_comparisons_targets_and_table(tmp_path):
+    a = fake_results(loss=0.5)
+    assert gpu_check.same_json(a, fake_results(loss=0.5, secs=9.5, out="b.json"))  # timings and --out aside
+    assert not gpu_check.same_json(a, fake_results(loss=0.5 + 1e-7))
+    assert a["domains"]["0"]["history"][1]["seconds"] == 3.0                       # the input is left alone
+    d = gpu_check.differences(a, fake_results(loss=0.50025, val=0.52))          # relative: 2.5e-4 / 0.5
+    assert math.isclose(d["loss"], 5e-4, rel_tol=1e-6) and math.isclose(d["acc"], 0.02, rel_tol=1e-6)
+    assert gpu_check.within(d, gpu_check.TOL["fp32"]) and not gpu_check.within(d, {"loss": 1e-4, "acc": 0.05})
+    assert not gpu_check.within(gpu_check.differences(a, fake_results(loss=0.5, val=0.6)), gpu_check.TOL["fp32"])
+    rows = [gpu_check.target_row("harness", "harness", 0.95), gpu_check.target_row("harness", "harness", 0.85),
+            gpu_check.target_row("FedIPG", "fedipg", 2.1), gpu_check.target_row("FedIIR", "fediir", 1.25),
+            gpu_check.target_row("exit", "exit", None)]
+    assert [r["ok"] for r in rows] == [True, False, False, True, None]
+    assert rows[0]["target"] == ">= 0.9" and rows[2]["target"] == "<= 2"
+    text = gpu_check.format_table(rows + [{"check": "runs: x", "measured": "ok", "target": "", "ok": True}])
+    assert text.splitlines()[:2] == ["| check | measured | target | ok |", "|---|---|---|---|"]
+    assert "| harness | 0.850 | >= 0.9 | **NO** |" in text and "| exit | — | <= 1.5 | — |" in text
+    gpu_check.write_report(tmp_path / "r" / "g.json", rows, {"device": "test"})
+    back = json.loads((tmp_path / "r" / "g.json").read_text())
+    assert back["device"] == "test" and back["rows"] == rows and back["all_ok"] is False
+    gpu_check.write_report(tmp_path / "g.json", [rows[0], rows[4]], {})
+    assert json.loads((tmp_path / "g.json").read_text())["all_ok"] is True       # not measured is no failure
+    state = {"w": torch.zeros(3), "opt": [{"step": torch.tensor(1.0, device="meta"), "m": torch.zeros(2, device="meta")}]}
+    assert gpu_check.misplaced(state, "cpu") == ["state['opt'][0]['m'] (meta)"]   # a scalar step count may stay
+    assert gpu_check.misplaced(state, "meta") == ["state['w'] (cpu)"]
+
+
+def test_gpu_check_without_cuda_is_one_line():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")                                # hides a GPU if there is one
+    p = subprocess.run([sys.executable, str(HERE / "benchmark" / "gpu_check.py")], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == ["gpu_check.py: no CUDA device is visible; the CPU path is checked by pytest"]
+
+
+def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
+    """The measuring code itself, on tiny settings on the CPU (its numbers mean nothing here)."""
+    syn = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--sample", "2"]
+    step = common.local_sgd
+    rows = gpu_check.check_runs([("fedipg", "fedipg", syn + gpu_check.TWO_ROUNDS["fedipg"])], "cpu", tmp_path)
+    assert [(r["check"], r["ok"]) for r in rows] == [("runs: fedipg", True), ("repeat: fedipg", True)]
+    assert common.local_sgd is step                                                 # the guards are lifted
+    stray = lambda model, fed, args, ctx: {"g_tilde": [torch.zeros(1)], "stray": torch.zeros(2, device="meta")}
+    monkeypatch.setattr(fediir, "init_state", stray)
+    rows = gpu_check.check_runs([("fediir", "fediir", syn + ["--rounds", "1", "--gamma", "0"])], "cpu", tmp_path)
+    assert rows[0]["ok"] is False and rows[0]["measured"] == "RuntimeError: off the cpu: checkpoint['state']['stray'] (meta)"
+    setup = gpu_check.setting(fedavg, "fedavg", syn, "cpu", tmp_path)
+    ips = gpu_check.harness_vs_bare(*setup, rounds=1)
+    assert set(ips) == {"harness", "bare"} and all(v > 0 for v in ips.values())
+    assert gpu_check.determinism_cost(*setup, rounds=1) > 0 and torch.are_deterministic_algorithms_enabled()
+    ratios = gpu_check.round_ratios(setup, 1, "cpu", tmp_path)
+    assert set(ratios) == {"fediir", "fedipg", "fedomg"} and all(v > 0 for v in ratios.values())
 
 
 # ---------------------------------------------------------------------------------- FedLOE
@@ -1586,14 +1697,15 @@ def test_fedloe_split_follows_appendix_d2():
     assert len(fed.id_y) == sum(len(c.id_y) for c in fed.clients)
 
 
-def test_fedloe_end_to_end_frozen_featurizer_bytes_and_resume(tmp_path, monkeypatch):
-    blobs, save = {}, common.save_checkpoint
+@on_every_device
+def test_fedloe_end_to_end_frozen_featurizer_bytes_and_resume(tmp_path, monkeypatch, device):
+    blobs, save, argv = {}, common.save_checkpoint, LOE + ["--device", device]
 
     def keep(path, blob):
         blobs[blob["round"]] = copy.deepcopy(blob)
         save(path, blob)
     monkeypatch.setattr(common, "save_checkpoint", keep)
-    full, _ = run(fedloe.main, LOE, tmp_path, "full.json")
+    full, _ = run(fedloe.main, argv, tmp_path, "full.json")
     monkeypatch.setattr(common, "save_checkpoint", save)
     d = full["domains"]["style1"]
     assert [r["round"] for r in d["history"]] == [1, 2, 3, 4] and d["last_test_acc"] > 0.6   # chance: 0.25
@@ -1609,9 +1721,9 @@ def test_fedloe_end_to_end_frozen_featurizer_bytes_and_resume(tmp_path, monkeypa
         "stage1": [2 * P * n_theta * 4, 3 * P * n_theta * 4],                          # θ^0 down, then 2 averages
         "stage2": [2 * (P * n_psi * 4 + n_tune * (P * m * 4 + 8)), 2 * (P * P * n_psi * 4 + P * n_psi * 4)]}
     # --stage2-comms 0 ("our FedAvg") is the first K1 rounds of the full run
-    only1, _ = run(fedloe.main, LOE + ["--stage2-comms", "0"], tmp_path, "s1.json")
+    only1, _ = run(fedloe.main, argv + ["--stage2-comms", "0"], tmp_path, "s1.json")
     assert strip_times(only1)["domains"]["style1"]["history"] == strip_times(full)["domains"]["style1"]["history"][:2]
-    resumed = interrupted_then_resumed(fedloe.main, LOE, str(tmp_path / "cut.json"), monkeypatch,
+    resumed = interrupted_then_resumed(fedloe.main, argv, str(tmp_path / "cut.json"), monkeypatch,
                                        lambda blob: blob["round"] == 3)
     assert strip_times(resumed) == strip_times(full)
 
@@ -1717,8 +1829,9 @@ def test_fedipg_layer_identity_holds_for_groupnorm_and_batchnorm_models(arch):
     assert any(not torch.allclose(u, v, atol=1e-3 * scale) for u, v in zip(ga, plain))
 
 
-def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path):
-    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7"]
+@on_every_device
+def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path, device):
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7", "--device", device]
     a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
     b, _ = run(fedipg.main, argv + ["--lam", "0", "--exit", "off"], tmp_path, "ipg.json")
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
@@ -1818,9 +1931,10 @@ def test_fedipg_contribution_is_eq_13():
         assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)
 
 
-def test_fedipg_end_to_end_with_exits_and_aberrant_client_resumes(tmp_path, monkeypatch):
+@on_every_device
+def test_fedipg_end_to_end_with_exits_and_aberrant_client_resumes(tmp_path, monkeypatch, device):
     argv = QUICK + ["--rounds", "4", "--clients", "6", "--sample", "6", "--test-domain", "2", "--exit", "auto",
-                    "--exit-warmup", "2", "--aberrant", "rotate:180", "--exit-clients", "5"]
+                    "--exit-warmup", "2", "--aberrant", "rotate:180", "--exit-clients", "5", "--device", device]
     full, _ = run(fedipg.main, argv, tmp_path, "full.json")
     d = full["domains"]["style2"]
     assert d["test_acc"] > 0.6 and d["id_acc"] > 0.6                              # 4 classes: chance 0.25

@@ -66,6 +66,7 @@ def setup(method, doc, add_args=None, own_args=None):
         add_args(parser)
     argv = ["--clients", str(a.clients), "--sample", str(a.sample), "--device", a.device]
     args = common.resolve(parser.parse_args(argv), "speed")
+    common.set_deterministic()                     # as the method scripts run by default
     ds = data.load("rmnist")
     dev = torch.device(a.device)
     fed = common.federate(ds, 0, a.clients, 0, dev)

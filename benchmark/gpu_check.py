@@ -1,0 +1,430 @@
+"""One command that checks the GPU path: every method runs there, without host syncs inside a local
+step, reproducibly, close to the CPU's numbers, and at the speed the project aims for.
+
+    python benchmark/gpu_check.py                        # embedded digits and a generated PACS tree
+    python benchmark/gpu_check.py --data-root DIR        # RotatedMNIST and RC-MNIST from DIR's full MNIST
+
+On a CUDA machine, in one process (method scripts are called in-process, their output hidden):
+1. runs     every method for 2 rounds on RotatedMNIST (ConvNet) and on a generated DomainBed-style
+            PACS tree (ResNet-18, --no-pretrained), fp32 and --amp (PerInvFL scores fixed clients:
+            RC-MNIST, MLP, instead). A non-finite loss stops a run (the skeleton checks it); at every
+            checkpoint, every tensor of the model and of the method's state must be on the GPU.
+            The local step runs under torch.cuda.set_sync_debug_mode("error"): common.local_sgd
+            (FedAvg, FedIIR, FedOMG, FedIPG, FedLOE stage 1), fedloe.overfit_head (stage 2), and
+            PerInvFL's step functions (batch, theta_loss, inv_loss; its loop is inline).
+2. repeat   the same runs again: the JSON must be identical (seconds aside).
+3. cpu      each method on a tiny case on the CPU and on the GPU, fp32, and FedIIR / FedIPG /
+            PerInvFL with --amp (bf16 penalty paths) against the CPU's fp32, within TOL. Local steps
+            are full batch: the minibatch order is drawn from each device's own generator, so with
+            minibatches the two devices would train on different batches; a full batch leaves
+            them only a different summation order.
+4. speed    images/s of the harness (a FedAvg round through common.py) against a bare loop of the
+            same model, batch, input preparation and SGD in the same process: ConvNet on
+            RotatedMNIST-50 (fp32, bf16), ResNet-18 on the PACS tree (fp32 NCHW, fp32 and bf16
+            channels-last); FedIIR / FedIPG / FedOMG rounds against FedAvg's (RotatedMNIST-50, 5
+            sampled, as benchmark/speed.py); FedIPG --exit auto against --exit off over a whole run;
+            a FedAvg round deterministic (the default) against --nondeterministic.
+Prints one table (check, measured, target, ok) and writes it as JSON (--out). Exit status 0 when
+every check holds, 1 when one fails, 2 without a CUDA device.
+"""
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import data  # noqa: E402
+import fedavg  # noqa: E402
+import fediir  # noqa: E402
+import fedipg  # noqa: E402
+import fedloe  # noqa: E402
+import fedomg  # noqa: E402
+import perinvfl  # noqa: E402
+from speed import alternate  # noqa: E402
+
+METHODS = {"fedavg": fedavg, "fediir": fediir, "fedomg": fedomg, "fedloe": fedloe, "perinvfl": perinvfl,
+           "fedipg": fedipg}
+TWO_ROUNDS = {   # each method's own flags for two communication rounds, evaluated after each
+    "fedloe": ["--stage1-comms", "1", "--stage1-epochs", "1", "--stage2-comms", "1", "--stage2-epochs", "1",
+               "--eval-every", "1"],
+    "fedipg": ["--rounds", "2", "--eval-every", "1", "--exit", "auto", "--exit-warmup", "1", "--exit-L", "1e-3"],
+    "*": ["--rounds", "2", "--eval-every", "1"]}
+# GPU against CPU on the tiny case (chosen bounds, not measured: the table shows what was measured).
+# loss: largest relative difference of a round's mean training loss; acc: largest difference of a
+# validation or test accuracy (a fraction; one of the tiny case's 48 validation images is 0.021).
+# fp32 on CUDA means TF32 convolutions (torch's default), bf16 the --amp autocast.
+TOL = {"fp32": {"loss": 1e-3, "acc": 0.05}, "bf16": {"loss": 5e-2, "acc": 0.15}}
+# The targets of the GPU path (README: GPU): how each measured ratio must compare, and the bound.
+TARGETS = {"harness": (">=", 0.90), "fediir": ("<=", 1.25), "fedipg": ("<=", 2.0), "exit": ("<=", 1.5),
+           "determinism": ("<=", 1.15)}
+
+
+# ----------------------------------------------------------------------- the pure parts (tested on the CPU)
+
+def strip_seconds(results):
+    """The results JSON without what may differ between identical runs: wall-clock seconds and --out."""
+    r = json.loads(json.dumps(results))
+    r["args"].pop("out", None)
+    for d in r["domains"].values():
+        for row in d["history"]:
+            row.pop("seconds", None)
+    return r
+
+
+def same_json(a, b):
+    return strip_seconds(a) == strip_seconds(b)
+
+
+def differences(a, b):
+    """Largest relative difference of the rounds' training losses and largest absolute difference of
+    their validation and test accuracies between two runs of the same arguments (e.g. CPU and GPU)."""
+    loss, acc = 0.0, 0.0
+    for name, d in a["domains"].items():
+        for ra, rb in zip(d["history"], b["domains"][name]["history"], strict=True):
+            loss = max(loss, abs(ra["loss"] - rb["loss"]) / max(abs(ra["loss"]), 1e-12))
+            acc = max(acc, abs(ra["val_acc"] - rb["val_acc"]), abs(ra["test_acc"] - rb["test_acc"]))
+    return {"loss": loss, "acc": acc}
+
+
+def within(diff, tol):
+    return all(diff[k] <= tol[k] for k in tol)
+
+
+def target_row(check, key, measured):
+    """A table row for a measured ratio against its target; None: not measured (ok stays None)."""
+    op, bound = TARGETS[key]
+    ok = None if measured is None else (measured >= bound if op == ">=" else measured <= bound)
+    return {"check": check, "measured": measured, "target": f"{op} {bound:g}", "ok": ok}
+
+
+def format_table(rows):
+    def cell(v):
+        return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| check | measured | target | ok |", "|---|---|---|---|"]
+    for r in rows:
+        ok = {True: "yes", False: "**NO**", None: "—"}[r["ok"]]
+        lines.append(f"| {r['check']} | {cell(r['measured'])} | {r['target']} | {ok} |")
+    return "\n".join(lines)
+
+
+def write_report(path, rows, about):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    common.write_json(path, {**about, "rows": rows, "all_ok": all(r["ok"] is not False for r in rows)})
+
+
+def misplaced(obj, device_type, path="state"):
+    """Where in a nest of dicts and lists a tensor is not on `device_type`. Scalars are let through:
+    torch keeps an optimiser's step count on the CPU by design (no sync to read it)."""
+    if torch.is_tensor(obj):
+        return [] if obj.device.type == device_type or obj.dim() == 0 else [f"{path} ({obj.device})"]
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    return [m for k, v in items for m in misplaced(v, device_type, f"{path}[{k!r}]")]
+
+
+# ------------------------------------------------------------------------------------ running methods
+
+def attempt(fn):
+    """(what fn returned, None) or (None, one line saying why it failed); the scripts' output is hidden."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return fn(), None
+    except SystemExit as e:       # a script's own error: its one line is on stderr
+        return None, (err.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1]
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+@contextlib.contextmanager
+def no_sync(device):
+    """A host synchronisation on CUDA raises inside this block (nothing is checked on the CPU)."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+@contextlib.contextmanager
+def guarded(device):
+    """The method scripts with their local steps under no_sync and a device check at every checkpoint."""
+    patches = [(common, "local_sgd"), (fedloe, "overfit_head"), (perinvfl, "batch"), (perinvfl, "theta_loss"),
+               (perinvfl, "inv_loss")]
+    saved = [(m, name, getattr(m, name)) for m, name in patches]
+    save = common.save_checkpoint
+
+    def step(fn):
+        def run(*a, **k):
+            with no_sync(device):
+                return fn(*a, **k)
+        return run
+
+    def checked_save(path, blob):
+        bad = misplaced({"model": blob["model"], "state": blob["state"]}, torch.device(device).type, "checkpoint")
+        if bad:
+            raise RuntimeError(f"off the {device}: {', '.join(bad[:3])}")
+        save(path, blob)
+    try:
+        for m, name, fn in saved:
+            setattr(m, name, step(fn))
+        common.save_checkpoint = checked_save
+        yield
+    finally:
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+        common.save_checkpoint = save
+
+
+def run_method(name, argv, out):
+    return METHODS[name].main(argv + ["--out", str(out)])
+
+
+def cases(pacs_root, data_root=None):
+    """(label, method, argv) of the 2-round runs: every method on RotatedMNIST and PACS (PerInvFL:
+    RC-MNIST), fp32 and --amp."""
+    mnist = ["--data-root", data_root] if data_root else []
+    sets = {"rmnist": ["--dataset", "rmnist", "--test-domain", "0"] + mnist,
+            "pacs": ["--dataset", "pacs", "--data-root", str(pacs_root), "--model", "resnet18", "--no-pretrained",
+                     "--test-domain", "photo", "--batch-size", "8", "--clients", "3"],   # (FedLOE's default: ResNet-50)
+            "rcmnist": ["--dataset", "rcmnist"] + mnist}
+    out = []
+    for name in METHODS:
+        for ds in (["rcmnist"] if name == "perinvfl" else ["rmnist", "pacs"]):
+            for amp in ([], ["--amp"]):
+                argv = sets[ds] + TWO_ROUNDS.get(name, TWO_ROUNDS["*"]) + amp
+                out.append((f"{name} {ds} {'bf16' if amp else 'fp32'}", name, argv))
+    return out
+
+
+def check_runs(todo, device, tmp):
+    """Section 1 and 2: each case guarded, then again; rows for both."""
+    rows = []
+    for label, name, argv in todo:
+        argv = argv + ["--device", device]
+        with guarded(device):
+            first, why = attempt(lambda: run_method(name, argv, Path(tmp) / "a.json"))
+        rows.append({"check": f"runs: {label}", "measured": why or "finite, on the device, no sync in a step",
+                     "target": "", "ok": why is None})
+        second, why2 = attempt(lambda: run_method(name, argv, Path(tmp) / "b.json"))
+        same = first is not None and second is not None and same_json(first, second)
+        said = why or why2 or ("identical JSON" if same else "JSON differs")
+        rows.append({"check": f"repeat: {label}", "measured": said, "target": "identical", "ok": same})
+    return rows
+
+
+def tiny_cases():
+    """(label, method, argv, precision) of the CPU / GPU comparison: full-batch local steps."""
+    syn = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--batch-size", "1000"]
+    out = []
+    for name in METHODS:
+        base = (["--dataset", "rcmnist"] if name == "perinvfl" else syn) + TWO_ROUNDS.get(name, TWO_ROUNDS["*"])
+        out.append((name, base, "fp32"))
+        if name in ("fediir", "fedipg", "perinvfl"):           # the penalties' double backward in bf16
+            out.append((name, base, "bf16"))
+    return out
+
+
+def check_cpu_gpu(tmp, device="cuda"):
+    rows = []
+    for name, argv, prec in tiny_cases():
+        cpu, why = attempt(lambda: run_method(name, argv + ["--device", "cpu"], Path(tmp) / "cpu.json"))
+        amp = ["--amp"] if prec == "bf16" else []
+        gpu, why2 = attempt(lambda: run_method(name, argv + ["--device", device] + amp, Path(tmp) / "gpu.json"))
+        if why or why2:
+            rows.append({"check": f"cpu vs gpu: {name} {prec}", "measured": why or why2, "target": "", "ok": False})
+            continue
+        d = differences(cpu, gpu)
+        rows.append({"check": f"cpu vs gpu: {name} {prec}", "measured": f"loss {d['loss']:.1e}, acc {d['acc']:.3f}",
+                     "target": f"loss ≤ {TOL[prec]['loss']:g}, acc ≤ {TOL[prec]['acc']:g}",
+                     "ok": within(d, TOL[prec])})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ speed
+
+def resolved(module, name, argv, device, tmp):
+    """`name`'s arguments for argv, resolved as its script resolves them."""
+    p = common.make_parser(name, module.__doc__)
+    module.add_args(p)
+    args = common.resolve(p.parse_args(argv + ["--device", device, "--out", str(Path(tmp) / "s.json")]), name,
+                          getattr(module, "DEFAULTS", None))
+    if hasattr(module, "check"):
+        module.check(args)
+    return args
+
+
+def setting(module, name, argv, device, tmp):
+    """What `name`'s script trains on for argv: its arguments, the federation holding out the first
+    test domain it names, the model (seed 0) and a context, on `device`."""
+    args = resolved(module, name, argv, device, tmp)
+    ds = data.load(args.dataset, args.data_root, args.seed)
+    test = common.test_domains(args, ds)[0]
+    dev = torch.device(device)
+    fed = common.federate(ds, test, args.clients, args.seed, dev)
+    torch.manual_seed(0)
+    model = common.build_model(args, ds).to(dev)
+    if args.model.startswith("resnet") and dev.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
+                         common.make_prep(args.dataset, dev), args.amp)
+    return args, fed, model, ctx
+
+
+def bare_round(model, clients, args, ctx):
+    """What a researcher writes in a few lines: the same model, batch, input preparation, precision
+    and SGD, a fresh optimiser per client; no resetting to θ, flattening or averaging."""
+    model.train()
+    for c in clients:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        perm = torch.randperm(c.n, generator=ctx.gen, device=ctx.device)
+        for i in range(0, c.n, args.batch_size):
+            idx = perm[i:i + args.batch_size]
+            with ctx.autocast():
+                loss = F.cross_entropy(model(ctx.prep(c.x[idx], train=True, gen=ctx.gen)), c.y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+
+def harness_vs_bare(args, fed, model, ctx, rounds):
+    """Images/s of a FedAvg round through common.py and of the bare loop, timed alternately on the
+    same sampled clients (medians over the timed rounds)."""
+    images = []
+
+    def bare(r):
+        sampled = [fed.clients[c] for c in common.sample_clients(ctx, len(fed.clients), args.sample)]
+        images.append(sum(c.n for c in sampled))
+        bare_round(model, sampled, args, ctx)
+    times = alternate({"harness": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx), "bare": bare},
+                      ctx, rounds)
+    return {k: statistics.median(n / t for n, t in zip(images[1:], v, strict=True)) for k, v in times.items()}
+
+
+def round_ratios(setup, rounds, device, tmp):
+    """Median seconds of a FedIIR, FedIPG and FedOMG round over a FedAvg round's, alternated on
+    the same sampled clients and model, each method with its own defaults."""
+    args, fed, model, ctx = setup
+    variants = {"fedavg": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx)}
+    for name in ("fediir", "fedipg", "fedomg"):
+        module = METHODS[name]
+        m_args = resolved(module, name, ["--dataset", args.dataset, "--clients", str(args.clients),
+                                         "--sample", str(args.sample)], device, tmp)
+        state = module.init_state(model, fed, m_args, ctx)
+        fn = getattr(module, f"{name}_round")
+        variants[name] = lambda r, fn=fn, m_args=m_args, state=state: fn(r, model, fed, m_args, state, ctx)
+    med = {k: statistics.median(v) for k, v in alternate(variants, ctx, rounds).items()}
+    return {k: med[k] / med["fedavg"] for k in ("fediir", "fedipg", "fedomg")}
+
+
+def determinism_cost(args, fed, model, ctx, rounds):
+    """Median seconds of a FedAvg round in deterministic mode over one with --nondeterministic."""
+    def mode(on):
+        def round_fn(r):
+            common.set_deterministic(on)
+            return fedavg.fedavg_round(r, model, fed, args, {}, ctx)
+        return round_fn
+    try:
+        times = alternate({"on": mode(True), "off": mode(False)}, ctx, rounds)
+    finally:
+        common.set_deterministic(True)
+    return statistics.median(times["on"]) / statistics.median(times["off"])
+
+
+def exit_cost(argv, device, tmp):
+    """Seconds of a whole FedIPG run with --exit auto over one without (warm-up rounds train every client)."""
+    secs = {}
+    for how in ("auto", "off"):
+        res = run_method("fedipg", argv + ["--exit", how, "--device", device], Path(tmp) / f"exit-{how}.json")
+        secs[how] = max(row["seconds"] for d in res["domains"].values() for row in d["history"])
+    return secs["auto"] / secs["off"]
+
+
+def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds):
+    rows = []
+    mnist = ["--data-root", data_root] if data_root else []
+    rm = ["--dataset", "rmnist", "--test-domain", "0", "--clients", "50", "--sample", "5"] + mnist
+    pacs = ["--dataset", "pacs", "--data-root", str(pacs_root), "--no-pretrained", "--test-domain", "photo"]
+    for label, argv, variant in (("ConvNet fp32", rm, None), ("ConvNet bf16", rm + ["--amp"], None),
+                                 ("ResNet-18 fp32 NCHW", pacs, "nchw"), ("ResNet-18 fp32 channels-last", pacs, None),
+                                 ("ResNet-18 bf16 channels-last", pacs + ["--amp"], None)):
+        def measure():
+            args, fed, model, ctx = setting(fedavg, "fedavg", argv, device, tmp)
+            if variant == "nchw":
+                model = model.to(memory_format=torch.contiguous_format)
+                prep = ctx.prep
+                ctx = dataclasses.replace(ctx, prep=lambda x, train=False, gen=None: prep(x, train, gen).contiguous())
+            return harness_vs_bare(args, fed, model, ctx, rounds)
+        ips, why = attempt(measure)
+        row = target_row(f"harness / bare loop, images/s: {label}", "harness", ips and ips["harness"] / ips["bare"])
+        if why:
+            row.update(measured=why, ok=False)
+        else:
+            row["check"] += f" ({ips['harness']:,.0f} / {ips['bare']:,.0f})"
+        rows.append(row)
+    ratios, why = attempt(lambda: round_ratios(setting(fedavg, "fedavg", rm, device, tmp), rounds, device, tmp))
+    for name, key in (("FedIIR", "fediir"), ("FedIPG", "fedipg")):
+        rows.append(target_row(f"{name} round / FedAvg round (RotatedMNIST-50)", key, ratios and ratios[key]))
+    rows.append({"check": "FedOMG round / FedAvg round (RotatedMNIST-50)", "measured": ratios and ratios["fedomg"],
+                 "target": "", "ok": None})
+    if why:
+        rows.append({"check": "round ratios", "measured": why, "target": "", "ok": False})
+    ipg = rm + ["--rounds", str(ipg_rounds), "--eval-every", "10"]
+    ratio, why = attempt(lambda: exit_cost(ipg, device, tmp))
+    rows.append(target_row(f"FedIPG --exit auto / --exit off, whole run ({ipg_rounds} rounds)", "exit", ratio))
+    if why:
+        rows[-1].update(measured=why, ok=False)
+    for label, argv in (("ConvNet", rm), ("ResNet-18", pacs)):
+        cost, why = attempt(lambda: determinism_cost(*setting(fedavg, "fedavg", argv, device, tmp), rounds))
+        rows.append(target_row(f"FedAvg round deterministic / --nondeterministic: {label}", "determinism", cost))
+        if why:
+            rows[-1].update(measured=why, ok=False)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
+    p.add_argument("--data-root", default=None, help="full MNIST for RotatedMNIST and RC-MNIST (default: the "
+                   "embedded digits); the PACS tree is always generated")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_check.json"))
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds of each speed variant")
+    p.add_argument("--ipg-rounds", type=int, default=100, help="rounds of the whole FedIPG runs (--exit auto / off)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check.py: no CUDA device is visible; the CPU path is checked by pytest", file=sys.stderr)
+        sys.exit(2)
+    if a.rounds < 1 or a.ipg_rounds < 1:
+        p.exit(2, "gpu_check.py: error: --rounds and --ipg-rounds must be positive\n")
+    about = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "data_root": a.data_root,
+             "tolerances": TOL, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "pacs"
+        data.make_fake_tree(tree, classes=("dog", "horse", "house"), per_class=32)
+        print(f"gpu_check on {about['device']}: runs ...", file=sys.stderr, flush=True)
+        rows = check_runs(cases(tree, a.data_root), "cuda", tmp)
+        print("cpu against gpu ...", file=sys.stderr, flush=True)
+        rows += check_cpu_gpu(tmp)
+        print("speed ...", file=sys.stderr, flush=True)
+        rows += check_speed("cuda", tmp, tree, a.data_root, a.rounds, a.ipg_rounds)
+    write_report(a.out, rows, about)
+    print(f"{about['device']}, torch {about['torch']}\n\n{format_table(rows)}\n\nwritten: {a.out}")
+    sys.exit(0 if all(r["ok"] is not False for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
