@@ -141,7 +141,8 @@ class ResNet(nn.Module):
 
 def build_model(args, ds):
     """The model for `ds`: args.model picks the featurizer, args.head the classifier: 'linear', or
-    FedIIR's two-layer head d -> d/2 -> C (ReLU) with Kaiming-normal weights."""
+    FedIIR's two-layer head d -> d/2 -> C (ReLU); either with Kaiming-normal weights (the FedIIR
+    code), except IRM's MLP, which is initialised as IRM's code (Xavier-uniform, zero biases)."""
     x0 = ds.domains[0].x
     if args.model == "convnet":
         phi, d = conv_net(x0.shape[1])
@@ -155,14 +156,12 @@ def build_model(args, ds):
         phi = ResNet(18 if args.model == "resnet18" else 50, not args.no_pretrained)
         d = 512 if args.model == "resnet18" else 2048
     C = ds.num_classes
-    if args.head == "linear":
-        omega = nn.Linear(d, C)
-    else:
-        omega = nn.Sequential(nn.Linear(d, d // 2), nn.ReLU(), nn.Linear(d // 2, C))
-        for m in omega:
+    omega = nn.Linear(d, C) if args.head == "linear" else \
+        nn.Sequential(nn.Linear(d, d // 2), nn.ReLU(), nn.Linear(d // 2, C))
+    if args.model != "mlp":   # the FedIIR code: Kaiming-normal weights, PyTorch's default biases
+        for m in omega.modules():
             if isinstance(m, nn.Linear):
                 nn.init.kaiming_normal_(m.weight)
-                nn.init.zeros_(m.bias)
     net = Net(phi, omega)
     if args.model == "mlp":   # IRM's ColoredMNIST code, for which its warm-up and penalty weight were tuned
         for m in net.modules():

@@ -14,20 +14,28 @@ Algorithm 1 (one communication round t):
     3. on every c ∈ S: θ_c ← θ^{t-1}; K minibatch steps on
            R_c(θ_c; ζ) + γ ||∇_ω R_c(θ_c; ζ) − g̃^t||²        (the penalised local step)
        Δ_c = θ_c − θ^{t-1}
-    4. θ^t = θ^{t-1} + η_g Σ_c p_c Δ_c
+    4. θ^t = θ^{t-1} + η_g (1/C) Σ_c Δ_c
 
 Where the paper and the official code differ (ANCHORS.md), the numbers of the paper's tables come
 from the code, so the defaults follow the code:
 - The 1/2. The code adds γ Σ_ω-tensors ||g_c − g̃||² (no 1/2) and Table 3's γ were tuned with that
   form, so it is the default; `--half` gives the paper's γ/2.
 - g_bar. Paper: the mean of the sampled clients' full-batch gradients (`--gbar clients`). Code: the
-  mean of the classifier gradients of every minibatch of every sampled client, i.e. bigger clients
-  weigh more (`--gbar batches`, default). Under Algorithm 2 the clients are nearly equal in size and
-  the two differ only through the clients' last partial batches.
+  mean of the classifier gradients of every minibatch of every sampled client (`--gbar batches`,
+  default), so a client weighs in proportion to its number of batches, i.e. its size. Algorithm 2
+  makes the clients of one domain equal, not the domains: in the small scenario (one client per
+  domain) the clients' sizes are the domains' (PACS: weights 0.25 / 0.28 / 0.47 when photo is held
+  out), and the two rules differ.
 - The g_bar pass uses no augmentation (the paper's R_c is the risk on the client's data) and runs
   the featurizer once per example without a graph: only ω needs a gradient there.
-- Aggregation p_c: by data size as fedavg.py; `--uniform-avg` gives Algorithm 1's and the code's 1/C.
-  With γ = 0 this file computes bit for bit what fedavg.py computes (a test checks it).
+- Aggregation: Algorithm 1 and the code average the sampled clients uniformly (1/C), the default;
+  `--size-avg` weights them by data size (fedavg.py's default). With γ = 0 this file computes bit for
+  bit what `fedavg.py --uniform-avg` computes, and with `--size-avg` what fedavg.py does (tested).
+- The classifier's weights start Kaiming-normal as in the code (common.build_model, for every method).
+- Model selection (common.py): the evaluation with the best pooled validation accuracy, every 10
+  rounds and at the last. The code evaluates after rounds 1, 11, ..., 91 and 100 and selects on the
+  mean of the training domains' validation accuracies (the same as pooled when the domains are equal
+  in size, as in RotatedMNIST; not on PACS / VLCS / OfficeHome); both keep the earliest of equal bests.
 The EMA starts from zeros without bias correction, as in the code (round 1 aligns to 0.05 g_bar).
 
 Defaults: FedIIR Table 3 — RotatedMNIST lr 1e-2 / batch 64 / γ 1e-2; VLCS 1e-3 / 32 / 5e-3; PACS
@@ -109,10 +117,10 @@ def fediir_round(t, model, fed, args, state, ctx):
         client = fed.clients[c]
         common.set_flat(model, theta)                                  # θ_c ← θ^{t-1}
         losses[c] = common.local_sgd(model, client, args, ctx, loss_fn)
-        p_c = 1.0 if args.uniform_avg else float(client.n)
-        delta_sum += p_c * (common.get_flat(model) - theta)            # p_c Δ_c
+        p_c = float(client.n) if args.size_avg else 1.0
+        delta_sum += p_c * (common.get_flat(model) - theta)            # Δ_c (--size-avg: n_c Δ_c)
         weight_sum += p_c
-    common.set_flat(model, theta + args.global_lr * (delta_sum / weight_sum))  # step 4
+    common.set_flat(model, theta + args.global_lr * (delta_sum / weight_sum))  # step 4: 1/C Σ_c Δ_c
     return losses
 
 
@@ -126,7 +134,8 @@ def add_args(p):
     p.add_argument("--gbar", default="batches", choices=["batches", "clients"],
                    help="g_bar as the mean over minibatches (official code) or over clients (paper)")
     p.add_argument("--half", action="store_true", help="the paper's γ/2 instead of the code's γ")
-    p.add_argument("--uniform-avg", action="store_true", help="average the clients uniformly (Algorithm 1)")
+    p.add_argument("--size-avg", action="store_true",
+                   help="weight the clients by data size instead of Algorithm 1's and the code's 1/C")
 
 
 def check(args):

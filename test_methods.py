@@ -132,7 +132,7 @@ def tiny_federation(n=(6, 10)):
 
 def tiny_args(**kw):
     a = dict(sample=2, batch_size=100, local_epochs=1, lr=0.5, momentum=0.0, weight_decay=0.0,
-             global_lr=1.0, uniform_avg=False)
+             global_lr=1.0, uniform_avg=False, size_avg=False)
     a.update(kw)
     return type("Args", (), a)
 
@@ -633,12 +633,35 @@ def test_fediir_penalty_gradient_matches_finite_differences():
 @on_every_device
 def test_fediir_with_gamma_zero_is_fedavg_bit_for_bit(tmp_path, device):
     argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--device", device]
-    for extra in ([], ["--uniform-avg"]):
-        a, _ = run(fedavg.main, argv + extra, tmp_path, "avg.json")
-        b, _ = run(fediir.main, argv + extra + ["--gamma", "0"], tmp_path, "iir.json")
+    for avg, iir in (([], ["--size-avg"]), (["--uniform-avg"], [])):   # FedIIR's default: 1/C (Algorithm 1)
+        a, _ = run(fedavg.main, argv + avg, tmp_path, "avg.json")
+        b, _ = run(fediir.main, argv + iir + ["--gamma", "0"], tmp_path, "iir.json")
         assert strip_times(a)["domains"] == strip_times(b)["domains"]
     c, _ = run(fediir.main, argv + ["--gamma", "0.5"], tmp_path, "iir.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]   # and the penalty does act
+
+
+def test_fediir_averages_the_sampled_clients_uniformly_by_default():
+    """Algorithm 1 and the code: θ^t = θ^{t-1} + (1/C) Σ_c Δ_c, whatever the clients' sizes (6 and 10
+    here); --size-avg weights by size. γ = 0 and one full-batch step each: Δ_c is one SGD step."""
+    for size_avg, w in ((False, [0.5, 0.5]), (True, [6 / 16, 10 / 16])):
+        model, fed = tiny_model(), tiny_federation()
+        theta = common.get_flat(model)
+        want = theta + sum(wc * (full_batch_step(model, c, 0.5) - theta) for wc, c in zip(w, fed.clients))
+        args = tiny_args(gamma=0.0, size_avg=size_avg, ema=0.95, half=False, gbar="batches")
+        fediir.fediir_round(1, model, fed, args, fediir.init_state(model, fed, args, tiny_ctx()), tiny_ctx())
+        assert torch.allclose(common.get_flat(model), want, atol=1e-6)
+
+
+def test_heads_start_as_the_fedIIR_code():
+    for model, head in (("convnet", "linear"), ("convnet", "mlp")):
+        args = type("Args", (), dict(model=model, head=head, no_pretrained=True))
+        torch.manual_seed(0)
+        ws = [m.weight for m in common.build_model(args, data.synthetic()).classifier.modules()
+              if isinstance(m, torch.nn.Linear)]
+        for w in ws:                                       # Kaiming-normal: std sqrt(2 / fan_in), not uniform
+            std = math.sqrt(2 / w.shape[1])
+            assert abs(w.std().item() - std) < 0.1 * std and w.abs().max() > 2.2 * std
 
 
 @pytest.mark.parametrize("mode", ["batches", "clients"])
