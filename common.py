@@ -141,8 +141,9 @@ class ResNet(nn.Module):
 
 def build_model(args, ds):
     """The model for `ds`: args.model picks the featurizer, args.head the classifier: 'linear', or
-    FedIIR's two-layer head d -> d/2 -> C (ReLU); either with Kaiming-normal weights (the FedIIR
-    code), except IRM's MLP, which is initialised as IRM's code (Xavier-uniform, zero biases)."""
+    FedIIR's two-layer head d -> d/2 -> C (ReLU); either with Kaiming-normal weights on the FedIIR
+    code's models (ConvNet, ResNets); IRM's MLP is initialised as IRM's code (Xavier-uniform, zero
+    biases); the small CNN and the test model keep PyTorch's defaults."""
     x0 = ds.domains[0].x
     if args.model == "convnet":
         phi, d = conv_net(x0.shape[1])
@@ -158,7 +159,8 @@ def build_model(args, ds):
     C = ds.num_classes
     omega = nn.Linear(d, C) if args.head == "linear" else \
         nn.Sequential(nn.Linear(d, d // 2), nn.ReLU(), nn.Linear(d // 2, C))
-    if args.model != "mlp":   # the FedIIR code: Kaiming-normal weights, PyTorch's default biases
+    if args.model in ("convnet", "resnet18", "resnet50"):   # the FedIIR code's models: Kaiming-normal
+        # weights, PyTorch's default biases (IRM's MLP: below; the others keep PyTorch's defaults)
         for m in omega.modules():
             if isinstance(m, nn.Linear):
                 nn.init.kaiming_normal_(m.weight)

@@ -321,7 +321,8 @@ def report(folder, where="."):
     name = first["dataset"] + (f"-{a.get('stain')}" if first["dataset"] == "stained" else "")
     paper = PAPERS.get((name, scenario(first)), [])
     if paper:
-        lines += ["", "Published (full data, GPUs, the papers' own round counts; not comparable in scale): "
+        scale = "not comparable in scale" if first["source"].startswith("embedded") else "the runs above use full data"
+        lines += ["", f"Published (full data, GPUs, the papers' own round counts; {scale}): "
                   + "; ".join(f"{lab} {m:.2f} ({src})" for lab, m, src in paper) + "."]
     lines += ["", *speed_table(runs)]
     link = lambda stem, ext: os.path.relpath(f"{stem}.{ext}", where)     # relative to the markdown file
