@@ -402,9 +402,10 @@ def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None
 
 def parallel(args):
     """--parallel-clients: 'auto' is on for CUDA, where the small models leave the GPU waiting on
-    kernel launches, and off on the CPU, where batching the clients gains nothing."""
+    kernel launches, and off on the CPU, where batching the clients gains nothing; off for the
+    ResNets, which fill a GPU one client at a time."""
     return args.parallel_clients == "on" or (args.parallel_clients == "auto" and str(args.device).startswith("cuda")
-                                             and args.dataset not in PHOTOS)
+                                             and args.dataset not in PHOTOS and not args.model.startswith("resnet"))
 
 
 def check_parallel(args, method, supported):
@@ -441,15 +442,18 @@ def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=No
     optimiser over the stacked tensors, which is every client's own (SGD's and Adam's rules act
     elementwise; Adam's shared step count is right for every client still training). Step k takes
     the k-th minibatch of every client; a partial batch is padded and its loss is the mean over its
-    real examples; a client whose passes are done is put back after every optimiser step
-    (parameters and optimiser state), so it never moves again. Returns [(θ_c, mean loss)]."""
+    real examples. The clients are stacked longest first, so those still training are a prefix:
+    the others drop out of the gradient computation and are put back after every optimiser step
+    (parameters and optimiser state), so they never move again. Returns [(θ_c, mean loss)]."""
     C, epochs = len(clients), epochs or args.local_epochs
-    plan = minibatch_plan(clients, args.batch_size, epochs, ctx)
+    plan = minibatch_plan(clients, args.batch_size, epochs, ctx)        # drawn in the clients' order
+    X, Y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
+    order = sorted(range(C), key=lambda i: -clients[i].n)               # longest first
+    clients, plan = [clients[i] for i in order], plan[:, order]
+    steps = [epochs * -(-c.n // args.batch_size) for c in clients]
     real = plan >= 0
     weight = real / real.sum(-1, keepdim=True).clamp(min=1)             # 1 / (real examples) on each
     plan = plan.clamp(min=0)
-    X, Y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
-    steps = [epochs * -(-c.n // args.batch_size) for c in clients]
     sizes = [p.numel() for p in model.parameters()]
     params = {name: t.view_as(p).expand(C, *p.shape).clone()
               for (name, p), t in zip(model.named_parameters(), theta.split(sizes))}
@@ -463,31 +467,32 @@ def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=No
     def loss(p, b, x, y, w):
         return (F.cross_entropy(torch.func.functional_call(model, (p, b), (x,)), y, reduction="none") * w).sum()
     grad_and_loss = torch.func.vmap(torch.func.grad_and_value(loss))
-    done = {k: torch.tensor([i for i, s in enumerate(steps) if s <= k], device=ctx.device)
-            for k in sorted(set(steps)) if k < plan.shape[0]}          # from step k on, these are done
     model.train()
-    total, finished = torch.zeros(C, device=ctx.device), None
+    total = torch.zeros(C, device=ctx.device)
     for k in range(plan.shape[0]):
-        x = ctx.prep(X[plan[k].view(-1)], train=True, gen=ctx.gen)
+        m = sum(s > k for s in steps)                                   # clients[:m] still train
+        x = ctx.prep(X[plan[k, :m].reshape(-1)], train=True, gen=ctx.gen)
         with ctx.autocast():
-            grads, losses = grad_and_loss(params, buffers, x.view(C, -1, *x.shape[1:]), Y[plan[k]], weight[k])
+            grads, losses = grad_and_loss({n: p[:m] for n, p in params.items()}, {n: b[:m] for n, b in buffers.items()},
+                                          x.view(m, -1, *x.shape[1:]), Y[plan[k, :m]], weight[k, :m])
+        total[:m] += losses.detach().float()
+        if m == C:
+            for name, p in params.items():
+                p.grad = grads[name]
+            opt.step()
+            continue
+        held = [(t, t[m:].clone()) for p in params.values()     # the clients that are done, to put back
+                for t in (p, *(v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape))]
         for name, p in params.items():
-            p.grad = grads[name]
-        finished = done.get(k, finished)
-        if finished is None:
-            opt.step()
-        else:                            # the clients that are done put back: parameters, optimiser state
-            held = [(t, t[finished].clone()) for p in params.values()
-                    for t in (p, *(v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape))]
-            opt.step()
-            for t, rows in held:
-                t[finished] = rows
-        total += losses.detach().float()
+            p.grad = torch.cat([grads[name], grads[name].new_zeros(C - m, *p.shape[1:])])
+        opt.step()
+        for t, rows in held:
+            t[m:] = rows
     if momentum is not None:
         kept = torch.cat([opt.state[p]["momentum_buffer"].reshape(C, -1) for p in params.values()], 1)
         momentum.update({c.id: m.clone() for c, m in zip(clients, kept)})
     thetas = torch.cat([p.detach().reshape(C, -1) for p in params.values()], 1)
-    return [(thetas[i], total[i] / steps[i]) for i in range(C)]
+    return [(thetas[j], total[j] / steps[j]) for j in (order.index(i) for i in range(C))]   # the callers' order
 
 
 def get_momentum(opt):
