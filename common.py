@@ -5,7 +5,8 @@ A method file plugs in with plain functions:
 
     round_fn(t, model, fed, args, state, ctx) -> {client id: mean local loss (device tensor)}
         one communication round t = 1..T: sample clients, run their updates, apply the server rule,
-        and leave the new global model in `model`. Built from `sample_clients`, `local_sgd`,
+        and leave the new global model in `model`. Built from `sample_clients`, `local_sgd` (one
+        client) or `train_clients` (the sampled clients; at once with --parallel-clients on),
         `get_flat` / `set_flat` below.
     init_state(model, fed, args, ctx) -> dict
         the method's state across rounds (FedIIR's global gradient, persistent client optimisers,
@@ -393,6 +394,144 @@ def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=
     return total / steps
 
 
+# ------------------------------------------------------------------ the sampled clients of a round
+
+def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None, loss_fn=cross_entropy, epochs=None):
+    """Every client in `clients` trained from θ (a flat vector) as local_sgd trains one, with a fresh
+    optimiser make_opt(params) (default: SGD with args' lr, momentum and weight decay). `momentum`, if
+    given, is {client id: flat SGD momentum buffer}: a client's is loaded before its steps and replaced
+    after (kept client optimisers, FedOMG). Yields (θ_c, mean loss) client by client, in order.
+
+    One client after another through local_sgd, unless --parallel-clients is on: then all at once
+    (`at_once`), from the same minibatches; the numbers agree with the sequential ones to float
+    tolerance, not bit for bit (batched kernels sum in another order)."""
+    make_opt = make_opt or (lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum,
+                                                           weight_decay=args.weight_decay))
+    if parallel(args):
+        if loss_fn is not cross_entropy:
+            raise UserError("--parallel-clients on trains the plain cross-entropy only; use off")
+        yield from at_once(model, theta, clients, args, ctx, make_opt, momentum, epochs)
+        return
+    for client in clients:
+        set_flat(model, theta)
+        opt = make_opt(model.parameters())
+        if momentum is not None and client.id in momentum:
+            set_momentum(opt, momentum[client.id])
+        loss = local_sgd(model, client, args, ctx, loss_fn, opt, epochs)
+        if momentum is not None:
+            momentum[client.id] = get_momentum(opt)
+        yield get_flat(model), loss     # lazily: one client's parameters in memory at a time
+
+
+def parallel(args):
+    """--parallel-clients: 'auto' is on for CUDA, where the small models leave the GPU waiting on
+    kernel launches, and off on the CPU, where batching the clients gains nothing; off for the
+    ResNets, which fill a GPU one client at a time."""
+    return args.parallel_clients == "on" or (args.parallel_clients == "auto" and str(args.device).startswith("cuda")
+                                             and args.dataset not in PHOTOS and not args.model.startswith("resnet"))
+
+
+def check_parallel(args, method, supported):
+    """Refuse --parallel-clients on where it cannot apply; record what 'auto' chose."""
+    if args.parallel_clients == "on" and not supported:
+        raise UserError(f"--parallel-clients on: {method} trains its clients one after another "
+                        f"(its local loss is not written with torch.func); use off")
+    if args.parallel_clients == "on" and args.dataset in PHOTOS:
+        raise UserError(f"--parallel-clients on: not for {args.dataset} (its augmentation draws from the "
+                        f"minibatch stream between batches, and a ResNet fills a GPU alone); use off")
+    args.parallel_clients = "on" if supported and parallel(args) else "off"
+
+
+def minibatch_plan(clients, batch_size, epochs, ctx):
+    """The minibatches of every client as `batches` draws them, step by step: [K, C, B] indices
+    into the clients' pooled data (client c's examples at offset n_0 + ... + n_{c-1}), -1 where a
+    client's batch is partial or its passes are done (K: the most steps of any client). The
+    permutations come from ctx.gen in the sequential order, client by client, pass by pass."""
+    plans, start = [], 0
+    for client in clients:
+        nb = -(-client.n // batch_size)
+        plans.append(torch.cat([F.pad(torch.randperm(client.n, generator=ctx.gen, device=ctx.device) + start,
+                                      (0, nb * batch_size - client.n), value=-1).view(nb, batch_size)
+                                for _ in range(epochs)]))
+        start += client.n
+    K = max(len(p) for p in plans)
+    return torch.stack([F.pad(p, (0, 0, 0, K - len(p)), value=-1) for p in plans], 1)
+
+
+def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=None):
+    """The clients' local updates at once: their parameters and buffers stacked along a new first
+    dimension (buffers are read, not returned: none of the models here updates one in training),
+    one call of vmap(grad(loss)) through functional_call per step for all of them, and one
+    optimiser over the stacked tensors, which is every client's own (SGD's and Adam's rules act
+    elementwise; Adam's shared step count is right for every client still training). Step k takes
+    the k-th minibatch of every client; a partial batch is padded and its loss is the mean over its
+    real examples. The clients are stacked longest first, so those still training are a prefix:
+    the others drop out of the gradient computation and are put back after every optimiser step
+    (parameters and optimiser state), so they never move again. Returns [(θ_c, mean loss)]."""
+    C, epochs = len(clients), epochs or args.local_epochs
+    plan = minibatch_plan(clients, args.batch_size, epochs, ctx)        # drawn in the clients' order
+    X, Y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
+    order = sorted(range(C), key=lambda i: -clients[i].n)               # longest first
+    clients, plan = [clients[i] for i in order], plan[:, order]
+    steps = [epochs * -(-c.n // args.batch_size) for c in clients]
+    real = plan >= 0
+    weight = real / real.sum(-1, keepdim=True).clamp(min=1)             # 1 / (real examples) on each
+    plan = plan.clamp(min=0)
+    sizes = [p.numel() for p in model.parameters()]
+    params = {name: t.view_as(p).expand(C, *p.shape).clone()
+              for (name, p), t in zip(model.named_parameters(), theta.split(sizes))}
+    buffers = {name: b.expand(C, *b.shape).clone() for name, b in model.named_buffers()}
+    opt = make_opt(list(params.values()))
+    if momentum is not None:             # a client without one yet starts from zeros: the same first step
+        kept = torch.stack([momentum.get(c.id, torch.zeros_like(theta)) for c in clients])
+        for p, m in zip(params.values(), kept.split(sizes, 1)):
+            opt.state[p]["momentum_buffer"] = m.reshape(p.shape).clone()
+
+    def loss(p, b, x, y, w):
+        return (F.cross_entropy(torch.func.functional_call(model, (p, b), (x,)), y, reduction="none") * w).sum()
+    grad_and_loss = torch.func.vmap(torch.func.grad_and_value(loss))
+    model.train()
+    total = torch.zeros(C, device=ctx.device)
+    for k in range(plan.shape[0]):
+        m = sum(s > k for s in steps)                                   # clients[:m] still train
+        x = ctx.prep(X[plan[k, :m].reshape(-1)], train=True, gen=ctx.gen)
+        with ctx.autocast():
+            grads, losses = grad_and_loss({n: p[:m] for n, p in params.items()}, {n: b[:m] for n, b in buffers.items()},
+                                          x.view(m, -1, *x.shape[1:]), Y[plan[k, :m]], weight[k, :m])
+        total[:m] += losses.detach().float()
+        if m == C:
+            for name, p in params.items():
+                p.grad = grads[name]
+            opt.step()
+            continue
+        held = [(t, t[m:].clone()) for p in params.values()     # the clients that are done, to put back
+                for t in (p, *(v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape))]
+        for name, p in params.items():
+            p.grad = torch.cat([grads[name], grads[name].new_zeros(C - m, *p.shape[1:])])
+        opt.step()
+        for t, rows in held:
+            t[m:] = rows
+    if momentum is not None:
+        kept = torch.cat([opt.state[p]["momentum_buffer"].reshape(C, -1) for p in params.values()], 1)
+        momentum.update({c.id: m.clone() for c, m in zip(clients, kept)})
+    thetas = torch.cat([p.detach().reshape(C, -1) for p in params.values()], 1)
+    return [(thetas[j], total[j] / steps[j]) for j in (order.index(i) for i in range(C))]   # the callers' order
+
+
+def get_momentum(opt):
+    """An SGD optimiser's momentum buffers as one flat vector (zeros where it has none yet)."""
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    return torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) if "momentum_buffer" in opt.state[p]
+                      else torch.zeros_like(p).reshape(-1) for p in ps])
+
+
+def set_momentum(opt, flat):
+    i = 0
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        opt.state[p]["momentum_buffer"] = flat[i:i + p.numel()].view_as(p).clone()
+        i += p.numel()
+
+
 # ---------------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
@@ -462,6 +601,8 @@ def make_parser(method, doc):
     a("--amp", action="store_true", help="bf16 autocast (CUDA only)")
     a("--nondeterministic", action="store_true",
       help="CUDA: let cuDNN and cuBLAS pick their fastest kernels; two runs then differ (README: GPU)")
+    a("--parallel-clients", default="auto", choices=["auto", "on", "off"],
+      help="train the sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
     a("--out", default=None, help="results JSON (default results/<method>-<dataset>-seed<seed>.json)")
     a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
     return p
@@ -730,8 +871,9 @@ def print_table(results):
 
 
 def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_state=None,
-         evaluate_fn=evaluate_global, check=None):
-    """The entry point of every method script: bad input -> one line on stderr and exit 2."""
+         evaluate_fn=evaluate_global, check=None, parallel_clients=False):
+    """The entry point of every method script: bad input -> one line on stderr and exit 2.
+    parallel_clients: the method's clients train through train_clients (--parallel-clients applies)."""
     p = make_parser(method, doc)
     if add_args:
         add_args(p)
@@ -740,6 +882,7 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
         resolve(args, method, defaults)
         if check:
             check(args)
+        check_parallel(args, method, parallel_clients)
         return run(method, args, round_fn, init_state, evaluate_fn)
     except UserError as e:
         print(f"{method}.py: error: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@ Objective (ERM over the participating clients):  min_θ  Σ_c p_c R_c(θ),  p_c 
 
 Algorithm (one communication round t = 1..T):
     1. sample a subset S of C clients out of P, uniformly without replacement
-    2. on every client c ∈ S, in parallel (here: one after another):
+    2. on every client c ∈ S, in parallel (here: one after another; at once with --parallel-clients on):
          θ_c ← θ^{t-1}; E epochs of minibatch SGD on the cross-entropy R_c(θ_c; ζ)
          Δ_c = θ_c − θ^{t-1}
     3. server: θ^t = θ^{t-1} + η_g Σ_{c∈S} n_c Δ_c / Σ_{c∈S} n_c
@@ -32,12 +32,12 @@ def fedavg_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                              # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)  # step 1
     delta_sum, weight_sum, losses = torch.zeros_like(theta), 0.0, {}
-    for c in S:                                                 # step 2
-        client = fed.clients[c]
-        common.set_flat(model, theta)                           # θ_c ← θ^{t-1}
-        losses[c] = common.local_sgd(model, client, args, ctx)  # E epochs of SGD on R_c
-        n_c = 1.0 if args.uniform_avg else float(client.n)
-        delta_sum += n_c * (common.get_flat(model) - theta)     # n_c Δ_c
+    # step 2: on every c ∈ S, θ_c ← θ^{t-1}, then E epochs of SGD on R_c
+    trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx)
+    for c, (theta_c, loss) in zip(S, trained):
+        losses[c] = loss
+        n_c = 1.0 if args.uniform_avg else float(fed.clients[c].n)
+        delta_sum += n_c * (theta_c - theta)                    # n_c Δ_c
         weight_sum += n_c
     common.set_flat(model, theta + args.global_lr * (delta_sum / weight_sum))  # step 3
     return losses
@@ -49,7 +49,7 @@ def add_args(p):
 
 
 def main(argv=None):
-    return common.main("fedavg", __doc__, fedavg_round, argv, add_args)
+    return common.main("fedavg", __doc__, fedavg_round, argv, add_args, parallel_clients=True)
 
 
 if __name__ == "__main__":

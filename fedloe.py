@@ -118,11 +118,11 @@ def stage1_round(model, fed, args, state, ctx):
     """One synchronisation of Eq. 4: every client trains E1/K1 epochs from (θ, ψ), then the average."""
     theta = common.get_flat(model)
     delta_sum, weight_sum, losses = torch.zeros_like(theta), 0.0, {}
-    for c, client in enumerate(fed.clients):
-        common.set_flat(model, theta)                                    # (θ_c, ψ_c) ← (θ, ψ)
-        adam = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-        losses[c] = common.local_sgd(model, client, args, ctx, opt=adam, epochs=args.local_epochs)
-        delta_sum += client.n * (common.get_flat(model) - theta)
+    adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay)
+    trained = common.train_clients(model, theta, fed.clients, args, ctx, adam)  # (θ_c, ψ_c) ← (θ, ψ); Adam
+    for c, (client, (theta_c, loss)) in enumerate(zip(fed.clients, trained)):
+        losses[c] = loss
+        delta_sum += client.n * (theta_c - theta)
         weight_sum += client.n
     common.set_flat(model, theta + args.global_lr * delta_sum / weight_sum)  # Eq. 4: Σ_c p(c)(θ_c, ψ_c)
     count(state, "stage1", up=len(fed.clients) * theta.numel() * 4, down=len(fed.clients) * theta.numel() * 4)
@@ -327,7 +327,8 @@ def check(args):
 
 
 def main(argv=None):
-    return common.main("fedloe", __doc__, fedloe_round, argv, add_args, DEFAULTS, init_state, evaluate, check)
+    return common.main("fedloe", __doc__, fedloe_round, argv, add_args, DEFAULTS, init_state, evaluate, check,
+                       parallel_clients=True)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,9 @@ Choices, and where they come from:
 - BatchNorm: the ResNets keep BN in eval mode (common.py), so buffers never change and only the
   trainable parameters form g_u; the official code does not aggregate BN statistics either.
 - Combining with other clients (Table 2's FedIIR+OMG, γ = 1e-4): a method file does not import
-  another, so the combination is not a flag. To build it, give `common.local_sgd` FedIIR's penalised
-  loss (fediir.iir_loss, with its global-gradient pass) in `fedomg_round` below; the server rule
-  `omg_step` is unchanged.
+  another, so the combination is not a flag. To build it, give `common.train_clients` FedIIR's penalised
+  loss (loss_fn=fediir.iir_loss(...), with its global-gradient pass) in `fedomg_round` below; the
+  server rule `omg_step` is unchanged.
 
 Defaults. DG (pacs, vlcs, officehome; paper §D.6, Table 4): pretrained ResNet-18 with a linear head,
 SGD lr 1e-3, batch 16, momentum 0.9, weight decay 5e-4, 5 local epochs, 100 rounds, one client per
@@ -140,36 +140,19 @@ def fedomg_round(t, model, fed, args, state, ctx):
     delta_sum, weight_sum, losses = torch.zeros_like(theta), 0.0, {}
     lr = args.lr * (0.1 if t > args.lr_step * args.rounds else 1.0)       # the code's StepLR
     keep = not args.fresh_opt and args.momentum > 0
-    for u, c in enumerate(S):                                              # clients: plain local SGD
-        client = fed.clients[c]
-        common.set_flat(model, theta)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-        if keep and c in state["momentum"]:
-            set_momentum(opt, state["momentum"][c])
-        losses[c] = common.local_sgd(model, client, args, ctx, opt=opt)
-        if keep:
-            state["momentum"][c] = get_momentum(opt)
-        G[u] = common.get_flat(model) - theta                              # Eq. 8
-        delta_sum += float(client.n) * G[u]
-        weight_sum += float(client.n)
+    client_sgd = lambda params: torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx, client_sgd,
+                                   momentum=state["momentum"] if keep else None)  # clients: plain local SGD
+    for u, (c, (theta_u, loss)) in enumerate(zip(S, trained)):
+        losses[c] = loss
+        G[u] = theta_u - theta                                             # Eq. 8
+        delta_sum += float(fed.clients[c].n) * G[u]
+        weight_sum += float(fed.clients[c].n)
     g_FL = delta_sum / weight_sum                                          # FedAvg's update
     p = torch.tensor([float(fed.clients[c].n) for c in S]) / weight_sum
     g_IGD = omg_step(G, g_FL, p, args.kappa, args.solver, not args.no_rescale, args.solver_evals)  # Eq. 15–16
     common.set_flat(model, theta + args.global_lr * g_IGD)                 # Eq. 17 (+, see docstring)
     return losses
-
-
-def get_momentum(opt):
-    ps = [p for g in opt.param_groups for p in g["params"]]
-    return torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) if "momentum_buffer" in opt.state[p]
-                      else torch.zeros_like(p).reshape(-1) for p in ps])
-
-
-def set_momentum(opt, flat):
-    i = 0
-    for p in (p for g in opt.param_groups for p in g["params"]):
-        opt.state[p]["momentum_buffer"] = flat[i:i + p.numel()].view_as(p).clone()
-        i += p.numel()
 
 
 def init_state(model, fed, args, ctx):
@@ -197,7 +180,8 @@ def check(args):
 
 
 def main(argv=None):
-    return common.main("fedomg", __doc__, fedomg_round, argv, add_args, DEFAULTS, init_state, check=check)
+    return common.main("fedomg", __doc__, fedomg_round, argv, add_args, DEFAULTS, init_state, check=check,
+                       parallel_clients=True)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,33 @@
-"""How much the harness costs (FedAvg rounds through common.py against a bare training loop) and
-what a round of every method that runs on this setting costs against a FedAvg round.
+"""How much the harness costs (FedAvg rounds through common.py against a bare training loop), what
+a round of every method that runs on this setting costs against a FedAvg round, and what training
+the sampled clients at once (--parallel-clients on) gains over training them one after another.
 
-On the embedded RotatedMNIST (test domain 0), P clients with C sampled per round, every variant
-trains the same sampled clients with the same model, batch size and optimiser for one local epoch,
-each method with its own defaults for rmnist (FedIIR: Table 3's γ; FedOMG: its server step; FedIPG:
-λ 1e-3, --penalty auto). The bare loop is what a researcher would write in a few lines (fresh SGD,
-momentum 0.9); the harness round also resets each client to θ, flattens its update and aggregates.
-The variants are timed alternately in one process (this machine is shared and noisy) and the
-medians are compared. FedLOE (every client in every communication, Adam) and PerInvFL (fixed-client
-datasets only) do not fit this setting: their speed is in the benchmark's tables.
+Two settings. rmnist (default): RotatedMNIST (test domain 0), P = 50 clients with C = 5 sampled per
+round, one local epoch, each method with its own defaults for rmnist (FedIIR: Table 3's γ; FedOMG:
+its server step; FedIPG: λ 1e-3, --penalty auto). fl: FedOMG's FL setting, MNIST split over 100
+clients by Dirichlet(0.1) label skew, 20 sampled, 5 local epochs, batch 16, the small CNN, FedAvg
+and FedOMG. Every variant trains the same sampled clients with the same model, batch size and
+optimiser. The bare loop is what a researcher would write in a few lines (a fresh SGD per client);
+the harness round also resets each client to θ, flattens its update and aggregates. FedAvg is timed
+three ways: one client after another (--parallel-clients off: the base of the ratios), all at once
+(on), and as the flag's default chooses (auto: at once on CUDA, one after another on the CPU);
+FedOMG one after another and at once. The variants are timed alternately in one process (machines
+are shared and noisy) and the medians are compared. FedLOE (every client in every communication,
+Adam) and PerInvFL (fixed-client datasets only) do not fit these settings: their speed is in the
+benchmark's tables.
 
-    python benchmark/speed.py                       # 50 clients, 5 sampled
+--curve R instead runs R rounds of FedAvg and of FedOMG from one start, one client after another and
+at once, and prints the test accuracy after every round of both (they agree to float tolerance,
+not bit for bit).
+
+    python benchmark/speed.py                       # rmnist, 50 clients, 5 sampled
     python benchmark/speed.py --clients 5 --rounds 3 --clock cpu
+    python benchmark/speed.py --setting fl --data-root DIR --device cuda
+    python benchmark/speed.py --setting fl --curve 20
     python benchmark/speed.py --json speed.json     # also the timings, for report.py --speed (bar chart)
 """
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -33,26 +46,33 @@ import fedipg  # noqa: E402
 import fedomg  # noqa: E402
 
 
-def bare_round(model, clients, lr, batch_size):
+def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):
     """The loop a researcher would write in a few lines: no flattening, no aggregation."""
     for c in clients:
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        perm = torch.randperm(c.n)
-        for i in range(0, c.n, batch_size):
-            idx = perm[i:i + batch_size]
-            loss = F.cross_entropy(model(c.x[idx].float() / 255), c.y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        for _ in range(epochs):
+            perm = torch.randperm(c.n)
+            for i in range(0, c.n, batch_size):
+                idx = perm[i:i + batch_size]
+                loss = F.cross_entropy(model(c.x[idx].float() / 255), c.y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+
+SETTINGS = {"rmnist": "rmnist", "fl": "mnist"}   # --setting -> dataset
 
 
 def setup(method, doc, add_args=None, own_args=None):
     """The shared CLI of the speed scripts (own_args adds a script's own flags) and what they time:
-    `method`'s arguments resolved for the embedded rmnist, test domain 0 held out, P clients, the
-    model and a context on --device."""
+    `method`'s arguments resolved for the setting's dataset (rmnist: test domain 0 held out; fl: the
+    label-skew clients), the federation, the model and a context on --device."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--clients", type=int, default=50)
-    p.add_argument("--sample", type=int, default=5)
+    p.add_argument("--setting", default="rmnist", choices=list(SETTINGS),
+                   help="rmnist: RotatedMNIST, 50 clients, 5 sampled; fl: FedOMG's MNIST label skew, 100 / 20")
+    p.add_argument("--data-root", default=None, help="full MNIST (default: the embedded 5,000 digits)")
+    p.add_argument("--clients", type=int, default=None, help="default: rmnist 50, fl 100")
+    p.add_argument("--sample", type=int, default=None, help="default: rmnist 5, fl 20")
     p.add_argument("--rounds", type=int, default=6, help="timed rounds of each variant")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
@@ -61,20 +81,30 @@ def setup(method, doc, add_args=None, own_args=None):
         own_args(p)
     a = p.parse_args()
     a.clock = time.process_time if a.clock == "cpu" and a.device == "cpu" else time.perf_counter
+    a.dataset = SETTINGS[a.setting]
+    if a.setting == "rmnist":
+        a.clients, a.sample = a.clients or 50, a.sample or 5
     parser = common.make_parser(method, doc)
     if add_args:
         add_args(parser)
-    argv = ["--clients", str(a.clients), "--sample", str(a.sample), "--device", a.device]
-    args = common.resolve(parser.parse_args(argv), "speed")
+    args = common.resolve(parser.parse_args(method_argv(a)), "speed")
     common.set_deterministic()                     # as the method scripts run by default
-    ds = data.load("rmnist")
+    a.clients, a.sample = args.clients, args.sample
+    ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
     dev = torch.device(a.device)
-    fed = common.federate(ds, 0, a.clients, 0, dev)
+    fed = common.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else common.federate_fixed(ds, 0, dev)
     torch.manual_seed(0)
     model = common.build_model(args, ds).to(dev)
     ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                         common.make_prep("rmnist", dev))
+                         common.make_prep(a.dataset, dev))
+    a.source = ds.source
     return a, args, fed, model, ctx
+
+
+def method_argv(a):
+    argv = ["--dataset", a.dataset, "--device", a.device]
+    argv += ["--data-root", a.data_root] if a.data_root else []
+    return argv + sum((["--" + k, str(getattr(a, k))] for k in ("clients", "sample") if getattr(a, k)), [])
 
 
 def alternate(variants, ctx, rounds, clock=time.perf_counter):
@@ -97,44 +127,95 @@ def alternate(variants, ctx, rounds, clock=time.perf_counter):
     return times
 
 
-def method_args(module, name, a):
+def method_args(module, name, a, parallel_clients="off"):
     """`name`'s arguments for this setting, resolved as its script resolves them."""
     p = common.make_parser(name, module.__doc__)
     module.add_args(p)
-    args = common.resolve(p.parse_args(["--clients", str(a.clients), "--sample", str(a.sample), "--device", a.device]),
+    args = common.resolve(p.parse_args(method_argv(a) + ["--parallel-clients", parallel_clients]),
                           "speed", getattr(module, "DEFAULTS", None))
     if hasattr(module, "check"):
         module.check(args)
     return args
 
 
+def setting_line(a, args):
+    what = ("rmnist (leave one domain out, domain 0 held out)" if a.setting == "rmnist" else
+            "FedOMG's FL setting")
+    return (f"{what}, {a.source}, {a.clients} clients, {a.sample} per round, {args.local_epochs} local epoch(s), "
+            f"batch {args.batch_size}, {args.model}, {a.device}"
+            + (f" ({torch.cuda.get_device_name()})" if a.device.startswith("cuda") else "")
+            + f", {torch.get_num_threads()} threads")
+
+
+def curves(a, args, fed, model, ctx, rounds):
+    """FedAvg's and FedOMG's test accuracy after each of `rounds` rounds from the same start, one client
+    after another and all at once; and how far apart their parameters end."""
+    start, gen, sampler = copy.deepcopy(model.state_dict()), ctx.gen.get_state(), ctx.sampler.get_state()
+    print(setting_line(a, args) + "\n")
+    for name, module in (("FedAvg", fedavg), ("FedOMG", fedomg)):
+        acc, end, secs = {}, {}, {}
+        for mode in ("off", "on"):
+            m_args = method_args(module, name.lower(), a, mode)
+            m_args.rounds = rounds                               # FedOMG's lr step at 80% of the rounds
+            model.load_state_dict(start)
+            ctx.gen.set_state(gen)
+            ctx.sampler.set_state(sampler)
+            state = module.init_state(model, fed, m_args, ctx) if hasattr(module, "init_state") else {}
+            fn = getattr(module, f"{name.lower()}_round")
+            acc[mode], t0 = [], time.perf_counter()
+            for t in range(1, rounds + 1):
+                fn(t, model, fed, m_args, state, ctx)
+                acc[mode].append(common.evaluate_global(model, fed, m_args, state, ctx)[1])
+            secs[mode], end[mode] = time.perf_counter() - t0, common.get_flat(model)
+        gap = max(abs(x - y) for x, y in zip(acc["off"], acc["on"]))
+        rel = ((end["on"] - end["off"]).norm() / end["off"].norm()).item()
+        print(f"{name}: {rounds} rounds, evaluation included: one after another {secs['off']:.1f} s, at once "
+              f"{secs['on']:.1f} s; largest accuracy difference {100 * gap:.2f} points; parameters at the end "
+              f"{rel:.1e} apart (relative)\n")
+        print("| round | test acc, one after another | test acc, at once |\n|---|---|---|")
+        for t, (x, y) in enumerate(zip(acc["off"], acc["on"]), 1):
+            print(f"| {t} | {100 * x:.2f} | {100 * y:.2f} |")
+        print()
+
+
 def main():
-    json_flag = lambda p: p.add_argument("--json", default=None, help="also write every timed round here")
-    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, json_flag)
-    rounds = {"FedAvg (harness)": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx)}
-    for name, module in (("FedIIR", fediir), ("FedOMG", fedomg), ("FedIPG", fedipg)):
-        m_args = method_args(module, name.lower(), a)
+    def own(p):
+        p.add_argument("--json", default=None, help="also write every timed round here")
+        p.add_argument("--curve", type=int, default=0, help="instead of timing: R rounds, accuracy both ways")
+    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own)
+    if a.curve:
+        return curves(a, args, fed, model, ctx, a.curve)
+    way = {m: argparse.Namespace(**{**vars(args), "parallel_clients": m}) for m in ("off", "on", "auto")}
+    rounds = {"FedAvg, one after another": lambda r: fedavg.fedavg_round(r, model, fed, way["off"], {}, ctx),
+              "FedAvg, clients at once": lambda r: fedavg.fedavg_round(r, model, fed, way["on"], {}, ctx),
+              f"FedAvg, auto ({'at once' if common.parallel(way['auto']) else 'one after another'})":
+                  lambda r: fedavg.fedavg_round(r, model, fed, way["auto"], {}, ctx)}
+    methods = [("FedIIR", fediir, "off"), ("FedOMG", fedomg, "off"), ("FedOMG, clients at once", fedomg, "on"),
+               ("FedIPG", fedipg, "off")]
+    for name, module, mode in methods if a.setting == "rmnist" else methods[1:3]:
+        m_args = method_args(module, module.__name__, a, mode)
         state = module.init_state(model, fed, m_args, ctx)
-        fn = getattr(module, f"{name.lower()}_round")
+        fn = getattr(module, f"{module.__name__}_round")
         rounds[name] = lambda r, fn=fn, m_args=m_args, state=state: fn(r, model, fed, m_args, state, ctx)
     images = []
 
     def bare(r):
         sampled = [fed.clients[c] for c in common.sample_clients(ctx, len(fed.clients), args.sample)]
-        images.append(sum(c.n for c in sampled))
-        bare_round(model, sampled, args.lr, args.batch_size)
+        images.append(args.local_epochs * sum(c.n for c in sampled))
+        bare_round(model, sampled, args.lr, args.batch_size, args.momentum, args.local_epochs)
     times = alternate({**rounds, "bare training loop": bare}, ctx, a.rounds, a.clock)
     n = statistics.median(images[1:])
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["FedAvg (harness)"]
-    setting = (f"embedded rmnist (leave one domain out, domain 0 held out), {a.clients} clients, {a.sample} per "
-               f"round, batch {args.batch_size}, {a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, medians of "
+    base = med["FedAvg, one after another"]
+    setting = (setting_line(a, args) + f", {a.rounds} rounds each, medians of "
                f"{'CPU' if a.clock is time.process_time else 'wall-clock'} time")
     print(setting + "\n")
-    print("| round | s / round | images / s | × FedAvg |\n|---|---|---|---|")
+    print("| round | s / round | images / s | × FedAvg one after another |\n|---|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |")
     print(f"\nharness overhead against the bare loop: {100 * (base / med['bare training loop'] - 1):+.1f}%")
+    print(f"clients at once: FedAvg {base / med['FedAvg, clients at once']:.2f}x, FedOMG "
+          f"{med['FedOMG'] / med['FedOMG, clients at once']:.2f}x the speed of one client after another")
     if a.json:                                                  # machine-readable: report.py --speed draws it
         Path(a.json).write_text(json.dumps({"setting": setting, "images_per_round": n, "seconds": times}, indent=1))
         print(f"speed: {a.json}")
