@@ -49,7 +49,10 @@ benchmark uses), mapped onto Algorithm 1 so that ν follows centralised IRM step
   drawn like the training context, where the spurious colour is predictive, so it would always
   pick the smallest β. Remark 1 only says that β must be "appropriately chosen" and that fewer
   training contexts call for a smaller β; here every client has one context. β = 1 weighs
-  ||θ_i − ν||² like the risk, as Eq. 4 is printed.
+  ||θ_i − ν||² like the risk, as Eq. 4 is printed. Measured on full RC-MNIST without rotation
+  (README, PerInvFL): θ_i does not inherit ν's invariance for any β from 10 to 1e8 — after the
+  switch to the large λ its single-context IRMv1 penalty rules line 8, and a β that outweighs it
+  pins θ_i during the warm-up, after which its Adam moments hold it there.
 - IRM-FT: 1 epoch in minibatches of 64 (FTFA fine-tunes for a few local epochs), Adam at --lr.
 - GroupDRO: η_q = 0.01 (DomainBed's default); client i's ν-loss is N q_i R_i, so that uniform q is
   ERM; q is updated from the risks uploaded at the end of a round (the risk of ν^t on D_i), which
