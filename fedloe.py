@@ -23,7 +23,9 @@ Stage 2 — θ̂ frozen; K2 = --stage2-comms times (Eq. 12, Algorithm 1):
 `--stage2-comms 0` stops after stage 1: the paper's "our FedAvg".
 
 A round (common.py's unit: evaluation, checkpoint, --resume) is one communication: rounds 1..K1 are
-stage 1, rounds K1+1..K1+K2 stage 2. --rounds and --local-epochs follow from the stage flags.
+stage 1, rounds K1+1..K1+K2 stage 2. --rounds and --local-epochs follow from the stage flags. The
+reported test accuracy is the last round's, the end of stage 2 (Table 5 stops at a fixed iteration),
+never a stage-1 (FedAvg) checkpoint picked by validation.
 
 Data (Appendix D.2): of every training domain 5% validation (model selection), 5% in-domain test,
 the rest over the clients (one domain per client, common.federate's Algorithm 2 split); each client
@@ -89,7 +91,7 @@ import data
 PHOTO = dict(model="resnet50", head="linear")
 DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5), "officehome": dict(PHOTO, lr=3e-5),
             "rmnist": dict(lr=1e-3), "synthetic": dict(lr=1e-2),
-            "*": dict(batch_size=128, momentum=0.0, clients=20, eval_every=1)}
+            "*": dict(batch_size=128, momentum=0.0, clients=20, eval_every=1, select="last")}
 BY_STAGES = math.inf  # default of --rounds and --local-epochs: set from the stage flags in check()
 
 
@@ -315,6 +317,9 @@ def check(args):
     if args.stage2_comms < 0 or args.stage2_epochs < 0 or (args.stage2_comms and args.stage2_epochs % args.stage2_comms):
         raise common.UserError(f"--stage2-epochs ({args.stage2_epochs}) must be a multiple of --stage2-comms "
                                f"({args.stage2_comms}), both >= 0")
+    if args.select == "val" and args.stage2_comms:   # the best validation round could be a stage-1 (FedAvg) one
+        raise common.UserError("fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration); "
+                               "--select val would pick among stage-1 rounds too: drop it")
     for k in ("stage2_lr", "meta_lr"):
         if not getattr(args, k) > 0:
             raise common.UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")

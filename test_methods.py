@@ -893,6 +893,7 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedloe", ["--sample", "5"], "fedloe uses every client at every communication"),
     ("fedloe", ["--dataset", "mnist"], "fedloe is leave-one-domain-out; mnist has fixed clients"),
     ("fedloe", ["--dataset", "rcmnist"], "fedloe is leave-one-domain-out; rcmnist has fixed clients"),
+    ("fedloe", ["--select", "val"], "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration)"),
     ("fedloe", ["--dg", "coral"], "argument --dg: invalid choice: 'coral'"),
     ("fedloe", ["--dg-lambda", "-1"], "--dg-lambda must be >= 0, got -1.0"),
     ("fedloe", ["--meta-lr", "0"], "--meta-lr must be positive, got 0.0"),
@@ -1738,6 +1739,7 @@ def test_fedloe_end_to_end_frozen_featurizer_bytes_and_resume(tmp_path, monkeypa
     monkeypatch.setattr(common, "save_checkpoint", save)
     d = full["domains"]["style1"]
     assert [r["round"] for r in d["history"]] == [1, 2, 3, 4] and d["last_test_acc"] > 0.6   # chance: 0.25
+    assert d["best_round"] == 4 and d["test_acc"] == d["last_test_acc"]     # the end of stage 2, never stage 1
     assert all(0 <= r["in_domain_acc"] <= 1 for r in d["history"])
     part = lambda t, name: [v for k, v in blobs[t]["model"].items() if k.startswith(name)]
     for t in (3, 4):                                         # stage 2 leaves θ̂ bit for bit and moves ψ
