@@ -908,7 +908,8 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedipg", ["--aberrant", "slow:0"], "--aberrant slow:0: K must be >= 1 and P in (0, 1]"),
     ("fedipg", ["--aberrant", "unreliable:1.5"], "--aberrant unreliable:1.5: K must be >= 1 and P in (0, 1]"),
     ("fedipg", ["--exit", "sometimes"], "argument --exit: invalid choice: 'sometimes'"),
-    ("fedipg", QUICK + ["--clients", "4", "--aberrant", "slow:2"], "--aberrant slow needs every client in every round: --sample 4"),
+    ("fedipg", QUICK + ["--clients", "4", "--sample", "2", "--aberrant", "slow:2"],
+     "--aberrant slow needs every client in every round: --sample 4 (got 2)"),
     ("fedipg", QUICK + ["--aberrant", "rotate:90", "--aberrant-client", "9"], "client 9 does not exist: there are 2 clients"),
     ("fedipg", QUICK + ["--exit-clients", "0,1"], "--exit-clients names every client"),
     ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
@@ -1952,14 +1953,72 @@ def test_fedipg_exit_ranks_a_planted_aberrant_client_worst_and_removes_it(capsys
 
 
 def test_fedipg_contribution_is_eq_13():
-    fed = tiny_federation((6, 10, 4))
-    g = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 1.0])]
+    fed = tiny_federation((6, 10, 4, 8))
+    g = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 1.0]), torch.tensor([0.5, 2.0])]
     state = {"contrib": {}}
-    fedipg.contributions(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2], g, [True, True, False])
-    grad_R = (6 * g[0] + 10 * g[1]) / 16                                          # the fresh clients only
-    for i, n in enumerate((6, 10, 4)):
-        expected = 0.1 * n / 20 * (grad_R @ g[i] - 0.25 * g[i] @ g[i]) / (grad_R @ grad_R)
-        assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)
+    fedipg.contributions(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2, 3], g, [True, True, False, True])
+    n, fresh = (6, 10, 4, 8), (0, 1, 3)
+    for i in range(4):
+        others = [j for j in fresh if j != i]                                     # fresh, and not i itself
+        grad_R = sum(n[j] * g[j] for j in others) / sum(n[j] for j in others)
+        expected = 0.1 * n[i] / 28 * (grad_R @ g[i] - 0.25 * g[i] @ g[i]) / (grad_R @ grad_R)
+        assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)   # a float32 Gram
+    state = {"contrib": {}}                                                       # 0: no other fresh client
+    fedipg.contributions(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 2], g[:1] + g[2:3], [True, False])
+    assert list(state["contrib"]) == [2]
+
+
+def test_fedipg_risk_gradient_is_the_full_batch_gradient():
+    fed, model = tiny_federation((7, 10)), tiny_model()
+    client = fed.clients[1]
+    g = fedipg.risk_gradient(model, client, tiny_ctx(), batch_size=3)         # four chunks, the last of 1
+    m = copy.deepcopy(model)
+    loss = F.cross_entropy(m(client.x.float() / 255), client.y)
+    expected = torch.cat([v.reshape(-1) for v in torch.autograd.grad(loss, list(m.parameters()))])
+    assert torch.allclose(g, expected, atol=1e-6) and g.abs().max() > 1e-3
+    assert torch.equal(common.get_flat(model), common.get_flat(m))              # no step taken
+
+
+def ipg_warmup_round(**kw):
+    fed = tiny_federation((6, 10, 8, 12))
+    model = tiny_model()
+    args = ipg_args(sample=4, exit="auto", exit_warmup=2, lr=0.3, **kw)
+    state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx()
+    fedipg.fedipg_round(1, model, fed, args, state, ctx)
+    return state["contrib"], common.get_flat(model)
+
+
+def test_fedipg_contributions_do_not_depend_on_momentum_or_steps():
+    base, w0 = ipg_warmup_round()
+    heavy, w1 = ipg_warmup_round(momentum=0.9, batch_size=2, local_epochs=3)   # 3 to 18 steps, momentum
+    assert not torch.equal(w0, w1)                                              # the training differed
+    assert base.keys() == heavy.keys() == {0, 1, 2, 3}
+    assert all(base[i] == heavy[i] for i in base)                               # g_i = ∇R_i(w^1) in both
+
+
+def test_fedipg_estimates_leave_training_unchanged():
+    """The warm-up of --exit auto trains exactly as --exit off: the g_i pass draws nothing and takes
+    no step (the exits come after the last warm-up round's aggregation)."""
+    fed, outs = planted_federation(), []
+    for how in ("off", "auto"):
+        torch.manual_seed(0)
+        model = common.build_model(type("A", (), dict(model="smallconv", head="linear")), data.synthetic())
+        args = ipg_args(sample=6, exit=how, exit_warmup=3, lr=0.05, momentum=0.9, batch_size=32, lam=1e-3)
+        state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx()
+        for t in (1, 2, 3):
+            fedipg.fedipg_round(t, model, fed, args, state, ctx)
+        outs.append(common.get_flat(model))
+    assert len(state["contrib"][0]) == 3 and torch.equal(*outs)
+
+
+def test_fedipg_every_in_distribution_client_takes_part_by_default(tmp_path, capsys):
+    argv = QUICK + ["--rounds", "1", "--eval-every", "1", "--clients", "5", "--test-domain", "1"]
+    run(fedavg.main, argv, tmp_path, "avg.json")
+    assert "5 clients, 2 per round" in capsys.readouterr().out                 # FedAvg: one per domain
+    res, _ = run(fedipg.main, argv, tmp_path, "ipg.json")
+    assert "5 clients, 5 per round" in capsys.readouterr().out and res["args"]["sample"] == 5   # Eq. 3
+    res, _ = run(fedipg.main, argv + ["--sample", "3"], tmp_path, "ipg.json")
+    assert res["args"]["sample"] == 3
 
 
 @on_every_device
@@ -2000,7 +2059,7 @@ def test_fedipg_on_stained_mnist_learns_its_training_combinations(tmp_path):
     res, _ = run(fedipg.main, ["--dataset", "stained", "--stain", "fg", "--rounds", "10", "--eval-every", "10",
                                "--test-domain", "c4"], tmp_path)
     a = res["args"]
-    assert (a["model"], a["clients"], a["sample"], a["lam"], a["lr"]) == ("mlp", 50, 9, 1e-3, 0.1)
+    assert (a["model"], a["clients"], a["sample"], a["lam"], a["lr"]) == ("mlp", 50, 50, 1e-3, 0.1)   # Eq. 3: all
     assert res["domains"]["c4"]["val_acc"] > 0.2                                    # 10 classes: chance 0.1
 
 
