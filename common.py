@@ -60,11 +60,14 @@ DATASET_DEFAULTS = {
     "pacs": dict(model="resnet18", lr=2.5e-3, batch_size=32, head="mlp"),
     "officehome": dict(model="resnet50", lr=1e-3, batch_size=32, head="mlp"),
     "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
-    "stained": dict(model="mlp", lr=0.1, batch_size=64, clients=50),  # FedIPG VI-C (lr: fedipg.py docstring)
+    "stained": dict(model="mlp", lr=0.1, batch_size=64),  # FedIPG VI-C (lr: fedipg.py docstring)
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
     "rcmnist": _RC, "rcfmnist": _RC,
     "waterbird": dict(model="resnet18", lr=1e-3, batch_size=32, clients=4, sample=4, select="last"),
 }
+# Stained MNIST (FedIPG Section VI-C): clients P and examples per client by --stain, drawn from the
+# pooled training combinations (stained_clients)
+STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}
 PHOTOS = ("pacs", "vlcs", "officehome", "waterbird")  # ImageNet-normalised, augmented like the FedIIR code
 
 # -------------------------------------------------------------------------------------- models
@@ -298,14 +301,30 @@ def holdout(x, y, frac, g):
     return x[perm[nv:]], y[perm[nv:]], x[perm[:nv]], y[perm[:nv]]
 
 
-def federate(ds, test, P, seed, device, val_frac=0.1):
+def federate(ds, test, P, seed, device, val_frac=0.1, client_size=None):
     """Leave-one-domain-out: domain `test` (index) is the test set; every other domain is shuffled
     and cut into Algorithm 2's number of contiguous chunks (floor(n/k) each, the last takes the
     rest), one client per chunk, so no client mixes domains. Each client holds out `val_frac` of its
-    data (seeded) for validation; pooled, that is 10% of every training domain as in the FedIIR code."""
+    data (seeded) for validation; pooled, that is 10% of every training domain as in the FedIIR code.
+    client_size (stained MNIST): the training domains are pooled and shuffled instead, and client j
+    takes examples j·n .. (j+1)·n − 1 of the pool (n = client_size): P disjoint seeded random
+    samples, each mixing the domains (its `domain` names those it holds)."""
     g = torch.Generator().manual_seed(seed)
     train = [d for i, d in enumerate(ds.domains) if i != test]
     clients = []
+    if client_size is not None:
+        origin = torch.cat([torch.full((len(d.y),), i) for i, d in enumerate(train)])
+        if P * client_size > len(origin):
+            raise UserError(f"{P} clients x {client_size} examples exceed the {len(origin):,} of the training domains")
+        X, Y = torch.cat([d.x for d in train]), torch.cat([d.y for d in train])
+        perm = torch.randperm(len(origin), generator=g)
+        for j in range(P):
+            idx = perm[j * client_size:(j + 1) * client_size]
+            x, y, vx, vy = holdout(X[idx], Y[idx], val_frac, g)
+            name = "+".join(train[i].name for i in origin[idx].unique().tolist())
+            clients.append(Client(len(clients), name, x, y, vx, vy))
+        t = ds.domains[test]
+        return _finish(t.name, clients, [(t.name, t.x, t.y)], device)
     for d, k in zip(train, split_counts([len(d.y) for d in train], P)):
         perm = torch.randperm(len(d.y), generator=g)
         size = len(perm) // k
@@ -575,7 +594,11 @@ def make_parser(method, doc):
     a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
     a("--data-root", default=None, help="dataset folder; MNIST family: none = the embedded 5,000 digits")
     a("--test-domain", default="all", help="held-out domain: 'all' (each in turn), a name or an index")
-    a("--clients", type=int, default=None, help="number of clients P (default: one per training domain)")
+    a("--clients", type=int, default=None,
+      help="number of clients P (default: one per training domain; stained: 5 / 5 / 20 for fg / bg / both)")
+    a("--client-size", type=int, default=None,
+      help="stained: examples per client, drawn from the pooled training combinations (default 600 / 2000 / 2000 "
+           "for fg / bg / both, shrunk to fit the data)")
     a("--sample", type=int, default=None, help="clients per round C (default: min(P, training domains))")
     a("--rounds", type=int, default=None, help="communication rounds T (default 100)")
     a("--local-epochs", type=int, default=None, help="local epochs per round (default 1)")
@@ -624,6 +647,10 @@ def resolve(args, method, defaults=None):
     for k in ("lr", "global_lr", "alpha"):
         if not getattr(args, k) > 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if getattr(args, "client_size", None) is not None and args.dataset != "stained":
+        raise UserError(f"--client-size applies to stained only, not {args.dataset}")
+    if getattr(args, "client_size", None) is not None and args.client_size <= 0:
+        raise UserError(f"--client-size must be positive, got {args.client_size}")
     if args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"):
         raise UserError(f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}")
     if not 0 <= args.p_test <= 1:
@@ -668,6 +695,9 @@ def test_domains(args, ds):
             raise UserError(f"unknown test domain {args.test_domain!r} for {ds.name}; choose 'all', "
                             f"one of {', '.join(names)} or an index 0..{M - 1}")
         n_train = M - 1
+    if args.dataset == "stained":
+        stained_clients(args, ds)
+        return todo
     args.clients = n_train if args.clients is None else args.clients
     args.sample = min(args.clients, n_train) if args.sample is None else args.sample
     if args.clients < n_train:
@@ -676,6 +706,34 @@ def test_domains(args, ds):
     if not 1 <= args.sample <= args.clients:
         raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
     return todo
+
+
+def stained_clients(args, ds):
+    """Stained MNIST's clients (FedIPG Section VI-C): P clients of n examples each (validation
+    included), disjoint samples of the pooled training combinations (federate's client_size), so
+    that 5 clients can hold nine combinations. Defaults by --stain (STAINED): 5 x 600 (fg), 5 x 2000
+    (bg), 20 x 2000 (both). If P x n exceeds the pool (the smallest over the held-out choices), a
+    default n shrinks to pool // P (printed); a --client-size given by hand that does not fit is
+    refused. Every client takes part in every round unless --sample says otherwise (VI-C gives no C)."""
+    P0, n0 = STAINED[args.stain]
+    args.clients = P0 if args.clients is None else args.clients
+    args.sample = args.clients if args.sample is None else args.sample
+    pool = sum(len(d.y) for d in ds.domains) - max(len(d.y) for d in ds.domains)
+    if args.clients < 1:
+        raise UserError(f"--clients must be positive, got {args.clients}")
+    if args.client_size is None:
+        args.client_size = min(n0, pool // args.clients)
+        if args.client_size < n0:
+            print(f"note: stained {args.stain}: {args.clients} clients x {n0:,} examples exceed the {pool:,} of the "
+                  f"nine training combinations; each client gets {pool:,} // {args.clients} = {args.client_size:,}")
+    elif args.clients * args.client_size > pool:
+        raise UserError(f"--client-size {args.client_size} x --clients {args.clients} exceeds the {pool:,} examples "
+                        f"of the nine training combinations (at most {pool // args.clients:,} per client)")
+    if args.client_size < 2:
+        raise UserError(f"{args.clients} clients leave {args.client_size} example(s) each: too few for a "
+                        f"training and a validation split; use fewer --clients")
+    if not 1 <= args.sample <= args.clients:
+        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
 
 
 # ------------------------------------------------------------------- results and checkpoints
@@ -770,7 +828,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
         if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
             continue                                            # finished before a --resume
         fed = federate_fixed(ds, args.seed, device) if test is None else \
-            federate(ds, test, args.clients, args.seed, device)
+            federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
         resume = blob if blob is not None and blob["domain"] == fed.name else None
         remaining = len(todo) - k - 1
         results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,

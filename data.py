@@ -483,31 +483,71 @@ def synthetic(seed=0, n_domains=3, n_per_domain=240, num_classes=4, size=16):
 # Ten colours; colour i + 5 is the complement (255 - c) of colour i, the background of "both".
 PALETTE = torch.tensor([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 128, 0], [128, 0, 255],
                         [0, 255, 255], [255, 0, 255], [255, 255, 0], [0, 128, 255], [128, 255, 0]])
+STAIN_SEED = 0   # the colour-digit combinations' generator: fixed, not --seed (the same benchmark for every seed)
+
+
+def unique_pairs(M):
+    """[K, 10] bool: combination k gives digit y a colour M[k, y] that no other combination gives y."""
+    return (M[None] == M[:, None]).sum(0) == 1
+
+
+def stain_mappings(seed=STAIN_SEED, max_swaps=1000):
+    """The ten colour-digit combinations as a [10, 10] tensor M: digit y of combination k has colour
+    PALETTE[M[k, y]]; every row is a permutation of the ten colours. Construction: ten uniformly
+    random permutations (torch.randperm, one generator seeded with `seed`); then, as long as some
+    combination k gives a digit y a colour that no other combination gives y, pick one such (k, y)
+    at random and swap, within combination k, the colour of y with that of the digit y' that leaves
+    the fewest such unique pairs (ties: at random). At the end every colour-digit pair of every
+    combination occurs in at least one other: whichever combination is held out, each of its pairs
+    was seen in training, so the colour is not made to point away from the label (as it does when
+    the held-out pairs are exactly those never seen in training, e.g. colour (y + k) mod 10)."""
+    g = torch.Generator().manual_seed(seed)
+    M = torch.stack([torch.randperm(10, generator=g) for _ in range(10)])
+    for _ in range(max_swaps):
+        bad = unique_pairs(M).nonzero().tolist()
+        if not bad:
+            break
+        k, y = bad[int(torch.randint(len(bad), (), generator=g))]
+        left = []
+        for y2 in range(10):
+            S = M.clone()
+            S[k, [y, y2]] = M[k, [y2, y]]
+            left.append(int(unique_pairs(S).sum()) if y2 != y else 101)
+        best = [y2 for y2 in range(10) if left[y2] == min(left)]
+        y2 = best[int(torch.randint(len(best), (), generator=g))]
+        M[k, [y, y2]] = M[k, [y2, y]]
+    if unique_pairs(M).any() or len(set(map(tuple, M.tolist()))) < 10:
+        raise RuntimeError(f"stain_mappings({seed}): no ten distinct combinations without unique pairs")
+    return M
 
 
 def stained(root=None, seed=0, stain="fg"):
-    """Stained MNIST of FedIPG (Section VI-C): ten colour-digit combinations, one domain each.
-    Combination k stains digit y with colour (y + k) mod 10, so within a domain the colour decides
-    the label, while across domains every colour goes with every digit but one; the held-out
-    combination pairs each digit with the one colour it never had in training (a reversed
-    correlation). stain: "fg" colours the strokes (black background, under 50% of the area), "bg"
-    the background (white strokes, over 50%), "both" the strokes and the background in the
-    complementary colour (100%). Choices the text leaves open: the pooled digits are shuffled
-    (seeded) and dealt into 10 equal domains (k::10, as rmnist deals 6); the label is the digit,
-    without label noise; the colour is a deterministic function of (digit, k); images are 14x14
-    (every second pixel, as IRM's ColoredMNIST, whose MLP the model is); the palette above."""
+    """Stained MNIST of FedIPG (Section VI-C): ten fixed colour-digit combinations, one domain each;
+    combination k stains digit y with colour PALETTE[M[k, y]], M = stain_mappings() (ten random
+    permutations of the colours drawn from STAIN_SEED, never from `seed`, then repaired by swaps so
+    that every colour-digit pair of a held-out combination occurs in one of the nine training ones).
+    Within a combination the colour decides the label; across the nine, each colour goes with
+    several digits. stain: "fg" colours the strokes (black background, under 50% of the area),
+    "bg" the background (white strokes, over 50%), "both" the strokes and the background in the
+    complementary colour (100%). Choices the text leaves open: the combinations (above); the
+    pooled digits are shuffled (by `seed`) and dealt into 10 equal domains (k::10, as rmnist deals
+    6); the label is the digit, without label noise; the colour is a deterministic function of
+    (digit, k); images are 14x14 (every second pixel, as IRM's ColoredMNIST, whose MLP the model
+    is); the palette above. Clients (common.stained_clients) draw from the nine pooled."""
     if stain not in ("fg", "bg", "both"):
         raise UserError(f"--stain must be fg, bg or both, got {stain!r}")
+    M = stain_mappings()
     x, y, source = mnist_arrays(root)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm][:, None, ::2, ::2].float() / 255, y[perm]
     domains = []
     for k in range(10):
         v, lab = x[k::10], y[k::10]
-        c = PALETTE[(lab + k) % 10].float().view(-1, 3, 1, 1)
+        c = PALETTE[M[k, lab]].float().view(-1, 3, 1, 1)
         img = {"fg": v * c, "bg": v * 255 + (1 - v) * c, "both": v * c + (1 - v) * (255 - c)}[stain]
         domains.append(Domain(f"c{k}", img.round().to(torch.uint8), lab))
-    return Dataset("stained", domains, 10, "lodo", f"{source}; stained ({stain}), 10 colour-digit combinations")
+    return Dataset("stained", domains, 10, "lodo", f"{source}; stained ({stain}), 10 colour-digit combinations "
+                   f"(seeded mappings, STAIN_SEED {STAIN_SEED})")
 
 
 def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "photo", "sketch"),

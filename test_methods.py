@@ -2035,14 +2035,36 @@ def test_fedipg_end_to_end_with_exits_and_aberrant_client_resumes(tmp_path, monk
     assert strip_times(resumed) == strip_times(full)
 
 
+# The ten colour-digit combinations of stained MNIST: M[k, y] = palette index of digit y in combination k
+# (data.stain_mappings(), STAIN_SEED 0; the README prints the same table).
+STAIN_TABLE = [[0, 9, 7, 5, 3, 1, 4, 8, 6, 2], [3, 9, 4, 2, 7, 8, 6, 5, 0, 1], [4, 8, 1, 5, 3, 0, 6, 9, 7, 2],
+               [9, 6, 4, 7, 3, 8, 2, 5, 0, 1], [3, 9, 1, 7, 0, 8, 4, 5, 6, 2], [4, 5, 7, 0, 8, 1, 3, 9, 6, 2],
+               [9, 6, 1, 7, 0, 3, 2, 8, 4, 5], [4, 5, 6, 2, 8, 0, 3, 9, 7, 1], [0, 8, 6, 5, 7, 3, 2, 9, 4, 1],
+               [9, 6, 7, 0, 3, 1, 2, 8, 4, 5]]
+
+
+def stain_colour_index(x):
+    """bg stain: the palette index of every image's background (its corner pixel)."""
+    return (x[:, :, 0, 0].long()[:, None] == data.PALETTE[None]).all(-1).int().argmax(1)
+
+
+def stain_unseen_held_out_pairs(pairs):
+    """pairs: one set of (digit, colour) per combination. For every held-out k, the pairs of k that
+    none of the other nine has."""
+    return [p - set().union(*(q for j, q in enumerate(pairs) if j != k)) for k, p in enumerate(pairs)]
+
+
 def test_stained_mnist_construction():
+    M = torch.tensor(STAIN_TABLE)
+    assert torch.equal(data.stain_mappings(), M)                                     # fixed: the benchmark
+    assert all(sorted(r) == list(range(10)) for r in STAIN_TABLE) and len(set(map(tuple, STAIN_TABLE))) == 10
     for stain in ("fg", "bg", "both"):
         ds = data.load("stained", stain=stain)
         assert [d.name for d in ds.domains] == [f"c{k}" for k in range(10)] and ds.num_classes == 10
         assert sum(len(d.y) for d in ds.domains) == 5000 and ds.domains[0].x.shape[1:] == (3, 14, 14)
         for k in (0, 7):
             x, y = ds.domains[k].x.long(), ds.domains[k].y
-            colour = data.PALETTE[(y + k) % 10]
+            colour = data.PALETTE[M[k, y]]
             corner = x[:, :, 0, 0]                                                  # background pixel
             expected = {"fg": torch.zeros_like(colour), "bg": colour, "both": 255 - colour}[stain]
             assert torch.equal(corner, expected)
@@ -2050,16 +2072,104 @@ def test_stained_mnist_construction():
                 i = x.sum(1).flatten(1).argmax(1)
                 top = x.flatten(2)[torch.arange(len(y)), :, i]
                 assert torch.allclose(top.float() / top.max(1, keepdim=True).values, colour.float() / 255, atol=0.02)
-    # the held-out combination pairs every digit with the one colour it never had in training
-    seen = {(int(yy), (int(yy) + k) % 10) for k in range(1, 10) for yy in range(10)}
-    assert not any((d, (d + 0) % 10) in seen for d in range(10))
+
+
+def test_stained_every_held_out_pair_was_seen_in_training_whatever_the_seed():
+    # read off the images: the (digit, background colour) pairs of every combination, for two seeds
+    by_seed = []
+    for seed in (0, 3):
+        ds = data.load("stained", seed=seed, stain="bg")
+        by_seed.append([set(zip(d.y.tolist(), stain_colour_index(d.x).tolist())) for d in ds.domains])
+    assert by_seed[0] == by_seed[1]                                       # the combinations ignore --seed
+    pairs = by_seed[0]
+    assert all(len(p) == 10 and sorted(dict(p)) == list(range(10)) for p in pairs)   # one colour per digit
+    assert all(len(set(dict(p).values())) == 10 for p in pairs)           # ... and a different one for each
+    assert stain_unseen_held_out_pairs(pairs) == [set()] * 10
+    # the checker sees the old construction, colour (y + k) mod 10: every held-out pair is unseen
+    cyclic = [{(y, (y + k) % 10) for y in range(10)} for k in range(10)]
+    assert stain_unseen_held_out_pairs(cyclic) == cyclic
+
+
+def stain_args(argv, tmp_path):
+    p = common.make_parser("fedavg", fedavg.__doc__)
+    return common.resolve(p.parse_args(["--dataset", "stained", "--out", str(tmp_path / "r.json")] + argv), "fedavg")
+
+
+def test_stained_clients_pool_the_training_combinations():
+    # every image carries its own id (two bytes), so that membership is exact
+    ids = torch.arange(500)
+    x = torch.zeros(500, 1, 2, 2, dtype=torch.uint8)
+    x[:, 0, 0, 0], x[:, 0, 0, 1] = (ids // 256).to(torch.uint8), (ids % 256).to(torch.uint8)
+    ds = data.Dataset("stained", [data.Domain(f"c{k}", x[k::10], ids[k::10] % 10) for k in range(10)], 10, "lodo", "ids")
+    fed = common.federate(ds, 3, 4, seed=0, device="cpu", client_size=80)
+    ident = lambda z: (z[:, 0, 0, 0].long() * 256 + z[:, 0, 0, 1].long()).tolist()
+    seen = []
+    for c in fed.clients:
+        tr, va = ident(c.x), ident(c.val_x)
+        assert c.n == 72 and len(va) == 8                                   # 80 each, 10% validation
+        mine = sorted(tr + va)
+        assert all(i % 10 != 3 for i in mine)                               # never the held-out combination
+        assert c.domain == "+".join(f"c{k}" for k in sorted({i % 10 for i in mine}))
+        assert len({i % 10 for i in mine}) >= 5                             # mixes the combinations
+        seen += mine
+    assert len(seen) == len(set(seen)) == 320                               # disjoint, without repeats
+    assert ident(fed.test_x) == ids[3::10].tolist()
+    assert common.federate(ds, 3, 4, seed=0, device="cpu", client_size=80).clients[2].y.tolist() == fed.clients[2].y.tolist()
+    assert common.federate(ds, 3, 4, seed=1, device="cpu", client_size=80).clients[2].y.tolist() != fed.clients[2].y.tolist()
+    with pytest.raises(data.UserError, match="4 clients x 113 examples exceed the 450"):
+        common.federate(ds, 3, 4, seed=0, device="cpu", client_size=113)
+
+
+def test_stained_client_sizes_by_stain_shrink_to_the_embedded_digits(tmp_path, capsys):
+    ds = data.load("stained", stain="bg")                                    # sizes do not depend on the stain
+    M = data.stain_mappings()
+    for argv, expected, note in (
+            (["--stain", "fg"], (5, 5, 600), None),                             # Section VI-C, fits 4,500
+            (["--stain", "bg"], (5, 5, 900), "5 clients x 2,000 examples exceed the 4,500 of the nine training "
+                                            "combinations; each client gets 4,500 // 5 = 900"),
+            (["--stain", "both"], (20, 20, 225), "each client gets 4,500 // 20 = 225"),
+            (["--stain", "both", "--clients", "3", "--sample", "2", "--client-size", "1500"], (3, 2, 1500), None)):
+        args = stain_args(argv, tmp_path)
+        assert common.test_domains(args, ds) == list(range(10))
+        assert (args.clients, args.sample, args.client_size) == expected
+        out = capsys.readouterr().out
+        assert (note in out) if note else out == ""
+    args = stain_args(["--stain", "bg"], tmp_path)
+    common.test_domains(args, ds)
+    fed = common.federate(ds, 0, args.clients, args.seed, "cpu", client_size=args.client_size)
+    assert [c.n + len(c.val_y) for c in fed.clients] == [900] * 5
+    for c in fed.clients:                                # no single combination explains a client's colours
+        colour, y = stain_colour_index(torch.cat([c.x, c.val_x])), torch.cat([c.y, c.val_y])
+        assert not any(torch.equal(colour, M[k, y]) for k in range(10))
+        assert len(c.domain.split("+")) == 9 and "c0" not in c.domain.split("+")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--client-size", "0"], "--client-size must be positive, got 0"),
+    (["--client-size", "-5"], "--client-size must be positive, got -5"),
+    (["--client-size", "4501", "--clients", "1"], "--client-size 4501 x --clients 1 exceeds the 4,500 examples"),
+    (["--client-size", "1000"], "--client-size 1000 x --clients 5 exceeds the 4,500 examples of the nine training "
+                                "combinations (at most 900 per client)"),
+    (["--clients", "0"], "--clients must be positive, got 0"),
+    (["--clients", "3000"], "3000 clients leave 1 example(s) each: too few"),
+    (["--clients", "4", "--sample", "5"], "--sample must be between 1 and --clients (4), got 5"),
+])
+def test_stained_client_size_bad_input(argv, message, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "r.json")]
+    assert message in fails(fedavg.main, ["--dataset", "stained", "--rounds", "1"] + argv + out, capsys)
+
+
+def test_client_size_is_for_stained_only(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "r.json")]
+    assert "--client-size applies to stained only, not rmnist" in fails(fedavg.main, ["--client-size", "10"] + out, capsys)
 
 
 def test_fedipg_on_stained_mnist_learns_its_training_combinations(tmp_path):
     res, _ = run(fedipg.main, ["--dataset", "stained", "--stain", "fg", "--rounds", "10", "--eval-every", "10",
                                "--test-domain", "c4"], tmp_path)
     a = res["args"]
-    assert (a["model"], a["clients"], a["sample"], a["lam"], a["lr"]) == ("mlp", 50, 50, 1e-3, 0.1)   # Eq. 3: all
+    assert (a["model"], a["clients"], a["sample"], a["client_size"], a["lam"], a["lr"]) == ("mlp", 5, 5, 600, 1e-3, 0.1)
+    assert res["domains"]["c4"]["train_examples"] == 5 * 540
     assert res["domains"]["c4"]["val_acc"] > 0.2                                    # 10 classes: chance 0.1
 
 
