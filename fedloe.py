@@ -56,18 +56,27 @@ Choices where the paper is silent (the official code was not available; ANCHORS.
   names SGD for stage 2; this file uses it for the heads (2.1). For φ, SGD at lr 0.05 diverged
   with IRM λ = 100 (φ non-finite in the second communication on the synthetic domains: the penalty
   grows with the square of the logits); Adam's steps are bounded by its lr, and DomainBed (whose IRM / V-REx /
-  Fish the FedDG benchmark uses) trains them with Adam. The penalties, in DomainBed's form:
-    irm  λ · mean_c (∂/∂w R_c(w·Σφŷ) at w = 1)²   (IRMv1 on each client's full tuning split;
-         the paper's Σ_c is P × this mean)
-    rex  λ · Var_c R_c                               (V-REx, §2.1; Appendix C.1 prints a per-sample
-         variance instead, read as a typo)
+  Fish the FedDG benchmark uses) trains them with Adam. The terms of Eq. 11 with each client an
+  environment, as Appendix C.1 writes them (--dg-form paper, the default):
+    irm  λ · Σ_c (∂/∂w R_c(w·Σφŷ) at w = 1)²       (IRMv1 on each client's full tuning split, summed
+         over the clients: Appendix C.1's Σ_c; the risk term is Σ_c p(c) R_c)
+    rex  λ · Var_c R_c                               (V-REx, §2.1, population variance as DomainBed;
+         Appendix C.1 prints a per-sample variance instead, read as a typo)
     fish Fish's algorithm (Table 5 gives a meta lr, not a λ): per step, from φ̃ = φ, one step of a
-         fresh Adam on R_c(φ̃) for every client in turn, then φ ← φ + meta_lr (φ̃ − φ); the ERM
-         term is implicit, and to first order (for SGD steps) the inner loop adds the paper's
-         r_fish = −Σ_{c≠c'}⟨∇R_c, ∇R_c'⟩.
+         fresh Adam on w_c R_c(φ̃) for every client c in turn, w_c = P·p(c), then
+         φ ← φ + meta_lr (φ̃ − φ). The risk term is implicit: to first order in the inner lr α (SGD
+         inner steps, averaged over the client order, Shi et al.) the meta step descends
+         Σ_c w_c R_c − (α/2) Σ_{c<c'} w_c w_c' ⟨∇R_c, ∇R_c'⟩, i.e. P times Eq. 11's Σ_c p(c) R_c, with
+         the paper's r_fish = −Σ_{c≠c'} ⟨∇R_c, ∇R_c'⟩ weighted pair by pair by w_c w_c' (1 for equal
+         clients). Adam normalises each coordinate, so the weights act through its moments only
+         (client 0's step, the first, is the same for any w_0 without weight decay).
+  p(c) = n_c / Σ_c' n_c', the clients' training sizes (as in Eq. 4). --dg-form domainbed is
+  DomainBed's form of both: the IRMv1 penalty averaged over the clients (λ/P of the sum) and Fish
+  uniform over them (w_c = 1); with equal clients the two Fish forms agree bit for bit. The README's
+  digits table was measured with the DomainBed form. Fish's per-client risks read client c's rows
+  as a slice: the tuning predictions are laid out client by client, with offsets fixed once per
+  communication (a boolean mask would make the host wait for the device, per client per step).
 - Every client takes part in every communication (Eq. 4 and 11 run over all c): --sample = P.
-- The reported test_acc is common's best-validation round; Table 5's criterion is the fixed last
-  iteration: last_test_acc.
 
 Defaults: Table 5 — batch 128; stage 1: 256 epochs, 8 communications, Adam lr 5e-5 (PACS) / 3e-5
 (OfficeHome); stage 2: 8 epochs, 4 communications, SGD lr 0.05, weight decay 5e-4; IRM λ 100,
@@ -80,7 +89,9 @@ Clients: 20 (Figure 1a; the official PACS config used 100: --clients 100). Evalu
     python fedloe.py --stage1-epochs 8 --stage1-comms 2 --test-domain 0      # a quick look
     python fedloe.py --stage2-comms 0                                         # "our FedAvg"
 """
+import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -161,24 +172,48 @@ def ensemble(phi, Ws, bs):
     return torch.einsum("k,kmd->md", phi, Ws), phi @ bs
 
 
-def risks(phi, Y, y, env, n_env, scale=None):
-    """Per-client risks R_c of the combined prediction Σ_c' φ_c' ŷ_c' (Y: [N, P, m] for the pooled
-    tuning examples, env: the client of each). `scale` [P]: IRMv1's dummy multiplier w per client.
-    Per-client sums as products with the one-hot membership: reproducible on CUDA in either mode (index_add_'s
-    float sums are unordered there outside deterministic mode)."""
-    member = F.one_hot(env, len(n_env)).to(Y.dtype)                       # [N, P]
-    logits = torch.einsum("nkm,k->nm", Y, phi)
+@dataclass
+class Tuning:
+    """What the server holds in 2.2: every head's predictions on every client's tuning split, laid out
+    client by client, and the clients' sizes. Client c's rows are the slice rows[c], fixed once per
+    communication: selecting them by a boolean mask would make the host wait for the device."""
+    Y: torch.Tensor       # [N, P, m]: ŷ_{c,c'} = h_{ψ̂_c'}(g_θ̂(x)) for the N = Σ_c n_c^tune tuning examples
+    y: torch.Tensor       # [N] labels
+    member: torch.Tensor  # [N, P] one-hot: the client of each row
+    n_tune: torch.Tensor  # [P] n_c^tune
+    rows: list            # [P] slices of the N rows
+    n_train: list         # [P] n_c, the clients' training sizes (Python ints)
+    p: torch.Tensor       # [P] p(c) = n_c / Σ_c' n_c', Eq. 11's client weights
+
+
+def tuning(Y, y, n_tune, n_train):
+    """Tuning from the pooled predictions and labels (client by client; n_tune, n_train: Python ints).
+    Once per communication, before the server's steps (the copies of the sizes to the device wait for it)."""
+    ends = list(itertools.accumulate(n_tune))
+    env = torch.cat([torch.full((n,), c, device=y.device) for c, n in enumerate(n_tune)])
+    n = torch.tensor(n_train, dtype=Y.dtype, device=Y.device)
+    return Tuning(Y, y, F.one_hot(env, len(n_tune)).to(Y.dtype), torch.tensor(n_tune, dtype=Y.dtype, device=Y.device),
+                  [slice(e - k, e) for k, e in zip(n_tune, ends)], list(n_train), n / n.sum())
+
+
+def risks(phi, T, scale=None):
+    """Per-client risks R_c of the combined prediction Σ_c' φ_c' ŷ_c' on the tuning splits T.
+    `scale` [P]: IRMv1's dummy multiplier w per client. Per-client sums as products with the one-hot
+    membership: reproducible on CUDA in either mode (index_add_'s float sums are unordered there
+    outside deterministic mode)."""
+    logits = torch.einsum("nkm,k->nm", T.Y, phi)
     if scale is not None:
-        logits = logits * (member @ scale)[:, None]                        # w of each example's client
-    ce = F.cross_entropy(logits, y, reduction="none")
-    return (ce @ member) / n_env
+        logits = logits * (T.member @ scale)[:, None]                      # w of each example's client
+    ce = F.cross_entropy(logits, T.y, reduction="none")
+    return (ce @ T.member) / T.n_tune
 
 
-def irm_penalty(phi, Y, y, env, n_env):
-    """IRMv1: mean over clients of (∂R_c(w · Σφŷ)/∂w at w = 1)², one gradient call for all clients."""
-    w = torch.ones(len(n_env), dtype=Y.dtype, device=Y.device, requires_grad=True)
-    grad, = torch.autograd.grad(risks(phi, Y, y, env, n_env, w).sum(), w, create_graph=True)
-    return (grad ** 2).mean()
+def irm_penalty(phi, T, form="paper"):
+    """IRMv1: Σ_c (∂R_c(w · Σφŷ)/∂w at w = 1)² (Appendix C.1), one gradient call for all clients;
+    form 'domainbed': the mean over the clients."""
+    w = torch.ones(len(T.rows), dtype=T.Y.dtype, device=T.Y.device, requires_grad=True)
+    grad, = torch.autograd.grad(risks(phi, T, w).sum(), w, create_graph=True)
+    return (grad ** 2).sum() if form == "paper" else (grad ** 2).mean()
 
 
 def rex_penalty(R):
@@ -186,34 +221,40 @@ def rex_penalty(R):
     return ((R - R.mean()) ** 2).mean()
 
 
-def fish_step(phi, Y, y, env, n_env, lr, wd, meta_lr):
-    """One Fish step (DomainBed's): from φ̃ = φ, one step of a fresh Adam on each client's risk in
-    turn, then φ ← φ + meta_lr (φ̃ − φ)."""
+def fish_weights(T, form="paper"):
+    """Fish's weight of each client's inner step: P·p(c) (Eq. 11's p(c), 1 for equal clients), or 1."""
+    P, total = len(T.n_train), sum(T.n_train)
+    return [P * n / total if form == "paper" else 1.0 for n in T.n_train]
+
+
+def fish_step(phi, T, w, lr, wd, meta_lr):
+    """One Fish step (DomainBed's, client c's risk weighted by w[c]): from φ̃ = φ, one step of a fresh
+    Adam on w_c R_c(φ̃) for each client c in turn (its rows: a slice), then φ ← φ + meta_lr (φ̃ − φ)."""
     tilde = phi.detach().clone().requires_grad_()
     inner = torch.optim.Adam([tilde], lr=lr, weight_decay=wd)
-    for c in range(len(n_env)):
-        rows = env == c
-        R_c = risks(tilde, Y[rows], y[rows], torch.zeros_like(env[rows]), n_env[c:c + 1])[0]
+    for c, rows in enumerate(T.rows):
+        R_c = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y[rows], tilde), T.y[rows])  # mean over client c's rows
         inner.zero_grad(set_to_none=True)
-        R_c.backward()
+        (w[c] * R_c).backward()
         inner.step()
     return phi + meta_lr * (tilde.detach() - phi)
 
 
-def solve_phi(Y, y, env, n_env, p, args):
+def solve_phi(T, args):
     """Eq. 11 on the server: φ from uniform, args.server_steps full-batch Adam steps (Fish: meta steps)."""
-    P = len(n_env)
-    phi = torch.full((P,), 1.0 / P, dtype=Y.dtype, device=Y.device)
+    P = len(T.rows)
+    phi = torch.full((P,), 1.0 / P, dtype=T.Y.dtype, device=T.Y.device)
     if args.dg == "fish":
+        w = fish_weights(T, args.dg_form)
         for _ in range(args.server_steps):
-            phi = fish_step(phi, Y, y, env, n_env, args.stage2_lr, args.stage2_wd, args.meta_lr)
+            phi = fish_step(phi, T, w, args.stage2_lr, args.stage2_wd, args.meta_lr)
         return phi
     phi.requires_grad_()
     opt = torch.optim.Adam([phi], lr=args.stage2_lr, weight_decay=args.stage2_wd)
     for _ in range(args.server_steps):
-        R = risks(phi, Y, y, env, n_env)
-        penalty = irm_penalty(phi, Y, y, env, n_env) if args.dg == "irm" else rex_penalty(R)
-        loss = (p * R).sum() + args.dg_lambda * penalty                  # Eq. 11
+        R = risks(phi, T)
+        penalty = irm_penalty(phi, T, args.dg_form) if args.dg == "irm" else rex_penalty(R)
+        loss = (T.p * R).sum() + args.dg_lambda * penalty                # Eq. 11
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -232,12 +273,10 @@ def stage2_round(t, model, fed, args, state, ctx):
         bs.append(b)
         Zt.append(client.z_tune)
     Ws, bs = torch.stack(Ws), torch.stack(bs)                            # heads up, all heads down
-    Y = torch.cat([torch.einsum("nd,kmd->nkm", z, Ws) + bs for z in Zt])  # ŷ_{c,c'} on the tuning splits
-    y = torch.cat([c.tune_y for c in fed.clients])
-    n_env = torch.tensor([len(c.tune_y) for c in fed.clients], device=y.device)
-    env = torch.repeat_interleave(torch.arange(P, device=y.device), n_env)
-    p = torch.tensor([c.n for c in fed.clients], dtype=Y.dtype, device=Y.device)
-    phi = solve_phi(Y, y, env, n_env.to(Y.dtype), p / p.sum(), args)    # Eq. 11, on the server
+    Y = torch.cat([torch.einsum("nd,kmd->nkm", z, Ws) + bs for z in Zt])  # ŷ_{c,c'}, client by client
+    T = tuning(Y, torch.cat([c.tune_y for c in fed.clients]), [len(c.tune_y) for c in fed.clients],
+               [c.n for c in fed.clients])
+    phi = solve_phi(T, args)                                             # Eq. 11, on the server
     if not bool(torch.isfinite(phi).all()):                               # one host sync per round
         raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
                                f"{fed.name}); lower --dg-lambda or --stage2-lr")
@@ -248,7 +287,7 @@ def stage2_round(t, model, fed, args, state, ctx):
     state["phi"] = phi
     print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1 / P:.4f})", flush=True)
     n_psi, m = W0.numel() + b0.numel(), b0.numel()
-    count(state, "stage2", up=P * n_psi * 4 + len(y) * (P * m * 4 + y.element_size()),
+    count(state, "stage2", up=P * n_psi * 4 + len(T.y) * (P * m * 4 + T.y.element_size()),
           down=P * P * n_psi * 4 + P * n_psi * 4)
     return losses
 
@@ -296,6 +335,9 @@ def add_args(p):
     a("--dg", default="irm", choices=["irm", "fish", "rex"], help="invariance term r of Eq. 11")
     a("--dg-lambda", type=float, default=100.0, help="λ of IRM and REx (Table 5)")
     a("--meta-lr", type=float, default=0.05, help="Fish meta lr (Table 5)")
+    a("--dg-form", default="paper", choices=["paper", "domainbed"],
+      help="paper: Eq. 11 / Appendix C.1 (IRMv1 summed over the clients, Fish's client steps weighted by P·p(c)); "
+           "domainbed: IRMv1 averaged over the clients (λ/P), Fish uniform (the README's digits table)")
     a("--server-steps", type=int, default=100, help="server steps on φ per communication (chosen)")
     p.set_defaults(rounds=BY_STAGES, local_epochs=BY_STAGES)
 

@@ -1615,12 +1615,16 @@ def test_fedloe_ensemble_of_linear_heads_is_a_linear_head():
     assert torch.allclose(F.linear(z, W, b), by_heads, atol=1e-12)       # = h_{Σ φ_c ψ_c}(z): Eq. 12 is exact
 
 
-def tiny_predictions():
-    """Two clients (environments) with 2 and 3 tuning examples, two heads, two classes."""
+def tiny_predictions(n_train=(2, 3)):
+    """Two clients (environments) with 2 and 3 tuning examples, two heads, two classes; the clients'
+    training sizes n_train give p(c)."""
     Y = torch.tensor([[[1.0, -1.0], [0.5, 0.0]], [[0.0, 2.0], [1.0, 1.0]],                       # client 0
                       [[2.0, 0.0], [-1.0, 0.5]], [[0.3, 0.1], [0.0, -2.0]], [[1.0, 1.0], [2.0, 0.0]]],  # client 1
                      dtype=torch.float64)
-    return Y, torch.tensor([0, 1, 0, 1, 1]), torch.tensor([0, 0, 1, 1, 1]), torch.tensor([2.0, 3.0], dtype=torch.float64)
+    return fedloe.tuning(Y, torch.tensor([0, 1, 0, 1, 1]), [2, 3], list(n_train))
+
+
+LOE_ENV = [0, 0, 1, 1, 1]   # the client of each row of tiny_predictions
 
 
 def by_hand(phi, Y, y, env):
@@ -1639,39 +1643,80 @@ def by_hand(phi, Y, y, env):
     return [R[c] / n[c] for c in range(2)], [dw[c] / n[c] for c in range(2)], [[g / n[c] for g in gphi[c]] for c in range(2)]
 
 
-def test_fedloe_irm_rex_fish_match_hand_computed_values():
-    Y, y, env, n_env = tiny_predictions()
-    phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
-    R, dw, _ = by_hand(phi.tolist(), Y.tolist(), y.tolist(), env.tolist())
-    got = fedloe.risks(phi, Y, y, env, n_env)
-    assert torch.allclose(got, torch.tensor(R, dtype=torch.float64), atol=1e-12)
-    assert math.isclose(fedloe.irm_penalty(phi, Y, y, env, n_env).item(), (dw[0] ** 2 + dw[1] ** 2) / 2, abs_tol=1e-12)
-    assert math.isclose(fedloe.rex_penalty(got).item(), ((R[0] - R[1]) / 2) ** 2, abs_tol=1e-12)
-    # Fish: one step of a fresh Adam on client 0's risk, one on client 1's at the moved point, the meta step
-    lr, wd, meta, (b1, b2, eps) = 0.4, 0.01, 0.3, (0.9, 0.999, 1e-8)
-    tilde, m, v = phi.tolist(), [0.0, 0.0], [0.0, 0.0]
+def loe_fish_by_hand(phi, T, weights, lr, wd, meta, betas=(0.9, 0.999), eps=1e-8):
+    """One Fish step in plain floats: a fresh Adam's step on weights[c]·R_c (+ weight decay) for client
+    0, then client 1 at the moved point, then the meta step."""
+    (b1, b2), tilde, m, v = betas, list(phi), [0.0, 0.0], [0.0, 0.0]
     for step, c in enumerate((0, 1), 1):
-        g = by_hand(tilde, Y.tolist(), y.tolist(), env.tolist())[2][c]
-        g = [g[k] + wd * tilde[k] for k in range(2)]
+        g = by_hand(tilde, T.Y.tolist(), T.y.tolist(), LOE_ENV)[2][c]
+        g = [weights[c] * g[k] + wd * tilde[k] for k in range(2)]
         m = [b1 * m[k] + (1 - b1) * g[k] for k in range(2)]
         v = [b2 * v[k] + (1 - b2) * g[k] ** 2 for k in range(2)]
         tilde = [tilde[k] - lr * (m[k] / (1 - b1 ** step)) / (math.sqrt(v[k] / (1 - b2 ** step)) + eps) for k in range(2)]
-    expected = [phi[k].item() + meta * (tilde[k] - phi[k].item()) for k in range(2)]
-    got = fedloe.fish_step(phi, Y, y, env, n_env, lr, wd, meta)
+    return [phi[k] + meta * (tilde[k] - phi[k]) for k in range(2)]
+
+
+def test_fedloe_irm_rex_fish_match_hand_computed_values():
+    T = tiny_predictions()
+    phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    R, dw, _ = by_hand(phi.tolist(), T.Y.tolist(), T.y.tolist(), LOE_ENV)
+    got = fedloe.risks(phi, T)
+    assert torch.allclose(got, torch.tensor(R, dtype=torch.float64), atol=1e-12)
+    assert math.isclose(fedloe.irm_penalty(phi, T, "domainbed").item(), (dw[0] ** 2 + dw[1] ** 2) / 2, abs_tol=1e-12)
+    assert math.isclose(fedloe.rex_penalty(got).item(), ((R[0] - R[1]) / 2) ** 2, abs_tol=1e-12)
+    # Fish (DomainBed's, uniform): one step of a fresh Adam on client 0's risk, one on client 1's at the moved point, the meta step
+    lr, wd, meta = 0.4, 0.01, 0.3
+    got = fedloe.fish_step(phi, T, fedloe.fish_weights(T, "domainbed"), lr, wd, meta)
+    assert torch.allclose(got, torch.tensor(loe_fish_by_hand(phi.tolist(), T, [1, 1], lr, wd, meta), dtype=torch.float64),
+                          atol=1e-12)
+
+
+def test_fedloe_eq_11_weights_irm_summed_and_fish_by_client_size():
+    """Appendix C.1's IRMv1 penalty is a sum over the clients; Eq. 11 weighs client c by p(c) = n_c / Σ n:
+    in Fish, its inner step runs on P·p(c)·R_c. Against the hand computation, unequal clients (p = 0.2 / 0.8)."""
+    T = tiny_predictions(n_train=(10, 40))
+    phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    _, dw, _ = by_hand(phi.tolist(), T.Y.tolist(), T.y.tolist(), LOE_ENV)
+    assert math.isclose(fedloe.irm_penalty(phi, T).item(), dw[0] ** 2 + dw[1] ** 2, abs_tol=1e-12)      # Σ_c, not mean_c
+    assert fedloe.fish_weights(T) == [2 * 0.2, 2 * 0.8] and fedloe.fish_weights(T, "domainbed") == [1.0, 1.0]
+    assert fedloe.fish_weights(tiny_predictions(n_train=(7, 7))) == [1.0, 1.0]     # equal clients: the forms agree
+    lr, wd, meta = 0.4, 0.01, 0.3
+    got = fedloe.fish_step(phi, T, fedloe.fish_weights(T), lr, wd, meta)
+    expected = loe_fish_by_hand(phi.tolist(), T, [0.4, 1.6], lr, wd, meta)
+    uniform = loe_fish_by_hand(phi.tolist(), T, [1.0, 1.0], lr, wd, meta)
     assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+    assert max(abs(a - b) for a, b in zip(expected, uniform)) > 1e-3                # the weights do move the step
+    # the server: args.dg_form reaches both, and the risk term is Σ_c p(c) R_c with the training sizes
+    args = lambda dg, form, steps: type("A", (), dict(dg=dg, dg_form=form, dg_lambda=100.0, stage2_lr=0.05,
+                                                      stage2_wd=5e-4, server_steps=steps, meta_lr=0.3))
+    p, ends = torch.tensor([0.2, 0.8], dtype=torch.float64), {}
+    for form, reduce in (("paper", 1.0), ("domainbed", 0.5)):    # 5 Adam steps on Eq. 11: the sum, or the mean (P = 2)
+        want = torch.full((2,), 0.5, dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.Adam([want], lr=0.05, weight_decay=5e-4)
+        for _ in range(5):
+            opt.zero_grad()
+            ((p * fedloe.risks(want, T)).sum() + 100.0 * reduce * fedloe.irm_penalty(want, T, "paper")).backward()
+            opt.step()
+        ends[form] = fedloe.solve_phi(T, args("irm", form, 5))
+        assert torch.allclose(ends[form], want.detach(), atol=1e-12)
+    assert (ends["paper"] - ends["domainbed"]).abs().max() > 1e-4
+    fish = fedloe.solve_phi(T, args("fish", "paper", 1))
+    assert torch.allclose(fish, torch.tensor(loe_fish_by_hand([0.5, 0.5], T, [0.4, 1.6], 0.05, 5e-4, 0.3),
+                                             dtype=torch.float64), atol=1e-12)
 
 
 @pytest.mark.parametrize("dg", ["irm", "rex"])
 def test_fedloe_server_lowers_the_eq_11_objective(dg):
-    Y, y, env, n_env = tiny_predictions()
-    p = n_env / n_env.sum()
-    args = type("A", (), dict(dg=dg, dg_lambda=1.0, stage2_lr=0.05, stage2_wd=0.0, server_steps=50, meta_lr=0.05))
+    T = tiny_predictions()
+    p = T.n_tune / T.n_tune.sum()                          # n_train = n_tune here
+    args = type("A", (), dict(dg=dg, dg_form="paper", dg_lambda=1.0, stage2_lr=0.05, stage2_wd=0.0, server_steps=50,
+                              meta_lr=0.05))
 
     def objective(phi):
-        R = fedloe.risks(phi, Y, y, env, n_env)
-        pen = fedloe.irm_penalty(phi, Y, y, env, n_env) if dg == "irm" else fedloe.rex_penalty(R)
+        R = fedloe.risks(phi, T)
+        pen = fedloe.irm_penalty(phi, T) if dg == "irm" else fedloe.rex_penalty(R)
         return ((p * R).sum() + pen).item()
-    phi = fedloe.solve_phi(Y, y, env, n_env, p, args)
+    phi = fedloe.solve_phi(T, args)
     assert objective(phi) < objective(torch.full((2,), 0.5, dtype=torch.float64)) - 1e-3
 
 
@@ -1758,6 +1803,183 @@ def test_fedloe_end_to_end_frozen_featurizer_bytes_and_resume(tmp_path, monkeypa
     resumed = interrupted_then_resumed(fedloe.main, argv, str(tmp_path / "cut.json"), monkeypatch,
                                        lambda blob: blob["round"] == 3)
     assert strip_times(resumed) == strip_times(full)
+
+
+# ------------------------------------------- no host synchronisation inside a per-step loop
+
+import contextlib  # noqa: E402
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def loe_why_sync(func, args, kwargs):
+    """Why the aten call `func` would make the host wait for a CUDA device, or None. The ops that read
+    device values on the host, whatever the device: a tensor read as a number, the ops whose output
+    size depends on the values, the comparisons returning a Python bool, and copies between devices."""
+    name = func._schema.name.removeprefix("aten::")
+    if name == "_local_scalar_dense":
+        return ".item() / bool() / int() / float() / a format of a tensor"
+    if name in ("nonzero", "masked_select", "masked_scatter", "masked_scatter_", "equal", "_unique2", "unique_dim",
+                "unique_consecutive", "unique_dim_consecutive", "bincount", "histc"):
+        return f"aten.{name} (its output size, or its answer, is a value on the device)"
+    if name == "repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None:
+        return "repeat_interleave without output_size"
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        if any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None):
+            return f"aten.{name} with a boolean mask (x[mask]: a nonzero inside)"
+    if name == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]) != args[0].device:
+        return f"a copy from {args[0].device} to {kwargs['device']}"
+    if name == "copy_" and args[0].device != args[1].device:
+        return f"a copy from {args[1].device} to {args[0].device}"
+    return None
+
+
+def loe_in_torch_optim():
+    """Called from torch.optim: its step counts are CPU tensors (not capturable), read without a device sync."""
+    f, here = sys._getframe(), os.path.join("torch", "optim", "")
+    while f is not None:
+        if here in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
+
+
+class loe_SyncGuard(TorchDispatchMode):
+    """Checks the calls of the functions wrapped by `checked`: any aten op that synchronises the host with
+    a CUDA device raises, on the CPU too (this machine has no GPU), and .tolist() / .cpu() / .numpy(),
+    which a dispatch mode cannot see on a CPU tensor, raise as well. On CUDA the same calls also run
+    under torch.cuda.set_sync_debug_mode("error") (unless cuda_debug=False). `unchecked` exempts a call
+    made inside a checked one. Not seen on the CPU: a .to() between devices (a no-op there) and a copy
+    of host data to the device (CUDA's debug mode sees both)."""
+
+    def __init__(self, cuda):
+        super().__init__()
+        self.cuda, self.depth, self.paused, self.debugging, self.where, self.entered = cuda, 0, 0, False, None, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = None if self.paused else loe_why_sync(func, args, kwargs)
+        if why and not (func._schema.name == "aten::_local_scalar_dense" and args[0].device.type == "cpu"
+                        and (self.cuda or loe_in_torch_optim())):
+            raise AssertionError(f"host synchronisation inside {self.where}: {why}")
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def cuda_debug(self, mode):
+        before, self.debugging = (torch.cuda.get_sync_debug_mode(), self.debugging), mode == "error"
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before[0])
+            self.debugging = before[1]
+
+    def checked(self, fn, where, cuda_debug=True):
+        def run(*a, **k):
+            self.entered[where] = self.entered.get(where, 0) + 1
+            outer, self.where = self.where, where
+            with contextlib.ExitStack() as stack:
+                if not self.depth:
+                    stack.enter_context(self)
+                if self.cuda and cuda_debug and not self.debugging:
+                    stack.enter_context(self.cuda_debug("error"))
+                self.depth += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.depth -= 1
+                    self.where = outer
+        return run
+
+    def unchecked(self, fn):
+        def run(*a, **k):
+            with contextlib.ExitStack() as stack:
+                if self.debugging:
+                    stack.enter_context(self.cuda_debug("default"))
+                self.paused += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.paused -= 1
+        return run
+
+    def host_read(self, name):
+        original = getattr(torch.Tensor, name)
+
+        def run(t, *a, **k):
+            if self.depth and not self.paused:
+                raise AssertionError(f"host synchronisation inside {self.where}: .{name}()")
+            return original(t, *a, **k)
+        return run
+
+
+def loe_one_hot(one_hot, guard):
+    """F.one_hot with its number of classes given checks its input's range on the host on the CPU
+    only (on CUDA a device-side assert does it): no sync on CUDA, so not one here either."""
+    def run(x, num_classes=-1):
+        if num_classes < 0:
+            raise AssertionError(f"host synchronisation inside {guard.where}: F.one_hot without num_classes")
+        return guard.unchecked(one_hot)(x, num_classes)
+    return run
+
+
+LOE_SYNTH = ["--dataset", "synthetic", "--test-domain", "1"]
+LOE_TINY = LOE_SYNTH + ["--clients", "4", "--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1",
+                        "--stage2-comms", "1", "--server-steps", "3"]
+LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.solve_phi"]
+# PerInvFL's per-step loop is inline in its round: the round is checked by the dispatch mode, and on
+# CUDA its step functions also under the debug mode, not the whole round (once a round, its GroupDRO
+# update indexes q with a Python list: a copy to the device, which that mode reports).
+LOE_PINV = ["perinvfl.perinvfl_round", "perinvfl.batch", "perinvfl.inv_loss"]
+LOE_ROUND_ONLY = {"perinvfl.perinvfl_round"}
+LOE_SYNC_CASES = [                 # method, argv, the functions that hold its per-step loops
+    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1"], ["common.local_sgd"], id="fedavg"),
+    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"], ["common.at_once"],
+                 id="fedavg-parallel"),
+    pytest.param("fediir", LOE_SYNTH + ["--rounds", "1"], ["common.local_sgd", "fediir.global_gradient"], id="fediir"),
+    pytest.param("fediir", LOE_SYNTH + ["--rounds", "1", "--gbar", "clients"],
+                 ["common.local_sgd", "fediir.global_gradient"], id="fediir-gbar-clients"),
+    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3"], ["common.local_sgd"],
+                 id="fedomg"),
+    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3", "--parallel-clients", "on"],
+                 ["common.at_once"], id="fedomg-parallel"),
+    pytest.param("fedloe", LOE_TINY + ["--dg", "irm"], ["common.local_sgd"] + LOE_STEPS, id="fedloe-irm"),
+    pytest.param("fedloe", LOE_TINY + ["--dg", "rex", "--parallel-clients", "on"], ["common.at_once"] + LOE_STEPS,
+                 id="fedloe-rex-parallel"),
+    pytest.param("fedloe", LOE_TINY + ["--dg", "fish"], ["common.local_sgd"] + LOE_STEPS, id="fedloe-fish"),
+    pytest.param("fedloe", LOE_TINY + ["--dg", "irm", "--dg-form", "domainbed"], ["common.local_sgd"] + LOE_STEPS,
+                 id="fedloe-irm-domainbed"),
+    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2", "--R", "2"],
+                 LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl"),
+    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "l2", "--inv", "groupdro",
+                              "--opt", "sgd"], LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl-l2-groupdro"),
+    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "ft", "--ft-batch", "256"],
+                 LOE_PINV + ["perinvfl.fine_tune"], id="perinvfl-ft"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "tangent"], ["common.local_sgd"],
+                 id="fedipg-tangent"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "layers"], ["common.local_sgd"], id="fedipg-layers"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "params"], ["common.local_sgd"], id="fedipg-params"),
+]
+
+
+@on_every_device
+@pytest.mark.parametrize("method,argv,steps", LOE_SYNC_CASES)
+def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypatch, device, method, argv, steps):
+    """A round of every method (and every FedLOE stage and penalty) with the functions that hold its
+    per-step loops checked by loe_SyncGuard; the skeleton's once-per-round reads (the loss check,
+    evaluation, the client draw from the CPU generator) stay outside."""
+    import importlib
+    guard = loe_SyncGuard(device == "cuda")
+    for where in steps:
+        module, name = where.split(".")
+        module = importlib.import_module(module)
+        monkeypatch.setattr(module, name, guard.checked(getattr(module, name), where, where not in LOE_ROUND_ONLY))
+    monkeypatch.setattr(common, "sample_clients", guard.unchecked(common.sample_clients))
+    monkeypatch.setattr(F, "one_hot", loe_one_hot(F.one_hot, guard))
+    for name in ("tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, guard.host_read(name))
+    run(importlib.import_module(method).main, argv + ["--device", device], tmp_path)
+    assert set(guard.entered) == set(steps)                  # every per-step function ran (under the check)
 
 
 # ---------------------------------------------------------------------------------- FedIPG

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import fedloe  # noqa: E402
 
-STAGE2 = {"stage2_comms", "stage2_epochs", "stage2_lr", "stage2_wd", "dg", "dg_lambda", "meta_lr",
+STAGE2 = {"stage2_comms", "stage2_epochs", "stage2_lr", "stage2_wd", "dg", "dg_lambda", "dg_form", "meta_lr",
           "server_steps", "rounds", "out"}
 
 
