@@ -1,111 +1,172 @@
 """FedOMG — Federated Domain Generalization with Data-free On-server Matching Gradient
 (Nguyen et al., ICLR 2025). Official code: github.com/skydvn/FedOMG (server solver from CAGrad,
-Liu et al., NeurIPS 2021).
+Liu et al., NeurIPS 2021): FedOMG-DG/algorithms/FedOMG/ for the DG tables (server step in
+utils/fed_merge.py, FedOMG and OMG), system/ for the FL table (flcore/servers/server_OMG.py).
 
 Clients run plain local SGD; the server treats their updates as gradients and, without any data,
-searches the convex hull of the updates for an invariant gradient direction near the FedAvg one:
+searches the convex hull of the updates for an invariant gradient direction near the FedAvg one.
+The paper (Algorithm 1, Appendix B; Theorem 1's Eq. 13 states the same), with Γ = {γ_u} on the
+simplex and 𝐠 = {g_u}:
 
-    g_u   = θ_u^{(r,E)} − θ^{(r-1)}                                   (Eq. 8)
-    g_FL  = Σ_u N_u g_u / Σ_u N_u                                      (FedAvg's update)
-    Γ*    = argmin_{Γ ∈ simplex}  Γg · g_FL + κ ||g_FL|| ||Γg||,   Γg = Σ_u γ_u g_u      (Eq. 15)
-    g_IGD = g_FL + κ ||g_FL|| / ||Γ*g|| · Γ*g                          (Eq. 16)
-    θ^(r) = θ^(r-1) + η_g g_IGD / (1 + κ²)                             (Eq. 17, see the sign note)
+    g_u   = θ_u^{(r,E)} − θ^{(r-1)}                                             (Eq. 8)
+    g_FL  = Σ_u N_u g_u / Σ_u N_u                                    (FedAvg's update, below Eq. 11)
+    Γ*    = argmin_Γ  g_Γ · g_FL + κ ||g_FL|| ||g_Γ||,   g_Γ = Γ𝐠 = Σ_u γ_u g_u              (Eq. 15)
+    g_IGD = g_FL + κ ||g_FL|| / ||g_Γ*|| · g_Γ*                                         (Eq. 16)
+    θ^(r) = θ^(r-1) − η_g g_IGD                                          (Eq. 17; the sign: below)
 
 Algorithm 1 (one round r): send θ^(r-1) to the U clients; each trains E local epochs and returns θ_u;
 the server forms the g_u, solves Eq. 15 and steps by Eq. 16–17. κ = 0 gives FedAvg (Corollary 1).
 
+The official code steps differently, and its step is the default (`--server-rule code`). It scales
+each update by a weight w_u, then runs CAGrad on the scaled updates ĝ_u = w_u g_u, which averages
+them uniformly:
+
+    ĝ_0   = (1/U) Σ_u ĝ_u                                              (the code's anchor for g_FL)
+    Γ*    = argmin_Γ  ĝ_Γ · ĝ_0 + κ ||ĝ_0||_ε ||ĝ_Γ||_ε,   ĝ_Γ = Σ_u γ_u ĝ_u     (Eq. 15 on the ĝ_u)
+    λ     = κ ||ĝ_0||_ε / (||ĝ_Γ*||_ε + ε)
+    θ^(r) = θ^(r-1) + η_g (ĝ_0 + λ ĝ_Γ*) / (1 + κ²)                         (Eq. 16–17, the code's)
+
+where ||x||_ε = sqrt(||x||² + ε), ε = 1e-4, every inner product divided by s² with
+s = mean_u ||ĝ_u||_ε (the code's normalisation, before the ε's). w_u = p_u = N_u / Σ N (data
+fraction) in the DG code; w_u = 1 in the FL code. So in the DG setting ĝ_0 = g_FL / U: at κ = 0 the
+code's step is 1/U of FedAvg's (of Corollary 1's), and for κ > 0 Γ* differs too, because it is
+searched over the p_u g_u (three PACS-sized clients, correlated random updates, κ = 0.5: Eq. 16's
+step is 3.8× as long as the code's, ≈ U (1 + κ²), cosine 0.95). Table 4's η_g was tuned with the
+code, so the code's 1/U, 1/(1+κ²) and ε are the default; `--server-rule paper` gives Eq. 15–17 as
+printed (Γ* over the g_u, no 1/U, no 1/(1+κ²), no ε), and only that rule reproduces FedAvg bit for
+bit at κ = 0 (tested). The weights w_u follow the code of the setting: the FL code's (w_u = 1, so
+its κ = 0 step is the unweighted mean of the updates) for the FL datasets of Table 1 (mnist, emnist,
+cifar10, cifar100), the DG code's (w_u = p_u) for all others.
+
 Every term of Eq. 15 is an inner product of updates, so Γ* needs only the U×U Gram matrix K = G Gᵀ
-of the stacked updates G (U × |θ|): Γg·g_FL = Γᵀ K p, ||g_FL||² = pᵀ K p, ||Γg||² = Γᵀ K Γ with
-p_u = N_u / Σ N. The server holds G (U × |θ| floats: 3 × 11.2M × 4 B = 134 MB for ResNet-18 DG) and
-one more |θ| vector, nothing else.
+of the stacked updates G (U × |θ|, the g_u as rows): g_Γ·g_FL = Γᵀ K p, ||g_FL||² = pᵀ K p,
+||g_Γ||² = Γᵀ K Γ (for the code's rule, K of the ĝ_u: diag(w) K diag(w)). K is accumulated in
+float64, G read in column blocks: its entries are sums of |θ| products (11.2M for ResNet-18), and one
+float32 product over them was off by 8e-4 (relative, 3 random updates); Eq. 15 is ill-conditioned
+when the updates are nearly parallel. The code uses float32. The cost, ResNet-18-sized updates on
+one CPU thread: the whole server step 0.13 s / 1.8 s / 22 s for U = 3 / 20 / 100 (a float32 K alone:
+0.08 s at U = 3, 6 s at U = 100). The server holds G (U × |θ| floats: 3 × 11.2M × 4 B = 134 MB for
+ResNet-18 DG) and one more |θ| vector, nothing else.
 
 Choices, and where they come from:
 - Sign (Eq. 17). The paper writes θ − η_g g_IGD while Eq. 8 defines g_u = θ_u − θ, which already
-  points downhill; the official code adds. This file adds: θ ← θ + η_g g_IGD.
-- Rescaling. CAGrad's code (used by FedOMG's) divides the step by 1 + κ²; Eq. 16 omits it. Table 4's
-  global lr was tuned with the code, so the default rescales; `--no-rescale` gives Eq. 16 as printed.
-- The solver. `--solver sgd` (default, Table 4): Γ = softmax(w), w = 0 at first, SGD on w with lr 25
-  and momentum 0.5, 21 evaluations of the objective keeping the best Γ; K is divided by the squared
-  mean update norm first, as in the code (the argmin is unchanged, the lr 25 assumes that scale).
+  points downhill; the official code adds. Both rules here add: θ ← θ + η_g · step.
+- The solver. `--solver sgd` (default, Table 4 and the DG code): Γ = softmax(v), v = 0 at first,
+  SGD on v with lr 25 and momentum 0.5, 21 evaluations of the objective keeping the best Γ; K is
+  divided by s² first, as in the code (the argmin is unchanged, the lr 25 assumes that scale).
   `--solver exact`: scipy's SLSQP on the simplex (as CAGrad's repository offers); Eq. 15 is convex.
   Measured (tests, random Gram matrices): the 21 evaluations reach the exact objective within 1e-3
   (relative) for up to 10 clients, and for nearly parallel updates; about 4e-3 off at 20 clients
   (1e-3 needs ~200 evaluations, `--solver-evals`) and 3-15% off at 100; when the update norms span
   orders of magnitude the optimum is a vertex of the simplex that 20 softmax steps do not reach.
-- Weights. g_FL uses the data sizes N_u (paper); the code weights the updates by data fraction too.
+  The FL code's own solver defaults (26 evaluations, momentum 0.1, κ = 0.25) are not followed:
+  Table 4's solver and κ are used in every setting.
+- Weights. p_u uses the clients' training-set sizes N_u (paper); the DG code's fractions count each
+  domain whole (its 'total' split), here 90% of it (the validation hold-out is not trained on): the
+  same fractions up to rounding.
 - Client optimiser. The official DG code keeps each client's SGD (its momentum) across rounds:
-  the default here (`--fresh-opt` starts a new one every round). It also divides the local lr by 10
-  after 80% of the rounds (the paper is silent): done here too (`--lr-step 1` never does).
-- BatchNorm: the ResNets keep BN in eval mode (common.py), so buffers never change and only the
-  trainable parameters form g_u; the official code does not aggregate BN statistics either.
-- Combining with other clients (Table 2's FedIIR+OMG, γ = 1e-4): a method file does not import
-  another, so the combination is not a flag. To build it, give `common.train_clients` FedIIR's penalised
-  loss (loss_fn=fediir.iir_loss(...), with its global-gradient pass) in `fedomg_round` below; the
-  server rule `omg_step` is unchanged.
+  the default here (`--fresh-opt` starts a new one every round). Its StepLR (step size int(0.8 E R)
+  local epochs, stepped after every local epoch) divides the local lr by 10 from round 0.8 R + 1 on:
+  done here as `--lr-step 0.8` (`--lr-step 1` never does), for every dataset. The FL code has no
+  step (its -ld flag, off by default, would be ExponentialLR 0.99 per round) and SGD without
+  momentum: `--lr-step 1` runs the FL setting as that code does (the FL default momentum is 0).
+- BatchNorm (ResNets) — a difference. The official DG clients train with BN in train mode: every
+  minibatch is normalised by its own statistics (and gradients flow through them); their running
+  statistics are updated and then overwritten by the global model's at the next round, and the
+  server aggregates parameters only, so the evaluated global model keeps the ImageNet running
+  statistics. Here (common.ResNet, every method, as the FedIIR code) BN stays in eval mode: training
+  minibatches are normalised by those ImageNet statistics too. The evaluated model normalises the
+  same way in both; the client updates g_u do not (a differently normalised network is trained).
+  Following the code would need per-client BN buffers in common's training paths (one after
+  another and torch.func), so it is not done here.
+- Augmentation (photos) — a difference: the DG code's ColorJitter is (0.4, 0.4, 0.4, 0.4);
+  common.augment, used by every method, has the FedIIR code's 0.3 (crop scale 0.7–1, flip and
+  RandomGrayscale(0.1) are the same).
+- Rounds. DG: 100 (Appendix D.6; the code's loop runs rounds 0..100, one more). FL: Appendix D.6
+  trains 800 rounds; the default here is 100 (common's) for every dataset: `--rounds 800` for the
+  paper's FL runs.
+- Combining with other clients (Table 2's FedIIR+OMG): a method file does not import another, so
+  the combination is not a flag. To build it, give `common.train_clients` FedIIR's penalised loss
+  (loss_fn=fediir.iir_loss(...), with its global-gradient pass) in `fedomg_round` below; the server
+  steps `code_step` / `paper_step` are unchanged.
 
 Defaults. DG (pacs, vlcs, officehome; paper §D.6, Table 4): pretrained ResNet-18 with a linear head,
 SGD lr 1e-3, batch 16, momentum 0.9, weight decay 5e-4, 5 local epochs, 100 rounds, one client per
 source domain, κ = 0.5, η_g = 5e-2 (the official scripts use 0.5). FL (mnist, cifar10, cifar100,
 emnist; Table 1): the small CNN, lr 0.005, batch 16, 5 local epochs, 100 clients, α = 0.1; the paper
-gives no η_g there, and none for RotatedMNIST (not in the paper): η_g = 1 as FedAvg, so that the
-comparison isolates the direction of the step; rmnist keeps FedIIR's Table 3 client settings.
+gives no η_g there, and none for RotatedMNIST (not in the paper): η_g = 1 as FedAvg (and as the FL
+code's omg_meta_lr); rmnist keeps FedIIR's Table 3 client settings.
 
     python fedomg.py --dataset pacs --data-root ./data
-    python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1
+    python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800 --lr-step 1
     python fedomg.py --solver exact --rounds 20 --test-domain 0
+    python fedomg.py --server-rule paper --kappa 0      # = fedavg.py, bit for bit
 """
 import numpy as np
 import torch
 
 import common
+import data
 
 DG = dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9, weight_decay=5e-4,
           local_epochs=5, global_lr=5e-2)
 DEFAULTS = {"pacs": DG, "vlcs": DG, "officehome": DG}
+EPS = 1e-4              # the official code's ε (under its square roots and in λ's denominator)
 
 
 # ----------------------------------------------------------------------- Eq. 15 on the Gram matrix
 
-def objective(gamma, K, p, kappa):
-    """Eq. 15 from K = G Gᵀ alone: Γᵀ K p + κ sqrt(pᵀ K p) sqrt(Γᵀ K Γ)."""
-    return gamma @ K @ p + kappa * (p @ K @ p).sqrt() * (gamma @ K @ gamma).clamp(min=0).sqrt()
+def gram(G, cols=1 << 16):
+    """K = G Gᵀ in float64, on the host: G (U × |θ|) read `cols` columns at a time, each block
+    converted to float64 alone (memory: one U × cols block, not a float64 copy of G)."""
+    K = torch.zeros(len(G), len(G), dtype=torch.float64, device=G.device)
+    for i in range(0, G.shape[1], cols):
+        B = G[:, i:i + cols].double()
+        K += B @ B.T
+    return K.cpu()                                               # one host sync per round
 
 
-def solve_sgd(K, p, kappa, lr=25.0, momentum=0.5, evaluations=21):
-    """Table 4's solver: Γ = softmax(w) from w = 0, SGD with momentum on w (PyTorch's rule: the
-    first step uses the gradient, then buf = momentum·buf + grad), keeping the best of
-    `evaluations` objective values. The gradient in closed form: ∂f/∂Γ = Kp + c KΓ / ||Γg||
-    (c = κ ||g_FL||), through the softmax: ∂f/∂w = Γ ⊙ (∂f/∂Γ − Γ·∂f/∂Γ)."""
-    K, p = K.numpy(), p.numpy()
-    b, c = K @ p, kappa * np.sqrt(max(p @ K @ p, 0.0))
-    w, buf = np.zeros(len(p)), None
-    best, best_gamma = np.inf, None
+def objective(Gamma, K, a, kappa, eps=0.0):
+    """Eq. 15 from K alone, anchor g_0 = aᵀ𝐠 (a = p: g_FL; a = 1/U: the code's ĝ_0):
+    Γᵀ K a + κ sqrt(aᵀ K a + ε) sqrt(Γᵀ K Γ + ε)."""
+    return Gamma @ K @ a + kappa * (a @ K @ a + eps).sqrt() * (Gamma @ K @ Gamma + eps).clamp(min=0).sqrt()
+
+
+def solve_sgd(K, a, kappa, lr=25.0, momentum=0.5, evaluations=21, eps=0.0):
+    """Table 4's solver (the code's): Γ = softmax(v) from v = 0, SGD with momentum on v (PyTorch's
+    rule: the first step uses the gradient, then buf = momentum·buf + grad), keeping the best of
+    `evaluations` objective values. The gradient in closed form: ∂f/∂Γ = Ka + c KΓ / ||g_Γ||_ε
+    (c = κ ||g_0||_ε), through the softmax: ∂f/∂v = Γ ⊙ (∂f/∂Γ − Γ·∂f/∂Γ)."""
+    K, a = K.numpy(), a.numpy()
+    b, c = K @ a, kappa * np.sqrt(max(a @ K @ a + eps, 0.0))
+    v, buf = np.zeros(len(a)), None
+    best, best_Gamma = np.inf, None
     for i in range(evaluations):
-        gamma = np.exp(w - w.max())
-        gamma /= gamma.sum()
-        Kg = K @ gamma
-        norm = np.sqrt(max(gamma @ Kg, 1e-30))
-        f = gamma @ b + c * norm
+        Gamma = np.exp(v - v.max())
+        Gamma /= Gamma.sum()
+        KG = K @ Gamma
+        norm = np.sqrt(max(Gamma @ KG + eps, 1e-30))
+        f = Gamma @ b + c * norm
         if f < best:
-            best, best_gamma = f, gamma
+            best, best_Gamma = f, Gamma
         if i < evaluations - 1:
-            df = b + c * Kg / norm
-            grad = gamma * (df - gamma @ df)
+            df = b + c * KG / norm
+            grad = Gamma * (df - Gamma @ df)
             buf = grad if buf is None else momentum * buf + grad
-            w = w - lr * buf
-    return torch.from_numpy(best_gamma)
+            v = v - lr * buf
+    return torch.from_numpy(best_Gamma)
 
 
-def solve_exact(K, p, kappa):
+def solve_exact(K, a, kappa, eps=0.0):
     """Eq. 15 to convergence: SLSQP over Γ ∈ [0, 1]^U with Σ Γ = 1, started from the uniform Γ."""
     from scipy.optimize import minimize
-    Kn, pn = K.numpy(), p.numpy()
-    c = kappa * np.sqrt(max(pn @ Kn @ pn, 0.0))
+    Kn, an = K.numpy(), a.numpy()
+    c = kappa * np.sqrt(max(an @ Kn @ an + eps, 0.0))
 
     def f(x):
-        n = np.sqrt(max(x @ Kn @ x, 1e-30))
-        return x @ Kn @ pn + c * n, Kn @ pn + c * (Kn @ x) / n
-    U = len(pn)
+        n = np.sqrt(max(x @ Kn @ x + eps, 1e-30))
+        return x @ Kn @ an + c * n, Kn @ an + c * (Kn @ x) / n
+    U = len(an)
     res = minimize(f, np.full(U, 1 / U), jac=True, method="SLSQP", bounds=[(0, 1)] * U,
                    constraints={"type": "eq", "fun": lambda x: x.sum() - 1, "jac": lambda x: np.ones(U)},
                    options={"ftol": 1e-15, "maxiter": 1000})
@@ -113,22 +174,43 @@ def solve_exact(K, p, kappa):
     return torch.from_numpy(x / x.sum())
 
 
-def omg_step(G, g_FL, p, kappa, solver="sgd", rescale=True, evaluations=21):
-    """Eq. 15–17: the server's update direction from the stacked client updates G (U × |θ|), their
-    data-weighted mean g_FL and weights p. Returns g_IGD (divided by 1 + κ² when rescaling)."""
-    if kappa == 0:                                               # Corollary 1: FedAvg
+def solve(K, a, kappa, solver, evaluations, eps=0.0):
+    if solver == "sgd":
+        return solve_sgd(K, a, kappa, evaluations=evaluations, eps=eps)
+    return solve_exact(K, a, kappa, eps=eps)
+
+
+# -------------------------------------------------------------------- the two server rules
+
+def code_step(G, w, kappa, solver="sgd", evaluations=21):
+    """The official code's step (fed_merge.py OMG, CAGrad): on the scaled updates ĝ_u = w_u g_u,
+    ĝ_0 = mean_u ĝ_u, Γ* by Eq. 15 over the ĝ_u, and (ĝ_0 + λ ĝ_Γ*) / (1 + κ²). Returns it as
+    Σ_u w_u (1/U + λ γ*_u) g_u / (1 + κ²), the code's last line."""
+    U = len(w)
+    w = w.double().cpu()
+    K = w[:, None] * gram(G) * w[None, :]                        # the Gram matrix of the ĝ_u
+    K = K / (K.diagonal() + EPS).sqrt().mean() ** 2              # s² = (mean_u ||ĝ_u||_ε)²
+    a = torch.full((U,), 1.0 / U, dtype=torch.float64)           # ĝ_0 = aᵀ ĝ
+    Gamma = solve(K, a, kappa, solver, evaluations, EPS) if kappa > 0 else a                       # Eq. 15
+    lam = kappa * (a @ K @ a + EPS).sqrt() / ((Gamma @ K @ Gamma + EPS).clamp(min=0).sqrt() + EPS)
+    coef = w * (a + lam * Gamma) / (1 + kappa ** 2)                                                # Eq. 16
+    return coef.to(G.dtype).to(G.device) @ G
+
+
+def paper_step(G, g_FL, p, kappa, solver="sgd", evaluations=21):
+    """Eq. 15–16 as printed: Γ* over the g_u with g_FL = pᵀ𝐠, then g_IGD = g_FL + κ||g_FL||/||g_Γ*|| g_Γ*.
+    κ = 0 returns g_FL itself (Corollary 1), so that the round is FedAvg's bit for bit."""
+    if kappa == 0:
         return g_FL
-    K = (G @ G.T).double().cpu()                                 # U × U, one host sync per round
     p = p.double().cpu()
-    K = K / K.diagonal().clamp(min=0).sqrt().mean().clamp(min=1e-30) ** 2   # scale of the code
-    gamma = solve_sgd(K, p, kappa, evaluations=evaluations) if solver == "sgd" else solve_exact(K, p, kappa)  # Eq. 15
-    norm_FL, norm_Gg = (p @ K @ p).sqrt(), (gamma @ K @ gamma).clamp(min=0).sqrt()
-    Gg = gamma.to(G.dtype).to(G.device) @ G                      # Γ*g
-    if norm_Gg > 0:
-        g_IGD = g_FL + (kappa * norm_FL / norm_Gg).item() * Gg   # Eq. 16 (norms in K's scale: a ratio)
-    else:
-        g_IGD = g_FL
-    return g_IGD / (1 + kappa ** 2) if rescale else g_IGD
+    K = gram(G)
+    K = K / K.diagonal().clamp(min=0).sqrt().mean().clamp(min=1e-30) ** 2   # the code's scale (argmin unchanged)
+    Gamma = solve(K, p, kappa, solver, evaluations)                                               # Eq. 15
+    norm_g_FL, norm_g_Gamma = (p @ K @ p).clamp(min=0).sqrt(), (Gamma @ K @ Gamma).clamp(min=0).sqrt()
+    if norm_g_Gamma == 0:
+        return g_FL
+    g_Gamma = Gamma.to(G.dtype).to(G.device) @ G                 # g_Γ* = Γ*𝐠
+    return g_FL + (kappa * norm_g_FL / norm_g_Gamma).item() * g_Gamma   # Eq. 16 (norms in K's scale: a ratio)
 
 
 # ------------------------------------------------------------------------------------ one round
@@ -138,7 +220,7 @@ def fedomg_round(t, model, fed, args, state, ctx):
     S = common.sample_clients(ctx, len(fed.clients), args.sample)
     G = torch.empty(len(S), theta.numel(), device=theta.device)            # the g_u, U × |θ|
     delta_sum, weight_sum, losses = torch.zeros_like(theta), 0.0, {}
-    lr = args.lr * (0.1 if t > args.lr_step * args.rounds else 1.0)       # the code's StepLR
+    lr = args.lr * (0.1 if t > args.lr_step * args.rounds else 1.0)       # the DG code's StepLR
     keep = not args.fresh_opt and args.momentum > 0
     client_sgd = lambda params: torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx, client_sgd,
@@ -149,9 +231,13 @@ def fedomg_round(t, model, fed, args, state, ctx):
         delta_sum += float(fed.clients[c].n) * G[u]
         weight_sum += float(fed.clients[c].n)
     g_FL = delta_sum / weight_sum                                          # FedAvg's update
-    p = torch.tensor([float(fed.clients[c].n) for c in S]) / weight_sum
-    g_IGD = omg_step(G, g_FL, p, args.kappa, args.solver, not args.no_rescale, args.solver_evals)  # Eq. 15–16
-    common.set_flat(model, theta + args.global_lr * g_IGD)                 # Eq. 17 (+, see docstring)
+    p = torch.tensor([float(fed.clients[c].n) for c in S]) / weight_sum   # p_u = N_u / Σ N
+    if args.server_rule == "code":
+        w = torch.ones(len(S)) if args.dataset in data.FL else p          # FL code: w_u = 1; DG code: p_u
+        step = code_step(G, w, args.kappa, args.solver, args.solver_evals)                          # Eq. 15–16, code
+    else:
+        step = paper_step(G, g_FL, p, args.kappa, args.solver, args.solver_evals)                   # Eq. 15–16
+    common.set_flat(model, theta + args.global_lr * step)                  # Eq. 17 (+, see docstring)
     return losses
 
 
@@ -161,13 +247,14 @@ def init_state(model, fed, args, ctx):
 
 def add_args(p):
     p.add_argument("--kappa", type=float, default=0.5, help="searching radius κ (Table 4)")
+    p.add_argument("--server-rule", default="code", choices=["code", "paper"],
+                   help="the official code's step (scaled updates, 1/U, 1/(1+κ²); default) or Eq. 15-17 as printed")
     p.add_argument("--solver", default="sgd", choices=["sgd", "exact"],
                    help="Γ* by Table 4's softmax-SGD (lr 25, momentum 0.5, 21 evaluations) or by SLSQP")
     p.add_argument("--solver-evals", type=int, default=21, help="objective evaluations of the sgd solver (Table 4: 21)")
-    p.add_argument("--no-rescale", action="store_true", help="Eq. 16 as printed, without the code's 1/(1+κ²)")
     p.add_argument("--fresh-opt", action="store_true", help="a new client optimiser every round (default: kept)")
     p.add_argument("--lr-step", type=float, default=0.8,
-                   help="divide the local lr by 10 after this fraction of the rounds (the code's StepLR; 1 = never)")
+                   help="divide the local lr by 10 after this fraction of the rounds (the DG code's StepLR; 1 = never)")
 
 
 def check(args):

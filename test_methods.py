@@ -780,26 +780,39 @@ def test_fedomg_sgd_solver_falls_short_when_norms_span_orders_of_magnitude():
 
 
 @pytest.mark.parametrize("solver", ["sgd", "exact"])
-@pytest.mark.parametrize("rescale", [True, False])
-def test_fedomg_step_with_identical_updates(solver, rescale):
+def test_fedomg_steps_with_identical_updates(solver):
     d = torch.randn(300, dtype=torch.float64)
     G, p = d.repeat(4, 1), torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     kappa = 0.5
-    step = fedomg.omg_step(G, d.clone(), p, kappa, solver, rescale)
-    factor = (1 + kappa) / (1 + kappa ** 2) if rescale else 1 + kappa      # Γg = d for every Γ on the simplex
-    assert torch.allclose(step, factor * d, atol=1e-9)
+    assert torch.allclose(fedomg.paper_step(G, d.clone(), p, kappa, solver), (1 + kappa) * d, atol=1e-9)   # Γ𝐠 = d
+    k = d.norm() ** 2 / (d.norm() ** 2 + 1e-4)                 # K / s² = k 11ᵀ when every ĝ_u = d (w = 1)
+    lam = kappa * (k + 1e-4).sqrt() / ((k + 1e-4).sqrt() + 1e-4)
+    code = fedomg.code_step(G, torch.ones(4, dtype=torch.float64), kappa, solver)
+    assert torch.allclose(code, (1 + lam) / (1 + kappa ** 2) * d, atol=1e-9)
+
+
+def test_fedomg_code_step_at_kappa_zero_is_fedavg_over_u():
+    """κ = 0: the DG code's step is Σ_u p_u g_u / U = g_FL / U; the FL code's the plain mean."""
+    g = torch.Generator().manual_seed(5)
+    G = torch.randn(4, 100, generator=g, dtype=torch.float64)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    assert torch.allclose(fedomg.code_step(G, p, 0.0), p @ G / 4, atol=1e-12)
+    assert torch.allclose(fedomg.code_step(G, torch.ones(4, dtype=torch.float64), 0.0), G.mean(0), atol=1e-12)
+    assert torch.equal(fedomg.paper_step(G, p @ G, p, 0.0), p @ G)
 
 
 @pytest.mark.parametrize("solver", ["sgd", "exact"])
-def test_fedomg_step_is_invariant_to_client_order(solver):
+def test_fedomg_steps_are_invariant_to_client_order(solver):
     g = torch.Generator().manual_seed(3)
     G = torch.randn(1, 200, generator=g, dtype=torch.float64) + torch.randn(5, 200, generator=g, dtype=torch.float64)
     p = torch.tensor([0.1, 0.3, 0.2, 0.15, 0.25], dtype=torch.float64)
     perm = torch.tensor([3, 0, 4, 1, 2])
-    a = fedomg.omg_step(G, p @ G, p, 0.5, solver)
-    b = fedomg.omg_step(G[perm], p[perm] @ G[perm], p[perm], 0.5, solver)
+    a = fedomg.paper_step(G, p @ G, p, 0.5, solver)
+    b = fedomg.paper_step(G[perm], p[perm] @ G[perm], p[perm], 0.5, solver)
     assert torch.allclose(a, b, atol=1e-7)
-    assert not torch.allclose(a, (p @ G) / 1.25, atol=1e-3)                # κ does change the direction
+    assert not torch.allclose(a, 1.5 * (p @ G), atol=1e-3)                 # κ does change the direction
+    c, d = fedomg.code_step(G, p, 0.5, solver), fedomg.code_step(G[perm], p[perm], 0.5, solver)
+    assert torch.allclose(c, d, atol=1e-7)
 
 
 def test_fedomg_step_matches_eq_16_computed_directly():
@@ -808,20 +821,141 @@ def test_fedomg_step_matches_eq_16_computed_directly():
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     g_FL = p @ G
     K = G @ G.T
-    gamma = fedomg.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
-    Gg = gamma @ G                                                           # without the Gram shortcut
-    expected = (g_FL + 0.5 * g_FL.norm() / Gg.norm() * Gg) / 1.25
-    assert torch.allclose(fedomg.omg_step(G, g_FL, p, 0.5, "exact"), expected, atol=1e-6)
+    Gamma = fedomg.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
+    g_Gamma = Gamma @ G                                                      # without the Gram shortcut
+    expected = g_FL + 0.5 * g_FL.norm() / g_Gamma.norm() * g_Gamma           # Eq. 16 as printed
+    assert torch.allclose(fedomg.paper_step(G, g_FL, p, 0.5, "exact"), expected, atol=1e-6)
+
+
+def test_fedomg_gram_is_float64_from_float32_updates():
+    g = torch.Generator().manual_seed(6)
+    G = torch.randn(3, 10_000, generator=g)
+    K = fedomg.gram(G, cols=4096)                                            # several column blocks
+    assert K.dtype == torch.float64
+    assert torch.allclose(K, G.double() @ G.double().T, rtol=1e-13, atol=0)
+
+
+# One full round against the server rules computed by hand from their formulas: the official code's
+# (fed_merge.py OMG: autograd through a softmax, torch's SGD, 21 evaluations, best kept; or Γ* by a
+# brute-force grid for --solver exact) and Eq. 15–16 as printed (Γ* the same two ways, g_IGD from the
+# update vectors themselves).
+
+def omg_simplex_argmin(f, steps=200, zooms=5):
+    """argmin over the 3-simplex of f (candidates [n, 3] -> values [n]) by brute force: a grid over
+    the whole simplex, then grids zoomed to ±4 cells around the best point so far."""
+    centre, width = torch.full((3,), 1 / 3, dtype=torch.float64), 1.0
+    t = torch.linspace(-1, 1, steps + 1, dtype=torch.float64)
+    a, b = (x.reshape(-1) for x in torch.meshgrid(t, t, indexing="ij"))
+    for _ in range(zooms):
+        cands = torch.stack([centre[0] + width * a, centre[1] + width * b, centre[2] - width * (a + b)], 1)
+        cands = cands[(cands >= 0).all(1)]
+        centre, width = cands[f(cands).argmin()], width * 8 / steps
+    return centre
+
+
+def omg_softmax_sgd(f, U, evaluations=21):
+    """The code's solver, as its code reads: logits v = 0, torch SGD (lr 25, momentum 0.5) on
+    f(softmax(v)) by autograd, the best of `evaluations` objective values."""
+    v = torch.zeros(U, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([v], lr=25, momentum=0.5)
+    best, v_best = float("inf"), None
+    for i in range(evaluations):
+        opt.zero_grad()
+        obj = f(torch.softmax(v, 0)[None])[0]
+        if obj.item() < best:
+            best, v_best = obj.item(), v.detach().clone()
+        if i < evaluations - 1:
+            obj.backward()
+            opt.step()
+    return torch.softmax(v_best, 0)
+
+
+def omg_official_step(D, w, kappa, solver, eps=1e-4):
+    """fed_merge.py's FedOMG/OMG by hand: rows ĝ_u = w_u g_u, GG = ĝĝᵀ / s², s = mean sqrt(diag + ε),
+    anchor = row means, c = κ sqrt(mean(GG) + ε), λ = c / (sqrt(ΓᵀGGΓ + ε) + ε),
+    step = Σ_u (1/U + λ γ_u) ĝ_u / (1 + κ²)."""
+    U, Gh = len(w), w[:, None] * D
+    GG = Gh @ Gh.T
+    GG = GG / (GG.diagonal() + eps).sqrt().mean() ** 2
+    Gg, c = GG.mean(1), kappa * (GG.mean() + eps).sqrt()
+    f = lambda X: X @ Gg + c * (torch.einsum("ni,ij,nj->n", X, GG, X) + eps).sqrt()
+    Gam = omg_softmax_sgd(f, U) if solver == "sgd" else omg_simplex_argmin(f)
+    lam = c / ((Gam @ GG @ Gam + eps).sqrt() + eps)
+    return ((1 / U + lam * Gam)[:, None] * Gh).sum(0) / (1 + kappa ** 2)
+
+
+def omg_paper_step(D, p, kappa, solver):
+    """Eq. 15–16 by hand: g_FL = Σ p_u g_u; Γ* minimises Γ𝐠·g_FL + κ||g_FL|| ||Γ𝐠|| (the sgd solver on
+    inner products divided by s² = (mean_u ||g_u||)², as the code's solver runs); g_IGD from vectors."""
+    g_FL = p @ D
+    K = D @ D.T / D.norm(dim=1).mean() ** 2
+    f = lambda X: X @ K @ p + kappa * (p @ K @ p).sqrt() * torch.einsum("ni,ij,nj->n", X, K, X).sqrt()
+    Gam = omg_softmax_sgd(f, len(p)) if solver == "sgd" else omg_simplex_argmin(f)
+    g_Gamma = Gam @ D
+    return g_FL + kappa * g_FL.norm() / g_Gamma.norm() * g_Gamma
+
+
+def omg_one_round(argv, tmp_path, monkeypatch, dataset="synthetic", sizes=(20, 45, 70)):
+    """One fedomg_round on 3 clients of uneven size, all sampled, η_g = 0.7; returns θ before, the
+    clients' θ_u and sizes N_u (in the order trained), the server's step, and the resolved args."""
+    args = method_args(fedomg, "fedomg", ["--dataset", dataset, "--clients", "3", "--sample", "3", "--alpha", "1",
+                                          "--batch-size", "16", "--local-epochs", "1", "--global-lr", "0.7"] + argv,
+                       tmp_path)
+    ds = data.load(dataset, clients=3, alpha=1.0)
+    fed = common.federate_fixed(ds, 0, "cpu") if dataset in data.FL else common.federate(ds, 0, 3, 0, "cpu")
+    for c, n in zip(fed.clients, sizes):
+        c.x, c.y = c.x[:n], c.y[:n]
+    torch.manual_seed(0)
+    model = common.build_model(args, ds)
+    theta = common.get_flat(model)
+    seen, real = [], common.train_clients
+
+    def spy(model, theta, clients, *a, **k):
+        for client, out in zip(clients, real(model, theta, clients, *a, **k)):
+            seen.append((client.n, out[0].clone()))
+            yield out
+    steps = []
+
+    def kept(fn):
+        return lambda *a, **k: steps.append(fn(*a, **k)) or steps[-1]
+    monkeypatch.setattr(common, "train_clients", spy)
+    for name in ("code_step", "paper_step"):                        # their result, read as it is returned
+        monkeypatch.setattr(fedomg, name, kept(getattr(fedomg, name)))
+    fedomg.fedomg_round(1, model, fed, args, fedomg.init_state(model, fed, args, tiny_ctx()), tiny_ctx())
+    N = torch.tensor([n for n, _ in seen], dtype=torch.float64)
+    assert sorted(N.tolist()) == sorted(sizes) and len(steps) == 1
+    assert torch.equal(common.get_flat(model), theta + 0.7 * steps[0])   # Eq. 17: θ ← θ + η_g · step
+    return theta, torch.stack([th for _, th in seen]), N, steps[0], args
+
+
+@pytest.mark.parametrize("rule,solver,dataset", [("code", "sgd", "synthetic"), ("code", "exact", "synthetic"),
+                                                 ("paper", "sgd", "synthetic"), ("paper", "exact", "synthetic"),
+                                                 ("code", "sgd", "mnist")])
+def test_fedomg_round_matches_the_rule_by_hand(rule, solver, dataset, tmp_path, monkeypatch):
+    theta, thetas, N, step, args = omg_one_round(["--server-rule", rule, "--solver", solver, "--kappa", "0.5"],
+                                                  tmp_path, monkeypatch, dataset)
+    D, p = (thetas - theta).double(), N / N.sum()
+    w = torch.ones(3, dtype=torch.float64) if dataset == "mnist" else p      # the FL code does not weight
+    by_hand = {"code": omg_official_step(D, w, 0.5, solver), "paper": omg_paper_step(D, p, 0.5, solver)}
+    step = step.double()
+    assert rel(step, by_hand[rule]) < 1e-6
+    other = "paper" if rule == "code" else "code"
+    assert rel(step, by_hand[other]) > 0.3                                   # the two rules are far apart
+    if dataset == "synthetic" and rule == "code":                            # and so are the two weightings
+        assert rel(step, omg_official_step(D, torch.ones(3, dtype=torch.float64), 0.5, solver)) > 0.3
 
 
 @on_every_device
 def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path, device):
     argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7", "--device", device]
     a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
-    b, _ = run(fedomg.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
+    paper = ["--server-rule", "paper", "--fresh-opt", "--lr-step", "1"]     # Eq. 16 as printed: Corollary 1
+    b, _ = run(fedomg.main, argv + paper + ["--kappa", "0"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
-    c, _ = run(fedomg.main, argv + ["--kappa", "0.5", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
+    c, _ = run(fedomg.main, argv + paper + ["--kappa", "0.5"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
+    d, _ = run(fedomg.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
+    assert strip_times(a)["domains"] != strip_times(d)["domains"]           # the code's rule: g_FL / U
 
 
 @on_every_device
@@ -861,7 +995,7 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     a = common.resolve(p.parse_args(["--dataset", "pacs", "--out", str(tmp_path / "r.json")]), "fedomg", fedomg.DEFAULTS)
     assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay, a.global_lr) == \
         ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 5e-2)
-    assert (a.kappa, a.solver, a.solver_evals, a.no_rescale) == (0.5, "sgd", 21, False)
+    assert (a.kappa, a.server_rule, a.solver, a.solver_evals, a.lr_step) == (0.5, "code", "sgd", 21, 0.8)
 
 
 @pytest.mark.parametrize("module,argv,message", [
@@ -874,6 +1008,8 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedomg", ["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
     ("fedomg", ["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
     ("fedomg", ["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
+    ("fedomg", ["--server-rule", "cagrad"], "argument --server-rule: invalid choice: 'cagrad'"),
+    ("fedomg", ["--no-rescale"], "unrecognized arguments: --no-rescale"),
     ("perinvfl", ["--dataset", "rmnist"], "perinvfl.py scores each client's own model on its own test set"),
     ("perinvfl", ["--dataset", "rcmnist", "--beta", "nan"], "--beta must be >= 0, got nan"),
     ("perinvfl", ["--dataset", "rcmnist", "--lam", "-1"], "--lam must be >= 0, got -1.0"),
@@ -2531,7 +2667,8 @@ def test_parallel_client_with_fewer_steps_never_moves_after_its_last(tmp_path):
 
 
 def test_parallel_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch):
-    argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--rounds", "4", "--parallel-clients", "on"]
+    argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--rounds", "4", "--global-lr", "3",
+                    "--parallel-clients", "on"]        # η_g = U: FedOMG's default (code) rule steps g_FL / U at κ = 0
     full, _ = run(fedomg.main, argv, tmp_path, "full.json")
     assert full["args"]["parallel_clients"] == "on" and full["domains"]["style0"]["test_acc"] > 0.6
     resumed = interrupted_then_resumed(fedomg.main, argv, str(tmp_path / "cut.json"), monkeypatch,

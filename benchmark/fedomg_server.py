@@ -5,7 +5,7 @@ Eq. 16) for U = 3, 20 and 100 participating clients.
    FedOMG rounds, the server step timed inside them.
 2. ResNet-18-sized updates (11.2M parameters), simulated with random tensors: the server step alone.
 
-    python benchmark/fedomg_server.py [--solver sgd|exact] [--rounds 2]
+    python benchmark/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] [--rounds 2]
 """
 import argparse
 import statistics
@@ -24,13 +24,15 @@ import fedomg  # noqa: E402
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--solver", default="sgd", choices=["sgd", "exact"])
+    p.add_argument("--server-rule", default="code", choices=["code", "paper"])
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per U")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     timed = []
-    step = fedomg.omg_step
+    name = "code_step" if a.server_rule == "code" else "paper_step"
+    step = getattr(fedomg, name)
 
     def timed_step(*args, **kw):
         sync()
@@ -39,16 +41,18 @@ def main():
         sync()
         timed.append(time.perf_counter() - t)
         return out
-    fedomg.omg_step = timed_step
+    setattr(fedomg, name, timed_step)
 
     parser = common.make_parser("fedomg", fedomg.__doc__)
     fedomg.add_args(parser)
     ds = data.load("rmnist")
     fed = common.federate(ds, 0, 100, 0, dev)
-    print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, {a.device}, medians of {a.rounds} rounds")
+    print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, rule {a.server_rule}, {a.device}, "
+          f"medians of {a.rounds} rounds")
     for U in (3, 20, 100):
-        args = common.resolve(parser.parse_args(["--clients", "100", "--sample", str(U), "--solver", a.solver,
-                                                 "--device", a.device]), "speed", fedomg.DEFAULTS)
+        argv = ["--clients", "100", "--sample", str(U), "--solver", a.solver, "--server-rule", a.server_rule,
+                "--device", a.device]
+        args = common.resolve(parser.parse_args(argv), "speed", fedomg.DEFAULTS)
         torch.manual_seed(0)
         model = common.build_model(args, ds).to(dev)
         ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
@@ -71,7 +75,7 @@ def main():
         g_FL = G.mean(0)
         w = torch.full((U,), 1.0 / U)
         for _ in range(a.rounds + 1):
-            fedomg.omg_step(G, g_FL, w, 0.5, a.solver)
+            timed_step(G, w, 0.5, a.solver) if a.server_rule == "code" else timed_step(G, g_FL, w, 0.5, a.solver)
         print(f"U = {U:3d}: {statistics.median(timed[-a.rounds:]):.3f} s ({U * n * 4 / 2**30:.2f} GiB of updates held)")
         del G
 
