@@ -67,9 +67,9 @@ Choices, and where they come from:
 - Client optimiser. The official DG code keeps each client's SGD (its momentum) across rounds:
   the default here (`--fresh-opt` starts a new one every round). Its StepLR (step size int(0.8 E R)
   local epochs, stepped after every local epoch) divides the local lr by 10 from round 0.8 R + 1 on:
-  done here as `--lr-step 0.8` (`--lr-step 1` never does), for every dataset. The FL code has no
-  step (its -ld flag, off by default, would be ExponentialLR 0.99 per round) and SGD without
-  momentum: `--lr-step 1` runs the FL setting as that code does (the FL default momentum is 0).
+  done here as `--lr-step 0.8` (`--lr-step 1` never does). The FL code has no step (its -ld flag,
+  off by default, would be ExponentialLR 0.99 per round) and SGD without momentum, so the FL
+  datasets (mnist, emnist, cifar10, cifar100) default to `--lr-step 1` (and momentum 0).
 - BatchNorm (ResNets) — a difference. The official DG clients train with BN in train mode: every
   minibatch is normalised by its own statistics (and gradients flow through them); their running
   statistics are updated and then overwritten by the global model's at the next round, and the
@@ -98,7 +98,7 @@ gives no η_g there, and none for RotatedMNIST (not in the paper): η_g = 1 as F
 code's omg_meta_lr); rmnist keeps FedIIR's Table 3 client settings.
 
     python fedomg.py --dataset pacs --data-root ./data
-    python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800 --lr-step 1
+    python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800
     python fedomg.py --solver exact --rounds 20 --test-domain 0
     python fedomg.py --server-rule paper --kappa 0      # = fedavg.py, bit for bit
 """
@@ -110,7 +110,8 @@ import data
 
 DG = dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9, weight_decay=5e-4,
           local_epochs=5, global_lr=5e-2)
-DEFAULTS = {"pacs": DG, "vlcs": DG, "officehome": DG}
+DEFAULTS = {"pacs": DG, "vlcs": DG, "officehome": DG, "*": dict(lr_step=0.8),   # the DG code's StepLR
+            **{name: dict(lr_step=1.0) for name in data.FL}}                    # the FL code: no step
 EPS = 1e-4              # the official code's ε (under its square roots and in λ's denominator)
 
 
@@ -253,8 +254,9 @@ def add_args(p):
                    help="Γ* by Table 4's softmax-SGD (lr 25, momentum 0.5, 21 evaluations) or by SLSQP")
     p.add_argument("--solver-evals", type=int, default=21, help="objective evaluations of the sgd solver (Table 4: 21)")
     p.add_argument("--fresh-opt", action="store_true", help="a new client optimiser every round (default: kept)")
-    p.add_argument("--lr-step", type=float, default=0.8,
-                   help="divide the local lr by 10 after this fraction of the rounds (the DG code's StepLR; 1 = never)")
+    p.add_argument("--lr-step", type=float, default=None,
+                   help="divide the local lr by 10 after this fraction of the rounds (the DG code's StepLR; 1 = never; "
+                        "default 0.8, and 1 for the FL datasets as the FL code)")
 
 
 def check(args):

@@ -996,6 +996,9 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay, a.global_lr) == \
         ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 5e-2)
     assert (a.kappa, a.server_rule, a.solver, a.solver_evals, a.lr_step) == (0.5, "code", "sgd", 21, 0.8)
+    for name, step in (("mnist", 1.0), ("cifar10", 1.0), ("rmnist", 0.8)):         # the FL code has no lr step
+        a = common.resolve(p.parse_args(["--dataset", name, "--out", str(tmp_path / "r.json")]), "fedomg", fedomg.DEFAULTS)
+        assert (a.lr_step, a.momentum) == (step, 0.0 if step == 1.0 else 0.9)
 
 
 @pytest.mark.parametrize("module,argv,message", [
