@@ -1739,6 +1739,20 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------- FedLOE
 
+import sensitivity  # noqa: E402
+
+
+def test_sensitivity_moves_runs_only_by_the_given_scale(monkeypatch):
+    """s = 0 reproduces every tiny case exactly (the CPU is deterministic, the wrapper adds nothing);
+    s = 1e-3 moves them; the original build_model is restored."""
+    cases = [c for c in gpu_check.tiny_cases() if c[0] in ("fedavg", "fedipg") and c[2] == "fp32"]
+    monkeypatch.setattr(gpu_check, "tiny_cases", lambda: cases)
+    build = common.build_model
+    rows = sensitivity.main(["--scale", "0", "1e-3"])[2:]
+    assert len(rows) == 4 and all(r.endswith("| 0.0e+00 | 0.000 |") for r in rows[0::2])
+    assert not any(r.endswith("| 0.0e+00 | 0.000 |") for r in rows[1::2]) and common.build_model is build
+
+
 import fedloe  # noqa: E402
 
 LOE = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1", "--stage1-epochs", "4", "--stage1-comms", "2",
