@@ -235,7 +235,7 @@ def fedipg_round(t, model, fed, args, state, ctx):
         client = fed.clients[i]
         common.set_flat(model, start)                                       # w_i ← w^{t−τ_i}
         if warmup:
-            g.append(risk_gradient(model, client, ctx))                     # g_i = ∇R_i(w^{t−τ_i})
+            g.append(risk_gradient(model, client, ctx, args.batch_size))    # g_i = ∇R_i(w^{t−τ_i})
             fresh.append(tau == 0)
         losses[i] = common.local_sgd(model, client, args, ctx, loss_fn)     # E epochs on f_i (Eq. 9)
         n_i = float(client.n)
@@ -252,7 +252,7 @@ def fedipg_round(t, model, fed, args, state, ctx):
 
 # -------------------------------------------------------------------------- the exit strategy
 
-def risk_gradient(model, client, ctx, batch_size=512):
+def risk_gradient(model, client, ctx, batch_size):
     """g_i = ∇R_i(w) at the model's parameters: the gradient of the client's mean cross-entropy over
     its whole training split, without augmentation, in one pass that takes no step (neither the
     optimiser's momentum nor the number of local steps enters, and no random number is drawn)."""
