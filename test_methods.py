@@ -1511,6 +1511,22 @@ def fake_results(folder, dataset, protocol, labels, seeds=(0, 1), domains=("0", 
             (folder / f"{lab}-seed{seed}.json").write_text(json.dumps(res))
 
 
+def test_report_exit_table_for_aberrant_client_runs(tmp_path):
+    folder = tmp_path / "exit"
+    fake_results(folder, "rmnist", "lodo", ["kept", "exit-auto"], domains=("75",))
+    for f in folder.glob("*.json"):
+        r = json.loads(f.read_text())
+        seed, auto = r["seed"], f.name.startswith("exit-auto")
+        r["domains"]["75"].update(regular_acc=0.9 + 0.01 * seed, aberrant_acc=0.3 if auto else 0.6,
+                                  exited=[0, 1] if auto and seed else ([0] if auto else []))
+        f.write_text(json.dumps(r))
+    lines = bench_report.exit_table(bench_report.load(folder)[0])
+    assert "| exit-auto | 0; 0, 1 | 90.0, 91.0 (mean 90.5) | 30.0, 30.0 (mean 30.0) |" in "\n".join(lines)
+    assert "| kept | none; none | 90.0, 91.0 (mean 90.5) | 60.0, 60.0 (mean 60.0) |" in "\n".join(lines)
+    fake_results(tmp_path / "plain", "rmnist", "lodo", ["fedavg"])
+    assert bench_report.exit_table(bench_report.load(tmp_path / "plain")[0]) == []    # only with an aberrant client
+
+
 def legend_texts(fig):
     return [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
 

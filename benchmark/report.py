@@ -110,6 +110,24 @@ def accuracy_table(runs):
     return lines
 
 
+def exit_table(runs):
+    """FedIPG runs with an aberrant client (Section VI-A): per variant, who exited (per seed) and the
+    accuracies at the selected round on the regular clients, the aberrant client (validation splits)
+    and the held-out domain (test), per seed and their mean."""
+    if not all("aberrant_acc" in d for rs in runs.values() for r in rs for d in r["domains"].values()):
+        return []
+    lines = ["| variant | exited (per seed) | regular clients | aberrant client | held-out domain |",
+             "|---|---|---|---|---|"]
+    for lab, rs in sorted(runs.items()):
+        ds = [d for r in rs for d in r["domains"].values()]
+        cell = lambda k: (", ".join(f"{100 * d[k]:.1f}" for d in ds)
+                          + f" (mean {100 * sum(d[k] for d in ds) / len(ds):.1f})")
+        exited = "; ".join(", ".join(map(str, d["exited"])) or "none" for d in ds)
+        lines.append(f"| {lab} | {exited} | {cell('regular_acc')} | {cell('aberrant_acc')} | {cell('test_acc')} |")
+    return ["", "Accuracy (%) at the selected round, per seed: the regular clients' and the aberrant client's "
+            "validation splits, and the held-out domain's test set.", "", *lines]
+
+
 def speed_table(runs):
     lines = ["| method | s / round | images / s | × FedAvg |", "|---|---|---|---|"]
     rates = {}
@@ -323,8 +341,11 @@ def report(folder, where="."):
              f"({'last round' if a.get('select') == 'last' else 'at the best validation round'}), "
              f"mean ± std over seeds.", ""]
     lines += accuracy_table(runs)
+    lines += exit_table(runs)
     name = first["dataset"] + (f"-{a.get('stain')}" if first["dataset"] == "stained" else "")
     paper = PAPERS.get((name, scenario(first)), [])
+    if not any(lab in runs for lab, _, _ in paper):             # other variants (e.g. FedIPG's exit runs)
+        paper = []
     if paper:
         scale = "not comparable in scale" if first["source"].startswith("embedded") else "the runs above use full data"
         lines += ["", f"Published (full data, GPUs, the papers' own round counts; {scale}): "
