@@ -1,4 +1,4 @@
-"""The test suite: pytest -q (235 tests, under 4 minutes on 2 CPU cores, no GPU, no network).
+"""The test suite: pytest -q (236 tests, about 4 minutes on 2 CPU cores, no GPU, no network).
 
 Most runs call a method's main() in-process on the synthetic domains or the embedded digits; a few
 run the scripts as subprocesses to check what a user sees (one line on stderr, the exit code).
