@@ -29,20 +29,14 @@ Algorithm (one communication round t = 1..T; w^t is the global model at its star
 
 Where the paper is silent, and what this file does:
 - g_i = ∇R_i(w^{t−τ_i}) exactly: one gradient pass of the client's risk over its training split at
-  the model it starts from, before its local steps (no augmentation, no step, no random draw, so
-  training is the same with or without the estimates; tested). It does not depend on the
-  optimiser's momentum or the number of local steps, as the mean local step −Δ_i/(η s_i) would
-  (momentum inflates that by a factor growing with s_i). ∇R(w^t), for client i, is the
-  data-weighted mean of the other fresh (τ = 0) clients' g_j: leaving i out keeps a client from
-  vouching for itself (with 20 equal clients its own share would add 1/20 of ||g_i||² to ⟨∇R, g_i⟩).
-  n is the data of all clients. Eq. 13 then does not depend on the scale of the gradients, and L
-  is dimensionless: C_i > 0 ⟺ ⟨∇R, g_i⟩ / ||g_i||² > L/2, and a client equal to the mean
-  contributes ∝ 1 − L/2 (Eq. 17's "L < 2"). --exit-L defaults to 0.5 (chosen, not from the paper:
-  on the embedded digits, 20 clients over 0°–60°, client 0 turned to 180°, --model cnn --lr 0.1,
-  seed 0, the regular clients' ⟨∇R, g_i⟩ / ||g_i||² lay in 0.22–0.62 over the five warm-up rounds
-  and client 0's in 0.08–0.12; L = 0.5 (threshold 0.25) removed client 0 alone, with the lowest
-  regular client, 0.22–0.28, near the threshold; on full MNIST the three other 0° clients left with
-  it, their gradients opposing its own: README, FedIPG at the paper's scale).
+  the model it starts from, before its local steps (no augmentation, no step, no random draw: the
+  training is the same with or without the estimates). Unlike the mean local step −Δ_i/(η s_i), it
+  does not grow with momentum or the step count. ∇R(w^t), for client i, is the data-weighted mean
+  of the other fresh (τ = 0) clients' g_j, so a client does not vouch for itself; n is the data of
+  all clients. Eq. 13 is then free of the gradients' scale and L dimensionless: C_i > 0 ⟺
+  ⟨∇R, g_i⟩ / ||g_i||² > L/2 (a client equal to the mean: ∝ 1 − L/2, Eq. 17's "L < 2").
+  --exit-L 0.5 is chosen, not the paper's (README, FedIPG: the ratios measured with a planted
+  rotated client, and what the rule removes at full scale).
 - A client that delivered nothing during the warm-up exits: its delay exceeds the warm-up, and by
   Theorem 2 a contribution turns negative as τ grows. --exit-warmup defaults to 5 rounds (chosen: a
   slow:K client with K ≤ 5 arrives at least once). Clients can also be named: --exit-clients 3,7.
