@@ -461,11 +461,13 @@ def check_parallel(args, method, supported):
     args.parallel_clients = "on" if supported and parallel(args) else "off"
 
 
-def minibatch_plan(clients, batch_size, epochs, ctx):
+def minibatch_plan(clients, batch_size, epochs, ctx, order=None):
     """The minibatches of every client as `batches` draws them, step by step: [K, C, B] indices
     into the clients' pooled data (client c's examples at offset n_0 + ... + n_{c-1}), -1 where a
     client's batch is partial or its passes are done (K: the most steps of any client). The
-    permutations come from ctx.gen in the sequential order, client by client, pass by pass."""
+    permutations come from ctx.gen in the sequential order, client by client, pass by pass; the
+    clients are stacked in `order` (default: theirs), a Python list, so that no index list is
+    copied to the device (a host synchronisation on CUDA)."""
     plans, start = [], 0
     for client in clients:
         nb = -(-client.n // batch_size)
@@ -474,7 +476,8 @@ def minibatch_plan(clients, batch_size, epochs, ctx):
                                 for _ in range(epochs)]))
         start += client.n
     K = max(len(p) for p in plans)
-    return torch.stack([F.pad(p, (0, 0, 0, K - len(p)), value=-1) for p in plans], 1)
+    return torch.stack([F.pad(plans[i], (0, 0, 0, K - len(plans[i])), value=-1)
+                        for i in (order or range(len(plans)))], 1)
 
 
 def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=None):
@@ -488,10 +491,10 @@ def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=No
     the others drop out of the gradient computation and are put back after every optimiser step
     (parameters and optimiser state), so they never move again. Returns [(θ_c, mean loss)]."""
     C, epochs = len(clients), epochs or args.local_epochs
-    plan = minibatch_plan(clients, args.batch_size, epochs, ctx)        # drawn in the clients' order
-    X, Y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
     order = sorted(range(C), key=lambda i: -clients[i].n)               # longest first
-    clients, plan = [clients[i] for i in order], plan[:, order]
+    plan = minibatch_plan(clients, args.batch_size, epochs, ctx, order)  # drawn in the clients' order
+    X, Y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
+    clients = [clients[i] for i in order]
     steps = [epochs * -(-c.n // args.batch_size) for c in clients]
     real = plan >= 0
     weight = real / real.sum(-1, keepdim=True).clamp(min=1)             # 1 / (real examples) on each
