@@ -1513,13 +1513,14 @@ def fake_results(folder, dataset, protocol, labels, seeds=(0, 1), domains=("0", 
 
 def test_report_prints_published_numbers_only_for_the_matching_setting(tmp_path):
     """FedIIR's Table 8 holds 0° and 75° alone, Table 2 the mean over all six; FedOMG's Table 1 is
-    α = 0.1: a folder gets the numbers of its own held-out domain and α, or none."""
+    α = 0.1 and 0.5: a folder gets the numbers of its own held-out domain and α, or none."""
     cases = [("rmnist", "lodo", ("0",), {}, "fedavg 77.90 (FedIIR Tab. 8, 0°)"),
              ("rmnist", "lodo", ("75",), {}, "fediir 84.50 (FedIIR Tab. 8, 75°)"),
              ("rmnist", "lodo", ("0", "15"), {}, "fedavg 90.80 (FedIIR Tab. 2)"),
              ("rmnist", "lodo", ("30",), {}, None),
-             ("mnist", "clients", ("clients",), {"alpha": 0.1}, "fedomg 98.75 (FedOMG Tab. 1)"),
-             ("mnist", "clients", ("clients",), {"alpha": 0.5}, None)]
+             ("mnist", "clients", ("clients",), {"alpha": 0.1}, "fedomg 98.75 (FedOMG Tab. 1, α 0.1)"),
+             ("mnist", "clients", ("clients",), {"alpha": 0.5}, "fedavg 91.47 (FedOMG Tab. 1, α 0.5)"),
+             ("mnist", "clients", ("clients",), {"alpha": 0.3}, None)]
     for k, (dataset, protocol, domains, extra, expected) in enumerate(cases):
         folder = tmp_path / str(k)
         fake_results(folder, dataset, protocol, ["fedavg", "fediir", "fedomg"], domains=domains)
