@@ -2039,12 +2039,14 @@ class loe_SyncGuard(TorchDispatchMode):
     a CUDA device raises, on the CPU too (this machine has no GPU), and .tolist() / .cpu() / .numpy(),
     which a dispatch mode cannot see on a CPU tensor, raise as well. On CUDA the same calls also run
     under torch.cuda.set_sync_debug_mode("error") (unless cuda_debug=False). `unchecked` exempts a call
-    made inside a checked one. Not seen on the CPU: a .to() between devices (a no-op there) and a copy
-    of host data to the device (CUDA's debug mode sees both)."""
+    made inside a checked one. A copy of host data to the device is seen on the CPU in its commonest
+    form, a tensor indexed with a Python list (`host_index`; where cuda_debug is on); not seen there:
+    a .to() between devices (a no-op) and other copies (CUDA's debug mode sees them)."""
 
     def __init__(self, cuda):
         super().__init__()
         self.cuda, self.depth, self.paused, self.debugging, self.where, self.entered = cuda, 0, 0, False, None, {}
+        self.strict = 0                                     # depth of checked calls with cuda_debug on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -2073,12 +2075,23 @@ class loe_SyncGuard(TorchDispatchMode):
                     stack.enter_context(self)
                 if self.cuda and cuda_debug and not self.debugging:
                     stack.enter_context(self.cuda_debug("error"))
-                self.depth += 1
+                self.depth, self.strict = self.depth + 1, self.strict + cuda_debug
                 try:
                     return fn(*a, **k)
                 finally:
-                    self.depth -= 1
+                    self.depth, self.strict = self.depth - 1, self.strict - cuda_debug
                     self.where = outer
+        return run
+
+    def host_index(self, name):
+        """t[[i, j]] / t[:, [i, j]]: the list becomes a CPU tensor copied to t's device (a sync on CUDA)."""
+        original = getattr(torch.Tensor, name)
+
+        def run(t, index, *a):
+            parts = index if isinstance(index, tuple) else (index,)
+            if self.strict and not self.paused and any(isinstance(i, list) for i in parts):
+                raise AssertionError(f"host synchronisation inside {self.where}: a tensor indexed with a Python list")
+            return original(t, index, *a)
         return run
 
     def unchecked(self, fn):
@@ -2170,6 +2183,8 @@ def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypa
     monkeypatch.setattr(F, "one_hot", loe_one_hot(F.one_hot, guard))
     for name in ("tolist", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, guard.host_read(name))
+    for name in ("__getitem__", "__setitem__"):
+        monkeypatch.setattr(torch.Tensor, name, guard.host_index(name))
     run(importlib.import_module(method).main, argv + ["--device", device], tmp_path)
     assert set(guard.entered) == set(steps)                  # every per-step function ran (under the check)
 
