@@ -1,4 +1,4 @@
-"""The test suite: pytest -q (236 tests, about 4 minutes on 2 CPU cores, no GPU, no network).
+"""The test suite: pytest -q (237 tests, about 3.5 minutes on 2 CPU cores, no GPU, no network).
 
 Most runs call a method's main() in-process on the synthetic domains or the embedded digits; a few
 run the scripts as subprocesses to check what a user sees (one line on stderr, the exit code).
@@ -2136,7 +2136,8 @@ LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.solve_phi"]
 LOE_PINV = ["perinvfl.perinvfl_round", "perinvfl.batch", "perinvfl.inv_loss"]
 LOE_ROUND_ONLY = {"perinvfl.perinvfl_round"}
 LOE_SYNC_CASES = [                 # method, argv, the functions that hold its per-step loops
-    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"], ["common.local_sgd"], id="fedavg"),
+    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"], ["common.local_sgd"],
+                 id="fedavg"),
     pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"], ["common.at_once"],
                  id="fedavg-parallel"),
     pytest.param("fediir", LOE_SYNTH + ["--rounds", "1"], ["common.local_sgd", "fediir.global_gradient"], id="fediir"),
@@ -2147,10 +2148,12 @@ LOE_SYNC_CASES = [                 # method, argv, the functions that hold its p
                  id="fedomg"),
     pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3", "--parallel-clients", "on"],
                  ["common.at_once"], id="fedomg-parallel"),
-    pytest.param("fedloe", LOE_TINY + ["--dg", "irm", "--parallel-clients", "off"], ["common.local_sgd"] + LOE_STEPS, id="fedloe-irm"),
+    pytest.param("fedloe", LOE_TINY + ["--dg", "irm", "--parallel-clients", "off"], ["common.local_sgd"] + LOE_STEPS,
+                 id="fedloe-irm"),
     pytest.param("fedloe", LOE_TINY + ["--dg", "rex", "--parallel-clients", "on"], ["common.at_once"] + LOE_STEPS,
                  id="fedloe-rex-parallel"),
-    pytest.param("fedloe", LOE_TINY + ["--dg", "fish", "--parallel-clients", "off"], ["common.local_sgd"] + LOE_STEPS, id="fedloe-fish"),
+    pytest.param("fedloe", LOE_TINY + ["--dg", "fish", "--parallel-clients", "off"], ["common.local_sgd"] + LOE_STEPS,
+                 id="fedloe-fish"),
     pytest.param("fedloe", LOE_TINY + ["--dg", "irm", "--dg-form", "domainbed", "--parallel-clients", "off"],
                  ["common.local_sgd"] + LOE_STEPS,
                  id="fedloe-irm-domainbed"),
