@@ -1461,6 +1461,63 @@ def test_irm_central_environments_penalty_and_resumable_results(tmp_path, capsys
         assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+import fedloe_spawn  # noqa: E402
+import mcmahan_fig1  # noqa: E402
+
+SPAWN = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1"]
+
+
+def test_fedloe_spawn_trunk_is_fedloe_and_the_first_branch_is_one_shot(tmp_path, capsys):
+    """The diagnostic's trunk is fedloe with one epoch per communication (the branches are undone:
+    model and minibatch stream), and the branch spawned from the random start is fedloe with one
+    communication, bit for bit."""
+    import fedloe
+    spawn, _ = run(fedloe_spawn.main, SPAWN + ["--spawn", "0", "2", "--spawn-epochs", "2"], tmp_path, "s.json")
+    trunk, _ = run(fedloe.main, SPAWN + ["--stage1-epochs", "4", "--stage1-comms", "4", "--stage2-comms", "0"],
+                   tmp_path, "t.json")
+    once, _ = run(fedloe.main, SPAWN + ["--stage1-epochs", "2", "--stage1-comms", "1", "--stage2-comms", "0"],
+                  tmp_path, "o.json")
+    (s,), (t,), (o,) = (list(r["domains"].values()) for r in (spawn, trunk, once))
+    keys = ("val_acc", "test_acc", "loss", "in_domain_acc")
+    assert [[r[k] for k in keys] for r in s["history"]] == [[r[k] for k in keys] for r in t["history"]]
+    branches = [r["spawn"] for r in s["history"]]
+    assert [b and b["k"] for b in branches] == [0, None, 2, None]          # reported in the row after epoch k
+    first = branches[0]
+    assert (first["average_test"], first["average_in_domain"]) == (o["test_acc"], o["history"][-1]["in_domain_acc"])
+    assert all(0 <= b[k] <= 1 for b in branches if b for k in b if k != "k")
+    for argv, msg in ((["--stage1-comms", "2"], "are set by --spawn and --spawn-epochs here"),
+                      (["--spawn", "-1"], "--spawn must be >= 0"), (["--spawn-epochs", "0"], "--spawn-epochs >= 1"),
+                      (["--eval-every", "2"], "the trunk is evaluated after every epoch")):
+        assert msg in fails(fedloe_spawn.main, SPAWN + argv + ["--out", str(tmp_path / "x.json")], capsys)
+
+
+def test_mcmahan_fig1_path_ends_at_the_two_parents(tmp_path, capsys):
+    """Figure 1's path: θ = 1 is w, θ = 0 is w′ (each trained on its own 600 digits, the two samples
+    disjoint), the average in between; shared initialisation means w and w′ start equal."""
+    out = tmp_path / "f.json"
+    runs = mcmahan_fig1.main(["--seeds", "0", "--points", "2", "--out", str(out)])
+    assert [r["init"] for r in runs] == ["different", "shared"] and runs[0]["theta"] == [-0.2, 0.0, 0.5, 1.0, 1.2]
+    x, y, _ = data.mnist_arrays(None, test=False)
+    x = x.reshape(len(y), -1).float() / 255
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    a, b = perm[:600], perm[600:1200]
+    assert not set(a.tolist()) & set(b.tolist())
+    assert all(torch.equal(u, v) for u, v in zip(mcmahan_fig1.two_nn(0).parameters(), mcmahan_fig1.two_nn(0).parameters()))
+    w = mcmahan_fig1.train(mcmahan_fig1.two_nn(0), x[a], y[a], 0)
+    w_prime = mcmahan_fig1.train(mcmahan_fig1.two_nn(0), x[b], y[b], 1)      # the shared pair's w′
+    with torch.no_grad():
+        ends = [F.cross_entropy(m(x), y).item() for m in (w_prime, w)]
+    shared = runs[1]
+    assert shared["loss"][1] == pytest.approx(ends[0], rel=1e-6) and shared["loss"][3] == pytest.approx(ends[1], rel=1e-6)
+    assert runs[0]["loss"][3] == shared["loss"][3] and runs[0]["loss"][1] != shared["loss"][1]   # w′ differs
+    mid = mcmahan_fig1.mix(w.state_dict(), w_prime.state_dict(), 0.5)
+    assert torch.equal(mid["1.weight"], 0.5 * w.state_dict()["1.weight"] + 0.5 * w_prime.state_dict()["1.weight"])
+    assert "| shared | 0 |" in capsys.readouterr().out and json.loads(out.read_text())["runs"] == runs
+    with pytest.raises(SystemExit) as e:
+        mcmahan_fig1.main(["--points", "1", "--out", str(out)])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == "mcmahan_fig1.py: error: --points must be >= 2, got 1"
+
+
 def test_benchmark_run_and_report(tmp_path, capsys):
     argv = ["--dataset", "synthetic", "--methods", "fedavg", "fediir", "--seeds", "0", "1", "--rounds", "2",
             "--out-dir", str(tmp_path), "--jobs", "2", "--", "--eval-every", "1", "--test-domain", "0"]
@@ -1480,6 +1537,7 @@ def test_benchmark_run_and_report(tmp_path, capsys):
     m = 100 * sum(runs["fedavg"]) / 2
     s = 100 * abs(runs["fedavg"][0] - runs["fedavg"][1]) / math.sqrt(2)
     assert f"{m:.1f} ± {s:.1f}" in text and "| fediir |" in text and "s / round" in text
+    assert "2 per round, 2 rounds, 1 local epoch(s); data:" in text
     best = max(("fedavg", "fediir"), key=lambda k: sum(runs[k]))
     assert f"| {best} | **" in text                                       # the best mean is bold
     png = (folder / "accuracy.png").read_bytes()
@@ -1487,6 +1545,14 @@ def test_benchmark_run_and_report(tmp_path, capsys):
     (tmp_path / "report.md").write_text("# Intro\nhow these were made\n\n## stale section\nold table\n")
     again = bench_report.main([str(folder), "--out", str(tmp_path / "report.md")])   # the introduction is kept
     assert again == "# Intro\nhow these were made\n\n" + text and "old table" not in again
+    longer = tmp_path / "longer"                          # runs of other lengths (FedLOE's K1): each is named
+    longer.mkdir()
+    for p in folder.glob("*.json"):
+        r = json.loads(p.read_text())
+        if r["method"] == "fediir":
+            r["args"].update(rounds=4, local_epochs=3)
+        (longer / p.name).write_text(json.dumps(r))
+    assert "2 per round, rounds × local epochs fedavg 2 × 1, fediir 4 × 3; data:" in bench_report.main([str(longer)])
     assert "report.py: error: " in str(pytest.raises(SystemExit, bench_report.main, [str(tmp_path / "nope")]).value)
     assert "unknown method 'fedfoo'" in str(pytest.raises(SystemExit, bench_run.main, ["--dataset", "synthetic",
                                                                                       "--methods", "fedfoo"]).value)

@@ -352,9 +352,12 @@ def report(folder, where="."):
         return [f"## {folder}", "", "no complete results here", ""]
     first = runs.get("fedavg", next(iter(runs.values())))[0]    # the setting's name: FedAvg's run if any
     a = first["args"]
+    shape = {lab: (rs[0]["args"]["rounds"], rs[0]["args"]["local_epochs"]) for lab, rs in runs.items()}
+    rounds = f"{a['rounds']} rounds, {a['local_epochs']} local epoch(s)" if len(set(shape.values())) == 1 else \
+        "rounds × local epochs " + ", ".join(f"{lab} {r} × {e}" for lab, (r, e) in shape.items())
     lines = [f"## {Path(folder).name}", "",
-             f"`{first['dataset']}`, {a['clients']} clients, {a['sample']} per round, {a['rounds']} rounds, "
-             f"{a['local_epochs']} local epoch(s); data: {first['source']}; test accuracy in % "
+             f"`{first['dataset']}`, {a['clients']} clients, {a['sample']} per round, {rounds}; "
+             f"data: {first['source']}; test accuracy in % "
              f"({'last round' if a.get('select') == 'last' else 'at the best validation round'}), "
              f"mean ± std over seeds.", ""]
     lines += accuracy_table(runs)

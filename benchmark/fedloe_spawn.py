@@ -1,0 +1,124 @@
+"""One-shot averaging from a trained start: why FedLOE's Figure 1a needs one (a diagnostic).
+
+FedLOE's Figure 1a (PACS, clients starting from an ImageNet ResNet-50) finds that few stage-1
+communications beat many; from a random ConvNet on RotatedMNIST the README finds the opposite, and
+one communication (one-shot averaging, Eq. 4 with K1 = 1) near chance. The question this script
+answers: is it the random start? It runs FedLOE's stage 1 with fedloe.py's own functions and flags,
+communicating every epoch (the trunk), and at each epoch k of --spawn it branches off:
+
+    every client c trains --spawn-epochs L epochs alone from the trunk's model θ_k (stage 1's
+    local step: a fresh Adam, the flags' lr and batch), then
+      clients   the mean over the clients of each θ_c's accuracy (held-out domain; in-domain test)
+      ensemble  the accuracy of the clients' mean softmax output (an ensemble of the P models)
+      average   the accuracy of Σ_c p(c) θ_c, p(c) ∝ n_c: Eq. 4 with one communication (one-shot)
+    and the branch is undone (model and minibatch generator restored), so the trunk is exactly a
+    fedloe run with K1 = E1 (one epoch between averages; tested), and the trunk at epoch k + L is the
+    same start continued for L epochs with every-epoch communication.
+
+If one-shot averaging fails from θ_0 (random) but matches the trunk from a trained θ_k, the start is
+what Figure 1a's regime needs; the published result behind that reading is that models trained
+apart from one shared start can be averaged only while they stay in one basin (McMahan et al.
+2017, Figure 1, reproduced by benchmark/mcmahan_fig1.py; Frankle et al. 2020). The branch at k = 0
+is fedloe.py with --stage1-comms 1 --stage1-epochs L bit for bit (tested).
+
+    python benchmark/fedloe_spawn.py --dataset rmnist --clients 20 --data-root data --test-domain 0 \\
+        --model smallconv --lr 1e-2 --spawn 0 1 4 16 --spawn-epochs 16 --seed 0 --out results/spawn-seed0.json
+
+--stage1-epochs / --stage1-comms / --stage2-comms are set from --spawn and --spawn-epochs (the trunk
+runs max(spawn) + L epochs, one communication each, no stage 2). Results: the fedloe JSON; the
+history row of round k + 1 carries the branch spawned at epoch k under "spawn". --resume continues.
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import fedloe  # noqa: E402
+
+
+def add_args(p):
+    fedloe.add_args(p)
+    p.add_argument("--spawn", type=int, nargs="+", default=[0, 1, 4, 16],
+                   help="trunk epochs k after which the clients branch off (0: the random start)")
+    p.add_argument("--spawn-epochs", type=int, default=16, help="L: epochs each client trains alone in a branch")
+    p.set_defaults(stage1_epochs=None, stage1_comms=None, stage2_comms=None)
+
+
+def check(args):
+    if (args.stage1_epochs, args.stage1_comms, args.stage2_comms) != (None, None, None):
+        raise common.UserError("--stage1-epochs, --stage1-comms and --stage2-comms are set by --spawn and "
+                               "--spawn-epochs here: drop them")
+    if args.eval_every != 1:
+        raise common.UserError("the trunk is evaluated after every epoch (a branch is reported in the next row): "
+                               "drop --eval-every")
+    if min(args.spawn) < 0 or args.spawn_epochs < 1:
+        raise common.UserError(f"--spawn must be >= 0 and --spawn-epochs >= 1, got {args.spawn} and {args.spawn_epochs}")
+    args.spawn = sorted(set(args.spawn))
+    args.stage1_epochs = args.stage1_comms = max(args.spawn) + args.spawn_epochs
+    args.stage2_comms = 0
+    fedloe.check(args)
+
+
+def probabilities(model, x, ctx, batch_size=512):
+    model.eval()
+    with torch.no_grad():
+        return torch.cat([model(ctx.prep(x[i:i + batch_size])).float().softmax(1)
+                          for i in range(0, len(x), batch_size)])
+
+
+def accuracy(model, x, y, ctx):
+    return common.correct(model, x, y, ctx).float().mean().item()
+
+
+def branch(model, fed, args, ctx):
+    """Every client L epochs alone from the current model; the three accuracies; then undone."""
+    theta, gen = common.get_flat(model), ctx.gen.get_state()
+    adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay)  # stage 1's
+    delta_sum, weight_sum, mine, theirs = torch.zeros_like(theta), 0.0, [], []
+    p_test, p_id = 0, 0
+    trained = common.train_clients(model, theta, fed.clients, args, ctx, adam, epochs=args.spawn_epochs)
+    for client, (theta_c, _) in zip(fed.clients, trained):
+        common.set_flat(model, theta_c)
+        mine.append(accuracy(model, fed.test_x, fed.test_y, ctx))
+        theirs.append(accuracy(model, fed.id_x, fed.id_y, ctx))
+        p_test = p_test + probabilities(model, fed.test_x, ctx)
+        p_id = p_id + probabilities(model, fed.id_x, ctx)
+        delta_sum += client.n * (theta_c - theta)                      # as fedloe.stage1_round (Eq. 4)
+        weight_sum += client.n
+    common.set_flat(model, theta + args.global_lr * delta_sum / weight_sum)
+    out = {"average_test": accuracy(model, fed.test_x, fed.test_y, ctx),
+           "average_in_domain": accuracy(model, fed.id_x, fed.id_y, ctx),
+           "clients_test": sum(mine) / len(mine), "clients_in_domain": sum(theirs) / len(theirs),
+           "ensemble_test": (p_test.argmax(1) == fed.test_y).float().mean().item(),
+           "ensemble_in_domain": (p_id.argmax(1) == fed.id_y).float().mean().item()}
+    common.set_flat(model, theta)
+    ctx.gen.set_state(gen)                                             # the trunk draws as if no branch
+    return out
+
+
+def spawn_round(t, model, fed, args, state, ctx):
+    if t - 1 in args.spawn:                                            # the trunk has run k = t - 1 epochs
+        state["branch"] = dict(k=t - 1, **branch(model, fed, args, ctx))
+    return fedloe.stage1_round(model, fed, args, state, ctx)
+
+
+def init_state(model, fed, args, ctx):
+    return dict(fedloe.init_state(model, fed, args, ctx), branch=None)
+
+
+def evaluate(model, fed, args, state, ctx):
+    """fedloe's evaluation of the trunk; the round's branch, if any, goes into the same history row."""
+    val, test, per, extra = fedloe.evaluate(model, fed, args, state, ctx)
+    extra["spawn"], state["branch"] = state["branch"], None
+    return val, test, per, extra
+
+
+def main(argv=None):
+    return common.main("fedloe_spawn", __doc__, spawn_round, argv, add_args, fedloe.DEFAULTS, init_state,
+                       evaluate, check)
+
+
+if __name__ == "__main__":
+    main()
