@@ -1,4 +1,4 @@
-"""The test suite: pytest -q (237 tests, about 3.5 minutes on 2 CPU cores, no GPU, no network).
+"""The test suite: pytest -q (239 tests, about 3.5 minutes on 2 CPU cores, no GPU, no network).
 
 Most runs call a method's main() in-process on the synthetic domains or the embedded digits; a few
 run the scripts as subprocesses to check what a user sees (one line on stderr, the exit code).
