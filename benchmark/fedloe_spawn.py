@@ -76,13 +76,13 @@ def branch(model, fed, args, ctx):
     """Every client L epochs alone from the current model; the three accuracies; then undone."""
     theta, gen = common.get_flat(model), ctx.gen.get_state()
     adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay)  # stage 1's
-    delta_sum, weight_sum, mine, theirs = torch.zeros_like(theta), 0.0, [], []
-    p_test, p_id = 0, 0
+    delta_sum, weight_sum, alone_test, alone_in_domain = torch.zeros_like(theta), 0.0, [], []
+    p_test, p_id = 0, 0                                                # the ensemble: summed softmax outputs
     trained = common.train_clients(model, theta, fed.clients, args, ctx, adam, epochs=args.spawn_epochs)
     for client, (theta_c, _) in zip(fed.clients, trained):
         common.set_flat(model, theta_c)
-        mine.append(accuracy(model, fed.test_x, fed.test_y, ctx))
-        theirs.append(accuracy(model, fed.id_x, fed.id_y, ctx))
+        alone_test.append(accuracy(model, fed.test_x, fed.test_y, ctx))
+        alone_in_domain.append(accuracy(model, fed.id_x, fed.id_y, ctx))
         p_test = p_test + probabilities(model, fed.test_x, ctx)
         p_id = p_id + probabilities(model, fed.id_x, ctx)
         delta_sum += client.n * (theta_c - theta)                      # as fedloe.stage1_round (Eq. 4)
@@ -90,7 +90,8 @@ def branch(model, fed, args, ctx):
     common.set_flat(model, theta + args.global_lr * delta_sum / weight_sum)
     out = {"average_test": accuracy(model, fed.test_x, fed.test_y, ctx),
            "average_in_domain": accuracy(model, fed.id_x, fed.id_y, ctx),
-           "clients_test": sum(mine) / len(mine), "clients_in_domain": sum(theirs) / len(theirs),
+           "clients_test": sum(alone_test) / len(alone_test),
+           "clients_in_domain": sum(alone_in_domain) / len(alone_in_domain),
            "ensemble_test": (p_test.argmax(1) == fed.test_y).float().mean().item(),
            "ensemble_in_domain": (p_id.argmax(1) == fed.id_y).float().mean().item()}
     common.set_flat(model, theta)
@@ -117,7 +118,7 @@ def evaluate(model, fed, args, state, ctx):
 
 def main(argv=None):
     return common.main("fedloe_spawn", __doc__, spawn_round, argv, add_args, fedloe.DEFAULTS, init_state,
-                       evaluate, check)
+                       evaluate, check, parallel_clients=True)     # as fedloe: on CUDA the trunk trains at once
 
 
 if __name__ == "__main__":
