@@ -14,8 +14,6 @@ a seeded shuffle per pass; the different-initialisation pair draws w′'s weight
 
     python benchmark/mcmahan_fig1.py --data-root data --seeds 0 1 2 --out benchmark/results/mcmahan-fig1/fig1.json
 """
-import argparse
-import json
 import sys
 from pathlib import Path
 
