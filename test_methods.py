@@ -1551,8 +1551,19 @@ def test_benchmark_run_and_report(tmp_path, capsys):
         r = json.loads(p.read_text())
         if r["method"] == "fediir":
             r["args"].update(rounds=4, local_epochs=3)
+        if r["method"] == "fedavg" and r["seed"] == 1:
+            r["args"]["device"] = "cuda"                # a folder with runs from two devices: a row for each
+            r["domains"]["style0"]["history"][-1]["seconds"] *= 0.1
         (longer / p.name).write_text(json.dumps(r))
-    assert "2 per round, rounds × local epochs fedavg 2 × 1, fediir 4 × 3; data:" in bench_report.main([str(longer)])
+    text = bench_report.main([str(longer)])
+    assert "2 per round, rounds × local epochs fedavg 2 × 1, fediir 4 × 3; data:" in text
+    lines = text.splitlines()
+    top = lines.index("| method | s / round | images / s | × FedAvg |") + 2
+    speed = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in lines[top:top + 3])}
+    assert list(speed) == ["fedavg (cpu)", "fedavg (cuda)", "fediir (cpu)"] and lines[top + 3] == ""
+    assert speed["fedavg (cpu)"][2] == speed["fedavg (cuda)"][2] == "1.00"          # each against its own device
+    assert float(speed["fediir (cpu)"][2]) == pytest.approx(float(speed["fediir (cpu)"][0]) / float(speed["fedavg (cpu)"][0]),
+                                                            abs=0.01)
     assert "report.py: error: " in str(pytest.raises(SystemExit, bench_report.main, [str(tmp_path / "nope")]).value)
     assert "unknown method 'fedfoo'" in str(pytest.raises(SystemExit, bench_run.main, ["--dataset", "synthetic",
                                                                                       "--methods", "fedfoo"]).value)

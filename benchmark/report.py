@@ -146,27 +146,30 @@ def exit_table(runs):
 
 
 def speed_table(runs):
+    """Seconds per round and images / s per method, and the ratio to FedAvg's round; where the runs
+    of a folder come from more than one device, one row per method and device, each against FedAvg
+    on the same device."""
     lines = ["| method | s / round | images / s | × FedAvg |", "|---|---|---|---|"]
-    rates = {}
+    several = len({r["args"].get("device") for rs in runs.values() for r in rs}) > 1
+    sec, ips = {}, {}                                  # (label, device or None) -> one value per run
     for lab, rs in sorted(runs.items()):
         if lab.endswith("(global)"):
             continue
-        sec, ips = [], []
         for r in rs:
             a = r["args"]
+            key = (lab, a.get("device") if several else None)
             for d in r["domains"].values():
                 last = d["history"][-1]
-                s = last["seconds"] / last["round"]
-                sec.append(s)
+                sec.setdefault(key, []).append(last["seconds"] / last["round"])
                 if "train_examples" in d:                  # images through local training, whole run
                     trained = a.get("stage1_comms", last["round"])   # fedloe: stage 1 trains, stage 2 heads only
-                    ips.append(d["train_examples"] * a["sample"] / a["clients"] * a["local_epochs"] * trained
-                               / last["seconds"])
-        rates[lab] = (np.mean(sec), np.mean(ips) if ips else float("nan"))
-    base = rates.get("fedavg", (None,))[0]
-    for lab, (s, i) in rates.items():
-        ratio = f"{s / base:.2f}" if base else "–"
-        lines.append(f"| {lab} | {s:.3f} | {i:,.0f} | {ratio} |")
+                    ips.setdefault(key, []).append(d["train_examples"] * a["sample"] / a["clients"]
+                                                   * a["local_epochs"] * trained / last["seconds"])
+    for (lab, dev), s in sorted(sec.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        base = sec.get(("fedavg", dev))
+        ratio = f"{np.mean(s) / np.mean(base):.2f}" if base else "–"
+        i = np.mean(ips[(lab, dev)]) if (lab, dev) in ips else float("nan")
+        lines.append(f"| {lab}{f' ({dev})' if several else ''} | {np.mean(s):.3f} | {i:,.0f} | {ratio} |")
     if any(r["method"] == "fedloe" for rs in runs.values() for r in rs):
         lines += ["", "fedloe: a round is one communication (stage 1: every client trains E1/K1 local epochs; "
                   "stage 2: heads only), so its s / round is not a FedAvg round's; its images / s counts the "
