@@ -1,0 +1,287 @@
+"""Six methods, one table: every method on every MNIST-family benchmark at full scale, side by side.
+
+Rows are methods, columns benchmarks; a cell is the test accuracy (%) as mean ± std over seeds
+(3 by default), each run at its method's paper settings for that dataset where the paper gives
+them, otherwise at its file's defaults, never tuned on a test domain. The benchmarks (BENCHMARKS):
+
+    rcmnist-norot   federated ColoredMNIST: rcmnist --no-rotation, 4 clients, 500 rounds, p_test 0.1
+    rcmnist         RC-MNIST as PerInvFL builds it (client i rotated by 90·i degrees)
+    rmnist5-0/-75   RotatedMNIST, one client per training domain, test domain 0° / 75°
+    rmnist50-0/-75  RotatedMNIST, 50 clients, 5 sampled, test domain 0° / 75°
+    mnist-fl        label-skew MNIST, Dirichlet α = 0.1, 100 clients, 20 sampled, 200 rounds
+
+A committed run of the same protocol and code is reused, not rerun (REUSE names its folder); the
+other cells run through benchmark/run.py (resumable: a complete run is skipped, an interrupted one
+continued) into benchmark/results/leaderboard/<benchmark>/. A method that refuses a protocol gets
+no cell, and the reason is listed under the table. PerInvFL gives two rows from one run: its
+personalised models and its global invariant model ν ("federated IRM"). The centralised ERM and IRM
+of benchmark/irm_central.py are reference rows on the two RC-MNIST columns.
+
+A cell is marked best (bold) only where its mean beats every other row's mean in that column by
+more than two seed standard deviations (2 · the larger of the two stds), with at least 2 seeds each.
+
+    python benchmark/leaderboard.py --data-root DIR                     # run what is missing, then the table
+    python benchmark/leaderboard.py --data-root DIR --only rcmnist-norot --jobs 2
+    python benchmark/leaderboard.py --data-root DIR --launcher multi_gpu --gpus 0,1
+    python benchmark/leaderboard.py --dry-run                           # the missing cells and their commands
+    python benchmark/leaderboard.py --table-only                        # the table from what exists
+
+Writes benchmark/results/leaderboard/README.md (the table, where each cell comes from, every cell's
+settings, the refusals) and leaderboard.{png,svg} (matplotlib, benchmark/ only).
+"""
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmark" / "results"
+SEEDS = [0, 1, 2]
+
+# name -> (title, dataset, arguments of every run, where it fits: "cpu" (hours on 2 cores) or "gpu")
+BENCHMARKS = {
+    "rcmnist-norot": ("Federated ColoredMNIST", "rcmnist", ["--no-rotation"], "cpu"),
+    "rcmnist": ("RC-MNIST (rotated)", "rcmnist", [], "cpu"),
+    "rmnist5-0": ("RotatedMNIST-5, 0°", "rmnist", ["--test-domain", "0"], "gpu"),
+    "rmnist5-75": ("RotatedMNIST-5, 75°", "rmnist", ["--test-domain", "75"], "gpu"),
+    "rmnist50-0": ("RotatedMNIST-50, 0°", "rmnist", ["--clients", "50", "--sample", "5", "--test-domain", "0"], "gpu"),
+    "rmnist50-75": ("RotatedMNIST-50, 75°", "rmnist", ["--clients", "50", "--sample", "5", "--test-domain", "75"], "gpu"),
+    "mnist-fl": ("MNIST label skew α 0.1", "mnist", ["--alpha", "0.1", "--rounds", "200", "--eval-every", "20"], "gpu"),
+}
+# row label -> (script, its own arguments)
+ROWS = {
+    "fedavg": ("fedavg", []),
+    "fediir": ("fediir", []),
+    "fedomg": ("fedomg", []),
+    "fedloe-fish": ("fedloe", ["--dg", "fish"]),
+    "fedloe-irm": ("fedloe", ["--dg", "irm"]),
+    "fedloe-rex": ("fedloe", ["--dg", "rex"]),
+    "perinvfl": ("perinvfl", []),
+    "fedipg": ("fedipg", []),
+}
+# (benchmark, row) -> committed folder/label of the same protocol and code, reused as it is
+REUSE = {
+    ("rcmnist-norot", "fedavg"): "rcmnist-full-norot/fedavg",
+    ("rcmnist", "fedavg"): "rcmnist-full/fedavg",
+    ("rmnist50-0", "fedavg"): "rmnist50-full-0/fedavg",
+    ("rmnist50-0", "fediir"): "rmnist50-full-0/fediir",
+    ("rmnist50-75", "fedavg"): "rmnist50-full-75/fedavg",
+    ("rmnist50-75", "fediir"): "rmnist50-full-75/fediir",
+    ("mnist-fl", "fedavg"): "mnist-fl-full-alpha0.1/fedavg",
+}
+# (benchmark, row) -> why the method does not run there (listed under the table)
+REFUSED = {}
+# reference rows: label -> {benchmark: irm_central.py results file, its key}
+CENTRAL = {"central ERM": ("erm", {"rcmnist-norot": "irm-central/rc-norot.json", "rcmnist": "irm-central/rc.json"}),
+           "central IRM": ("irm", {"rcmnist-norot": "irm-central/rc-norot.json", "rcmnist": "irm-central/rc.json"})}
+# the papers' numbers for a column, where one exists: (benchmark, row) -> (value, source)
+PAPER = {
+    ("rcmnist", "fedavg"): (20.77, "PerInvFL Tab. 2"), ("rcmnist", "perinvfl"): (53.46, "PerInvFL Tab. 2"),
+    ("rcmnist", "perinvfl (ν)"): (51.48, "PerInvFL Tab. 2, IRM"),
+    ("rmnist50-0", "fedavg"): (77.9, "FedIIR Tab. 8"), ("rmnist50-0", "fediir"): (84.0, "FedIIR Tab. 8"),
+    ("rmnist50-75", "fedavg"): (81.2, "FedIIR Tab. 8"), ("rmnist50-75", "fediir"): (84.5, "FedIIR Tab. 8"),
+    ("mnist-fl", "fedavg"): (93.77, "FedOMG Tab. 1"), ("mnist-fl", "fedomg"): (98.75, "FedOMG Tab. 1"),
+}
+
+
+def folder(bench, out_dir):
+    return Path(out_dir) / bench
+
+
+def runs_of(bench, row, out_dir, seeds):
+    """[(seed, results path)] of a cell: the reused committed runs, or the leaderboard's own."""
+    if (bench, row) in REUSE:
+        f, label = REUSE[(bench, row)].split("/")
+        return [(s, RESULTS / f / f"{label}-seed{s}.json") for s in seeds]
+    return [(s, folder(bench, out_dir) / f"{row}-seed{s}.json") for s in seeds]
+
+
+def complete(path):
+    try:
+        return json.loads(Path(path).read_text()).get("complete", False)
+    except (OSError, ValueError):
+        return False
+
+
+def accuracy(path, which="test_acc"):
+    """A run's test accuracy (%): the mean over its test domains (one here), or ν's for PerInvFL."""
+    r = json.loads(Path(path).read_text())
+    return 100 * float(np.mean([d[which] for d in r["domains"].values()]))
+
+
+def cells(benches, out_dir, seeds):
+    """{(bench, row): [accuracies of the complete seeds]}, PerInvFL's ν as row 'perinvfl (ν)'."""
+    out = {}
+    for b in benches:
+        for row in ROWS:
+            if (b, row) in REFUSED:
+                continue
+            done = [p for _, p in runs_of(b, row, out_dir, seeds) if complete(p)]
+            out[(b, row)] = [accuracy(p) for p in done]
+            if row == "perinvfl":
+                out[(b, "perinvfl (ν)")] = [accuracy(p, "global_test_acc") for p in done]
+        for label, (key, files) in CENTRAL.items():
+            f = RESULTS / files[b] if b in files else None
+            if f is not None and f.is_file():
+                out[(b, label)] = [100 * r["test_acc"] for r in json.loads(f.read_text())["runs"] if r["method"] == key]
+    return out
+
+
+def best(col):
+    """The row of a column that beats every other row beyond two seed stds, or None."""
+    stats = {r: (np.mean(v), np.std(v, ddof=1)) for r, v in col.items() if len(v) >= 2}
+    if len(stats) < 2:
+        return None
+    top = max(stats, key=lambda r: stats[r][0])
+    m, s = stats[top]
+    ok = all(m - m2 > 2 * max(s, s2) for r, (m2, s2) in stats.items() if r != top)
+    return top if ok else None
+
+
+def fmt(v):
+    if not v:
+        return "—"
+    return f"{np.mean(v):.1f} ± {np.std(v, ddof=1) if len(v) > 1 else 0.0:.1f} ({len(v)})"
+
+
+def table(benches, out_dir, seeds):
+    """The markdown table: rows methods, columns benchmarks, mean ± std (seeds), paper's number, best in bold."""
+    c = cells(benches, out_dir, seeds)
+    rows = list(dict.fromkeys(r for (_, r) in c))
+    tops = {b: best({r: v for (bb, r), v in c.items() if bb == b}) for b in benches}
+    lines = ["| method | " + " | ".join(BENCHMARKS[b][0] for b in benches) + " |",
+             "|---|" + "---|" * len(benches)]
+    for r in rows:
+        out = []
+        for b in benches:
+            v = c.get((b, r))
+            s = fmt(v) if v is not None else "refused" if (b, r) in REFUSED else ""
+            s = f"**{s}**" if tops[b] == r else s
+            if (b, r) in PAPER:
+                s += f" [paper {PAPER[(b, r)][0]}]"
+            out.append(s)
+        lines.append(f"| {r} | " + " | ".join(out) + " |")
+    return "\n".join(lines), c
+
+
+def sources(benches, out_dir, seeds):
+    out = []
+    for b in benches:
+        _, dataset, args, _ = BENCHMARKS[b]
+        out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`): `--dataset {dataset} {shlex.join(args)}` and each method's "
+                   f"defaults for {dataset}.")
+        for row, (script, extra) in ROWS.items():
+            if (b, row) in REFUSED:
+                out.append(f"  - {row}: refused — {REFUSED[(b, row)]}")
+            elif (b, row) in REUSE:
+                out.append(f"  - {row}: reused from `benchmark/results/{REUSE[(b, row)]}-seed*.json`")
+            else:
+                out.append(f"  - {row}: `python {script}.py --dataset {dataset} {shlex.join(args + extra)} "
+                           f"--data-root DIR --seed S` → `{folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) else folder(b, out_dir)}/{row}-seedS.json`")
+    return "\n".join(out)
+
+
+def missing(benches, out_dir, seeds):
+    """{bench: [row labels with a seed not complete]} (reused and refused cells excluded)."""
+    todo = {}
+    for b in benches:
+        for row in ROWS:
+            if (b, row) in REUSE or (b, row) in REFUSED:
+                continue
+            if not all(complete(p) for _, p in runs_of(b, row, out_dir, seeds)):
+                todo.setdefault(b, []).append(row)
+    return todo
+
+
+def run_command(b, rows, a):
+    """benchmark/run.py's command for the missing rows of one benchmark."""
+    _, dataset, args, _ = BENCHMARKS[b]
+    methods = [f"{r}={ROWS[r][0]}" + "".join(f" {x}" for x in ROWS[r][1]) for r in rows]
+    cmd = [sys.executable, str(ROOT / "benchmark" / "run.py"), "--dataset", dataset, "--seeds", *map(str, a.seeds),
+           "--out-dir", str(a.out_dir), "--tag", b, "--launcher", a.launcher, "--jobs", str(a.jobs),
+           "--methods", *methods]
+    if a.gpus:
+        cmd += ["--gpus", a.gpus]
+    return cmd + ["--"] + args + (["--data-root", a.data_root] if a.data_root else [])
+
+
+def figure(c, benches, out_dir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("leaderboard.py: no figure (matplotlib is not installed: pip install matplotlib)")
+        return
+    rows = list(dict.fromkeys(r for (_, r) in c))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(benches)), 4))
+    w = 0.8 / max(1, len(rows))
+    for i, r in enumerate(rows):
+        m = [np.mean(c[(b, r)]) if c.get((b, r)) else np.nan for b in benches]
+        s = [np.std(c[(b, r)], ddof=1) if len(c.get((b, r)) or []) > 1 else 0 for b in benches]
+        ax.bar(np.arange(len(benches)) + i * w, m, w, yerr=s, label=r)
+    ax.set_xticks(np.arange(len(benches)) + 0.4 - w / 2, [BENCHMARKS[b][0] for b in benches], fontsize=7)
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    for ext in ("png", "svg"):
+        fig.savefig(Path(out_dir) / f"leaderboard.{ext}", dpi=120)
+    plt.close(fig)
+
+
+def write(benches, a):
+    text, c = table(benches, a.out_dir, a.seeds)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "README.md").write_text(
+        "# Leaderboard\n\nTest accuracy (%), mean ± std over seeds (number of seeds), the paper's number in "
+        "brackets where one exists; bold: beats every other row beyond two seed stds. Written by "
+        "`python benchmark/leaderboard.py --table-only`.\n\n" + text + "\n\n![leaderboard](leaderboard.svg)\n\n"
+        "## Where each cell comes from\n\n" + sources(benches, a.out_dir, a.seeds) + "\n")
+    if not a.no_figure:
+        figure(c, benches, out)
+    print(text)
+    return text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-root", default=None, help="full MNIST (python data.py --download mnist --data-root DIR)")
+    p.add_argument("--launcher", default="local", choices=["local", "multi_gpu", "slurm"], help="benchmark/run.py's")
+    p.add_argument("--jobs", type=int, default=1, help="local launcher: runs at once")
+    p.add_argument("--gpus", default=None, help="multi_gpu launcher: GPU ids")
+    p.add_argument("--only", nargs="+", default=None, choices=list(BENCHMARKS), help="these benchmarks only")
+    p.add_argument("--where", default=None, choices=["cpu", "gpu"], help="the benchmarks that fit this kind only")
+    p.add_argument("--seeds", nargs="+", type=int, default=SEEDS)
+    p.add_argument("--out-dir", default=str(RESULTS / "leaderboard"))
+    p.add_argument("--dry-run", action="store_true", help="list the missing cells and their commands, run nothing")
+    p.add_argument("--table-only", action="store_true", help="write the table from the runs that exist")
+    p.add_argument("--no-figure", action="store_true")
+    a = p.parse_args(argv)
+    a.out_dir = str(Path(a.out_dir).resolve())
+    benches = [b for b in (a.only or BENCHMARKS) if a.where is None or BENCHMARKS[b][3] == a.where]
+    if a.jobs < 1:
+        sys.exit("leaderboard.py: error: --jobs must be at least 1")
+    todo = {} if a.table_only else missing(benches, a.out_dir, a.seeds)
+    if todo and not a.dry_run and a.data_root is None and any(BENCHMARKS[b][1] != "synthetic" for b in todo):
+        sys.exit("leaderboard.py: error: the leaderboard is at full scale: give --data-root DIR with full MNIST "
+                 "(python data.py --download mnist --data-root DIR)")
+    for b, rows in todo.items():
+        cmd = run_command(b, rows, a)
+        print(("would run " if a.dry_run else "run ") + shlex.join(cmd[1:]), flush=True)
+        if not a.dry_run:
+            rc = subprocess.run(cmd, cwd=ROOT).returncode
+            if rc:
+                sys.exit(f"leaderboard.py: error: benchmark {b}: run.py exited {rc}; see its runs' .log files")
+    if a.dry_run:
+        print(f"{sum(map(len, todo.values()))} missing cell(s) in {len(todo)} benchmark(s)")
+        return todo
+    return write(benches, a)
+
+
+if __name__ == "__main__":
+    main()
