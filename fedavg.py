@@ -28,18 +28,37 @@ import torch
 import common
 
 
+# ---------------------------------------------------------------- the method as plain functions
+# The client's step 2 is plain local SGD on the cross-entropy (any training loop does it); what is
+# FedAvg's own is the server's step 3. It reads the clients' parameters one at a time, so any
+# iterable will do (a generator keeps one client's parameters in memory at once).
+
+def server_update(theta, thetas, n, global_lr=1.0):
+    """Step 3: θ^t = θ^{t-1} + η_g Σ_c n_c Δ_c / Σ_c n_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1} as a
+    flat vector; thetas: the sampled clients' trained θ_c (flat); n: their weights n_c (data sizes,
+    or ones for the uniform mean of the FedIIR code); global_lr: η_g (1 = the weighted mean of the θ_c)."""
+    delta_sum, weight_sum = torch.zeros_like(theta), 0.0
+    for theta_c, n_c in zip(thetas, n):
+        delta_sum += n_c * (theta_c - theta)                    # n_c Δ_c
+        weight_sum += n_c
+    return theta + global_lr * (delta_sum / weight_sum)
+
+
+# ------------------------------------------------------------------------------------ one round
+
 def fedavg_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                              # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)  # step 1
-    delta_sum, weight_sum, losses = torch.zeros_like(theta), 0.0, {}
-    # step 2: on every c ∈ S, θ_c ← θ^{t-1}, then E epochs of SGD on R_c
+    # step 2: on every c ∈ S, θ_c ← θ^{t-1}, then E epochs of SGD on R_c (one after another, or at once)
     trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx)
-    for c, (theta_c, loss) in zip(S, trained):
-        losses[c] = loss
-        n_c = 1.0 if args.uniform_avg else float(fed.clients[c].n)
-        delta_sum += n_c * (theta_c - theta)                    # n_c Δ_c
-        weight_sum += n_c
-    common.set_flat(model, theta + args.global_lr * (delta_sum / weight_sum))  # step 3
+    losses = {}
+
+    def uploads():                                              # θ_c, client by client, as they finish
+        for c, (theta_c, loss) in zip(S, trained):
+            losses[c] = loss
+            yield theta_c
+    n = [1.0 if args.uniform_avg else float(fed.clients[c].n) for c in S]
+    common.set_flat(model, server_update(theta, uploads(), n, args.global_lr))   # step 3
     return losses
 
 
