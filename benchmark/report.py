@@ -2,29 +2,48 @@
 method scripts): test accuracy per held-out domain, mean ± std over seeds, the best mean in bold;
 seconds per round and images per second with the ratio to FedAvg; figures (PNG and SVG) of accuracy
 against round, of accuracy against p_test on RC-MNIST, and of benchmark/speed.py's seconds per round.
+Without folders: every results table of the documentation, from the committed results.
 
     python benchmark/report.py results/benchmark/rmnist-50clients [more folders] [--out report.md]
     python benchmark/report.py --speed speed.json [folders]        # speed.py --json's table and bars
+    python benchmark/report.py                   # rewrite every generated block, redraw the figures
+    python benchmark/report.py --check           # exit 1 naming each block that would change (text only)
 
 Runs are grouped by folder, then by label (the file name before `-seed`). The std is over seeds
 (n − 1 in the denominator; 0 with one seed). Images per second = training examples of the sampled
 clients × local epochs × training rounds / seconds of the run (evaluation time included; a method's
 extra passes, e.g. FedIIR's global-gradient pass, are not counted as images; FedLOE's training rounds
 are its stage-1 communications). With --out, an existing file's text above its first "## " heading
-(a hand-written introduction: how the results were made) is kept. The paper's numbers are printed beside a
-table when the dataset and scenario match one of the papers (from ../shared/notes/PAPERS.md); they
-used the full datasets, GPUs and their own round counts; the figures draw them as dashed lines.
+(a hand-written introduction: how the results were made) is kept. The papers' numbers are printed
+beside a table when the dataset and scenario match one of the papers (PAPERS below, each number with
+the paper's table it comes from: FedIIR Tables 1, 2, 8; FedOMG Tables 1, 2; FedLOE Table 2; FedIPG
+Tables II, III; PerInvFL Tables 2, 5); they used the full datasets, GPUs and their own round counts;
+the figures draw them as dashed lines.
 
 Every figure is written beside its data: <folder>/accuracy.{png,svg} (mean over seeds ± std band, per
 method); on rcmnist / rcfmnist <folder>/ptest.{png,svg} (every p_test: scored from the checkpoints by
 rcmnist_ptest.py when every run has its .ckpt, else from the ptest.md it wrote); with --speed, the
 bar chart beside the JSON. The figures need matplotlib (pip install matplotlib; benchmark/ only).
+
+Generated blocks. README.md, docs/*.md and benchmark/results/README.md hold every results table
+between two marker lines, <!-- report:NAME --> and <!-- /report:NAME -->. Without folders this script
+rewrites the text between them from the committed results (benchmark/results/, the committed files
+only: p_test tables from ptest.md, never from local checkpoints), and redraws the figures of the
+`folder:`, `speed:` and `speed-table:` blocks unless --no-figures; --check only compares, names every block that
+would change on stderr and exits 1. A new results folder gets its section in
+benchmark/results/README.md by the two marker lines with NAME = folder:<folder>; BLOCKS lists the
+other kinds. Every verdict follows one rule (verdict(), stated in the README): a claim holds when
+the paper's method differs from its baseline in the paper's direction by more than twice the larger
+of the two seed standard deviations, is reversed when it differs by that much the other way, and is
+"within 2 std" otherwise.
 """
 import argparse
 import json
 import os
+import re
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -270,11 +289,12 @@ PTEST_PAPER = {  # PerInvFL's Table 2 (RC-MNIST) at p_test 0.1 ... 0.5: our row 
 }
 
 
-def ptest_table(folder, paths):
+def ptest_table(folder, paths, score=True):
     """(the p_test values, {row: (mean %, std %, seeds) at each}, where from): scored from the runs'
-    checkpoints by rcmnist_ptest.py when every run has one beside its results, else read from the
-    ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed); (None, None, None) without."""
-    if paths and all(Path(f).with_suffix(".ckpt").is_file() for f in paths):
+    checkpoints by rcmnist_ptest.py when every run has one beside its results (and score), else read
+    from the ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed); (None, None, None)
+    without."""
+    if score and paths and all(Path(f).with_suffix(".ckpt").is_file() for f in paths):
         import rcmnist_ptest                                  # torch and the data: only when scoring
         try:
             scored = rcmnist_ptest.table(paths)
@@ -349,7 +369,9 @@ def title(first, name):
             + "\n".join(textwrap.fill(part, 100) for part in ("data: " + first["source"]).split("; ")))
 
 
-def report(folder, where="."):
+def report(folder, where=".", figures=True, score=True):
+    """The markdown section of one folder (and its figures beside it unless figures=False; score=False
+    reads the p_test table from the committed ptest.md even where checkpoints are there)."""
     runs, skipped = load(folder)
     if not runs:
         return [f"## {folder}", "", "no complete results here", ""]
@@ -376,18 +398,20 @@ def report(folder, where="."):
     lines += ["", *speed_table(runs)]
     link = lambda stem, ext: os.path.relpath(f"{stem}.{ext}", where)     # relative to the markdown file
     stem = Path(folder) / "accuracy"
-    save(accuracy_figure(runs, title(first, Path(folder).name), paper), stem)
+    if figures:
+        save(accuracy_figure(runs, title(first, Path(folder).name), paper), stem)
     lines += ["", f"![test accuracy against round]({link(stem, 'svg')})", "",
               "Test accuracy (%) against round: each seed's accuracy is its mean over the test domains; line: "
               "the mean over seeds, band: ± the std over seeds" + ("; dashed: the published number" if paper else "")
               + f"; identical curves are drawn once, named together ([PNG]({link(stem, 'png')}))."]
     if first["dataset"] in ("rcmnist", "rcfmnist"):             # PerInvFL's p_test table as a figure
         paths = [f for f in sorted(Path(folder).glob("*.json")) if f.name not in skipped]
-        p_test, table, source = ptest_table(folder, paths)
+        p_test, table, source = ptest_table(folder, paths, score)
         if table:
             stem, rc = Path(folder) / "ptest", first["dataset"] == "rcmnist"
             head = title(first, Path(folder).name).replace(f", p_test {a['p_test']}", "")   # every p_test here
-            save(ptest_figure(table, head, p_test, paper=rc), stem)
+            if figures:
+                save(ptest_figure(table, head, p_test, paper=rc), stem)
             lines += ["", f"![test accuracy against p_test]({link(stem, 'svg')})", "",
                       f"The same runs scored on the test contexts of every p_test (from {source}): line: the mean "
                       "over seeds, band: ± the std over seeds" + ("; dashed: PerInvFL's Table 2" if rc else "")
@@ -399,8 +423,8 @@ def report(folder, where="."):
     return lines + [""]
 
 
-def speed_report(path, where="."):
-    """The table and bar chart of a speed.py --json file (the chart beside it)."""
+def speed_report(path, where=".", figures=True):
+    """The table and bar chart of a speed.py --json file (the chart beside it unless figures=False)."""
     try:
         speed = json.loads(Path(path).read_text())
         med = {k: float(np.median(v)) for k, v in speed["seconds"].items()}
@@ -408,7 +432,8 @@ def speed_report(path, where="."):
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
         sys.exit(f"report.py: error: {path} is not a speed.py --json file ({e.__class__.__name__}: {e})")
     stem = Path(path).with_suffix("")
-    save(speed_figure(speed), stem)
+    if figures:
+        save(speed_figure(speed), stem)
     return ["## speed", "", f"`benchmark/speed.py`: {speed['setting']}.", "",
             f"| round | s / round | images / s | × {next(iter(med))} |", "|---|---|---|---|",
             *[f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |" for k, v in med.items()], "",
@@ -417,17 +442,585 @@ def speed_report(path, where="."):
             f"([PNG]({os.path.relpath(f'{stem}.png', where)})).", ""]
 
 
+# ---------------------------------------------------------------------------------------------------
+# Generated blocks. README.md, docs/*.md and benchmark/results/README.md hold every results table
+# between two marker lines, <!-- report:NAME --> and <!-- /report:NAME -->; `python
+# benchmark/report.py` (no folders) rewrites each block from the committed results, `--check` says
+# which block would change. NAME is KIND or KIND:ARGUMENTS (BLOCKS below lists the kinds).
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmark" / "results"
+# A results file records "cpu" or "cuda", not the machine: the committed CUDA runs all ran on one NVIDIA
+# H100, the CPU runs on a 2-core CPU (benchmark/results/README.md says which folder ran where and when).
+DEVICE_NAMES = {"cuda": "H100", "cpu": "CPU"}
+
+
+@dataclass
+class Claim:
+    """One published claim: the paper's method (runs labelled `method` in `folder`) against a baseline
+    (runs `base` in `base_folder`, default the same folder), in the paper's direction `sign` (+1: the
+    paper's method above the baseline; -1: below, as for a loss)."""
+    paper: str                 # the method page: docs/<paper>.md
+    group: str                 # the paper's table or figure
+    claim: str
+    folder: str
+    method: str
+    base: str
+    published: str             # the paper's numbers, method / baseline, as printed
+    sign: int = 1
+    base_folder: str = ""
+    scale: str = ""            # empty: the paper's scale; else why not
+    metric: str = "acc"        # acc: test accuracy (%); loss: McMahan et al.'s Figure 1 (fig1.json)
+
+
+NOT_PAPER_SCALE = "full RotatedMNIST, narrow ConvNet (the paper: PACS, ResNet-50)"
+CLAIMS = [
+    Claim("fedavg", "Fig. 1", "averaging two models trained apart from one shared initialisation: loss below the "
+          "better parent's", "mcmahan-fig1", "shared:average", "shared:parent", "below both parents", sign=-1,
+          metric="loss"),
+    Claim("fedavg", "Fig. 1", "... from two different initialisations: loss above the better parent's",
+          "mcmahan-fig1", "different:average", "different:parent", "far above", metric="loss"),
+    Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 0° held out", "rmnist50-full-0",
+          "fediir", "fedavg", "84.0 / 77.9"),
+    Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 75° held out", "rmnist50-full-75",
+          "fediir", "fedavg", "84.5 / 81.2"),
+    Claim("fedomg", "Table 1", "FedOMG above FedAvg, MNIST, Dirichlet α = 0.5 (200 of 800 rounds)",
+          "mnist-fl-full-alpha0.5", "fedomg", "fedavg", "98.58 / 91.47"),
+    Claim("fedomg", "Table 1", "FedOMG above FedAvg, MNIST, Dirichlet α = 0.1 (200 of 800 rounds)",
+          "mnist-fl-full-alpha0.1", "fedomg", "fedavg", "98.75 / 93.77"),
+    Claim("fedloe", "Fig. 1a", "few communications beat many: K1 = 4 above every-epoch averaging (K1 = 64)",
+          "fedloe-fig1a-smallconv", "k4", "k64", "best at K1 = 4", scale=NOT_PAPER_SCALE),
+    Claim("fedloe", "Table 2", "FedLOE-Fish above its own stage 1 (\"our FedAvg\"), 0° held out",
+          "fedloe-dg-smallconv", "fish", "stage1", "86.60 / 85.98 (PACS)", scale=NOT_PAPER_SCALE),
+    Claim("perinvfl", "Table 2", "PerInvFL above FedAvg, RC-MNIST, p_test 0.1", "rcmnist-full",
+          "perinvfl", "fedavg", "53.46 / 20.77"),
+    Claim("perinvfl", "Table 2", "PerInvFL above IRM (its global ν), RC-MNIST, p_test 0.1", "rcmnist-full",
+          "perinvfl", "perinvfl (global)", "53.46 / 51.48"),
+    Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 0° held out", "rmnist50-full-0",
+          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)"),
+    Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 75° held out", "rmnist50-full-75",
+          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)"),
+    Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, foreground", "stained-vic-fg",
+          "fedipg", "fedavg", "63.99 / 45.73"),
+    Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, background", "stained-vic-bg",
+          "fedipg", "fedavg", "62.77 / 49.71"),
+    Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, both", "stained-vic-both",
+          "fedipg", "fedavg", "62.08 / 52.78"),
+    Claim("fedipg", "Fig. 3", "a client turned to 180° harms: 75° accuracy with it excluded above kept",
+          "fedipg-exit-full", "exit-hand", "kept", "up to 20 points"),
+    Claim("fedipg", "Fig. 3", "a slow:3 client harms: excluded above kept", "fedipg-exit-slow-full",
+          "exit-hand", "kept", "up to 35 points"),
+    # excluded by hand the aberrant client never takes part, so the unreliable and the slow exit-hand runs
+    # are one run (seed 0's two agree bit for bit; seed 1 ran once, in the slow folder): both seeds from there
+    Claim("fedipg", "Fig. 3", "an unreliable:0.5 client harms: excluded (the slow folder's exit-hand runs) above kept",
+          "fedipg-exit-slow-full", "exit-hand", "kept", "up to 20 points", base_folder="fedipg-exit-unreliable-full"),
+    Claim("fedipg", "Sec. IV", "the exit strategy (Eq. 13) helps: 180° client, --exit auto above kept",
+          "fedipg-exit-full", "exit-auto", "kept", "exit above kept"),
+    Claim("fedipg", "Sec. IV", "... slow:3 client, --exit auto above kept", "fedipg-exit-slow-full",
+          "exit-auto", "kept", "exit above kept"),
+    Claim("fedipg", "Sec. IV", "... unreliable:0.5 client, --exit auto above kept", "fedipg-exit-unreliable-full",
+          "exit-auto", "kept", "exit above kept"),
+]
+METHODS = [  # file, method, paper
+    ("fedavg.py", "FedAvg", "McMahan et al., *Communication-Efficient Learning of Deep Networks from "
+     "Decentralized Data*, AISTATS 2017"),
+    ("fediir.py", "FedIIR", "Guo et al., *Out-of-Distribution Generalization of Federated Learning via Implicit "
+     "Invariant Relationships*, ICML 2023"),
+    ("fedomg.py", "FedOMG", "Nguyen et al., *Federated Domain Generalization with Data-free On-server Matching "
+     "Gradient*, ICLR 2025"),
+    ("fedloe.py", "FedLOE", "*Federated Domain Generalization via Locally Overfit Ensemble* (under review)"),
+    ("perinvfl.py", "PerInvFL", "Tang, Guo, Zhang, *Exploiting Personalized Invariance for Better OOD "
+     "Generalization in FL*"),
+    ("fedipg.py", "FedIPG", "Hao et al., *Invariant FL for Edge Intelligence with Exit Strategy and Invariant "
+     "Penalty*"),
+]
+
+_loaded = {}
+
+
+def committed(folder):
+    """load() of a committed results folder, once per process."""
+    if folder not in _loaded:
+        _loaded[folder] = load(RESULTS / folder)[0]
+    return _loaded[folder]
+
+
+def seed_values(folder, label, metric="acc"):
+    """[(seed, value, device)] of one label's runs: test accuracy in % (the mean over the run's test
+    domains, at the run's reported round), or, for McMahan et al.'s Figure 1 ("init:average" /
+    "init:parent"), the training loss at θ = ½ / of the better parent (θ = 0 or 1)."""
+    if metric == "loss":
+        init, what = label.split(":")
+        runs = json.loads((RESULTS / folder / "fig1.json").read_text())["runs"]
+        out = []
+        for r in runs:
+            if r["init"] == init:
+                at = {round(t, 6): v for t, v in zip(r["theta"], r["loss"])}
+                out.append((r["seed"], at[0.5] if what == "average" else min(at[0.0], at[1.0]), "cpu"))
+        return sorted(out)
+    return sorted((r["seed"], 100 * float(np.mean([d["test_acc"] for d in r["domains"].values()])),
+                   r["args"].get("device", "cpu")) for r in committed(folder).get(label, []))
+
+
+def fmt(v, metric="acc"):
+    return f"{v:.3f}" if metric == "loss" else f"{v:.1f}"
+
+
+def ms(vals, metric="acc"):
+    """'mean ± std' over seeds (n − 1; one seed: its value alone)."""
+    xs = [v for _, v, _ in vals]
+    if len(xs) < 2:
+        return fmt(xs[0], metric) if xs else "–"
+    return f"{fmt(np.mean(xs), metric)} ± {fmt(np.std(xs, ddof=1), metric)}"
+
+
+def devices(*runs):
+    """'2 seeds, H100', or the device of each seed where they differ."""
+    by_seed = {}
+    for vals in runs:
+        for seed, _, dev in vals:
+            by_seed.setdefault(seed, set()).add(DEVICE_NAMES.get(dev, dev))
+    names = {d for ds in by_seed.values() for d in ds}
+    n = f"{len(by_seed)} seed{'s' * (len(by_seed) > 1)}"
+    if len(names) == 1:
+        return f"{n}, {names.pop()}"
+    return f"{n}: " + ", ".join(f"{s} {'/'.join(sorted(d))}" for s, d in sorted(by_seed.items()))
+
+
+def verdict(c):
+    """The one rule for every verdict: with m ± s_m the paper's method and b ± s_b the baseline here
+    (mean ± std over seeds, n − 1) and d = sign · (m − b), the difference in the paper's direction:
+    "holds" when d > 2·max(s_m, s_b), "reversed" when d < −2·max(s_m, s_b), else "within 2 std" (the
+    paper's difference does not appear beyond the seed spread); fewer than two seeds on either side:
+    "one seed". Returns (word, text, method values, baseline values)."""
+    mv, bv = seed_values(c.folder, c.method, c.metric), seed_values(c.base_folder or c.folder, c.base, c.metric)
+    if not mv or not bv:
+        sys.exit(f"report.py: error: no committed runs '{c.method}' / '{c.base}' in benchmark/results/{c.folder}")
+    m, b = np.mean([v for _, v, _ in mv]), np.mean([v for _, v, _ in bv])
+    if len(mv) < 2 or len(bv) < 2:
+        return "one seed", "one seed: no verdict", mv, bv
+    bound = 2 * max(np.std([v for _, v, _ in mv], ddof=1), np.std([v for _, v, _ in bv], ddof=1))
+    d = c.sign * (m - b)
+    word = "holds" if d > bound else "reversed" if d < -bound else "within 2 std"
+    signed = lambda x: f"{'+' if x >= 0 else '−'}{fmt(abs(x), c.metric)}"
+    try:                                                     # the paper's own difference, where it prints two numbers
+        pm, pb = (float(x.split()[0]) for x in c.published.split(" / "))
+        paper = f"; paper {signed(c.sign * (pm - pb))}"
+    except ValueError:
+        paper = ""
+    return word, f"{word} ({signed(d)}; 2 std {fmt(bound, c.metric)}{paper})", mv, bv
+
+
+def link(target, where):
+    return os.path.relpath(target, where).replace(os.sep, "/")
+
+
+def block_glance(where):
+    """README: every claim, the paper's numbers, this implementation's, the verdict, the page."""
+    lines = ["| paper | claim | paper: method / baseline | here: method / baseline (seeds, device) | verdict |",
+             "|---|---|---|---|---|"]
+    for c in CLAIMS:
+        word, text, mv, bv = verdict(c)
+        name = next(m for f, m, _ in METHODS if f == c.paper + ".py")
+        scale = f" *(not the paper's scale: {c.scale})*" if c.scale else ""
+        lines.append(f"| [{name}]({link(ROOT / 'docs' / (c.paper + '.md'), where)}), {c.group} | {c.claim}{scale} | "
+                     f"{c.published} | {ms(mv, c.metric)} / {ms(bv, c.metric)} ({devices(mv, bv)}) | {text} |")
+    return lines
+
+
+def summary(paper):
+    """'group: verdicts' for one paper's claims, e.g. 'Table 8: within 2 std ×2'."""
+    out = {}
+    for c in CLAIMS:
+        if c.paper == paper:
+            out.setdefault(c.group, []).append(verdict(c)[0])
+    parts = []
+    for g, words in out.items():
+        counts = {w: words.count(w) for w in dict.fromkeys(words)}
+        parts.append(f"{g}: " + ", ".join(w + (f" ×{n}" if n > 1 else "") for w, n in counts.items()))
+    scale = next((c.scale for c in CLAIMS if c.paper == paper and c.scale), "")
+    return ("not at the paper's scale; " if scale else "") + "; ".join(parts)
+
+
+def block_methods(where):
+    """README: the methods table, each paper's verdicts counted by the rule."""
+    lines = ["| file | method and paper | verdict at the paper's scale (the rule: Results at a glance) | page |",
+             "|---|---|---|---|"]
+    for f, name, paper in METHODS:
+        page = link(ROOT / "docs" / f.replace(".py", ".md"), where)
+        lines.append(f"| [`{f}`]({link(ROOT / f, where)}) | {name}: {paper} | {summary(f[:-3])} | [{name}]({page}) |")
+    return lines
+
+
+def block_claims(where, paper):
+    """A method page: each of the paper's claims with its protocol, numbers, seeds, device, verdict."""
+    lines = ["| claim (paper's table) | protocol | paper | here: method | here: baseline | seeds, device | "
+             "verdict | results |", "|---|---|---|---|---|---|---|---|"]
+    for c in (c for c in CLAIMS if c.paper == paper):
+        word, text, mv, bv = verdict(c)
+        folder = RESULTS / c.folder
+        lines.append(f"| {c.claim} ({c.group}) | {protocol(c)} | {c.published} | {c.method}: {ms(mv, c.metric)} | "
+                     f"{c.base}: {ms(bv, c.metric)} | {devices(mv, bv)} | {text} | "
+                     f"[{c.folder}]({link(folder, where)}/) |")
+    return lines
+
+
+def protocol(c):
+    """The setting of a claim's runs, from their arguments."""
+    if c.metric == "loss":
+        return "full MNIST, two 2NNs, 600 digits each, 240 updates of 50 (loss on 60,000)"
+    r = committed(c.folder)[c.method][0]
+    a = r["args"]
+    data = "embedded digits" if r["source"].startswith("embedded") else "full MNIST"
+    held = list(r["domains"])
+    where_ = (f"held out: {held[0]}°" if r["dataset"] == "rmnist" else
+              "all 10 held out in turn" if r["dataset"] == "stained" else "each client's test set")
+    return (f"{r['dataset']}, {data}, {a['clients']} clients / {a['sample']} per round, {a['rounds']} rounds × "
+            f"{a['local_epochs']} epoch(s), {where_}, {'last round' if a.get('select') == 'last' else 'best validation'}")
+
+
+def s_per_round(r):
+    return float(np.mean([d["history"][-1]["seconds"] / d["history"][-1]["round"] for d in r["domains"].values()]))
+
+
+def seed_list(vals, metric="acc"):
+    """'87.0, 81.5': one value per seed, in seed order."""
+    return ", ".join(fmt(v, metric) for _, v, _ in vals)
+
+
+def block_grid(where, folders, labels):
+    """Rows: results folders (a held-out domain, a stain, an α); columns: labels, each mean ± std over
+    seeds (per seed in brackets); the papers' numbers for the same setting; seconds per round."""
+    folders, labels = folders.split(","), labels.split(",")
+    head = ["setting", *labels, "paper", "seeds, device", "s / round (" + " / ".join(labels) + ")"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    lowest = []
+    for f in folders:
+        runs = committed(f)
+        first = runs[labels[0]][0]
+        vals = {lab: seed_values(f, lab) for lab in labels}
+        paper = PAPERS.get((published_name(first), scenario(first)), [])
+        pub = " / ".join(f"{m:.2f}" for lab in labels for n, m, _ in paper if n == lab)
+        src = sorted({s for _, _, s in paper})
+        setting = f"[{f}]({link(RESULTS / f, where)}/)"
+        cells = [f"{ms(vals[lab])} ({seed_list(vals[lab])})" for lab in labels]
+        devs = sorted({r["args"].get("device", "cpu") for lab in labels for r in runs[lab]})
+        secs = "; ".join(" / ".join(f"{np.mean([s_per_round(r) for r in runs[lab] if r['args'].get('device', 'cpu') == dv]):.2f}"
+                                    for lab in labels) + (f" ({DEVICE_NAMES.get(dv, dv)})" if len(devs) > 1 else "")
+                         for dv in devs)
+        lines.append(f"| {setting} | " + " | ".join(cells) + f" | {pub or '–'}{' (' + ', '.join(src) + ')' if src else ''}"
+                     f" | {devices(*vals.values())} | {secs} |")
+        if len(first["domains"]) > 1:
+            low = []
+            for lab in labels:
+                doms = list(runs[lab][0]["domains"])
+                acc = {d: np.mean([100 * r["domains"][d]["test_acc"] for r in runs[lab]]) for d in doms}
+                d = min(acc, key=acc.get)
+                low.append(f"{lab} {d}: {acc[d]:.1f}")
+            lowest.append(f"{f}: " + ", ".join(low))
+    if lowest:
+        lines += ["", "Lowest held-out domain (mean over seeds): " + "; ".join(lowest) + "."]
+    return lines
+
+
+def block_exit(where, folders):
+    """FedIPG's aberrant-client runs: per variant, who exited (per seed), the accuracy of the regular
+    clients and of the aberrant client (validation splits) and of the held-out domain (test), per seed
+    and (mean), and seconds per round (range over seeds)."""
+    lines = ["| aberrant client, variant | exited (per seed) | regular clients | aberrant client | held-out domain "
+             "(test) | s / round |", "|---|---|---|---|---|---|"]
+    for f in folders.split(","):
+        for lab, rs in sorted(committed(f).items()):
+            ab = rs[0]["args"].get("aberrant")
+            ds = [d for r in rs for d in r["domains"].values()]
+            cell = lambda k: (", ".join(f"{100 * d[k]:.1f}" for d in ds)
+                              + (f" ({100 * np.mean([d[k] for d in ds]):.1f})" if len(ds) > 1 else "")) \
+                if all(k in d for d in ds) else "–"
+            ex = "; ".join(", ".join(map(str, d.get("exited", []))) or "none" for d in ds)
+            s = sorted(s_per_round(r) for r in rs)
+            sec = f"{s[0]:.0f}" if round(s[0]) == round(s[-1]) else f"{s[0]:.0f}–{s[-1]:.0f}"
+            name = f"{ab[0]}:{ab[1]:g}" if ab else "none"
+            lines.append(f"| {name}, {lab} ([{f}]({link(RESULTS / f, where)}/)) | {ex} | "
+                         f"{cell('regular_acc') if 'regular_acc' in ds[0] else cell('id_acc')} | "
+                         f"{cell('aberrant_acc')} | {cell('test_acc')} | {sec} |")
+    return lines
+
+
+def block_fedloe_k1(where, folder):
+    """FedLOE's Figure 1a: a budget of E1 local epochs over K1 communications (stage 1 only)."""
+    runs = committed(folder)
+    lines = ["| K1 | epochs between averages | held-out test | in-domain test | per seed (held-out) | s / epoch |",
+             "|---|---|---|---|---|---|"]
+    for lab, rs in sorted(runs.items(), key=lambda kv: kv[1][0]["args"]["stage1_comms"]):
+        a = rs[0]["args"]
+        ind = [(r["seed"], 100 * next(iter(r["domains"].values()))["in_domain_acc"], "") for r in rs]
+        secs = ", ".join(f"{next(iter(r['domains'].values()))['history'][-1]['seconds'] / a['stage1_epochs']:.1f}"
+                         for r in sorted(rs, key=lambda r: r["seed"]))
+        vals = seed_values(folder, lab)
+        lines.append(f"| {a['stage1_comms']} | {a['stage1_epochs'] // a['stage1_comms']} | {ms(vals)} | {ms(ind)} | "
+                     f"{seed_list(vals)} | {secs} |")
+    return lines
+
+
+def block_fedloe_dg(where, folder):
+    """FedLOE's stage 2 (Table 2's variants) over one stage 1, and the stage-2 seconds."""
+    runs = committed(folder)
+    lines = ["| variant | held-out test | in-domain test | per seed (held-out) | stage 2 s (per seed) |",
+             "|---|---|---|---|---|"]
+    for lab in ("stage1", "irm", "fish", "rex"):
+        rs = sorted(runs[lab], key=lambda r: r["seed"])
+        ind = [(r["seed"], 100 * next(iter(r["domains"].values()))["in_domain_acc"], "") for r in rs]
+        k1 = rs[0]["args"]["stage1_comms"]
+        s2 = []
+        for r in rs:
+            h = next(iter(r["domains"].values()))["history"]
+            if h[-1]["round"] > k1:
+                s2.append(f"{h[-1]['seconds'] - next(x for x in h if x['round'] == k1)['seconds']:.1f}")
+        vals = seed_values(folder, lab)
+        lines.append(f"| {lab} | {ms(vals)} | {ms(ind)} | {seed_list(vals)} | {', '.join(s2) or '–'} |")
+    return lines + ["| paper, PACS Table 2 (our FedAvg / IRM / Fish / REx) | 85.98 / 85.68 / 86.60 / 85.68 | | | |"]
+
+
+def block_spawn(where, folder):
+    """fedloe_spawn.py: branches after k epochs of every-epoch averaging; each cell held-out (in-domain)."""
+    runs = [json.loads(f.read_text()) for f in sorted((RESULTS / folder).glob("seed*.json"))]
+    hist = [next(iter(r["domains"].values()))["history"] for r in runs]
+    at = lambda h, t: next(x for x in h if x["round"] == t)
+    pair = lambda xs, ys: f"{ms([(0, 100 * x, '') for x in xs])} ({ms([(0, 100 * y, '') for y in ys])})"
+    ks = [row["spawn"]["k"] for row in hist[0] if row.get("spawn")]
+    lines = ["| start: after k epochs (its accuracy) | one-shot average after 16 epochs alone | clients alone "
+             "(mean of 20) | ensemble of the 20 | trunk: 16 more epochs, averaged every epoch |",
+             "|---|---|---|---|---|"]
+    for k in ks:
+        sp = [next(x["spawn"] for x in h if x.get("spawn") and x["spawn"]["k"] == k) for h in hist]
+        n = runs[0]["args"]["spawn_epochs"]
+        start = "0: random" if k == 0 else f"{k}: " + pair([at(h, k)["test_acc"] for h in hist],
+                                                             [at(h, k)["in_domain_acc"] for h in hist])
+        cols = [pair([s[f"{w}_test"] for s in sp], [s[f"{w}_in_domain"] for s in sp])
+                for w in ("average", "clients", "ensemble")]
+        trunk = pair([at(h, k + n)["test_acc"] for h in hist], [at(h, k + n)["in_domain_acc"] for h in hist])
+        lines.append(f"| {start} | " + " | ".join(cols) + f" | {trunk} |")
+    return lines
+
+
+def block_fig1(where, folder="mcmahan-fig1"):
+    """McMahan et al.'s Figure 1: the better parent and the average at θ = ½, loss (accuracy)."""
+    runs = json.loads((RESULTS / folder / "fig1.json").read_text())["runs"]
+    lines = ["| initialisation | better parent: lower loss (higher accuracy %) | average, θ = ½: loss (accuracy %) | "
+             "average / better parent, per seed |", "|---|---|---|---|"]
+    for init in ("different", "shared"):
+        rs = sorted((r for r in runs if r["init"] == init), key=lambda r: r["seed"])
+        par, mid = [], []
+        for r in rs:
+            at = {round(t, 6): (l, a) for t, l, a in zip(r["theta"], r["loss"], r["acc"])}
+            par.append((min(at[0.0][0], at[1.0][0]), max(at[0.0][1], at[1.0][1])))   # lower loss, higher acc
+            mid.append(at[0.5])
+        cell = lambda xs: (f"{ms([(0, l, '') for l, _ in xs], 'loss')} "
+                           f"({ms([(0, 100 * a, '') for _, a in xs])})")
+        ratio = ", ".join(f"{m[0] / p[0]:.2f}" for m, p in zip(mid, par))
+        lines.append(f"| {init} | {cell(par)} | {cell(mid)} | {ratio} |")
+    return lines
+
+
+PTEST_TABLE5 = {"IRM-L2": (31.19, 38.39), "IRM-FT": (21.43, 33.50)}   # PerInvFL Table 5: p_test 0.1, mean
+
+
+def row(cells):
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def block_ptest(where, folder, central="", paper=""):
+    """RC-MNIST at every p_test (rcmnist_ptest.py's committed ptest.md; rows equal in every cell shown
+    once), with `central` the centralised IRM reference on those data (irm_central.py's file), with
+    `paper` PerInvFL's Table 2 rows and Table 5's IRM-L2 / IRM-FT (p_test 0.1 and the mean)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in (RESULTS / folder / "ptest.md").read_text().splitlines() if line.startswith("|")]
+    head, body, seen = rows[0], [], set()
+    for r in rows[2:]:
+        if tuple(r[1:]) not in seen:
+            seen.add(tuple(r[1:]))
+            body.append(r)
+    blank = [""] * (len(head) - 1)
+    if central:
+        rs = [r for r in json.loads((RESULTS / "irm-central" / f"{central}.json").read_text())["runs"]
+              if r["method"] == "irm"]
+        cells = list(blank)
+        cells[0] = ms([(0, 100 * r["test_acc"], "") for r in rs])
+        cells[-2], cells[-1] = ms([(0, 100 * r["train_acc"], "") for r in rs]), len(rs)
+        body.append([f"centralised IRM (irm_central.py, {central})", *cells])
+    if paper:
+        for name, (_, _, acc) in PTEST_PAPER.items():
+            body.append([f"paper: {name} (PerInvFL Table 2)", *[f"{a:.2f}" for a in acc], f"{np.mean(acc):.2f}", "", ""])
+        for name, (p1, mean) in PTEST_TABLE5.items():
+            body.append([f"paper: {name} (PerInvFL Table 5)", f"{p1:.2f}", "", "", "", "", f"{mean:.2f}", "", ""])
+    return [row(head), "|---" * len(head) + "|", *map(row, body)]
+
+
+def block_irm_central(where):
+    """irm_central.py's centralised full-batch IRM and ERM (IRM's recipe), last step."""
+    lines = ["| data | method | train acc | test acc | seeds | IRM paper (train / test) |", "|---|---|---|---|---|---|"]
+    published = {("colored", "irm"): "70.8 / 66.9", ("colored", "erm"): "— / 17.1"}
+    for f in sorted((RESULTS / "irm-central").glob("*.json")):
+        runs = json.loads(f.read_text())["runs"]
+        for m in sorted({r["method"] for r in runs}):
+            rs = [r for r in runs if r["method"] == m]
+            lines.append(f"| {f.stem} | {m} | {ms([(0, 100 * r['train_acc'], '') for r in rs])} | "
+                         f"{ms([(0, 100 * r['test_acc'], '') for r in rs])} | {len(rs)} | "
+                         f"{published.get((f.stem, m), '—')} |")
+    return lines
+
+
+def block_beta(where, folder):
+    """PerInvFL's β (Eq. 4) against the personalised models' and ν's test accuracy (p_test 0.1)."""
+    lines = ["| β | personalised θ_i (test) | global ν (test) | seed |", "|---|---|---|---|"]
+    rows = []
+    for f in (RESULTS / folder).glob("*.json"):
+        r = json.loads(f.read_text())
+        d = next(iter(r["domains"].values()))
+        rows.append((r["args"]["beta"], 100 * d["test_acc"], 100 * d["global_test_acc"], r["seed"]))
+    for beta, t, g, seed in sorted(rows):
+        lines.append(f"| {beta:g} | {t:.1f} | {g:.1f} | {seed} |".replace("e+0", "e"))
+    return lines
+
+
+def block_speed_table(where, path):
+    """A speed.py --json file's table and bar chart, without the results README's heading."""
+    return speed_report(RESULTS / path, where, figures=False)[2:]
+
+
+def gpu_rows():
+    g = json.loads((RESULTS / "gpu" / "gpu_check.json").read_text())
+    return g, [r for r in g["rows"] if not r["check"].startswith(("runs:", "repeat:"))]
+
+
+def block_gpu_check(where):
+    """benchmark/gpu_check.py's last committed run: every check that is not a run or a repeat."""
+    g, rows = gpu_rows()
+    lines = [f"`benchmark/gpu_check.py` on one {g['device']} (torch {g['torch']}, {g['started'][:10]}):", "",
+             "| check | measured | target | ok |", "|---|---|---|---|"]
+    for r in rows:
+        m = r["measured"]
+        lines.append(f"| {r['check']} | {f'{m:.3f}' if isinstance(m, float) else m} | {r['target'] or '–'} | "
+                     f"{ {True: 'yes', False: '**no**', None: '–'}[r['ok']]} |")
+    runs = [r for r in g["rows"] if r["check"].startswith(("runs:", "repeat:"))]
+    lines += ["", f"Besides: {len(runs)} runs and repeats (every method, 2 rounds, RotatedMNIST's ConvNet and a "
+              f"generated PACS tree's ResNet-18, fp32 and bf16), {sum(r['ok'] for r in runs)} of them passed."]
+    return lines
+
+
+def block_speed_glance(where):
+    """README: a few generated lines on speed, each with its device."""
+    g, rows = gpu_rows()
+    find = lambda key: next(r for r in rows if r["check"].startswith(key))
+    conv = find("harness / bare loop, images/s: ConvNet fp32")["check"].split("(")[1].split(" /")[0]
+    sp = json.loads((RESULTS / "speed.json").read_text())
+    med = {k: float(np.median(v)) for k, v in sp["seconds"].items()}
+    base = next(iter(med.values()))
+    ratios = ", ".join(f"{k} {v / base:.2f}×" for k, v in list(med.items())[1:])
+    full = {f: np.mean([s_per_round(r) for r in committed(f)["fedavg"] if r["args"]["device"] == dev])
+            for f, dev in (("rmnist50-full-0", "cuda"), ("mnist-fl-full-alpha0.5", "cuda"))}
+    return [f"- One {g['device']} ({g['started'][:10]}): the harness trains DomainBed's MNIST ConvNet at {conv} "
+            f"images/s, {find('harness / bare loop, images/s: ConvNet fp32')['measured']:.3f}× a bare training loop; a "
+            f"round of FedIIR costs {find('FedIIR round')['measured']:.2f}×, FedIPG "
+            f"{find('FedIPG round')['measured']:.2f}×, FedOMG {find('FedOMG round')['measured']:.2f}× a FedAvg round "
+            "(RotatedMNIST-50).",
+            f"- Full MNIST on that H100, GPU shared by several runs: a RotatedMNIST-50 FedAvg round "
+            f"{full['rmnist50-full-0']:.1f} s, an FL-setting round (20 clients × 5 epochs) "
+            f"{full['mnist-fl-full-alpha0.5']:.1f} s.",
+            f"- The 2-core CPU, one thread (`benchmark/speed.py`, embedded digits, RotatedMNIST-50): a FedAvg round "
+            f"{base:.2f} s; against it {ratios}."]
+
+
+BLOCKS = {  # kind -> (function, takes arguments)
+    "folder": lambda where, f: report(RESULTS / f, where, figures=False, score=False)[:-1],
+    "speed": lambda where, f: speed_report(RESULTS / f, where, figures=False)[:-1],
+    "glance": block_glance, "methods": block_methods, "claims": block_claims, "grid": block_grid,
+    "exit": block_exit, "fedloe-k1": block_fedloe_k1, "fedloe-dg": block_fedloe_dg, "spawn": block_spawn,
+    "fig1": block_fig1, "ptest": block_ptest, "irm-central": block_irm_central, "beta": block_beta,
+    "speed-table": block_speed_table, "gpu-check": block_gpu_check, "speed-glance": block_speed_glance,
+}
+MARKER = re.compile(r"<!-- report:(\S+) -->\n(.*?)<!-- /report:\1 -->", re.S)
+
+
+def generated_files():
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), RESULTS / "README.md"]
+
+
+def block_text(name, where):
+    kind, _, args = name.partition(":")
+    if kind not in BLOCKS:
+        sys.exit(f"report.py: error: unknown block '{name}' (kinds: {', '.join(BLOCKS)})")
+    return "\n".join(BLOCKS[kind](where, *args.split(":")) if args else BLOCKS[kind](where)) + "\n"
+
+
+def regenerate(path):
+    """(new text, [names of the blocks that change]) of one file."""
+    text = Path(path).read_text()
+    if text.count("<!-- report:") != text.count("<!-- /report:"):
+        sys.exit(f"report.py: error: {path}: a block without its closing <!-- /report:NAME --> line")
+    changed = []
+
+    def one(m):
+        new = block_text(m.group(1), Path(path).parent)
+        if new != m.group(2):
+            changed.append(m.group(1))
+        return f"<!-- report:{m.group(1)} -->\n{new}<!-- /report:{m.group(1)} -->"
+    return MARKER.sub(one, text), changed
+
+
+def update_docs(check, figures):
+    """Rewrite (or, with check, compare) every generated block; with figures, redraw the figures of the
+    folders the blocks name. Returns the number of stale blocks."""
+    stale = 0
+    for path in generated_files():
+        new, changed = regenerate(path)
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        for name in changed:
+            print(f"report.py: {shown}: block '{name}' is out of date"
+                  + (" (python benchmark/report.py rewrites it)" if check else ": rewritten"),
+                  file=sys.stderr if check else sys.stdout)
+        stale += len(changed)
+        if changed and not check:
+            path.write_text(new)
+        if figures:
+            for m in MARKER.finditer(new):
+                kind, _, arg = m.group(1).partition(":")
+                if kind == "folder":
+                    report(RESULTS / arg, path.parent)
+                elif kind in ("speed", "speed-table"):
+                    speed_report(RESULTS / arg, path.parent)
+    return stale
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="*")
     p.add_argument("--speed", default=None, help="a benchmark/speed.py --json file: its table and bar chart")
     p.add_argument("--out", default=None, help="write the markdown here (default: print it)")
+    p.add_argument("--check", action="store_true", help="without folders: exit 1 naming every generated block of "
+                   "README.md, docs/*.md and benchmark/results/README.md that regenerating would change (text only)")
+    p.add_argument("--no-figures", action="store_true", help="without folders: rewrite the blocks, draw no figure")
     a = p.parse_args(argv)
-    if not a.folders and not a.speed:
-        sys.exit("report.py: error: give a folder of results or --speed FILE")
+    if not a.folders and not a.speed:                        # the generated blocks of the documentation
+        if a.out:
+            sys.exit("report.py: error: --out needs a folder of results or --speed FILE")
+        figures = not (a.check or a.no_figures)
+        if figures:
+            matplotlib_figure()
+        stale = update_docs(a.check, figures)
+        if a.check and stale:
+            sys.exit(1)
+        print(f"report.py: {len(generated_files())} files, "
+              + ("every generated block up to date" if a.check else f"{stale} block(s) rewritten"))
+        return stale
+    if a.check or a.no_figures:
+        sys.exit("report.py: error: --check and --no-figures apply to the generated blocks (give no folder)")
     for f in a.folders:
         if not Path(f).is_dir():
             sys.exit(f"report.py: error: {f} is not a folder of results")
+    if a.out and Path(a.out).is_file() and "<!-- report:" in Path(a.out).read_text():
+        sys.exit(f"report.py: error: {a.out} holds generated blocks: python benchmark/report.py (no folders) "
+                 "rewrites them")
     matplotlib_figure()                                       # no matplotlib: say so before writing anything
     where = Path(a.out).parent if a.out else Path((a.folders or [Path(a.speed).parent])[0])
     lines = [line for f in a.folders for line in report(f, where)]
