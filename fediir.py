@@ -16,18 +16,28 @@ Algorithm 1 (one communication round t):
        Δ_c = θ_c − θ^{t-1}
     4. θ^t = θ^{t-1} + η_g (1/C) Σ_c Δ_c
 
-Where the paper and the official code differ (ANCHORS.md), the numbers of the paper's tables come
-from the code, so the defaults follow the code:
-- The 1/2. The code adds γ Σ_ω-tensors ||g_c − g̃||² (no 1/2) and Table 3's γ were tuned with that
-  form, so it is the default; `--half` gives the paper's γ/2.
+Where the paper and the official code differ, the numbers of the paper's tables come from the code,
+so the defaults follow the code (github.com/YamingGuo98/FedIIR, read at commit 3e7a785; the files
+named below):
+- The 1/2. The code adds γ Σ_ω-tensors ||g_c − g̃||² (no 1/2: domainbed/algorithms.py, FedIIR.update)
+  and Table 3's γ were tuned with that form, so it is the default; `--half` gives the paper's γ/2.
 - g_bar. Paper: the mean of the sampled clients' full-batch gradients (`--gbar clients`). Code: the
   mean of the classifier gradients of every minibatch of every sampled client (`--gbar batches`,
-  default), so a client weighs in proportion to its number of batches, i.e. its size. Algorithm 2
-  makes the clients of one domain equal, not the domains: in the small scenario (one client per
-  domain) the clients' sizes are the domains' (PACS: weights 0.25 / 0.28 / 0.47 when photo is held
-  out), and the two rules differ.
-- The g_bar pass uses no augmentation (the paper's R_c is the risk on the client's data) and runs
-  the featurizer once per example without a graph: only ω needs a gradient there.
+  default; domainbed/algorithms.py, FedIIR.mean_grad), so a client weighs in proportion to its
+  number of batches, i.e. its size. Algorithm 2 makes the clients of one domain equal, not the
+  domains: in the small scenario (one client per domain) the clients' sizes are the domains'
+  (PACS: weights 0.25 / 0.28 / 0.47 when photo is held out), and the two rules differ.
+- The g_bar pass's inputs. The code's mean_grad iterates over the clients' training loaders
+  (main.py, train_loaders), whose images are augmented on the photo datasets (domainbed/datasets.py,
+  augment_transform for every training domain; hparams_registry.py: data_augmentation True), so
+  g_bar is taken on augmented images there: the default (`--gbar-inputs augmented`); the paper's
+  R_c, the risk on the client's data as it is, is `--gbar-inputs plain` (this file's only form
+  until 2026-11-23). The draws come from the minibatch stream (ctx.gen) before the local steps, so
+  on pacs / vlcs / officehome the two give a seed different minibatches and augmentations (no
+  photo-dataset run is committed); the digit datasets have no augmentation: unchanged (tested). The
+  featurizer runs once per example without a graph: only ω needs a gradient there. (The code's
+  validation images are augmented too; this file validates on plain images, as common.py does for
+  every method.)
 - Aggregation: Algorithm 1 and the code average the sampled clients uniformly (1/C), the default;
   `--size-avg` weights them by data size (fedavg.py's default). With γ = 0 this file computes bit for
   bit what `fedavg.py --uniform-avg` computes, and with `--size-avg` what fedavg.py does (tested).
@@ -56,11 +66,13 @@ import common
 GAMMA = {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}  # Table 3
 
 
-def client_features(model, client, ctx, chunk=256):
+def client_features(model, client, ctx, augmented, chunk=256):
     """Φ(x) for all of a client's training data at θ^{t-1}: no graph (only ω needs a gradient in
-    step 2), in large chunks (fewer, fuller kernel launches than minibatches)."""
+    step 2), in large chunks (fewer, fuller kernel launches than minibatches). augmented: the inputs
+    the local steps train on (the photo datasets' augmentation, drawn from the minibatch stream
+    ctx.gen; the digits are never augmented and draw nothing), as the code's g_bar pass."""
     with torch.inference_mode(), ctx.autocast():
-        return torch.cat([model.featurizer(ctx.prep(client.x[i:i + chunk])).float()
+        return torch.cat([model.featurizer(ctx.prep(client.x[i:i + chunk], train=augmented, gen=ctx.gen)).float()
                           for i in range(0, client.n, chunk)])
 
 
@@ -71,15 +83,16 @@ def classifier_grad(model, z, y):
 
 
 def global_gradient(model, fed, S, args, ctx):
-    """Step 2: g_bar_ω at θ^{t-1} over the sampled clients S (train mode, no augmentation), as the
-    mean over every minibatch ('batches', the code) or over the clients' full-batch gradients
-    ('clients', the paper). Running sums: memory is one copy of ω whatever the number of batches."""
+    """Step 2: g_bar_ω at θ^{t-1} over the sampled clients S (train mode; augmented inputs unless
+    --gbar-inputs plain), as the mean over every minibatch ('batches', the code) or over the
+    clients' full-batch gradients ('clients', the paper). Running sums: memory is one copy of ω
+    whatever the number of batches."""
     model.train()
     total = [torch.zeros_like(p) for p in model.classifier.parameters()]
     count = 0
     for c in S:
         client = fed.clients[c]
-        z = client_features(model, client, ctx)
+        z = client_features(model, client, ctx, args.gbar_inputs == "augmented")
         if args.gbar == "clients":                                     # ∇_ω R_c(θ), full batch
             total = [a + g for a, g in zip(total, classifier_grad(model, z, client.y))]
             count += 1
@@ -133,6 +146,9 @@ def add_args(p):
     p.add_argument("--ema", type=float, default=0.95, help="EMA rate v of the global gradient (Appendix C)")
     p.add_argument("--gbar", default="batches", choices=["batches", "clients"],
                    help="g_bar as the mean over minibatches (official code) or over clients (paper)")
+    p.add_argument("--gbar-inputs", default="augmented", choices=["augmented", "plain"],
+                   help="the g_bar pass on the photo datasets: augmented inputs, as the official code's "
+                        "training loaders, or the images without augmentation (this file before)")
     p.add_argument("--half", action="store_true", help="the paper's γ/2 instead of the code's γ")
     p.add_argument("--size-avg", action="store_true",
                    help="weight the clients by data size instead of Algorithm 1's and the code's 1/C")
