@@ -1,5 +1,6 @@
 """FedLOE — Federated Domain Generalization via Locally Overfit Ensemble (anonymous, under review;
-code: anonymous.4open.science/r/fedloe-542D, built on the FedDG benchmark of Bai et al.).
+code: anonymous.4open.science/r/fedloe-542D (Appendix E), built on the FedDG benchmark of Bai et al.,
+github.com/inouye-lab/FedDG_Benchmark, whose src/client.py holds the IRM, VREx and Fish clients).
 
 The model is a featurizer g_θ (model.featurizer) and one linear head h_ψ(z) = W z + b
 (model.classifier), ψ = (W, b). Every client is an expert on its own domain; FedLOE lets the experts
@@ -12,12 +13,12 @@ Stage 1 — FedAvg with infrequent communication (Eq. 4). A budget of E1 = --sta
     K1 = E1 is minibatch-SGD-like ERM, K1 = 1 is one-shot averaging (Figure 1a's two ends).
 Stage 2 — θ̂ frozen; K2 = --stage2-comms times (Eq. 12, Algorithm 1):
     2.1 every client starts from the broadcast head ψ and overfits it on its training split (Eq. 10):
-        --stage2-epochs / K2 epochs of SGD on L_c(θ̂, ψ_c) → ψ̂_c; uploads ψ̂_c
+        E2/K2 = --stage2-epochs / --stage2-comms epochs of SGD on L_c(θ̂, ψ_c) → ψ̂_c; uploads ψ̂_c
     2.2 the server broadcasts all heads; client c sends the predictions ŷ_{c,c'} = h_{ψ̂_c'}(g_θ̂(x))
         of every head c' on its tuning split, and the labels; treating each client as an
         environment, the server fits one weight per head (Eq. 11)
-            φ̂ = argmin_φ Σ_c p(c) E_c^tune[ℓ(Σ_c' φ_c' ŷ_c', y)] + λ r(Σ_c' φ_c' ŷ_c', y)
-        and broadcasts ψ = Σ_c φ̂_c ψ̂_c (Eq. 12).
+            φ̂ = argmin_φ Σ_c q_c E_c^tune[ℓ(Σ_c' φ_c' ŷ_c', y)] + λ r(Σ_c' φ_c' ŷ_c', y)
+        (q_c: the weight of client c's risk, below) and broadcasts ψ = Σ_c φ̂_c ψ̂_c (Eq. 12).
     Why Eq. 12 is exact: an ensemble of linear heads is a linear head,
         Σ_c φ_c (W_c z + b_c) = (Σ_c φ_c W_c) z + Σ_c φ_c b_c.
 `--stage2-comms 0` stops after stage 1: the paper's "our FedAvg".
@@ -39,9 +40,43 @@ Communication (counted in float32 bytes and printed at the end of each stage):
               Σ_c n_c^tune·(P·m floats + 1 label) up (predictions), P·|ψ| down (the ensemble)
 The predictions are m numbers per example and head, far less than the images they come from.
 
-Choices where the paper is silent (the official code was not available; ANCHORS.md):
-- Stage-1 optimiser: a fresh Adam per client per communication (weight decay --weight-decay, 0):
-  keeping the P Adam states across communications would cost 2|θ| floats per client (ResNet-50,
+The invariance terms of Eq. 11, with each client an environment, by --dg-form. Where the paper and
+the code disagree the paper's tables came from the code, so the default, `feddg`, is FedLOE's base
+code: the FedDG benchmark's src/client.py (IRM.step, VREx.irm_penalty, Fish.step). `paper` is
+Eq. 11 with Appendix C.1 as printed; `domainbed` is DomainBed's algorithms.py (IRM, VREx, Fish;
+github.com/facebookresearch/DomainBed), whose V-REx is §2.1's r_REx:
+                      feddg (default)              paper                        domainbed
+    risk weight q_c   1/P                          p(c) = n_c / Σ_c' n_c'       1/P
+    irm  λ ·          mean_c (∂_w R_c)²            Σ_c (∂_w R_c)²               mean_c (∂_w R_c)²
+    rex  λ ·          mean_c V_c                   Σ_c V_c                      Var_c R_c
+    fish inner step   on R_c                       on P·p(c)·R_c                on R_c
+  R_c is client c's risk on its tuning split; ∂_w R_c = ∂R_c(w · Σφŷ)/∂w at w = 1 (IRMv1), the
+  square taken on the client's whole tuning split (the codes take the product of the derivatives
+  on the even and the odd examples of a minibatch, an unbiased estimate of the same square; the
+  server holds the whole split). V_c is the population variance of the per-example losses on client
+  c's tuning split (Appendix C.1's V_{p_c}[ℓ]: the base code's VREx.irm_penalty, averaged over the
+  groups like its IRM penalty); Var_c R_c the population variance of the clients' risks (§2.1,
+  DomainBed). The codes average their groups' risks uniformly; Eq. 11 weighs them by p(c), as Eq. 4
+  does. The IRMv1 term of `feddg` and `domainbed` is λ/P of the paper's (5 at 20 clients for
+  λ = 100). No warm-up of λ (Table 5 gives λ alone).
+  fish: Fish's algorithm (Table 5 gives a meta lr, not a λ): per server step, from φ̃ = φ, one
+    step of Adam on w_c R_c(φ̃) for every client c in turn (w_c the inner-step weight above), then
+    φ ← φ + meta_lr (φ̃ − φ). The inner Adam's state (moments, step count) is kept from one server
+    step to the next, as in DomainBed's Fish (create_clone reloads optimizer_inner_state) and the
+    base code's Fish (one client optimiser for all its steps); it starts fresh at each
+    communication, as φ does. The risk term is implicit: to first order in the inner lr α (SGD
+    inner steps, averaged over the client order, Shi et al.) the meta step descends
+    Σ_c w_c R_c − (α/2) Σ_{c<c'} w_c w_c' ⟨∇R_c, ∇R_c'⟩, i.e. P times Eq. 11's risk term, with the
+    paper's r_fish = −Σ_{c≠c'} ⟨∇R_c, ∇R_c'⟩ weighted pair by pair by w_c w_c' (1 for equal clients:
+    then the two weightings agree bit for bit). Adam normalises each coordinate, so the weights act
+    through its moments only. Fish's per-client risks read client c's rows as a slice: the tuning
+    predictions are laid out client by client, with offsets fixed once per communication (a
+    boolean mask would make the host wait for the device, per client per step).
+
+Choices where the paper is silent:
+- Stage-1 optimiser: a fresh Adam per client per communication (weight decay --weight-decay, 0), as
+  the base code (src/client.py: ERM.init_train builds a new optimiser at every fit; its saved state
+  is never reloaded). Keeping the P Adam states would also cost 2|θ| floats per client (ResNet-50,
   100 clients: 19 GB). Stage 2: a fresh SGD per client per communication, momentum --momentum 0.
 - Table 5's "stage 2: 8 iterations, 4 communications" is read like its stage 1 (256 iterations =
   the epoch budget): --stage2-epochs 8 over 4 communications, 2 epochs of head SGD before each.
@@ -50,40 +85,36 @@ Choices where the paper is silent (the official code was not available; ANCHORS.
   frozen, so the head training and the predictions of all of stage 2 need one featurizer pass per
   client (the paper's code may augment during 2.1; on the digits there is no augmentation anyway;
   after a --resume they are recomputed from the same θ̂).
-- Server (Eq. 11): φ starts uniform (1/P) at every communication (the official code, ANCHORS.md);
-  --server-steps 100 full-batch steps (not given: φ has P entries and the predictions are few, so
-  100 steps cost milliseconds) of Adam with Table 5's stage-2 lr 0.05 and weight decay 5e-4. Table 5
-  names SGD for stage 2; this file uses it for the heads (2.1). For φ, SGD at lr 0.05 diverged
-  with IRM λ = 100 (φ non-finite in the second communication on the synthetic domains: the penalty
-  grows with the square of the logits); Adam's steps are bounded by its lr, and DomainBed (whose IRM / V-REx /
-  Fish the FedDG benchmark uses) trains them with Adam. The terms of Eq. 11 with each client an
-  environment, as Appendix C.1 writes them (--dg-form paper, the default):
-    irm  λ · Σ_c (∂/∂w R_c(w·Σφŷ) at w = 1)²       (IRMv1 on each client's full tuning split, summed
-         over the clients: Appendix C.1's Σ_c; the risk term is Σ_c p(c) R_c)
-    rex  λ · Var_c R_c                               (V-REx, §2.1, population variance as DomainBed;
-         Appendix C.1 prints a per-sample variance instead, read as a typo)
-    fish Fish's algorithm (Table 5 gives a meta lr, not a λ): per step, from φ̃ = φ, one step of a
-         fresh Adam on w_c R_c(φ̃) for every client c in turn, w_c = P·p(c), then
-         φ ← φ + meta_lr (φ̃ − φ). The risk term is implicit: to first order in the inner lr α (SGD
-         inner steps, averaged over the client order, Shi et al.) the meta step descends
-         Σ_c w_c R_c − (α/2) Σ_{c<c'} w_c w_c' ⟨∇R_c, ∇R_c'⟩, i.e. P times Eq. 11's Σ_c p(c) R_c, with
-         the paper's r_fish = −Σ_{c≠c'} ⟨∇R_c, ∇R_c'⟩ weighted pair by pair by w_c w_c' (1 for equal
-         clients). Adam normalises each coordinate, so the weights act through its moments only
-         (client 0's step, the first, is the same for any w_0 without weight decay).
-  p(c) = n_c / Σ_c' n_c', the clients' training sizes (as in Eq. 4). --dg-form domainbed is
-  DomainBed's form of both: the IRMv1 penalty averaged over the clients (λ/P of the sum) and Fish
-  uniform over them (w_c = 1); with equal clients the two Fish forms agree bit for bit. The README's
-  digits table was measured with the DomainBed form. Fish's per-client risks read client c's rows
-  as a slice: the tuning predictions are laid out client by client, with offsets fixed once per
-  communication (a boolean mask would make the host wait for the device, per client per step).
+- Server (Eq. 11): φ starts uniform (1/P) at every communication, as FedLOE's code initialises its
+  mixing weights; --server-steps 100 full-batch steps (not given: φ has P entries and the
+  predictions are few, so 100 steps cost milliseconds) of Adam with Table 5's stage-2 lr 0.05 and
+  weight decay 5e-4. Table 5 names SGD for stage 2; this file uses it for the heads (2.1). For φ,
+  SGD at lr 0.05 diverged with IRM λ = 100 (φ non-finite in the second communication on the
+  synthetic domains: the penalty grows with the square of the logits); Adam's steps are bounded by
+  its lr, and DomainBed (whose IRM / V-REx / Fish the FedDG benchmark follows) trains them with Adam.
 - Every client takes part in every communication (Eq. 4 and 11 run over all c): --sample = P.
 
-Defaults: Table 5 — batch 128; stage 1: 256 epochs, 8 communications, Adam lr 5e-5 (PACS) / 3e-5
-(OfficeHome); stage 2: 8 epochs, 4 communications, SGD lr 0.05, weight decay 5e-4; IRM λ 100,
-Fish meta lr 0.05, REx λ 100; ResNet-50 (2048 features) + linear head (Appendix D.3). VLCS (not
-in the paper): as PACS. RotatedMNIST: the ConvNet + linear head, Adam lr 1e-3 (DomainBed's default
-for the MNIST datasets); synthetic: lr 1e-2 (chosen so that the tests learn in a few epochs).
-Clients: 20 (Figure 1a; the official PACS config used 100: --clients 100). Evaluation every round.
+Defaults, each with its source (a test checks every one):
+    --batch-size 128                     Table 5
+    --stage1-epochs 256                  Table 5 (stage 1 iterations, read as the epoch budget E1)
+    --stage1-comms 8                     Table 5 (stage 1 total communication)
+    --lr 5e-5 pacs, 3e-5 officehome      Table 5 (stage 1 Adam lr); vlcs (not in the paper): as pacs
+    --lr 1e-3 rmnist                     DomainBed hparams_registry.py (lr of the MNIST datasets)
+    --lr 1e-2 synthetic                  chosen: the tests learn in a few epochs
+    --weight-decay 0                     stage 1: Table 5 gives none
+    --global-lr 1                        Eq. 4 (the server takes the weighted average itself)
+    --stage2-epochs 8, --stage2-comms 4  Table 5 (stage 2 iterations and communications)
+    --stage2-lr 0.05, --stage2-wd 5e-4   Table 5 (stage 2 lr and weight decay: heads and server)
+    --momentum 0                         Table 5 (stage 2: SGD, no momentum given)
+    --dg-lambda 100                      Table 5 (IRM λ, REx λ)
+    --meta-lr 0.05                       Table 5 (Fish meta lr, PACS and OfficeHome)
+    --dg irm                             Table 2's first FedLOE row (chosen)
+    --dg-form feddg                      FedDG_Benchmark src/client.py (above)
+    --server-steps 100                   chosen (above)
+    --clients 20                         Figure 1a (FedLOE's code's PACS config used 100: --clients 100)
+    --select last, --eval-every 1        Table 5 (fixed iteration); every communication evaluated
+    --model resnet50, --head linear      Appendix D.3 (pacs, vlcs, officehome: ResNet-50, 2048 features);
+                                         rmnist: the ConvNet, synthetic: the small ConvNet (common.py)
 
     python fedloe.py --dataset pacs --data-root ./data --dg fish
     python fedloe.py --stage1-epochs 8 --stage1-comms 2 --test-domain 0      # a quick look
@@ -183,7 +214,7 @@ class Tuning:
     n_tune: torch.Tensor  # [P] n_c^tune
     rows: list            # [P] slices of the N rows
     n_train: list         # [P] n_c, the clients' training sizes (Python ints)
-    p: torch.Tensor       # [P] p(c) = n_c / Σ_c' n_c', Eq. 11's client weights
+    p: torch.Tensor       # [P] p(c) = n_c / Σ_c' n_c', Eq. 11's client weights (--dg-form paper)
 
 
 def tuning(Y, y, n_tune, n_train):
@@ -196,42 +227,58 @@ def tuning(Y, y, n_tune, n_train):
                   [slice(e - k, e) for k, e in zip(n_tune, ends)], list(n_train), n / n.sum())
 
 
-def risks(phi, T, scale=None):
-    """Per-client risks R_c of the combined prediction Σ_c' φ_c' ŷ_c' on the tuning splits T.
-    `scale` [P]: IRMv1's dummy multiplier w per client. Per-client sums as products with the one-hot
-    membership: reproducible on CUDA in either mode (index_add_'s float sums are unordered there
-    outside deterministic mode)."""
+def sample_losses(phi, T, scale=None):
+    """ℓ(Σ_c' φ_c' ŷ_c', y) of every tuning example [N]. `scale` [P]: IRMv1's dummy multiplier w per client."""
     logits = torch.einsum("nkm,k->nm", T.Y, phi)
     if scale is not None:
         logits = logits * (T.member @ scale)[:, None]                      # w of each example's client
-    ce = F.cross_entropy(logits, T.y, reduction="none")
-    return (ce @ T.member) / T.n_tune
+    return F.cross_entropy(logits, T.y, reduction="none")
 
 
-def irm_penalty(phi, T, form="paper"):
-    """IRMv1: Σ_c (∂R_c(w · Σφŷ)/∂w at w = 1)² (Appendix C.1), one gradient call for all clients;
-    form 'domainbed': the mean over the clients."""
+def risks(phi, T, scale=None):
+    """Per-client risks R_c of the combined prediction Σ_c' φ_c' ŷ_c' on the tuning splits T. Per-client
+    sums as products with the one-hot membership: reproducible on CUDA in either mode (index_add_'s
+    float sums are unordered there outside deterministic mode)."""
+    return (sample_losses(phi, T, scale) @ T.member) / T.n_tune
+
+
+def risk_weights(T, form="feddg"):
+    """q_c, the weight of client c's risk in Eq. 11: p(c) (paper), or 1/P (the codes' mean over the groups)."""
+    return T.p if form == "paper" else torch.full_like(T.p, 1.0 / len(T.rows))
+
+
+def irm_penalty(phi, T, form="feddg"):
+    """IRMv1 (Appendix C.1): (∂R_c(w · Σφŷ)/∂w at w = 1)² per client, one gradient call for all clients;
+    summed over the clients (paper), or their mean (feddg, domainbed: src/client.py's penalty /= n_groups)."""
     w = torch.ones(len(T.rows), dtype=T.Y.dtype, device=T.Y.device, requires_grad=True)
     grad, = torch.autograd.grad(risks(phi, T, w).sum(), w, create_graph=True)
     return (grad ** 2).sum() if form == "paper" else (grad ** 2).mean()
 
 
-def rex_penalty(R):
-    """V-REx: the variance of the clients' risks (population variance, as DomainBed)."""
-    return ((R - R.mean()) ** 2).mean()
+def rex_penalty(phi, T, form="feddg"):
+    """V-REx. feddg / paper: V_c, the population variance of the per-example losses on client c's tuning
+    split (Appendix C.1; src/client.py's VREx.irm_penalty), averaged (feddg) or summed (paper) over the
+    clients; domainbed: the population variance of the clients' risks R_c (§2.1, DomainBed's VREx)."""
+    ell = sample_losses(phi, T)
+    R = (ell @ T.member) / T.n_tune
+    if form == "domainbed":
+        return ((R - R.mean()) ** 2).mean()
+    V = (((ell - T.member @ R) ** 2) @ T.member) / T.n_tune              # V_c, every client at once
+    return V.sum() if form == "paper" else V.mean()
 
 
-def fish_weights(T, form="paper"):
-    """Fish's weight of each client's inner step: P·p(c) (Eq. 11's p(c), 1 for equal clients), or 1."""
+def fish_weights(T, form="feddg"):
+    """Fish's weight of each client's inner step: P·p(c) (paper: Eq. 11's p(c), 1 for equal clients), or 1."""
     P, total = len(T.n_train), sum(T.n_train)
     return [P * n / total if form == "paper" else 1.0 for n in T.n_train]
 
 
-def fish_step(phi, T, w, lr, wd, meta_lr):
-    """One Fish step (DomainBed's, client c's risk weighted by w[c]): from φ̃ = φ, one step of a fresh
-    Adam on w_c R_c(φ̃) for each client c in turn (its rows: a slice), then φ ← φ + meta_lr (φ̃ − φ)."""
-    tilde = phi.detach().clone().requires_grad_()
-    inner = torch.optim.Adam([tilde], lr=lr, weight_decay=wd)
+def fish_step(phi, T, w, meta_lr, tilde, inner):
+    """One Fish step (DomainBed's, client c's risk weighted by w[c]): from φ̃ = φ, one step of the inner
+    Adam on w_c R_c(φ̃) for each client c in turn (its rows: a slice), then φ ← φ + meta_lr (φ̃ − φ).
+    `tilde` is the inner Adam's parameter: it is reset to φ, the Adam keeps its state (DomainBed's create_clone)."""
+    with torch.no_grad():
+        tilde.copy_(phi)                                                  # φ̃ ← φ
     for c, rows in enumerate(T.rows):
         R_c = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y[rows], tilde), T.y[rows])  # mean over client c's rows
         inner.zero_grad(set_to_none=True)
@@ -246,15 +293,17 @@ def solve_phi(T, args):
     phi = torch.full((P,), 1.0 / P, dtype=T.Y.dtype, device=T.Y.device)
     if args.dg == "fish":
         w = fish_weights(T, args.dg_form)
+        tilde = phi.clone().requires_grad_()                             # φ̃ and its Adam: one per communication
+        inner = torch.optim.Adam([tilde], lr=args.stage2_lr, weight_decay=args.stage2_wd)
         for _ in range(args.server_steps):
-            phi = fish_step(phi, T, w, args.stage2_lr, args.stage2_wd, args.meta_lr)
+            phi = fish_step(phi, T, w, args.meta_lr, tilde, inner)
         return phi
+    q = risk_weights(T, args.dg_form)
     phi.requires_grad_()
     opt = torch.optim.Adam([phi], lr=args.stage2_lr, weight_decay=args.stage2_wd)
     for _ in range(args.server_steps):
-        R = risks(phi, T)
-        penalty = irm_penalty(phi, T, args.dg_form) if args.dg == "irm" else rex_penalty(R)
-        loss = (T.p * R).sum() + args.dg_lambda * penalty                # Eq. 11
+        penalty = irm_penalty(phi, T, args.dg_form) if args.dg == "irm" else rex_penalty(phi, T, args.dg_form)
+        loss = (q * risks(phi, T)).sum() + args.dg_lambda * penalty      # Eq. 11
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -335,9 +384,12 @@ def add_args(p):
     a("--dg", default="irm", choices=["irm", "fish", "rex"], help="invariance term r of Eq. 11")
     a("--dg-lambda", type=float, default=100.0, help="λ of IRM and REx (Table 5)")
     a("--meta-lr", type=float, default=0.05, help="Fish meta lr (Table 5)")
-    a("--dg-form", default="paper", choices=["paper", "domainbed"],
-      help="paper: Eq. 11 / Appendix C.1 (IRMv1 summed over the clients, Fish's client steps weighted by P·p(c)); "
-           "domainbed: IRMv1 averaged over the clients (λ/P), Fish uniform (the README's digits table)")
+    a("--dg-form", default="feddg", choices=["feddg", "paper", "domainbed"],
+      help="the terms of Eq. 11 (docstring table). feddg: FedLOE's base code, FedDG_Benchmark src/client.py "
+           "(clients' risks averaged; IRMv1 and V-REx's per-example loss variance averaged over the clients; Fish "
+           "uniform); paper: Eq. 11 / Appendix C.1 (risks weighted by p(c); IRMv1 and the per-example variances "
+           "summed over the clients; Fish's client steps weighted by P·p(c)); domainbed: DomainBed's algorithms.py "
+           "(as feddg, but V-REx is the variance of the clients' risks, §2.1)")
     a("--server-steps", type=int, default=100, help="server steps on φ per communication (chosen)")
     p.set_defaults(rounds=BY_STAGES, local_epochs=BY_STAGES)
 
