@@ -1,31 +1,61 @@
 """PerInvFL — Exploiting Personalized Invariance for Better Out-of-distribution Generalization in
 Federated Learning (Tang, Guo, Zhang). No public code exists: the paper is the specification.
 
-Every client i keeps a personalised model θ_i; the server keeps a global invariant model ν. The
+Every client i has a personalised model θ_i; the server keeps a global invariant model ν. The
 client's objective is regularised twice, by its own invariance and by the global invariant model:
 
-    min_θi  L_INV(θ_i; E_train^i) + β ||θ_i − ν*||²                                  (Eq. 2, 4)
+    min_θi  J_i(θ_i; ν*) = L_INV(θ_i; E_train^i) + β ||θ_i − ν*||²                    (Eq. 2, 4)
     s.t.    ν* ∈ argmin_ν Σ_i L_INV(ν; D_i)          (federated IRM / GroupDRO)      (Eq. 3, 5)
 
     L_IRM(θ; e)      = R(f_θ; e) + λ ||∇_{w|w=1} R(w·f_θ; e)||²                      (IRMv1)
     L_GroupDRO^i(ν)  = q_i R(f_ν; D_i),  q updated on the server from the uploaded risks
 
 Algorithm 1 (one round t; all N clients take part, as in the paper):
-    send ν^t; on every client i: ν_{i,0} ← ν^t; for r = 0..R−1:
+    send ν^t; on every client i: θ_i ← ν^t (`--theta reset`, below); ν_{i,0} ← ν^t;
+    for r = 0..R−1:
         for s = 0..S−1:  θ_i ← θ_i − η (∇L_INV(θ_i; E_train^i) + 2β (θ_i − ν_{i,r}))   (line 8)
         ν_{i,r+1} ← ν_{i,r} − γ ∇L_INV(ν_{i,r}; D_i)                                    (line 9)
     server: ν^{t+1} ← ν^t − α (ν^t − (1/N) Σ_i ν_{i,R})                                   (line 10)
-θ_i lives on its client across rounds. Every client holds one training context (Table 6), so
-E_train^i = D_i is one environment and each client is one environment of the federated IRM.
-Clients upload Δ_i = ν_{i,R} − ν^t (the same information as ν_{i,R}); line 10 is ν^t + α mean_i Δ_i.
+Line 8 descends J_i(·; ν_{i,r}); line 9 never reads θ_i, so θ_i does not feed back into ν. Every
+client holds one training context (Table 6), so E_train^i = D_i is one environment and each client
+is one environment of the federated IRM. Clients upload Δ_i = ν_{i,R} − ν^t (the same information
+as ν_{i,R}); line 10 is ν^t + α mean_i Δ_i.
 
-`--personalize` gives Table 5's ablations: `dual` (Eq. 4, line 8 as above), `l2` (IRM-L2: plain ERM
-+ β ||θ_i − ν_{i,r}||²), `ft` (IRM-FT, local fine-tuning as Cheng et al.'s FTFA: θ_i = ν fine-tuned
-on D_i by `--ft-epochs` epochs of plain ERM in minibatches of `--ft-batch`, with a fresh optimiser
-and no regulariser). θ_i never feeds back into ν under `ft`, so it is computed when it is scored
-(at each evaluation), which gives the numbers that fine-tuning at every round would give.
-Evaluation: each personalised θ_i on its own test context (per client and pooled, the reported
-test accuracy), and ν on every client's test context (`global_*` in the results: the "IRM" row).
+Which θ_i line 8 starts from (`--theta`). Algorithm 1 initialises θ_i^0 once (line 1) and returns
+θ_i^S (line 11), but its index s restarts at 0 for every (t, r), and Theorem 2(2) bounds
+||θ_i^S(ν_t*) − ν_t*||², S steps from a start that depends on ν, "since the number of local
+iterations S is finite", by the proof of pFedMe's Theorem 2 (T Dinh et al. 2020) — whose code
+copies the global model into the personalised one at every round (CharlieDinh/pFedMe:
+`set_parameters` in FLAlgorithms/users/userbase.py, called for every user by `send_parameters` in
+FLAlgorithms/servers/serverbase.py at the start of each round of FLAlgorithms/servers/serverpFedMe.py
+`train`) and carries it across the round's local iterations (FLAlgorithms/users/userpFedMe.py
+`train`). So:
+- `reset` (default): θ_i ← ν^t at the start of every round, carried through the round's R·S steps
+  of line 8 (pFedMe's code). Then S descent steps from ν^t end at J_i(θ_i; ν^t) ≤ J_i(ν^t; ν^t):
+  θ_i is a (partial) minimiser of Eq. 4 with the current ν, as Theorem 2(2)'s θ_i^S(ν).
+- `kept`: θ_i stays on its client across rounds (Ditto's form, Li et al. 2021). This file's form
+  before (with Adam for line 8) left θ_i at the colour (full RC-MNIST without rotation,
+  docs/perinvfl.md: 11.2% while ν reached 63.8%), and θ_i was no minimiser of Eq. 4: on
+  the final checkpoint of the embedded RC-MNIST without rotation (500 rounds, seed 0, CPU,
+  2026-11-23) J_i was higher at θ_i than at ν for all four clients (4.2–4.9e-6 against 2.9–3.5e-6;
+  every single-environment penalty below 5e-11 at both): an optimisation failure, not Eq. 4's
+  minimum (its Adam moments, grown on the λ = 1 objective, were carried across the switch to
+  λ = 91257, after which they shrink its steps; below). Minimising Eq. 4 does not make θ_i
+  invariant either: with the plain steps the kept θ_i ends below ν on J_i for 3 of 4 clients and
+  still follows the colour (embedded, no rotation, 100 rounds with the switch at round 51: θ_i
+  10.7%, ν 42.7%) — see "What Eq. 4 can do with one context".
+The end-of-round check: at every evaluated round each client records J_i(θ_i; ν_{i,R−1}) and
+J_i(ν_{i,R−1}; ν_{i,R−1}) on its whole training split, with the round's λ and IRM's rescaling —
+line 8's last objective (ν_{i,R−1} = ν^t when R = 1) — in the results as `eq4_theta`, `eq4_nu`
+(per client) and `eq4_holds` (the share of clients with J_i(θ_i) ≤ J_i(ν)). Under `reset` with
+R = 1 it holds whenever line 8's steps descend; under `kept` (or R > 1) it is a measurement.
+
+What Eq. 4 can do with one context. With a linear head (W, b) on features φ, the dummy scale w
+multiplies W and b, so the single-environment IRMv1 derivative d/dw R(w·f)|_{w=1} is exactly
+⟨∇_{(W,b)} R, (W,b)⟩: zero at every point where the environment's risk is stationary in the head,
+the risk's own minimiser included. With one context per client Eq. 4 has no invariance content of
+its own: its minimiser is, up to the penalty's effect on the optimisation path, IRM-L2's (risk +
+β ||θ_i − ν||²), and θ_i inherits ν's invariance only by staying near ν.
 
 Hyperparameters. The paper gives none. They are not tuned on test accuracy here; on RC-MNIST /
 RC-FMNIST they are the IRM paper's published ColoredMNIST settings (Arjovsky et al., the law this
@@ -33,40 +63,72 @@ benchmark uses), mapped onto Algorithm 1 so that ν follows centralised IRM step
 - full-batch steps, Adam lr 4.898e-4, L2 1.10794568e-3 on all parameters, λ = 1 for the first 190
   rounds, then 91257.186 with the whole loss divided by λ (IRM's code); 500 rounds; R = S = 1;
   IRM's MLP initialisation (Xavier-uniform weights, zero biases: common.build_model).
-- `--opt adam` (rcmnist default) is Algorithm 1 with Adam in place of the plain steps: ν's Adam
-  runs on the server (FedOpt, Reddi et al. 2021) on the pseudo-gradient −mean_i Δ_i / γ, with
-  lr α·η; each client takes its R plain steps of line 9 with γ = --lr. With R = 1 the
-  pseudo-gradient is mean_i ∇L_INV(ν^t; D_i), the gradient of IRM's objective (mean over the
-  environments), so ν is centralised full-batch IRM exactly (a test checks it). Adam moments kept
-  per client and averaged models would not be: they converge to a median-like point, not to
-  argmin Σ_i L_INV. θ_i never leaves its client, so its Adam (line 8) is an ordinary local Adam
-  whose moments stay on the client. `--opt sgd`: Algorithm 1's plain steps with γ = η = --lr.
+- `--opt adam` (rcmnist default) is Algorithm 1 with Adam in place of the plain steps, as IRM's
+  code. ν's Adam runs on the server (FedOpt, Reddi et al. 2021) on the pseudo-gradient
+  −mean_i Δ_i / γ, with lr α·γ; each client takes its R plain steps of line 9 with γ = --lr. With
+  R = 1 the pseudo-gradient is mean_i ∇L_INV(ν^t; D_i), the gradient of IRM's objective (mean over
+  the environments), so ν is centralised full-batch IRM step for step — IRM with this file's
+  two-logit head (a test checks it), not IRM's one-logit code: the loss and penalty are the same
+  functions of the logit difference a − b, but the head's two rows each take an Adam step, so
+  a − b moves up to twice as far per step, and the L2 on (w_a, w_b) is half that on w_a − w_b when
+  w_a = −w_b. Adam moments kept per client and averaged models would not be IRM: they converge to a
+  median-like point, not to argmin Σ_i L_INV.
+  `--opt sgd`: Algorithm 1's plain steps for ν with γ = --lr.
+- Line 8's optimiser (`--theta-opt`) is the paper's: plain gradient steps (with --momentum, 0 on
+  RC-MNIST) of size η = `--eta`: 0.1 on rcmnist / rcfmnist, the full-batch plain step that
+  fedavg.py takes on the same MLP and data (common's RC-MNIST default; the paper gives no η), --lr
+  elsewhere. Not IRM's Adam (`--theta-opt adam`, at --lr: this file's form before): an Adam step
+  moves every parameter by about its lr whatever its gradient, and at IRM's lr that overshoots
+  J_i: on the embedded RC-MNIST without rotation at round 50 (seed 0, CPU, 2026-11-23), one Adam
+  step from ν^t raised J_i of clients 0 and 1 by 1.4e-2 and 2.3e-2 with the client's moments (4.0e-2
+  and 6.0e-2 with fresh ones), where the step at lr 1e-4 lowered it; the end-of-round check failed
+  for every client at rounds 25 and 50 under Adam, held under the plain steps. A plain step of
+  small enough η never raises J_i.
+  Line 8's optimiser state (momentum, Adam's moments) stays on θ_i's client across rounds under
+  either reading, as ν's Adam does on the server, and restarts whenever λ changes: moments grown on
+  the λ = 1 objective, whose risk and pull gradients are λ times larger than after the switch,
+  would shrink the steps for thousands of rounds. With plain steps and momentum 0 there is none.
 - IRM's rescaling divides L_INV by λ once λ > 1. Line 8's objective is Eq. 4 as a whole, divided by
-  λ: (L_IRM(θ_i) + β ||θ_i − ν||²) / λ, so that β keeps the paper's balance against the invariance
-  loss at every round (dividing L_IRM alone would make the pull λ·β and pin θ_i to ν).
+  λ: J_i = (L_IRM(θ_i) + L2 + β ||θ_i − ν||²) / λ, so that β keeps the paper's balance against the
+  invariance loss at every round (dividing L_IRM alone would make the pull λ·β and pin θ_i to ν).
+  With plain steps that is a step η/λ on the risk, the L2 and the pull and η on the penalty, so
+  after the switch line 8 moves θ_i along the single-environment penalty's gradient only, and
+  under `reset` θ_i stays within a small step of ν^t and scores like ν (embedded RC-MNIST without
+  rotation, 100 rounds with the switch at round 51, seed 0, CPU, 2026-11-23: ||θ_i − ν|| ≈ 0.016
+  against ||ν|| ≈ 20.6, θ_i 42.4% against ν's 42.7%, J_i(θ_i) < J_i(ν) for every client). With
+  the defaults (`reset`, R = S = 1) β has no effect at all: the pull's gradient is zero at
+  θ_i = ν^t (with S > 1 or R > 1 it has).
 - α = 1 (line 10 becomes the plain average, Algorithm 1's mean of ν_{i,R}).
-- β = 1. Not from test accuracy and not from the validation split either: the validation split is
-  drawn like the training context, where the spurious colour is predictive, so it would always
-  pick the smallest β. Remark 1 only says that β must be "appropriately chosen" and that fewer
-  training contexts call for a smaller β; here every client has one context. β = 1 weighs
-  ||θ_i − ν||² like the risk, as Eq. 4 is printed. Measured on full RC-MNIST without rotation
-  (README, PerInvFL): θ_i does not inherit ν's invariance for any β from 10 to 1e8 — after the
-  switch to the large λ its single-context IRMv1 penalty rules line 8, and a β that outweighs it
-  pins θ_i during the warm-up, after which its Adam moments hold it there.
+- β = 1, not tuned: the validation split is drawn like the training context, where the spurious
+  colour is predictive, so it would always pick the model closest to the colour. The paper gives
+  no value. Remark 1 says that fewer training contexts call for a smaller β ("empirically"), but the
+  proof of Theorem 3(2) says the opposite: with too few contexts the minimiser of Eq. 4 relies on
+  the spurious features, and only a β large enough to force θ_i = ν* gives invariance. Every client
+  here holds one context, so the proof argues for a large β (and θ_i → ν as β grows). β = 1 weighs
+  ||θ_i − ν||² like the risk, as Eq. 4 is printed.
 - IRM-FT: 1 epoch in minibatches of 64 (FTFA fine-tunes for a few local epochs), Adam at --lr.
 - GroupDRO: η_q = 0.01 (DomainBed's default); client i's ν-loss is N q_i R_i, so that uniform q is
   ERM; q is updated from the risks uploaded at the end of a round (the risk of ν^t on D_i), which
   the next round uses — Sagawa et al.'s update order with one round of lag, needing no extra
   communication. With one context per client, GroupDRO's local objective for θ_i is its risk.
-- The model: IRM's MLP 392 → 390 → 390 (ReLU) with a linear head to 2 logits and the cross-entropy.
-  IRM uses one logit and the binary cross-entropy: CE of logits (a, b) is BCE of a − b, and the
-  dummy scale multiplies both, so the loss and the penalty are the same functions of a − b.
+- The model: IRM's MLP 392 → 390 → 390 (ReLU) with a linear head to 2 logits and the cross-entropy
+  (IRM: one logit and the binary cross-entropy; CE of logits (a, b) is BCE of a − b, and the dummy
+  scale multiplies both, so the loss and the penalty are the same functions of a − b).
 - Model selection: the last round (common's `--select last` for RC-MNIST): see common.py.
+
+`--personalize` gives Table 5's ablations: `dual` (Eq. 4, line 8 as above), `l2` (IRM-L2: plain ERM
++ β ||θ_i − ν_{i,r}||², same `--theta`), `ft` (IRM-FT, local fine-tuning as Cheng et al.'s FTFA:
+θ_i = ν fine-tuned on D_i by `--ft-epochs` epochs of plain ERM in minibatches of `--ft-batch`, with a
+fresh optimiser and no regulariser). θ_i never feeds back into ν, so under `ft` it is computed when
+it is scored (at each evaluation), which gives the numbers that fine-tuning at every round would.
+Evaluation: each personalised θ_i on its own test context (per client and pooled, the reported
+test accuracy), and ν on every client's test context (`global_*` in the results: the "IRM" row).
 
 Communication per round: ν down and Δ_i up (|θ| floats each); θ_i never leaves the client.
 
     python perinvfl.py --dataset rcmnist --data-root DIR --p-test 0.1
     python perinvfl.py --dataset rcmnist --data-root DIR --no-rotation
+    python perinvfl.py --dataset rcmnist --data-root DIR --no-rotation --theta kept
     python perinvfl.py --dataset rcmnist --data-root DIR --personalize ft
     python perinvfl.py --dataset rcfmnist --data-root DIR --inv groupdro
 """
@@ -78,8 +140,9 @@ import torch.nn.functional as F
 import common
 import data
 
-RC = dict(opt="adam", lr=4.898e-4, weight_decay=2 * 1.10794568e-3, lam=91257.186, anneal=190, beta=1.0)
-DEFAULTS = {"rcmnist": RC, "rcfmnist": RC, "*": dict(opt="sgd", lam=1.0, anneal=0, beta=1.0)}
+RC = dict(opt="adam", lr=4.898e-4, weight_decay=2 * 1.10794568e-3, lam=91257.186, anneal=190, beta=1.0,
+          theta_opt="sgd", eta=0.1)
+DEFAULTS = {"rcmnist": RC, "rcfmnist": RC, "*": dict(opt="sgd", lam=1.0, anneal=0, beta=1.0, theta_opt="sgd")}
 
 
 # ---------------------------------------------------------------------------------- L_INV
@@ -88,7 +151,8 @@ def irm_penalty(logits, y):
     """IRMv1: ||∇_{w|w=1} R(w·f)||², the squared derivative of the risk w.r.t. a dummy scale on the
     logits, kept in the graph (double backward) so that its gradient reaches θ."""
     w = torch.ones((), dtype=logits.dtype, device=logits.device, requires_grad=True)
-    g, = torch.autograd.grad(F.cross_entropy(logits * w, y), w, create_graph=True)
+    with torch.enable_grad():                                        # (also under the check's no_grad)
+        g, = torch.autograd.grad(F.cross_entropy(logits * w, y), w, create_graph=True)
     return g.pow(2)
 
 
@@ -110,20 +174,30 @@ def rescale(args, lam, erm=False):
 
 
 def theta_loss(net, nu_ir, x, y, args, lam):
-    """Line 8's objective for θ_i: Eq. 4 (`dual`) or IRM-L2's ERM, plus β ||θ_i − ν_{i,r}||²."""
+    """Line 8's objective J_i(θ_i; ν_{i,r}): Eq. 4 (`dual`) or IRM-L2's ERM, plus β ||θ_i − ν_{i,r}||²,
+    divided as a whole by λ once λ > 1 (IRM's rescaling)."""
     erm = args.personalize == "l2"
     loss, _ = inv_loss(net, x, y, args, lam, erm=erm)
     theta = torch.cat([p.reshape(-1) for p in net.parameters()])
     return (loss + args.beta * (theta - nu_ir).pow(2).sum()) / rescale(args, lam, erm)
 
 
-def make_opt(params, args, saved=None, lr=None):
+def make_opt(params, args, saved=None, lr=None, kind=None):
+    """Adam (IRM's code) or SGD (--momentum; plain steps at 0) at `lr` (default --lr), with a saved state."""
     lr = lr or args.lr
-    opt = torch.optim.Adam(params, lr=lr) if args.opt == "adam" else \
+    opt = torch.optim.Adam(params, lr=lr) if (kind or args.opt) == "adam" else \
         torch.optim.SGD(params, lr=lr, momentum=args.momentum)
     if saved:
         opt.load_state_dict(saved)
     return opt
+
+
+def line8_opt(params, args, saved):
+    """Line 8's optimiser: plain steps with η = --eta (the paper's; --lr where --eta is unset), or Adam at
+    --lr as IRM's code (`--theta-opt adam`), with the state θ_i's client kept (None: a new one)."""
+    if args.theta_opt == "adam":
+        return make_opt(params, args, saved, kind="adam")
+    return make_opt(params, args, saved, lr=args.eta if args.eta is not None else args.lr, kind="sgd")
 
 
 def batch(client, args, ctx):
@@ -139,9 +213,23 @@ def batch(client, args, ctx):
 def init_state(model, fed, args, ctx):
     nu0 = common.get_flat(model)
     N = len(fed.clients)
-    return {"theta": [nu0.clone() for _ in range(N)],               # θ_i^0 = ν^0
-            "opt_theta": [None] * N, "server_opt": None,              # θ_i's optimiser, ν's (server)
-            "q": torch.full((N,), 1.0 / N, device=nu0.device)}       # GroupDRO's q, uniform
+    return {"theta": [nu0.clone() for _ in range(N)],               # θ_i^0 = ν^0 (line 1)
+            "opt_theta": [None] * N, "opt_lam": [None] * N,           # θ_i's optimiser state, its λ
+            "server_opt": None,                                       # ν's Adam (line 10, FedOpt)
+            "q": torch.full((N,), 1.0 / N, device=nu0.device),       # GroupDRO's q, uniform
+            "eq4": torch.full((2, N), float("nan"), device=nu0.device)}   # J_i(θ_i), J_i(ν): the check
+
+
+def scored(t, args):
+    """Rounds that common evaluates (every --eval-every and the last): the check runs on those."""
+    return t % args.eval_every == 0 or t == args.rounds
+
+
+def eq4(net, centre, client, args, lam, ctx):
+    """J_i at the parameters in `net` (line 8's objective, `theta_loss`) on client i's whole training
+    split, without augmentation: the end-of-round check's number (a device tensor)."""
+    with torch.no_grad():
+        return theta_loss(net, centre, ctx.prep(client.x), client.y, args, lam)
 
 
 def perinvfl_round(t, model, fed, args, state, ctx):
@@ -150,13 +238,16 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     N = len(fed.clients)
     theta_net = copy.deepcopy(model)                                 # holds θ_i while client i works
     deltas, risks = [], {}
+    if scored(t, args):
+        state["eq4"].fill_(float("nan"))                             # (clients left out of the round: nan)
     for i in common.sample_clients(ctx, N, args.sample):
         client, nq = fed.clients[i], N * state["q"][i]
         model.train()
         theta_net.train()
         delta = torch.zeros_like(nu)                                 # ν_{i,r} − ν^t; ν_{i,0} ← ν^t (line 5)
-        common.set_flat(theta_net, state["theta"][i])
-        opt_th = make_opt(theta_net.parameters(), args, state["opt_theta"][i])
+        common.set_flat(theta_net, nu if args.theta == "reset" else state["theta"][i])   # θ_i^0: ν^t or kept
+        opt_th = line8_opt(theta_net.parameters(), args,             # its state stays on client i across
+                           state["opt_theta"][i] if state["opt_lam"][i] == lam else None)  # rounds; new λ: new
         for r in range(args.R):
             nu_ir = nu + delta                                       # ν_{i,r}
             common.set_flat(model, nu_ir)
@@ -174,8 +265,11 @@ def perinvfl_round(t, model, fed, args, state, ctx):
             grad = torch.autograd.grad(loss / rescale(args, lam), list(model.parameters()))
             delta -= args.lr * torch.cat([g.reshape(-1) for g in grad])   # γ = --lr
         deltas.append(delta)                                         # Δ_i = ν_{i,R} − ν^t, uploaded
-        state["theta"][i] = common.get_flat(theta_net)               # θ_i stays on client i
-        state["opt_theta"][i] = opt_th.state_dict()
+        if args.personalize != "ft" and scored(t, args):             # the check: J_i(θ_i) vs J_i(ν_{i,R−1})
+            state["eq4"][0, i] = eq4(theta_net, nu_ir, client, args, lam, ctx)
+            state["eq4"][1, i] = eq4(model, nu_ir, client, args, lam, ctx)   # `model` holds ν_{i,R−1}
+        state["theta"][i] = common.get_flat(theta_net)               # θ_i^S, scored; stays on client i
+        state["opt_theta"][i], state["opt_lam"][i] = opt_th.state_dict(), lam
     mean_delta = torch.stack(deltas).mean(0)
     if args.opt == "adam":                                           # line 10 with Adam (FedOpt)
         nu_p = nu.clone().requires_grad_()
@@ -211,7 +305,8 @@ def fine_tune(net, client, args, ctx):
 
 def evaluate(model, fed, args, state, ctx):
     """θ_i on client i's validation split and test context (pooled and per client); ν as the
-    global model on all of them (`global_*`, the paper's "IRM" row)."""
+    global model on all of them (`global_*`, the paper's "IRM" row); the end-of-round check of line 8
+    (`eq4_theta`, `eq4_nu` per client, `eq4_holds`: the share of clients with J_i(θ_i) ≤ J_i(ν))."""
     net = copy.deepcopy(model)
     val, hit, per = [], [], []
     for c in fed.clients:
@@ -224,8 +319,14 @@ def evaluate(model, fed, args, state, ctx):
         hit.append(h)
         per.append(h.mean())
     nu_val, nu_test, nu_per = common.evaluate_global(model, fed, args, state, ctx)
-    return (torch.cat(val).float().mean().item(), torch.cat(hit).mean().item(), torch.stack(per).tolist(),
-            {"global_val_acc": nu_val, "global_test_acc": nu_test, "global_per_test": nu_per})
+    extra = {"global_val_acc": nu_val, "global_test_acc": nu_test, "global_per_test": nu_per}
+    if args.personalize != "ft":                                     # the end-of-round check (line 8)
+        j_theta, j_nu = state["eq4"]
+        took = j_nu.isfinite()                                       # (None: the client sat the round out)
+        extra.update(eq4_holds=((j_theta <= j_nu) & took).sum().item() / max(took.sum().item(), 1),
+                     **{k: [v if ok else None for v, ok in zip(j.tolist(), took.tolist())]
+                        for k, j in (("eq4_theta", j_theta), ("eq4_nu", j_nu))})
+    return (torch.cat(val).float().mean().item(), torch.cat(hit).mean().item(), torch.stack(per).tolist(), extra)
 
 
 def add_args(p):
@@ -233,6 +334,13 @@ def add_args(p):
     a("--inv", default="irm", choices=["irm", "groupdro"], help="L_INV: IRMv1 or GroupDRO")
     a("--personalize", default="dual", choices=["dual", "l2", "ft"],
       help="dual: Eq. 4; l2: ERM + beta||theta - nu||^2 (IRM-L2); ft: fine-tune nu locally (IRM-FT)")
+    a("--theta", default="reset", choices=["reset", "kept"],
+      help="line 8's start: reset: theta_i <- nu^t every round (pFedMe's code, the default); "
+           "kept: theta_i stays on its client across rounds (Ditto)")
+    a("--theta-opt", default=None, choices=["sgd", "adam"],
+      help="line 8's optimiser: sgd: the paper's plain steps with eta (default); adam: Adam at --lr as IRM's "
+           "code; its state stays on the client, restarted when lambda changes")
+    a("--eta", type=float, default=None, help="line 8's step size eta under --theta-opt sgd (rcmnist: 0.1; else --lr)")
     a("--ft-epochs", type=int, default=1, help="IRM-FT: local epochs of fine-tuning of nu")
     a("--ft-batch", type=int, default=64, help="IRM-FT: minibatch size of the fine-tuning")
     a("--beta", type=float, default=None, help="weight of ||theta_i - nu||^2 (default 1)")
@@ -241,8 +349,8 @@ def add_args(p):
     a("--R", type=int, default=1, help="local steps of nu per round (Algorithm 1's R)")
     a("--S", type=int, default=1, help="steps of theta_i per step of nu (Algorithm 1's S)")
     a("--opt", default=None, choices=["adam", "sgd"],
-      help="adam: Adam for theta_i (line 8) and on the server for nu (line 10, FedOpt), as IRM (rcmnist); "
-           "sgd: Algorithm 1's plain steps")
+      help="nu's optimiser (and IRM-FT's): adam: Adam on the server for nu (line 10, FedOpt), as IRM (rcmnist); "
+           "sgd: Algorithm 1's plain steps (line 8's: --theta-opt)")
     a("--eta-q", type=float, default=0.01, help="GroupDRO step size for q")
 
 
@@ -253,6 +361,8 @@ def check(args):
     for k in ("R", "S", "ft_epochs", "ft_batch"):
         if getattr(args, k) < 1:
             raise data.UserError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(args, k)}")
+    if args.eta is not None and not args.eta > 0:
+        raise data.UserError(f"--eta must be positive, got {args.eta}")
     for k in ("beta", "lam", "anneal", "eta_q"):
         if not getattr(args, k) >= 0:   # also catches nan
             raise data.UserError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k)}")
