@@ -16,6 +16,8 @@ simplex and 𝐠 = {g_u}:
 
 Algorithm 1 (one round r): send θ^(r-1) to the U clients; each trains E local epochs and returns θ_u;
 the server forms the g_u, solves Eq. 15 and steps by Eq. 16–17. κ = 0 gives FedAvg (Corollary 1).
+The server's part is `server_update` below, a plain function of tensors with η_g explicit (to copy
+it with the functions it calls, into any training loop: docs/fedomg.md, "Copy it").
 
 The official code steps differently, and its step is the default (`--server-rule code`). It scales
 each update by a weight w_u, then runs CAGrad on the scaled updates ĝ_u = w_u g_u, which averages
@@ -111,7 +113,7 @@ Choices, and where they come from:
 - Combining with other clients (Table 2's FedIIR+OMG): a method file does not import another, so
   the combination is not a flag. To build it, give `common.train_clients` FedIIR's penalised loss
   (loss_fn=fediir.iir_loss(...), with its global-gradient pass) in `fedomg_round` below; the server
-  steps `code_step` / `paper_step` are unchanged.
+  step `server_update` is unchanged.
 
 Defaults. DG (pacs, vlcs, officehome; paper §D.6, Table 4, and the official DG scripts): pretrained
 ResNet-18 with a linear head, SGD lr 1e-3, batch 16, momentum 0.9, weight decay 5e-4, 5 local epochs,
@@ -130,7 +132,6 @@ the client defaults differ from fedavg.py's as well):
 """
 import sys
 
-import numpy as np
 import torch
 
 import common
@@ -141,8 +142,13 @@ DG = dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9,
 DG_SETS = ("pacs", "vlcs", "officehome")
 DEFAULTS = {**{name: DG for name in DG_SETS}, "*": dict(lr_step=0.8),           # the DG code's StepLR
             **{name: dict(lr_step=1.0) for name in data.FL}}                    # the FL code: no step
-EPS = 1e-4              # the official code's ε (under its square roots and in λ's denominator)
 
+
+# ---------------------------------------------------------------- the method as plain functions
+# Functions of tensors and numbers alone (torch; numpy and scipy imported inside the solvers), to be
+# copied into another training loop. The client's step is plain local SGD on the cross-entropy (any
+# training loop does it) and it uploads its trained θ_u; what is FedOMG's own is the server's step,
+# server_update (Eq. 8, 15–17), built on code_step / paper_step (Eq. 15–16) and the Γ solvers.
 
 # ----------------------------------------------------------------------- Eq. 15 on the Gram matrix
 
@@ -166,7 +172,9 @@ def solve_sgd(K, a, kappa, lr=25.0, momentum=0.5, evaluations=21, eps=0.0):
     """Table 4's solver (the code's): Γ = softmax(v) from v = 0, SGD with momentum on v (PyTorch's
     rule: the first step uses the gradient, then buf = momentum·buf + grad), keeping the best of
     `evaluations` objective values. The gradient in closed form: ∂f/∂Γ = Ka + c KΓ / ||g_Γ||_ε
-    (c = κ ||g_0||_ε), through the softmax: ∂f/∂v = Γ ⊙ (∂f/∂Γ − Γ·∂f/∂Γ)."""
+    (c = κ ||g_0||_ε), through the softmax: ∂f/∂v = Γ ⊙ (∂f/∂Γ − Γ·∂f/∂Γ). K, a: float64 CPU
+    tensors."""
+    import numpy as np
     K, a = K.numpy(), a.numpy()
     b, c = K @ a, kappa * np.sqrt(max(a @ K @ a + eps, 0.0))
     v, buf = np.zeros(len(a)), None
@@ -189,6 +197,7 @@ def solve_sgd(K, a, kappa, lr=25.0, momentum=0.5, evaluations=21, eps=0.0):
 
 def solve_exact(K, a, kappa, eps=0.0):
     """Eq. 15 to convergence: SLSQP over Γ ∈ [0, 1]^U with Σ Γ = 1, started from the uniform Γ."""
+    import numpy as np
     from scipy.optimize import minimize
     Kn, an = K.numpy(), a.numpy()
     c = kappa * np.sqrt(max(an @ Kn @ an + eps, 0.0))
@@ -205,6 +214,7 @@ def solve_exact(K, a, kappa, eps=0.0):
 
 
 def solve(K, a, kappa, solver, evaluations, eps=0.0):
+    """Γ* of Eq. 15 by solver "sgd" (Table 4's) or "exact" (SLSQP)."""
     if solver == "sgd":
         return solve_sgd(K, a, kappa, evaluations=evaluations, eps=eps)
     return solve_exact(K, a, kappa, eps=eps)
@@ -212,20 +222,21 @@ def solve(K, a, kappa, solver, evaluations, eps=0.0):
 
 # -------------------------------------------------------------------- the two server rules
 
-def code_step(G, w, kappa, solver="sgd", evaluations=21):
+def code_step(G, w, kappa, solver="sgd", evaluations=21, eps=1e-4):
     """The official code's step (fed_merge.py OMG, CAGrad): on the scaled updates ĝ_u = w_u g_u,
     ĝ_0 = mean_u ĝ_u, Γ* by Eq. 15 over the ĝ_u, and (ĝ_0 + λ ĝ_Γ*) / (1 + κ²). Returns it as
     Σ_u w_u (1/U + λ γ*_u) g_u / (1 + κ²), the code's last line.
     Its scale: with w = p (the DG code) and κ = 0 it is g_FL / U, 1/U of FedAvg's step, and for κ > 0
     its anchor term is g_FL / (U (1 + κ²)); with w = 1 (the FL code) the anchor is the plain mean of
-    the g_u over 1 + κ². η_g = U (1 + κ²) restores FedAvg's scale (eta_g below)."""
+    the g_u over 1 + κ². η_g = U (1 + κ²) restores FedAvg's scale (server_update). eps: the code's ε,
+    under its square roots and in λ's denominator."""
     U = len(w)
     w = w.double().cpu()
     K = w[:, None] * gram(G) * w[None, :]                        # the Gram matrix of the ĝ_u
-    K = K / (K.diagonal() + EPS).sqrt().mean() ** 2              # s² = (mean_u ||ĝ_u||_ε)²
+    K = K / (K.diagonal() + eps).sqrt().mean() ** 2              # s² = (mean_u ||ĝ_u||_ε)²
     a = torch.full((U,), 1.0 / U, dtype=torch.float64)           # ĝ_0 = aᵀ ĝ
-    Gamma = solve(K, a, kappa, solver, evaluations, EPS) if kappa > 0 else a                       # Eq. 15
-    lam = kappa * (a @ K @ a + EPS).sqrt() / ((Gamma @ K @ Gamma + EPS).clamp(min=0).sqrt() + EPS)
+    Gamma = solve(K, a, kappa, solver, evaluations, eps) if kappa > 0 else a                       # Eq. 15
+    lam = kappa * (a @ K @ a + eps).sqrt() / ((Gamma @ K @ Gamma + eps).clamp(min=0).sqrt() + eps)
     coef = w * (a + lam * Gamma) / (1 + kappa ** 2)                                                # Eq. 16
     return coef.to(G.dtype).to(G.device) @ G
 
@@ -246,6 +257,38 @@ def paper_step(G, g_FL, p, kappa, solver="sgd", evaluations=21):
     return g_FL + (kappa * norm_g_FL / norm_g_Gamma).item() * g_Gamma   # Eq. 16 (norms in K's scale: a ratio)
 
 
+def server_update(theta, thetas, N, eta_g, kappa=0.5, rule="code", weighted=True, solver="sgd", evaluations=21):
+    """The server's round (Algorithm 1): θ^(r-1) and the U sampled clients' trained θ_u in, θ^(r) out.
+    theta: θ^(r-1), flat; thetas: the θ_u, flat, any iterable (read one at a time into the U × |θ|
+    matrix G of the updates, the server's only large buffer); N: the clients' training-set sizes N_u.
+        g_u = θ_u − θ^(r-1)                                                             (Eq. 8)
+        g_FL = Σ_u N_u g_u / Σ_u N_u,  p_u = N_u / Σ_u N_u                  (FedAvg's update)
+        step = code_step(G, w, κ) (rule "code", the official code) or paper_step(G, g_FL, p, κ)
+               (rule "paper", Eq. 15–16 as printed); w_u = p_u (weighted, the DG code) or 1 (the FL code)
+        θ^(r) = θ^(r-1) + η_g · step                               (Eq. 17; + as the code: g_u points downhill)
+    The scale of η_g, which no default here hides: rule "code", weighted, steps g_FL / U at κ = 0, and
+    for κ > 0 its anchor term is g_FL / (U (1 + κ²)): η_g = 1 moves 1/U of FedAvg's step, and
+    η_g = U (1 + κ²), U = len(N), makes the anchor term FedAvg's step (κ = 0: FedAvg's θ to float
+    rounding). Rule "code", weighted=False (the FL code, η_g = 1 there): the κ = 0 step is the
+    unweighted mean of the g_u, over 1 + κ² for κ > 0. Rule "paper" is on FedAvg's scale at η_g = 1, and
+    at κ = 0 returns FedAvg's θ bit for bit (Corollary 1). The official DG scripts use η_g = 0.5
+    with rule "code", weighted (Table 4 prints 5e-2: about 2% of FedAvg's step per round)."""
+    G = torch.empty(len(N), theta.numel(), dtype=theta.dtype, device=theta.device)   # the g_u, U × |θ|
+    delta_sum, weight_sum = torch.zeros_like(theta), 0.0
+    for u, (theta_u, N_u) in enumerate(zip(thetas, N)):
+        G[u] = theta_u - theta                                                           # Eq. 8
+        delta_sum += float(N_u) * G[u]
+        weight_sum += float(N_u)
+    g_FL = delta_sum / weight_sum                                                        # FedAvg's update
+    p = torch.tensor([float(N_u) for N_u in N]) / weight_sum                             # p_u = N_u / Σ N
+    if rule == "code":
+        w = p if weighted else torch.ones(len(N))                 # the DG code: w_u = p_u; the FL code: 1
+        step = code_step(G, w, kappa, solver, evaluations)                               # Eq. 15–16, the code's
+    else:
+        step = paper_step(G, g_FL, p, kappa, solver, evaluations)                        # Eq. 15–16
+    return theta + eta_g * step                                                          # Eq. 17
+
+
 # ------------------------------------------------------------------------------------ one round
 
 def eta_g(args, U):
@@ -259,27 +302,22 @@ def eta_g(args, U):
 
 def fedomg_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                         # θ^(r-1)
-    S = common.sample_clients(ctx, len(fed.clients), args.sample)
-    G = torch.empty(len(S), theta.numel(), device=theta.device)            # the g_u, U × |θ|
-    delta_sum, weight_sum, losses = torch.zeros_like(theta), 0.0, {}
+    S = common.sample_clients(ctx, len(fed.clients), args.sample)         # send θ^(r-1) to the U clients
     lr = args.lr * (0.1 if t > args.lr_step * args.rounds else 1.0)       # the DG code's StepLR (γ = 0.1)
     keep = not args.fresh_opt and args.momentum > 0
     client_sgd = lambda params: torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx, client_sgd,
-                                   momentum=state["momentum"] if keep else None)  # clients: plain local SGD
-    for u, (c, (theta_u, loss)) in enumerate(zip(S, trained)):
-        losses[c] = loss
-        G[u] = theta_u - theta                                             # Eq. 8
-        delta_sum += float(fed.clients[c].n) * G[u]
-        weight_sum += float(fed.clients[c].n)
-    g_FL = delta_sum / weight_sum                                          # FedAvg's update
-    p = torch.tensor([float(fed.clients[c].n) for c in S]) / weight_sum   # p_u = N_u / Σ N
-    if args.server_rule == "code":
-        w = torch.ones(len(S)) if args.dataset in data.FL else p          # FL code: w_u = 1; DG code: p_u
-        step = code_step(G, w, args.kappa, args.solver, args.solver_evals)                          # Eq. 15–16, code
-    else:
-        step = paper_step(G, g_FL, p, args.kappa, args.solver, args.solver_evals)                   # Eq. 15–16
-    common.set_flat(model, theta + eta_g(args, len(S)) * step)             # Eq. 17 (+, see docstring)
+                                   momentum=state["momentum"] if keep else None)  # clients: E epochs of local SGD
+    losses = {}
+
+    def uploads():                                                         # θ_u, client by client, as they finish
+        for c, (theta_u, loss) in zip(S, trained):
+            losses[c] = loss
+            yield theta_u
+    N = [float(fed.clients[c].n) for c in S]
+    common.set_flat(model, server_update(theta, uploads(), N, eta_g(args, len(S)), args.kappa, args.server_rule,
+                                         weighted=args.dataset not in data.FL, solver=args.solver,
+                                         evaluations=args.solver_evals))   # Eq. 8, 15–17
     return losses
 
 
