@@ -13,15 +13,14 @@ leave I_ID after a warm-up (the exit strategy: Section IV, Algorithm 1 line 1); 
 serves them and is scored on them separately (OOD).
 
 Algorithm 1 (--exit auto: first a pre-training phase, line 1; then rounds t = 1..T from w^1):
-    0. pre-training (Algorithm 1 line 1; Section IV: "prior to formal training, ... all clients and
-       the server jointly conduct a pre-training phase ... that assesses each client's delay and data
-       quality"): --exit-warmup rounds s = 1..W of steps 1-4 below with every client of I_ID, each
-       round estimating C_i^s (step 4); after the last, the exits. Then lines 2-4: t = 1 and the
-       server sends "the initialized model parameters w^1" to all nodes: the T rounds start from the
-       model the run started with, not the pre-trained one, and the pre-training rounds are not
-       among the T (`--warmup pretraining`, the default). `--warmup rounds`: rounds 1..W of the T
-       are the warm-up and training goes on from their model (this file before; the committed
-       --exit auto runs, README: FedIPG, were made so).
+    0. pre-training (line 1; Section IV: "prior to formal training, ... all clients and the server
+       jointly conduct a pre-training phase ... that assesses each client's delay and data quality"):
+       --exit-warmup rounds s = 1..W of steps 1-4 with every client of I_ID, each round estimating
+       C_i^s (step 4); after the last, the exits. Then lines 2-4: t = 1 and the server sends "the
+       initialized model parameters w^1" to all nodes: the T rounds start from the model the run
+       started with and the W rounds are not among them (`--warmup pretraining`, the default).
+       `--warmup rounds`: rounds 1..W of the T are the warm-up and training goes on from their model
+       (the committed --exit auto runs, docs/fedipg.md, were made so).
 One communication round t (w^t: the global model at its start):
     1. the clients that take part: every client of I_ID, as Eq. 3; `--sample C` samples C of them
        per round after the warm-up instead (FedIIR's protocol, which Table II's 50-client rows follow)
@@ -29,11 +28,10 @@ One communication round t (w^t: the global model at its start):
        model it last received, w^{t−τ_i} (τ_i: its staleness), and updates it; Δ_i = w_i − w^{t−τ_i}:
          --local-step paper (default): one gradient step on f_i over its whole training split,
            w_i = w^{t−τ_i} − η ∇f_i(w^{t−τ_i})         (Eq. 2, Algorithm 1 line 15, Section III-B:
-           "each client locally takes a step of gradient descent"; `paper_step`)
+           "each client locally takes a step of gradient descent"; `gradient_step`)
          --local-step sgd: --local-epochs of minibatch SGD with --momentum on f_i, the penalty on
-           each minibatch (FedIIR's local training, shared with fedavg.py). Not the paper's; it was
-           this file's only local step before, so every committed FedIPG number (README, FedIPG,
-           and benchmark/results: rmnist, stained, exits, RC-MNIST) was measured with it.
+           each minibatch (FedIIR's local training, shared with fedavg.py). Not the paper's, but
+           every committed FedIPG number (docs/fedipg.md, benchmark/results) was measured with it.
     3. server: w^{t+1} = w^t + η_g Σ_i n_i Δ_i / Σ_i n_i over the arrived i ∈ I_ID           (Eq. 3)
        (Algorithm 1 averages models, Σ n_i w_i / Σ n_i: the same for fresh updates and η_g = 1; a
        stale Δ_i is applied to the current model, as the analysis of Eq. 12–13 assumes)
@@ -44,49 +42,34 @@ One communication round t (w^t: the global model at its start):
 
 Where the paper is silent, and what this file does:
 - g_i = ∇R_i(w^{t−τ_i}) exactly: one gradient pass of the client's risk over its training split at
-  the model it starts from, before its local steps (no augmentation, no step, no random draw: the
-  training is the same with or without the estimates). Unlike the mean local step −Δ_i/(η s_i), it
+  the model it starts from, before its local step (no augmentation, no step, no random draw: the
+  training is the same with or without the estimates); unlike the mean local step −Δ_i/(η s_i), it
   does not grow with momentum or the step count. ∇R(w^t), for client i, is the data-weighted mean
   of the other fresh (τ = 0) clients' g_j, so a client does not vouch for itself; n is the data of
   all clients. Eq. 13 is then free of the gradients' scale and L dimensionless: C_i > 0 ⟺
   ⟨∇R, g_i⟩ / ||g_i||² > L/2 (a client equal to the mean: ∝ 1 − L/2, Eq. 17's "L < 2").
-  --exit-L 0.5 is chosen, not the paper's (README, FedIPG: the ratios measured with a planted
+  --exit-L 0.5 is chosen, not the paper's (docs/fedipg.md: the ratios measured with a planted
   rotated client, and what the rule removes at full scale).
-- η of Eq. 2 is --lr: the paper gives no learning rate for any dataset (Section IV only bounds it,
-  η ≤ 2n/(n_min L)). The per-dataset defaults below were set for minibatch SGD with momentum 0.9;
-  one plain step per round at the same η moves the model far less per round (stained fg: one step
-  against 9 minibatch steps, each amplified up to 1/(1 − 0.9) = 10× by momentum), so at the same T
-  the paper's step trains much less. No η is tuned for it here. Measured (stained fg, full MNIST,
-  held-out c0, seed 0, T = 100, 2-core AMD EPYC CPU, 2026-11-23): validation accuracy at round 100
-  84.0% with the paper's step at η = 0.1, still rising (loss 0.59), 94.3% at η = 1; 95.0% with
-  --local-step sgd at 0.1. Per round the paper's step cost about as much as the sgd step or more
-  (0.48–0.61 s against 0.39–0.50 s there, the machine shared): its chunks need a backward for ∇R
-  and one for ∇d.
+- η of Eq. 2 is --lr: the paper gives none (Section IV only bounds it, η ≤ 2n/(n_min L)). The
+  per-dataset defaults were set for minibatch SGD with momentum 0.9, under which one plain step per
+  round trains much less at the same T; no η is tuned for it here (docs/fedipg.md: measured).
 - A client that delivered nothing during the warm-up exits: its delay exceeds the warm-up, and by
   Theorem 2 a contribution turns negative as τ grows. --exit-warmup defaults to 5 rounds (chosen: a
   slow:K client with K ≤ 5 arrives at least once). Clients can also be named: --exit-clients 3,7.
-- The penalty and its gradient, exactly, three ways (--penalty; all equal up to rounding, tested
-  against finite differences and against d/ds R(s·w) by scaling the model):
-  tangent  d = ⟨∂R/∂z, ż⟩ at the logits, ż = d/ds z(x; s·w) carried forward beside z by hand
-           (forward mode along w; the rules in `tangent`), then one backward of R + λ d² through
-           both streams (reverse over forward). Plain chains of layers only (MLP, ConvNets).
-  layers   every layer holding parameters is affine in them (conv, linear: z = W∗x + b; GroupNorm /
-           BatchNorm: z = γ·x̂ + β), so d = Σ_l ⟨∂R/∂z_l, z_l⟩ over the layer outputs: a backward to
-           the activations with a graph, then a double backward. Any such model (ResNets).
-  params   d = ⟨∇_w R, w⟩ from the parameter gradients with a graph, then a double backward.
-  The default, auto, takes tangent where it applies, else layers. On the rmnist ConvNet (CPU,
-  benchmark/fedipg_speed.py) a round cost 2.4× FedAvg's with tangent, 2.9× with layers, 3.4× with
-  params (README: where the time goes); torch.func's forward-over-reverse (jvp of grad: ∇R and the
-  Hessian-vector product Hw at once) and torch's forward AD under grad cost as much as params or more.
+- The penalty and its gradient, exactly, three ways (--penalty; equal up to rounding, tested against
+  finite differences and against d/ds R(s·w) by scaling the model): tangent carries ż = d/ds z(x; s·w)
+  forward beside z by hand and takes d = ⟨∂R/∂z, ż⟩ at the logits (plain chains of layers: MLP,
+  ConvNets); layers uses that every layer holding parameters is affine in them (conv, linear,
+  GroupNorm, BatchNorm), so d = Σ_l ⟨∂R/∂z_l, z_l⟩ over their outputs (any such model: ResNets);
+  params takes d = ⟨∇_w R, w⟩ from the parameter gradients. auto: tangent where it applies, else
+  layers; a round costs 2.4× FedAvg's with tangent, 2.9× with layers, 3.4× with params
+  (docs/fedipg.md: Cost).
 - λ (Figure 4: (1e-4, 1e-2) helps, smaller for complex tasks): 1e-3 for rmnist, stained and
   synthetic (the middle of the range), 1e-4 for the ResNet datasets (its low end, as advised).
-- Stained MNIST (Section VI-C, data.stained states its construction): the MLP of IRM's
-  ColoredMNIST (390-390, ReLU) on 14×14×3 images for Table III; Section VI-C's clients (5 × 600
-  examples for fg, 5 × 2,000 for bg, 20 × 2,000 for both), each a disjoint random sample of the
-  pooled nine training combinations (common.stained_clients; on the embedded digits bg and both
-  shrink to 900 and 225 per client), every client in every round; lr 0.1 and batch 64 are chosen
-  (the paper gives none; at rmnist's 1e-2 the MLP barely moves: loss 2.30 → 2.29 in 30 rounds of
-  FedAvg).
+- Stained MNIST (Section VI-C; docs/datasets.md): the MLP of IRM's ColoredMNIST on 14×14×3 images,
+  Section VI-C's clients (common.stained_clients), every client in every round; lr 0.1 and batch 64
+  are chosen (the paper gives none; at rmnist's 1e-2 the MLP barely moves: loss 2.30 → 2.29 in 30
+  rounds of FedAvg).
 - Aberrant clients (Section VI-A), --aberrant KIND:VALUE on client --aberrant-client (default 0):
   slow:K      its update takes K rounds: it receives w^t, its Δ is computed from w^t and arrives in
               round t + K − 1 (τ = K − 1); then it receives the model of the next round
@@ -122,15 +105,13 @@ AFFINE = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.BatchNorm2d)   # outputs affine
 CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)
 
 
-# ------------------------------------------------------------------------ the penalty (Eq. 9)
-
-def chain(model):
-    """The model as a list of layers if it is a plain chain of the layers `tangent` knows, else None."""
-    parts = [model.featurizer, model.classifier] if isinstance(model, common.Net) else [model]
-    layers = [m for part in parts for m in (part if isinstance(part, nn.Sequential) else [part])]
-    ok = all(type(m) in CHAIN and getattr(m, "affine", True) for m in layers)
-    return layers if ok else None
-
+# ---------------------------------------------------------------- the method as plain functions
+# What a client computes (f_i of Eq. 9 and its step, Eq. 2; g_i, which it uploads for Eq. 13) and
+# what the server does with it (Eq. 3; Eq. 13 and the exit rule), as functions of modules, tensors
+# and numbers that need torch alone (docs/fedipg.md: Copy it). A model is any nn.Module; `layers` (a
+# plain chain: the model is layers[-1](...layers[0](x))) or `affine` (its layers that hold
+# parameters, each affine in them) choose how d = ⟨∇R_i(w), w⟩ is computed, else from the parameter
+# gradients; `autocast`, if given, makes the context of the forward passes.
 
 def tangent(layers, x):
     """The logits z and ż = d/ds z(x; s·w) at s = 1, carried forward by hand beside z, as ordinary
@@ -142,6 +123,7 @@ def tangent(layers, x):
         ȧ at the argmax).
     ȧ = 0 and ȧ = a hold exactly from the input up to the first GroupNorm or hidden linear layer;
     they are tracked (da is None, da is a) to skip the products they make unnecessary."""
+    nn = torch.nn
     a, da = x, None
     for m in layers:
         same = da is a
@@ -184,34 +166,27 @@ def tangent(layers, x):
     return a, da
 
 
-def affine_layers(model):
-    layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    bad = [type(m).__name__ for m in layers if not isinstance(m, AFFINE)]
-    if bad:
-        raise common.UserError(f"--penalty layers needs layers affine in their parameters, not {bad[0]}; "
-                               f"use --penalty params")
-    return layers
-
-
-def risk_and_d(model, x, y, mode="auto"):
-    """R_i and d = ⟨∇R_i(w), w⟩ on the batch (x, y), both with their graphs, in one of three exact
-    ways (docstring)."""
-    layers = chain(model) if mode in ("tangent", "auto") else None
+def risk_and_d(model, x, y, layers=None, affine=None):
+    """R_i and d = ⟨∇R_i(w), w⟩ on the batch (x, y), both with their graphs, exactly: through
+    `tangent` if `layers` is given (no gradient inside: one ordinary backward of the result), from
+    the `affine` layers' outputs (d = Σ_l ⟨∂R/∂z_l, z_l⟩) if they are given, else from the gradients
+    of the model's parameters (d = Σ ⟨∂R/∂w, w⟩)."""
     if layers:                                                  # d = ⟨∂R/∂z, ż⟩ at the logits
         z, dz = tangent(layers, x)
-        d = ((z.softmax(1) - F.one_hot(y, z.shape[1]).to(z.dtype)) * dz).sum(1).mean()
+        onehot = torch.zeros_like(z).scatter(1, y[:, None], 1.0)   # F.one_hot's values; vmap can batch it
+        d = ((z.softmax(1) - onehot) * dz).sum(1).mean()
         return F.cross_entropy(z, y), d
-    if mode == "params":                                        # d = Σ ⟨∂R/∂w, w⟩ over the parameters
-        risk = common.cross_entropy(model, x, y)
+    if affine is None:                                          # d = Σ ⟨∂R/∂w, w⟩ over the parameters
+        risk = F.cross_entropy(model(x), y)
         w = [p for p in model.parameters() if p.requires_grad]
         g = torch.autograd.grad(risk, w, create_graph=True)
         return risk, sum((gi * wi).sum() for gi, wi in zip(g, w))
-    z = []                                                      # d = Σ_l ⟨∂R/∂z_l, z_l⟩ (see docstring)
+    z = []                                                      # d = Σ_l ⟨∂R/∂z_l, z_l⟩
 
     def keep(module, inputs, out):
         z.append(out)
         return out.clone()                                      # later in-place ops (ResNet's +=) hit the copy
-    hooks = [m.register_forward_hook(keep) for m in affine_layers(model)]
+    hooks = [m.register_forward_hook(keep) for m in affine]
     try:
         risk = F.cross_entropy(model(x), y)
     finally:
@@ -221,36 +196,30 @@ def risk_and_d(model, x, y, mode="auto"):
     return risk, sum((a * b).sum() for a, b in zip(dz, z))
 
 
-def ipg_loss(lam, mode="auto"):
-    """f_i = R_i + λ d², d = ⟨∇R_i(w), w⟩ (Eq. 9), on one minibatch (--local-step sgd)."""
-    def loss_fn(model, x, y):
-        if lam == 0:
-            return common.cross_entropy(model, x, y)
-        risk, d = risk_and_d(model, x, y, mode)
-        return risk + lam * d * d
-    return loss_fn
+def local_objective(model, x, y, lam, layers=None, affine=None):
+    """f_i = R_i + λ d², d = ⟨∇R_i(w), w⟩, on the batch (x, y) (Eq. 9): the loss of a minibatch step."""
+    if lam == 0:
+        return F.cross_entropy(model(x), y)
+    risk, d = risk_and_d(model, x, y, layers, affine)
+    return risk + lam * d * d
 
 
-# ------------------------------------------------------------------------------ the local step
-
-def paper_step(model, client, args, ctx):
-    """w_i = w − η ∇f_i(w) (Eq. 2, Algorithm 1 line 15), f_i = R_i + λ d² over the client's whole
-    training split (Eq. 1, 9). The split is taken in chunks of --batch-size (memory), which changes
-    nothing but rounding: R_i = Σ_c a_c R_c and d = Σ_c a_c d_c (a_c = n_c / n_i, both linear in the
-    per-example losses), so ∇f_i = Σ_c a_c ∇R_c + 2λ d Σ_c a_c ∇d_c, with d the whole split's. The
-    inputs are those `common.local_sgd` trains on (augmented on the photo datasets, drawn from the
-    minibatch stream; the digits draw nothing). --weight-decay, where set, adds wd·w as SGD's does;
-    momentum has no step to act on. Returns f_i(w) (a device tensor)."""
+def gradient_step(model, chunks, n, lr, lam, weight_decay=0.0, layers=None, affine=None, autocast=None):
+    """The client's local step: w ← w − η ∇f_i(w) in place (Eq. 2, Algorithm 1 line 15), f_i = R_i + λ d²
+    over its whole training split (Eq. 1, 9), given as `chunks`, an iterable of (x, y) that together
+    hold its n examples once. The chunks change nothing but rounding: R_i = Σ_c a_c R_c and
+    d = Σ_c a_c d_c (a_c = n_c / n, both linear in the per-example losses), so ∇f_i = Σ_c a_c ∇R_c +
+    2λ d Σ_c a_c ∇d_c, with d the whole split's. weight_decay adds wd·w, as SGD's does. Returns f_i(w)
+    before the step (a tensor; no host synchronisation)."""
+    import contextlib
     model.train()
     w = [p for p in model.parameters() if p.requires_grad]
     grad_R, grad_d = [torch.zeros_like(p) for p in w], [torch.zeros_like(p) for p in w]
-    R, d = torch.zeros((), device=ctx.device), torch.zeros((), device=ctx.device)
-    for s in range(0, client.n, args.batch_size):
-        x, y = ctx.prep(client.x[s:s + args.batch_size], train=True, gen=ctx.gen), client.y[s:s + args.batch_size]
-        a = len(y) / client.n                                               # a_c
-        with ctx.autocast():
-            risk_c, d_c = risk_and_d(model, x, y, args.penalty) if args.lam > 0 else \
-                (common.cross_entropy(model, x, y), None)
+    R, d = torch.zeros((), device=w[0].device), torch.zeros((), device=w[0].device)
+    for x, y in chunks:
+        a = len(y) / n                                                      # a_c
+        with (autocast or contextlib.nullcontext)():
+            risk_c, d_c = risk_and_d(model, x, y, layers, affine) if lam > 0 else (F.cross_entropy(model(x), y), None)
         for acc, g in zip(grad_R, torch.autograd.grad(a * risk_c, w, retain_graph=d_c is not None)):
             acc += g                                                        # Σ_c a_c ∇R_c = ∇R_i
         R += a * risk_c.detach().float()
@@ -260,8 +229,115 @@ def paper_step(model, client, args, ctx):
             d += a * d_c.detach().float()
     with torch.no_grad():
         for p, gR, gd in zip(w, grad_R, grad_d):                            # w − η (∇R_i + 2λ d ∇d)
-            p -= args.lr * (gR + (2 * args.lam) * d * gd + args.weight_decay * p)   # Eq. 2 with Eq. 9
-    return R + args.lam * d * d                                             # f_i(w)
+            p -= lr * (gR + (2 * lam) * d * gd + weight_decay * p)          # Eq. 2 with Eq. 9
+    return R + lam * d * d                                                  # f_i(w)
+
+
+def client_gradient(model, chunks, n, autocast=None):
+    """g_i = ∇R_i(w), what a client uploads for Eq. 13: the gradient of its mean cross-entropy over
+    its whole training split (`chunks` as in gradient_step), as one flat float vector in the order of
+    model.parameters(). It takes no step, so neither momentum nor the number of local steps enters."""
+    import contextlib
+    model.train()
+    w = [p for p in model.parameters() if p.requires_grad]
+    g = [torch.zeros_like(p) for p in w]
+    for x, y in chunks:
+        with (autocast or contextlib.nullcontext)():
+            risk = F.cross_entropy(model(x), y) * (len(y) / n)
+        for a, b in zip(g, torch.autograd.grad(risk, w)):
+            a += b
+    return torch.cat([a.reshape(-1) for a in g]).float()
+
+
+def aggregate(w_t, deltas, n, global_lr=1.0):
+    """The server's step (Eq. 3): w^{t+1} = w^t + η_g Σ_i n_i Δ_i / Σ_i n_i over the clients of I_ID
+    whose update arrived (Δ_i = w_i − w^{t−τ_i}, flat; a stale one is applied to the current w^t).
+    deltas is read one at a time (a generator keeps one client's in memory); none: w^t."""
+    delta_sum, weight_sum = torch.zeros_like(w_t), 0.0
+    for delta, n_i in zip(deltas, n):
+        delta_sum += n_i * delta                                            # n_i Δ_i
+        weight_sum += n_i
+    return w_t + global_lr * (delta_sum / weight_sum) if weight_sum else w_t
+
+
+def client_contributions(g, n, fresh, n_all, lr, L):
+    """C_i^t of Eq. 13 for the clients that sent g (their g_i), with n their data sizes, fresh whether
+    each update is fresh (τ_i = 0), n_all the data of all clients, lr the η of Eq. 2, L the smoothness:
+        C_i = η (n_i / n_all) (⟨∇R(w^t), g_i⟩ − (L/2) ||g_i||²) / ||∇R(w^t)||²
+    with ∇R(w^t), for client i, the n-weighted mean of the other fresh clients' g_j (from the Gram
+    matrix of the g_i, one sync). A list of floats, None where no other client is fresh."""
+    G = torch.stack(list(g))
+    K = (G @ G.T).double().cpu()                                            # ⟨g_i, g_j⟩
+    n = torch.tensor(n, dtype=torch.float64)
+    p = n * torch.tensor(fresh, dtype=torch.float64)                        # p_j = n_j for fresh j
+    Kp, pKp, P = K @ p, p @ K @ p, p.sum()
+    C = []
+    for k in range(len(n)):
+        P_i = P - p[k]                                                      # the other fresh clients
+        if P_i <= 0:
+            C.append(None)                                                  # nobody else to compare with
+            continue
+        dot = (Kp[k] - p[k] * K[k, k]) / P_i                                # ⟨∇R(w^t), g_i⟩
+        norm2 = (pKp - 2 * p[k] * Kp[k] + p[k] ** 2 * K[k, k]) / P_i ** 2   # ||∇R(w^t)||²
+        C.append((lr * (n[k] / n_all) * (dot - L / 2 * K[k, k]) / norm2).item())   # Eq. 13
+    return C
+
+
+def exit_rule(C, I_ID):
+    """After the warm-up (Section IV): the clients of I_ID whose mean contribution is ≤ 0, or that
+    never sent one (their delay exceeds the warm-up), leave for good. C: {client: [C_i^t, ...]}.
+    Returns those clients and the mean contributions."""
+    mean = {i: sum(v) / len(v) for i, v in C.items()}
+    return [i for i in I_ID if mean.get(i, 0.0) <= 0], mean
+
+
+# ------------------------------------------------- the plain functions on this project's clients
+
+def chain(model):
+    """The model as a list of layers if it is a plain chain of the layers `tangent` knows, else None."""
+    parts = [model.featurizer, model.classifier] if isinstance(model, common.Net) else [model]
+    layers = [m for part in parts for m in (part if isinstance(part, nn.Sequential) else [part])]
+    ok = all(type(m) in CHAIN and getattr(m, "affine", True) for m in layers)
+    return layers if ok else None
+
+
+def affine_layers(model):
+    layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    bad = [type(m).__name__ for m in layers if not isinstance(m, AFFINE)]
+    if bad:
+        raise common.UserError(f"--penalty layers needs layers affine in their parameters, not {bad[0]}; "
+                               f"use --penalty params")
+    return layers
+
+
+def penalty_layers(model, mode, lam):
+    """risk_and_d's (layers, affine) as --penalty says: the chain for tangent (auto, where the model
+    is one), the affine layers for layers (auto otherwise), neither for params or λ = 0."""
+    layers = chain(model) if lam > 0 and mode in ("tangent", "auto") else None
+    return (layers, None) if layers else (None, None if mode == "params" or lam == 0 else affine_layers(model))
+
+
+def ipg_loss(lam, mode="auto"):
+    """f_i of Eq. 9 on a minibatch, as common.local_sgd's loss (--local-step sgd)."""
+    def loss_fn(model, x, y):
+        return local_objective(model, x, y, lam, *penalty_layers(model, mode, lam))
+    return loss_fn
+
+
+def in_chunks(client, batch_size, ctx, train=False):
+    """The client's whole training split, in order, in chunks of batch_size (memory only), as model
+    inputs: for training as common.local_sgd prepares them (augmented on the photo datasets, from
+    the minibatch stream; the digits draw nothing), else plain."""
+    for s in range(0, client.n, batch_size):
+        x = client.x[s:s + batch_size]
+        yield ctx.prep(x, train=True, gen=ctx.gen) if train else ctx.prep(x), client.y[s:s + batch_size]
+
+
+def paper_step(model, client, args, ctx):
+    """--local-step paper: one step on f_i over the client's whole split (Eq. 2); momentum has no
+    step to act on."""
+    return gradient_step(model, in_chunks(client, args.batch_size, ctx, train=True), client.n, args.lr, args.lam,
+                         args.weight_decay, *penalty_layers(model, args.penalty, args.lam), autocast=ctx.autocast)
 
 
 def local_step(model, client, args, ctx):
@@ -269,6 +345,32 @@ def local_step(model, client, args, ctx):
     if args.local_step == "paper":
         return paper_step(model, client, args, ctx)                         # one step on f_i (Eq. 2)
     return common.local_sgd(model, client, args, ctx, ipg_loss(args.lam, args.penalty))   # E epochs on f_i
+
+
+def risk_gradient(model, client, ctx, batch_size):
+    """g_i = ∇R_i(w) at the model's parameters, over the client's training split, unaugmented."""
+    return client_gradient(model, in_chunks(client, batch_size, ctx), client.n, ctx.autocast)
+
+
+def contributions(fed, args, state, ids, g, fresh):
+    """C_i^t of Eq. 13 for the arrived clients ids, appended to state["contrib"]."""
+    C = client_contributions(g, [float(fed.clients[i].n) for i in ids], fresh, sum(c.n for c in fed.clients),
+                             args.lr, args.exit_L)
+    for i, C_i in zip(ids, C):
+        if C_i is not None:
+            state["contrib"].setdefault(i, []).append(C_i)
+
+
+def decide_exits(fed, state):
+    """The exit rule after the last warm-up round: the exited clients join I_OOD."""
+    ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]
+    out, mean = exit_rule(state["contrib"], ID)
+    if len(out) == len(ID):
+        raise common.UserError("every client's estimated contribution (Eq. 13) is <= 0: lower --exit-L")
+    state["exited"] = sorted(state["exited"] + out)
+    ranked = sorted(mean, key=mean.get)
+    print("exit strategy: mean C_i (Eq. 13), lowest first: " +
+          ", ".join(f"{i}: {mean[i]:.2e}" for i in ranked[:5]) + f"; exiting: {out or 'none'}", flush=True)
 
 
 # --------------------------------------------------------------------------------- one round
@@ -291,9 +393,31 @@ def one_round(t, model, fed, args, state, ctx, warmup, last):
     w_t = common.get_flat(model)                                            # w^t
     ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]  # I_ID
     C = len(ID) if warmup else min(args.sample, len(ID))                   # the warm-up: all of I_ID
-    S = [ID[k] for k in common.sample_clients(ctx, len(ID), C)]
+    S = [ID[k] for k in common.sample_clients(ctx, len(ID), C)]            # step 1
+    arrived = arrivals(t, S, w_t, args, state, ctx)                         # (i, w^{t−τ_i}, τ_i)
+    losses, g = {}, []
+
+    def deltas():                                                           # step 2, client by client
+        for i, start, tau in arrived:
+            common.set_flat(model, start)                                   # w_i ← w^{t−τ_i}
+            if warmup:
+                g.append(risk_gradient(model, fed.clients[i], ctx, args.batch_size))   # g_i = ∇R_i(w^{t−τ_i})
+            losses[i] = local_step(model, fed.clients[i], args, ctx)       # Eq. 2 on f_i (Eq. 9)
+            yield common.get_flat(model) - start                            # Δ_i
+    n = [float(fed.clients[i].n) for i, _, _ in arrived]
+    common.set_flat(model, aggregate(w_t, deltas(), n, args.global_lr))    # step 3 (Eq. 3)
+    if warmup:                                                              # step 4 (Eq. 13)
+        contributions(fed, args, state, [i for i, _, _ in arrived], g, [tau == 0 for _, _, tau in arrived])
+        if last:
+            decide_exits(fed, state)
+    return losses or {ID[0]: torch.zeros((), device=w_t.device)}           # nothing arrived: loss 0
+
+
+def arrivals(t, S, w_t, args, state, ctx):
+    """The clients of S whose update arrives in round t, as (i, w^{t−τ_i}, τ_i): all of them, fresh,
+    but the slow or unreliable aberrant client (docstring)."""
     kind, value = args.aberrant or (None, None)
-    arrived = []                                                            # (i, w^{t−τ_i}, τ_i)
+    arrived = []
     for i in S:
         start, tau = w_t, 0
         if i == args.aberrant_client and kind == "slow":
@@ -310,75 +434,7 @@ def one_round(t, model, fed, args, state, ctx, warmup, last):
                 continue                                                   # upload lost
             start, tau = state["received"].to(w_t.device), t - state["since"]   # (a resume loads it on the CPU)
         arrived.append((i, start, tau))
-
-    delta_sum, weight_sum, losses, g, fresh = torch.zeros_like(w_t), 0.0, {}, [], []
-    for i, start, tau in arrived:                                           # step 2
-        client = fed.clients[i]
-        common.set_flat(model, start)                                       # w_i ← w^{t−τ_i}
-        if warmup:
-            g.append(risk_gradient(model, client, ctx, args.batch_size))    # g_i = ∇R_i(w^{t−τ_i})
-            fresh.append(tau == 0)
-        losses[i] = local_step(model, client, args, ctx)                    # Eq. 2 on f_i (Eq. 9)
-        n_i = float(client.n)
-        delta_sum += n_i * (common.get_flat(model) - start)                 # n_i Δ_i
-        weight_sum += n_i
-    if weight_sum:
-        common.set_flat(model, w_t + args.global_lr * (delta_sum / weight_sum))   # Eq. 3
-    if warmup:
-        contributions(fed, args, state, [i for i, _, _ in arrived], g, fresh)
-        if last:
-            decide_exits(fed, state)
-    return losses or {ID[0]: torch.zeros((), device=w_t.device)}           # nothing arrived: loss 0
-
-
-# -------------------------------------------------------------------------- the exit strategy
-
-def risk_gradient(model, client, ctx, batch_size):
-    """g_i = ∇R_i(w) at the model's parameters: the gradient of the client's mean cross-entropy over
-    its whole training split, without augmentation, in one pass that takes no step (neither the
-    optimiser's momentum nor the number of local steps enters, and no random number is drawn)."""
-    model.train()
-    w = [p for p in model.parameters() if p.requires_grad]
-    g = [torch.zeros_like(p) for p in w]
-    for s in range(0, client.n, batch_size):
-        x, y = ctx.prep(client.x[s:s + batch_size]), client.y[s:s + batch_size]
-        with ctx.autocast():
-            risk = common.cross_entropy(model, x, y) * (len(y) / client.n)
-        for a, b in zip(g, torch.autograd.grad(risk, w)):
-            a += b
-    return torch.cat([a.reshape(-1) for a in g]).float()
-
-
-def contributions(fed, args, state, ids, g, fresh):
-    """C_i^t of Eq. 13 for the arrived clients, from the Gram matrix of their g_i (one sync). ∇R(w^t)
-    is estimated, for client i, by the data-weighted mean of the other fresh clients' g_j."""
-    G = torch.stack(g)
-    K = (G @ G.T).double().cpu()                                            # ⟨g_i, g_j⟩
-    n = torch.tensor([float(fed.clients[i].n) for i in ids], dtype=torch.float64)
-    p = n * torch.tensor(fresh, dtype=torch.float64)                        # p_j = n_j for fresh j
-    Kp, pKp, P = K @ p, p @ K @ p, p.sum()
-    n_all = sum(c.n for c in fed.clients)
-    for k, i in enumerate(ids):
-        P_i = P - p[k]                                                      # the other fresh clients
-        if P_i <= 0:
-            continue                                                        # nobody else to compare with
-        dot = (Kp[k] - p[k] * K[k, k]) / P_i                                # ⟨∇R(w^t), g_i⟩
-        norm2 = (pKp - 2 * p[k] * Kp[k] + p[k] ** 2 * K[k, k]) / P_i ** 2   # ||∇R(w^t)||²
-        C = args.lr * (n[k] / n_all) * (dot - args.exit_L / 2 * K[k, k]) / norm2   # Eq. 13
-        state["contrib"].setdefault(i, []).append(C.item())
-
-
-def decide_exits(fed, state):
-    """After the warm-up: a client exits when its mean contribution is ≤ 0 or it never arrived."""
-    mean = {i: sum(v) / len(v) for i, v in state["contrib"].items()}
-    out = [i for i in range(len(fed.clients)) if i not in state["exited"] and mean.get(i, 0.0) <= 0]
-    ID = [i for i in range(len(fed.clients)) if i not in state["exited"] + out]
-    if not ID:
-        raise common.UserError("every client's estimated contribution (Eq. 13) is <= 0: lower --exit-L")
-    state["exited"] = sorted(state["exited"] + out)
-    ranked = sorted(mean, key=mean.get)
-    print("exit strategy: mean C_i (Eq. 13), lowest first: " +
-          ", ".join(f"{i}: {mean[i]:.2e}" for i in ranked[:5]) + f"; exiting: {out or 'none'}", flush=True)
+    return arrived
 
 
 # ----------------------------------------------------------------------- state and evaluation
