@@ -15,6 +15,9 @@ Algorithm 1 (one communication round t):
            R_c(θ_c; ζ) + γ ||∇_ω R_c(θ_c; ζ) − g̃^t||²        (the penalised local step)
        Δ_c = θ_c − θ^{t-1}
     4. θ^t = θ^{t-1} + η_g (1/C) Σ_c Δ_c
+Steps 2 to 4 are plain functions of tensors and modules above the round function, to copy into another
+training loop (docs/fediir.md, "Copy it"): the client's classifier_grads (its upload for g_bar) and
+iir_objective (step 3); the server's gbar_mean, gbar_update (the EMA) and server_update (step 4).
 
 Where the paper and the official code differ, the numbers of the paper's tables come from the code,
 so the defaults follow the code (github.com/YamingGuo98/FedIIR, read at commit 3e7a785; the files
@@ -66,6 +69,72 @@ import common
 GAMMA = {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}  # Table 3
 
 
+# ---------------------------------------------------------------- the method as plain functions
+# Tensors, modules and numbers only (no args, no project objects): what a client computes and
+# uploads, and what the server does with it. featurizer Φ and classifier w are two modules (ω: the
+# classifier's parameters); gradients are lists of tensors, one per parameter of the classifier.
+
+def classifier_grads(classifier, z, y, batch_size=None):
+    """Step 2, on client c, what it uploads for g_bar: ∇_ω R(θ^{t-1}; ζ) of the cross-entropy of the
+    classifier on features z = Φ(x) (a plain tensor, computed without a graph: only ω needs a
+    gradient here), one per consecutive minibatch ζ of batch_size rows (the code's mean_grad), or one
+    over all of z with batch_size None (the paper's full-batch ∇_ω R_c). A generator: one gradient
+    in memory at a time."""
+    params, b = list(classifier.parameters()), batch_size or len(y)
+    for i in range(0, len(y), b):
+        # clone: z may be an inference tensor (torch.inference_mode), which cannot enter autograd
+        loss = F.cross_entropy(classifier(z[i:i + b].clone()), y[i:i + b])
+        yield torch.autograd.grad(loss, params)
+
+
+def gbar_mean(grads):
+    """Step 2, server: g_bar_ω, the mean of the uploaded classifier gradients (any iterable, read
+    one at a time: a running sum, memory one copy of ω whatever their number)."""
+    total, count = None, 0
+    for g in grads:
+        if total is None:
+            total = [torch.zeros_like(gi) for gi in g]
+        total = [a + gi for a, gi in zip(total, g)]
+        count += 1
+    return [a / count for a in total]
+
+
+def gbar_update(g_tilde, g_bar, v):
+    """Appendix C, server: g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω (v = 0.95, g̃^0 = 0, no bias correction,
+    as the code); g̃^t is what the clients align to in step 3."""
+    return [v * gt + (1 - v) * gb for gt, gb in zip(g_tilde, g_bar)]
+
+
+def iir_penalty(g, g_tilde):
+    """||g − g̃||², summed over the classifier's parameter tensors (no normalisation, as the code)."""
+    return sum(((gi - gt) ** 2).sum() for gi, gt in zip(g, g_tilde))
+
+
+def iir_objective(featurizer, classifier, x, y, g_tilde, gamma):
+    """Step 3, on client c, the local objective of one minibatch ζ = (x, y) (Algorithm 1, FedIIR's
+    g_c line; the (FEDIIR) objective): R_c(θ; ζ) + γ ||∇_ω R_c(θ; ζ) − g̃||², in the code's form (for
+    the paper's γ/2, pass γ/2). ∇_ω R_c is kept in the graph (create_graph), so that the penalty's
+    gradient reaches both ω and φ (double backward). γ = 0: the plain cross-entropy (FedAvg's)."""
+    risk = F.cross_entropy(classifier(featurizer(x)), y)
+    if gamma == 0:
+        return risk
+    g = torch.autograd.grad(risk, list(classifier.parameters()), create_graph=True)
+    return risk + gamma * iir_penalty(g, g_tilde)
+
+
+def server_update(theta, thetas, p, global_lr=1.0):
+    """Step 4, server: θ^t = θ^{t-1} + η_g Σ_c p_c Δ_c / Σ_c p_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1}
+    as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable, read one at a
+    time); p: their weights (ones: Algorithm 1's and the code's 1/C; data sizes: --size-avg)."""
+    delta_sum, weight_sum = torch.zeros_like(theta), 0.0
+    for theta_c, p_c in zip(thetas, p):
+        delta_sum += p_c * (theta_c - theta)                                  # p_c Δ_c
+        weight_sum += p_c
+    return theta + global_lr * (delta_sum / weight_sum)
+
+
+# ------------------------------------------------------------------- the project's plumbing
+
 def client_features(model, client, ctx, augmented, chunk=256):
     """Φ(x) for all of a client's training data at θ^{t-1}: no graph (only ω needs a gradient in
     step 2), in large chunks (fewer, fuller kernel launches than minibatches). augmented: the inputs
@@ -76,64 +145,48 @@ def client_features(model, client, ctx, augmented, chunk=256):
                           for i in range(0, client.n, chunk)])
 
 
-def classifier_grad(model, z, y):
-    """∇_ω of the mean cross-entropy of features z (a plain tensor: the graph is the classifier's)."""
-    loss = F.cross_entropy(model.classifier(z.clone()), y)  # clone: inference tensors cannot enter autograd
-    return torch.autograd.grad(loss, list(model.classifier.parameters()))
-
-
 def global_gradient(model, fed, S, args, ctx):
     """Step 2: g_bar_ω at θ^{t-1} over the sampled clients S (train mode; augmented inputs unless
     --gbar-inputs plain), as the mean over every minibatch ('batches', the code) or over the
-    clients' full-batch gradients ('clients', the paper). Running sums: memory is one copy of ω
-    whatever the number of batches."""
+    clients' full-batch gradients ('clients', the paper). Client by client, gradient by gradient."""
     model.train()
-    total = [torch.zeros_like(p) for p in model.classifier.parameters()]
-    count = 0
-    for c in S:
-        client = fed.clients[c]
-        z = client_features(model, client, ctx, args.gbar_inputs == "augmented")
-        if args.gbar == "clients":                                     # ∇_ω R_c(θ), full batch
-            total = [a + g for a, g in zip(total, classifier_grad(model, z, client.y))]
-            count += 1
-            continue
-        for i in range(0, client.n, args.batch_size):                  # ∇_ω R(θ; ζ_b), every batch
-            g = classifier_grad(model, z[i:i + args.batch_size], client.y[i:i + args.batch_size])
-            total = [a + gi for a, gi in zip(total, g)]
-            count += 1
-    return [a / count for a in total]
+    batch_size = args.batch_size if args.gbar == "batches" else None
+
+    def uploads():
+        for c in S:
+            client = fed.clients[c]
+            z = client_features(model, client, ctx, args.gbar_inputs == "augmented")
+            yield from classifier_grads(model.classifier, z, client.y, batch_size)
+    return gbar_mean(uploads())
 
 
 def iir_loss(g_tilde, gamma):
-    """Step 3's objective: R_c(θ; ζ) + γ ||∇_ω R_c(θ; ζ) − g̃||², the gradient of ω kept in the graph
-    (create_graph) so that the penalty's gradient reaches both ω and φ (double backward)."""
+    """iir_objective as the local loop's loss_fn(model, x, y) (model.featurizer, model.classifier)."""
     def loss_fn(model, x, y):
-        risk = F.cross_entropy(model.classifier(model.featurizer(x)), y)
-        if gamma == 0:
-            return risk
-        g = torch.autograd.grad(risk, list(model.classifier.parameters()), create_graph=True)
-        penalty = sum(((gi - gt) ** 2).sum() for gi, gt in zip(g, g_tilde))
-        return risk + gamma * penalty
+        return iir_objective(model.featurizer, model.classifier, x, y, g_tilde, gamma)
     return loss_fn
 
+
+# ------------------------------------------------------------------------------------ one round
 
 def fediir_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                     # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
     if args.gamma > 0:                        # step 2 (+ EMA, App. C); skipped at γ = 0: FedAvg exactly
         g_bar = global_gradient(model, fed, S, args, ctx)
-        state["g_tilde"] = [args.ema * gt + (1 - args.ema) * gb for gt, gb in zip(state["g_tilde"], g_bar)]
+        state["g_tilde"] = gbar_update(state["g_tilde"], g_bar, args.ema)
     gamma = args.gamma / 2 if args.half else args.gamma
-    loss_fn = iir_loss(state["g_tilde"], gamma)
-    delta_sum, weight_sum, losses = torch.zeros_like(theta), 0.0, {}
-    for c in S:                                                        # step 3
-        client = fed.clients[c]
-        common.set_flat(model, theta)                                  # θ_c ← θ^{t-1}
-        losses[c] = common.local_sgd(model, client, args, ctx, loss_fn)
-        p_c = float(client.n) if args.size_avg else 1.0
-        delta_sum += p_c * (common.get_flat(model) - theta)            # Δ_c (--size-avg: n_c Δ_c)
-        weight_sum += p_c
-    common.set_flat(model, theta + args.global_lr * (delta_sum / weight_sum))  # step 4: 1/C Σ_c Δ_c
+    # step 3: on every c ∈ S, θ_c ← θ^{t-1}, then K minibatch steps on the penalised objective
+    trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx,
+                                   loss_fn=iir_loss(state["g_tilde"], gamma))
+    losses = {}
+
+    def uploads():                                                     # θ_c, client by client
+        for c, (theta_c, loss) in zip(S, trained):
+            losses[c] = loss
+            yield theta_c
+    p = [float(fed.clients[c].n) if args.size_avg else 1.0 for c in S]
+    common.set_flat(model, server_update(theta, uploads(), p, args.global_lr))   # step 4: 1/C Σ_c Δ_c
     return losses
 
 
