@@ -47,6 +47,9 @@ def add_args(p):
 
 
 def check(args):
+    if args.dataset not in common.data.LODO:
+        raise common.UserError(f"fedloe_spawn compares a held-out domain with the in-domain test: leave-one-domain-out "
+                               f"datasets only, not {args.dataset}")
     if (args.stage1_epochs, args.stage1_comms, args.stage2_comms) != (None, None, None):
         raise common.UserError("--stage1-epochs, --stage1-comms and --stage2-comms are set by --spawn and "
                                "--spawn-epochs here: drop them")
@@ -59,6 +62,11 @@ def check(args):
     args.stage1_epochs = args.stage1_comms = max(args.spawn) + args.spawn_epochs
     args.stage2_comms = 0
     fedloe.check(args)
+
+
+# fedloe's defaults, less the stage-1 budget, which --spawn and --spawn-epochs set here
+DEFAULTS = {k: {f: v for f, v in t.items() if f not in ("stage1_epochs", "stage1_comms")}
+            for k, t in fedloe.DEFAULTS.items()}
 
 
 def probabilities(model, x, ctx, batch_size=512):
@@ -117,7 +125,7 @@ def evaluate(model, fed, args, state, ctx):
 
 
 def main(argv=None):
-    return common.main("fedloe_spawn", __doc__, spawn_round, argv, add_args, fedloe.DEFAULTS, init_state,
+    return common.main("fedloe_spawn", __doc__, spawn_round, argv, add_args, DEFAULTS, init_state,
                        evaluate, check, parallel_clients=True)     # as fedloe: on CUDA the trunk trains at once
 
 
