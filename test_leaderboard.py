@@ -40,7 +40,8 @@ def test_leaderboard_runs_the_missing_cells_once_then_writes_the_table(tiny_boar
     todo = leaderboard.main(tiny_board + ["--dry-run"])
     assert todo == {"syn-0": ["fediir"], "syn-1": ["fedavg"]}           # reused / refused: none
     out = capsys.readouterr().out
-    assert "2 missing cell(s) in 2 benchmark(s)" in out and "fediir=fediir --gamma 0.1" in out
+    assert "2 missing cell(s) in 2 benchmark(s)" in out
+    assert "'fediir=fediir --rounds 2 --eval-every 1 --clients 2 --test-domain 0 --gamma 0.1'" in out
     assert leaderboard.main(tiny_board + ["--dry-run", "--only", "syn-1"]) == {"syn-1": ["fedavg"]}
     assert list(leaderboard.main(tiny_board + ["--dry-run", "--where", "gpu"])) == ["syn-1"]
     text = leaderboard.main(tiny_board)
@@ -65,6 +66,11 @@ def test_leaderboard_marks_best_only_beyond_two_seed_stds():
     assert leaderboard.best({"a": [90, 95, 100], "b": [86, 87, 88]}) is None    # 8 < 2 · 5
     assert leaderboard.best({"a": [90], "b": [10, 11]}) is None                 # one seed: no verdict
     assert leaderboard.best({"a": [90, 92], "b": [10, 11], "c": []}) == "a"
+
+
+def test_leaderboard_leaves_the_round_count_to_methods_with_their_own_schedule():
+    assert leaderboard.row_args("mnist-fl", "fedloe-fish") == ["--alpha", "0.1", "--dg", "fish"]
+    assert leaderboard.row_args("mnist-fl", "fedomg") == ["--alpha", "0.1", "--rounds", "200", "--eval-every", "20"]
 
 
 def test_leaderboard_needs_full_mnist_to_run(capsys):

@@ -63,6 +63,9 @@ ROWS = {
     "perinvfl": ("perinvfl", []),
     "fedipg": ("fedipg", []),
 }
+# scripts that set their own rounds from their own flags (fedloe.py: --stage1-comms, --stage2-comms) and
+# refuse --rounds / --eval-every: a benchmark's round count does not apply to them
+OWN_SCHEDULE = {"fedloe"}
 # (benchmark, row) -> committed folder/label of the same protocol and code, reused as it is
 REUSE = {
     ("rcmnist-norot", "fedavg"): "rcmnist-full-norot/fedavg",
@@ -72,6 +75,8 @@ REUSE = {
     ("rmnist50-75", "fedavg"): "rmnist50-full-75/fedavg",
     ("rmnist50-75", "fediir"): "rmnist50-full-75/fediir",
     ("mnist-fl", "fedavg"): "mnist-fl-full-alpha0.1/fedavg",
+    ("mnist-fl", "fedomg"): "mnist-fl-full-alpha0.1/fedomg",              # the FL η_g and rule: unchanged by issue 28
+    ("rcmnist-norot", "perinvfl"): "rcmnist-full-norot-reset/perinvfl",   # θ_i reset to ν (issue 28's default)
 }
 # (benchmark, row) -> why the method does not run there (listed under the table)
 REFUSED = {}
@@ -86,6 +91,18 @@ PAPER = {
     ("rmnist50-75", "fedavg"): (81.2, "FedIIR Tab. 8"), ("rmnist50-75", "fediir"): (84.5, "FedIIR Tab. 8"),
     ("mnist-fl", "fedavg"): (93.77, "FedOMG Tab. 1"), ("mnist-fl", "fedomg"): (98.75, "FedOMG Tab. 1"),
 }
+
+
+def row_args(bench, row):
+    """A cell's arguments: the benchmark's, then the row's own (a round count dropped where the
+    method sets its own schedule)."""
+    args, (script, extra) = list(BENCHMARKS[bench][2]), ROWS[row]
+    if script in OWN_SCHEDULE:
+        for flag in ("--rounds", "--eval-every"):
+            if flag in args:
+                i = args.index(flag)
+                del args[i:i + 2]
+    return args + extra
 
 
 def folder(bench, out_dir):
@@ -180,7 +197,7 @@ def sources(benches, out_dir, seeds):
             elif (b, row) in REUSE:
                 out.append(f"  - {row}: reused from `benchmark/results/{REUSE[(b, row)]}-seed*.json`")
             else:
-                out.append(f"  - {row}: `python {script}.py --dataset {dataset} {shlex.join(args + extra)} "
+                out.append(f"  - {row}: `python {script}.py --dataset {dataset} {shlex.join(row_args(b, row))} "
                            f"--data-root DIR --seed S` → `{folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) else folder(b, out_dir)}/{row}-seedS.json`")
     return "\n".join(out)
 
@@ -199,14 +216,14 @@ def missing(benches, out_dir, seeds):
 
 def run_command(b, rows, a):
     """benchmark/run.py's command for the missing rows of one benchmark."""
-    _, dataset, args, _ = BENCHMARKS[b]
-    methods = [f"{r}={ROWS[r][0]}" + "".join(f" {x}" for x in ROWS[r][1]) for r in rows]
+    dataset = BENCHMARKS[b][1]
+    methods = [f"{r}={ROWS[r][0]} {shlex.join(row_args(b, r))}" for r in rows]
     cmd = [sys.executable, str(ROOT / "benchmark" / "run.py"), "--dataset", dataset, "--seeds", *map(str, a.seeds),
            "--out-dir", str(a.out_dir), "--tag", b, "--launcher", a.launcher, "--jobs", str(a.jobs),
            "--methods", *methods]
     if a.gpus:
         cmd += ["--gpus", a.gpus]
-    return cmd + ["--"] + args + (["--data-root", a.data_root] if a.data_root else [])
+    return cmd + ["--"] + (["--data-root", a.data_root] if a.data_root else [])
 
 
 def figure(c, benches, out_dir):
