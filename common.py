@@ -22,6 +22,7 @@ A method with phases (FedLOE's stage 2) counts every communication as a round an
 """
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 import torch.utils.deterministic
 
 import data
-from data import UserError
+from data import Parser, UserError
 
 # cuBLAS reproduces its matrix products only with a fixed workspace, and it reads this setting once,
 # when CUDA starts: so it is set here, at import, before anything touches the GPU (a value the user
@@ -585,65 +586,139 @@ def group_means(v, group, k):
 
 # ------------------------------------------------------------------------------------- the CLI
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + message
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def make_parser(method, doc):
-    p = Parser(prog=f"{method}.py", description=doc.strip().splitlines()[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The common flags. Their help gives no default: show_defaults adds the one that applies to the
+    method and dataset (most are resolved only after parsing, by `resolve`)."""
+    p = Parser(prog=f"{method}.py", description=" ".join(doc.strip().split("\n\n")[0].split()))
     a = p.add_argument
     a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
-    a("--data-root", default=None, help="dataset folder; MNIST family: none = the embedded 5,000 digits")
+    a("--data-root", default=None, help="dataset folder; none: the MNIST family reads the embedded 5,000 digits "
+                                        "(the others need one: python data.py --help)")
     a("--test-domain", default="all", help="held-out domain: 'all' (each in turn), a name or an index")
-    a("--clients", type=int, default=None,
-      help="number of clients P (default: one per training domain; stained: 5 / 5 / 20 for fg / bg / both)")
+    a("--clients", type=int, default=None, help="number of clients P")
     a("--client-size", type=int, default=None,
-      help="stained: examples per client, drawn from the pooled training combinations (default 600 / 2000 / 2000 "
-           "for fg / bg / both, shrunk to fit the data)")
-    a("--sample", type=int, default=None, help="clients per round C (default: min(P, training domains))")
-    a("--rounds", type=int, default=None, help="communication rounds T (default 100)")
-    a("--local-epochs", type=int, default=None, help="local epochs per round (default 1)")
-    a("--batch-size", type=int, default=None, help="local batch size (default: per dataset, FedIIR Table 3)")
-    a("--lr", type=float, default=None, help="local learning rate (default: per dataset, FedIIR Table 3)")
-    a("--momentum", type=float, default=None, help="local SGD momentum (default 0.9)")
-    a("--weight-decay", type=float, default=None, help="local SGD weight decay (default 0)")
-    a("--global-lr", type=float, default=None, help="server step size eta_g (default 1)")
+      help="stained only: examples per client, drawn from the pooled training combinations")
+    a("--sample", type=int, default=None, help="clients per round C")
+    a("--rounds", type=int, default=None, help="communication rounds T")
+    a("--local-epochs", type=int, default=None, help="local epochs per round")
+    a("--batch-size", type=int, default=None, help="local batch size")
+    a("--lr", type=float, default=None, help="local learning rate")
+    a("--momentum", type=float, default=None, help="local SGD momentum")
+    a("--weight-decay", type=float, default=None, help="local SGD weight decay")
+    a("--global-lr", type=float, default=None, help="server step size eta_g")
     a("--alpha", type=float, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
-    a("--p-test", type=float, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts (0.1)")
+    a("--p-test", type=float, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
     a("--no-rotation", action="store_true",
       help="rcmnist / rcfmnist: the same four clients and colour laws without the rotation by 90·i degrees")
     a("--select", default=None, choices=["val", "last"],
-      help="report the round with the best validation accuracy, or the last (default: val; rcmnist: last)")
+      help="report the round with the best validation accuracy, or the last")
     a("--stain", default="fg", choices=["fg", "bg", "both"], help="stained MNIST: foreground, background or both")
     a("--model", default=None, choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"],
-      help="featurizer (default: per dataset)")
-    a("--head", default=None, choices=["linear", "mlp"], help="classifier (default: per dataset)")
-    a("--no-pretrained", action="store_true", help="ResNets from random weights (no ImageNet download)")
-    a("--eval-every", type=int, default=None, help="evaluate (and checkpoint) every this many rounds (default 10)")
-    a("--seed", type=int, default=0)
-    a("--device", default="auto", choices=["auto", "cpu", "cuda"])
+      help="featurizer")
+    a("--head", default=None, choices=["linear", "mlp"], help="classifier")
+    a("--no-pretrained", action="store_true",
+      help="ResNets from random weights: no ImageNet download (needed offline; the accuracies are then far lower)")
+    a("--eval-every", type=int, default=None, help="evaluate (and checkpoint) every this many rounds")
+    a("--seed", type=int, default=0, help="seeds the data split, the initialisation, the client sampling and the "
+                                          "minibatch order")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if one is visible, else cpu")
     a("--amp", action="store_true", help="bf16 autocast (CUDA only)")
     a("--nondeterministic", action="store_true",
       help="CUDA: let cuDNN and cuBLAS pick their fastest kernels; two runs then differ (README: GPU)")
     a("--parallel-clients", default="auto", choices=["auto", "on", "off"],
       help="train the sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
-    a("--out", default=None, help="results JSON (default results/<method>-<dataset>-seed<seed>.json)")
+    a("--out", default=None, help="results JSON; the checkpoint is <out>.ckpt")
     a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
     return p
+
+
+# Defaults decided in code (test_domains, stained_clients, resolve) rather than by a table: their help text
+LATER = {"clients": lambda ds, m: "5 / 5 / 20 for --stain fg / bg / both (FedIPG VI-C)" if ds == "stained"
+         else "one per training domain",
+         "sample": lambda ds, m: "every client" if ds == "stained" else "min(P, training domains)",
+         "client_size": lambda ds, m: "600 / 2000 / 2000 for --stain fg / bg / both, shrunk to fit the data",
+         "out": lambda ds, m: f"results/{m}-{ds}-seed<seed>.json"}
+
+
+def dataset_in(argv):
+    """The --dataset of a command line (the default one if absent or unknown), for --help."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--dataset", default="rmnist")
+    ds = pre.parse_known_args(argv)[0].dataset
+    return ds if ds in data.NAMES else "rmnist"
+
+
+def show_defaults(p, method, defaults, dataset, check=None):
+    """Append to every flag's help the default it takes for this method on `dataset`: from the
+    method's per-dataset table, its "*" row, DATASET_DEFAULTS or COMMON_DEFAULTS (resolve's order),
+    else the flag's own default, else what the method's check() or the code sets (probed on a copy
+    of the parsed defaults). Once per flag; none for switches, nor where the help already speaks of
+    its default (a method's own flags, resolved by its check())."""
+    probe, refused = None, None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            probe = p.parse_args(["--dataset", dataset])
+            fill_defaults(probe, defaults)
+            probe.clients = PROBE if probe.clients is None else probe.clients
+            if check:
+                check(probe)
+    except UserError as e:
+        refused = str(e)
+    except (Exception, SystemExit):   # only the help text depends on it
+        probe = None
+    for act in p._actions:
+        if act.nargs == 0 or not act.option_strings or act.help in (None, argparse.SUPPRESS) \
+                or "default" in act.help.lower():
+            continue
+        value, per_dataset = act.default, False
+        if value is None:
+            value, per_dataset = next(((t[act.dest], per) for t, per in default_tables(dataset, defaults)
+                                       if act.dest in t), (None, False))
+        after = getattr(probe, act.dest, None) if probe is not None and not refused else None
+        unset = value is None or (isinstance(value, float) and not math.isfinite(value))
+        if unset and act.dest == "sample" and after is not None and after == probe.clients:
+            text = "every client (P)"
+        elif isinstance(value, float) and not math.isfinite(value):   # a method's marker: its check() sets it
+            text = f"{after}, " * (after is not None and math.isfinite(after)) + f"set from {method}'s own flags"
+        elif value is None and after is not None and after != PROBE:
+            text, per_dataset = f"{after}, set by {method}", True
+        elif value is None and act.dest in LATER:
+            text = LATER[act.dest](dataset, method)
+        elif value is None or value == "":
+            continue
+        else:
+            text = str(value)
+        where = f" for {dataset}" if per_dataset else ""
+        act.help += f" (default{where}: {text})".replace("%", "%%")
+    p.epilog = (f"Defaults as {method} resolves them for --dataset {dataset}; python {method}.py --dataset NAME "
+                f"--help shows those of NAME." + (f" Note: {method} refuses --dataset {dataset} ({refused})."
+                                                   if refused else ""))
+
+
+PROBE = 7919   # a stand-in --clients for show_defaults' probe: a method that sets --sample to it samples everyone
+
+
+def default_tables(dataset, defaults=None):
+    """Where a flag left unset takes its value, first match wins: (table, is it per dataset)."""
+    defaults = defaults or {}
+    return ((defaults.get(dataset, {}), True), (defaults.get("*", {}), False),
+            (DATASET_DEFAULTS.get(dataset, {}), True), (COMMON_DEFAULTS, False))
+
+
+def fill_defaults(args, defaults=None):
+    for table, _ in default_tables(args.dataset, defaults):
+        for k, v in table.items():
+            if getattr(args, k, None) is None:
+                setattr(args, k, v)
 
 
 def resolve(args, method, defaults=None):
     """Fill the flags left unset: the method's per-dataset defaults, then common's, then checks."""
     if args.dataset not in data.NAMES:
         raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
-    defaults = defaults or {}
-    for table in (defaults.get(args.dataset, {}), defaults.get("*", {}),
-                  DATASET_DEFAULTS[args.dataset], COMMON_DEFAULTS):
-        for k, v in table.items():
-            if getattr(args, k, None) is None:
-                setattr(args, k, v)
+    fill_defaults(args, defaults)
+    if args.clients is not None and args.clients < 1:
+        raise UserError(f"--clients must be positive, got {args.clients}")
     for k in ("rounds", "local_epochs", "batch_size", "eval_every"):
         if getattr(args, k) <= 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
@@ -708,7 +783,37 @@ def test_domains(args, ds):
                         f"never mixes domains)")
     if not 1 <= args.sample <= args.clients:
         raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
+    if ds.protocol == "lodo":
+        enough_examples(args, ds, todo)
     return todo
+
+
+def max_clients(sizes, P):
+    """The most clients, up to P, that Algorithm 2 (split_counts) can cut domains of these sizes into
+    with every chunk holding at least 2 examples (one to train on, one for validation): the split of
+    P + 1 clients is that of P plus one more cut, so the chunks only shrink as P grows."""
+    k = [1] * len(sizes)
+    if min(sizes) < 2:
+        return 0
+    for n in range(len(sizes), P):
+        m = max(range(len(sizes)), key=lambda i: sizes[i] / k[i])
+        if sizes[m] // (k[m] + 1) < 2:
+            return n
+        k[m] += 1
+    return P
+
+
+def enough_examples(args, ds, todo):
+    """Refuse, before any split, a --clients that leaves a client without a training and a validation
+    example (federate: Algorithm 2's chunks of floor(n / k)), for every held-out domain to be run."""
+    sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
+    top = {test: max_clients(n, min(args.clients, sum(n) // 2 + 1)) for test, n in sizes.items()}
+    test = min(todo, key=top.get)                                       # the held-out domain that allows fewest
+    if args.clients > top[test]:
+        raise UserError(f"--clients {args.clients} leaves clients without a training and a validation example: "
+                        f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of {ds.name} "
+                        f"hold {sum(sizes[test]):,} examples, enough for at most {top[test]:,} clients (Algorithm 2 "
+                        f"cuts each domain into equal chunks of at least 2)")
 
 
 def stained_clients(args, ds):
@@ -812,6 +917,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
     print(f"data: {ds.source}", flush=True)
+    print(f"data: {counts(ds)}", flush=True)
     todo = test_domains(args, ds)
     device = torch.device(args.device)
     ckpt_path = str(Path(args.out).with_suffix(".ckpt"))
@@ -827,6 +933,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
         print(f"note: no checkpoint at {ckpt_path}; starting from the beginning")
     print(f"{method} on {args.dataset}: {args.clients} clients, {args.sample} per round, {args.rounds} rounds, "
           f"{args.local_epochs} local epoch(s), lr {args.lr}, batch {args.batch_size}, device {device}")
+    saved = blob is not None             # a checkpoint of this run (or of the one resumed) is on disk
     for k, test in enumerate(todo):
         if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
             continue                                            # finished before a --resume
@@ -834,14 +941,78 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
             federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
         resume = blob if blob is not None and blob["domain"] == fed.name else None
         remaining = len(todo) - k - 1
-        results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,
-                                                    evaluate_fn, resume, results, ckpt_path, remaining)
+        try:
+            with progress_line():
+                results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,
+                                                            evaluate_fn, resume, results, ckpt_path, remaining)
+        except NonFinite as e:   # name only the files this run wrote (or resumed from), never an older run's
+            kept = [f"the last good checkpoint ({ckpt_path})"] * (saved or e.saved) + \
+                   [f"the results of the finished test domains ({args.out})"] * bool(results["domains"])
+            raise NonFinite(f"{e}; stopped; " + (" and ".join(kept) + " are kept" if kept else
+                                                  "nothing of this run was saved")) from None
+        saved = True
         write_json(args.out, with_mean(results))
     results["complete"] = True                                  # every held-out domain is done
     write_json(args.out, with_mean(results))
     print_table(results)
     print(f"results: {args.out}")
     return results
+
+
+def counts(ds):
+    """One line: how many domains (or clients), classes and images a dataset holds."""
+    images = sum(len(d.y) + (0 if d.y_test is None else len(d.y_test)) for d in ds.domains)
+    parts = f"{len(ds.domains)} domains ({', '.join(d.name for d in ds.domains)})" if ds.protocol == "lodo" \
+        else f"{len(ds.domains)} clients"
+    return f"{parts}, {ds.num_classes} classes, {images:,} images"
+
+
+class Progress:
+    """Stands in for stdout on a terminal: `show` writes one line that the next one overwrites (no
+    newline); anything else printed meanwhile erases it first and then appears as usual."""
+
+    def __init__(self, stream):
+        self.stream, self.shown = stream, False
+
+    def show(self, text):
+        self.stream.write("\r\x1b[K" + text)
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self):
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+    def write(self, text):
+        if text:
+            self.clear()
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def progress_line():
+    """A per-round progress line on a terminal (see `status`); stdout that is not a terminal (a log
+    file, a pipe) gets nothing of it, so logs keep one line per evaluation."""
+    if not getattr(sys.stdout, "isatty", lambda: False)():
+        yield
+        return
+    line = Progress(sys.stdout)
+    with contextlib.redirect_stdout(line):
+        try:
+            yield
+        finally:
+            line.clear()
+
+
+def status(text):
+    """Show `text` on the progress line, if there is one."""
+    if isinstance(sys.stdout, Progress):
+        sys.stdout.show(text)
 
 
 def with_mean(results):
@@ -861,6 +1032,7 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
                   torch.Generator().manual_seed(args.seed * 104729 + salt), make_prep(args.dataset, device), args.amp)
     state = init_state(model, fed, args, ctx) if init_state else {}
     start, history, best, spent = 1, [], None, 0.0
+    saved = resume is not None           # a checkpoint of this domain is on disk (for NonFinite's message)
     if resume is not None:
         model.load_state_dict(resume["model"])
         state = to_device(resume["state"], device)   # checkpoints load on the CPU
@@ -872,16 +1044,22 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
           f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
     t0, losses = time.perf_counter(), []
     for t in range(start, args.rounds + 1):
-        out = round_fn(t, model, fed, args, state, ctx)
+        try:
+            out = round_fn(t, model, fed, args, state, ctx)
+        except NonFinite as e:          # a method's own check (FedLOE's φ)
+            e.saved = e.saved or saved
+            raise
         ids, vals = list(out), torch.stack([out[c] for c in out]).cpu()   # one sync per round
         bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
         if bad:
             c = fed.clients[bad[0]]
             raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
-                            f"testing on {fed.name}); "
-                            f"stopped; the last good checkpoint ({ckpt_path}) and results ({args.out}) are kept")
+                            f"testing on {fed.name})", saved)
         losses.append(vals.mean().item())
         if t % args.eval_every and t != args.rounds:
+            rate = (time.perf_counter() - t0) / (t - start + 1)
+            status(f"round {t:4d}/{args.rounds} | loss {losses[-1]:.4f} | {rate:.2f} s/round | "
+                   f"ETA {seconds(rate * (args.rounds - t + remaining * args.rounds))}")
             continue
         val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
         extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global model's)
@@ -903,6 +1081,7 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
                                     "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
                                     "torch_rng": torch.get_rng_state(), "history": history, "best": best,
                                     "seconds": now})
+        saved = True
     out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
            "train_examples": sum(c.n for c in fed.clients),
            "last_test_acc": history[-1]["test_acc"], "history": history,
@@ -916,7 +1095,11 @@ ROW_KEYS = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
 
 
 class NonFinite(Exception):
-    pass
+    """A non-finite loss or server quantity: exit 1. `saved`: a checkpoint of this run is on disk."""
+
+    def __init__(self, message, saved=False):
+        super().__init__(message)
+        self.saved = saved
 
 
 def print_table(results):
@@ -938,6 +1121,9 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
     p = make_parser(method, doc)
     if add_args:
         add_args(p)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "-h" or a.startswith("--hel") and "--help".startswith(a) for a in argv):
+        show_defaults(p, method, defaults, dataset_in(argv), check)
     args = p.parse_args(argv)
     try:
         resolve(args, method, defaults)

