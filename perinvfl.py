@@ -20,6 +20,10 @@ Line 8 descends J_i(·; ν_{i,r}); line 9 never reads θ_i, so θ_i does not fee
 client holds one training context (Table 6), so E_train^i = D_i is one environment and each client
 is one environment of the federated IRM. Clients upload Δ_i = ν_{i,R} − ν^t (the same information
 as ν_{i,R}); line 10 is ν^t + α mean_i Δ_i.
+Lines 8 to 10 are plain functions of tensors and modules above the round function, to copy into
+another training loop (docs/perinvfl.md, "Copy it"): the client's objectives `l_inv` (L_INV, with
+IRMv1's `irm_penalty`) and `J_i` (line 8's, Eq. 4), IRM's `rescale`; the server's `server_update`
+(line 10), `server_adam` (line 10 with Adam, the RC-MNIST default) and GroupDRO's `q_update`.
 
 Which θ_i line 8 starts from (`--theta`). Algorithm 1 initialises θ_i^0 once (line 1) and returns
 θ_i^S (line 11), but its index s restarts at 0 for every (t, r), and Theorem 2(2) bounds
@@ -57,9 +61,10 @@ the risk's own minimiser included. With one context per client Eq. 4 has no inva
 its own: its minimiser is, up to the penalty's effect on the optimisation path, IRM-L2's (risk +
 β ||θ_i − ν||²), and θ_i inherits ν's invariance only by staying near ν.
 
-Hyperparameters. The paper gives none. They are not tuned on test accuracy here; on RC-MNIST /
-RC-FMNIST they are the IRM paper's published ColoredMNIST settings (Arjovsky et al., the law this
-benchmark uses), mapped onto Algorithm 1 so that ν follows centralised IRM step for step:
+Hyperparameters. The paper gives none. They are not tuned on test accuracy here (on the
+leave-one-domain-out datasets: below); on RC-MNIST / RC-FMNIST they are the IRM paper's published
+ColoredMNIST settings (Arjovsky et al., the law this benchmark uses), mapped onto Algorithm 1 so
+that ν follows centralised IRM step for step:
 - full-batch steps, Adam lr 4.898e-4, L2 1.10794568e-3 on all parameters, λ = 1 for the first 190
   rounds, then 91257.186 with the whole loss divided by λ (IRM's code); 500 rounds; R = S = 1;
   IRM's MLP initialisation (Xavier-uniform weights, zero biases: common.build_model).
@@ -121,8 +126,30 @@ benchmark uses), mapped onto Algorithm 1 so that ν follows centralised IRM step
 θ_i = ν fine-tuned on D_i by `--ft-epochs` epochs of plain ERM in minibatches of `--ft-batch`, with a
 fresh optimiser and no regulariser). θ_i never feeds back into ν, so under `ft` it is computed when
 it is scored (at each evaluation), which gives the numbers that fine-tuning at every round would.
-Evaluation: each personalised θ_i on its own test context (per client and pooled, the reported
-test accuracy), and ν on every client's test context (`global_*` in the results: the "IRM" row).
+Evaluation on the fixed-client datasets (rcmnist, rcfmnist, waterbird, the label-skew sets): each
+personalised θ_i on its own test context (per client and pooled, the reported test accuracy,
+`test_model` "theta"), and ν on every client's test context (`global_*` in the results: the "IRM"
+row).
+
+Leave-one-domain-out datasets (rmnist, synthetic, stained, pacs, vlcs, officehome). Each training
+client is one environment of the federated IRM (a client never mixes domains, except on stained,
+whose clients are samples of the pooled training combinations). The held-out domain has no client,
+so no θ_i can be scored there: the model for an unseen context is the global invariant ν (Eq. 3),
+and the run's test accuracy is ν's on the held-out domain (`test_acc`, equal to `global_test_acc`;
+`test_model` "nu" in the results). Model selection is the project's usual rule applied to ν: the
+round with ν's best accuracy on the pooled validation split of the training clients (`--select
+val`, the default there). Each θ_i is scored on its own client's validation split
+(`personal_val_acc` pooled over the clients, `personal_per_val` per client; a client not sampled
+yet holds θ_i^0 = ν^0). Defaults there (the paper gives none), by this rule: IRM's ColoredMNIST
+recipe does not carry over (full batch is out of reach for the photo datasets' ResNets, and its
+λ = 91257 with the loss divided by λ presumes Adam's scale-free steps: with Algorithm 1's plain
+steps it would shrink the risk's step 91257-fold), so what every method of the project uses on the
+dataset (common.DATASET_DEFAULTS: the model, FedIIR's Table 3 lr and batch size, 100 rounds, one
+local epoch per round, best validation), the local epoch read as Algorithm 1's R (`--R epoch`:
+E·⌈n_i/B⌉ steps of line 9 on client i, E = --local-epochs, each on a random minibatch of B drawn
+like line 8's; 1 at full batch), S = 1, Algorithm 1's plain steps for ν and θ_i (γ = η = --lr,
+momentum 0, α = 1), IRMv1 at λ = 1 from the first round (DomainBed's weight before its warm-up ends;
+no schedule to scale: the large λ needs Adam) and β = 1 (`LODO_DEFAULTS` below).
 
 Communication per round: ν down and Δ_i up (|θ| floats each); θ_i never leaves the client.
 
@@ -131,8 +158,10 @@ Communication per round: ν down and Δ_i up (|θ| floats each); θ_i never leav
     python perinvfl.py --dataset rcmnist --data-root DIR --no-rotation --theta kept
     python perinvfl.py --dataset rcmnist --data-root DIR --personalize ft
     python perinvfl.py --dataset rcfmnist --data-root DIR --inv groupdro
+    python perinvfl.py --dataset rmnist --data-root DIR --test-domain 0        (ν scored on 0°)
 """
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -142,10 +171,16 @@ import data
 
 RC = dict(opt="adam", lr=4.898e-4, weight_decay=2 * 1.10794568e-3, lam=91257.186, anneal=190, beta=1.0,
           theta_opt="sgd", eta=0.1)
-DEFAULTS = {"rcmnist": RC, "rcfmnist": RC, "*": dict(opt="sgd", lam=1.0, anneal=0, beta=1.0, theta_opt="sgd")}
+LODO_DEFAULTS = dict(opt="sgd", lam=1.0, anneal=0, beta=1.0, theta_opt="sgd", momentum=0.0, R="epoch")   # (docstring)
+DEFAULTS = {"rcmnist": RC, "rcfmnist": RC, **{name: LODO_DEFAULTS for name in data.LODO},
+            "*": dict(opt="sgd", lam=1.0, anneal=0, beta=1.0, theta_opt="sgd", R=1)}
 
 
-# ---------------------------------------------------------------------------------- L_INV
+# ---------------------------------------------------------------- the method as plain functions
+# Tensors, modules and numbers only (no args, no project objects): what a client computes and
+# uploads, and what the server does with it. The objectives take a model's logits together with the
+# parameters they came from (a list of tensors), so that the L2 and β terms read the same parameters
+# as the forward pass; ν is a flat vector (the parameters concatenated in their order).
 
 def irm_penalty(logits, y):
     """IRMv1: ||∇_{w|w=1} R(w·f)||², the squared derivative of the risk w.r.t. a dummy scale on the
@@ -156,30 +191,82 @@ def irm_penalty(logits, y):
     return g.pow(2)
 
 
-def inv_loss(net, x, y, args, lam, weight=1.0, erm=False):
-    """L_INV of one environment with IRM's L2 term (not yet divided by λ). Returns (loss, risk).
-    `weight` is GroupDRO's N q_i; `erm` drops the invariance term."""
-    logits = net(x)
+def l_inv(logits, y, params, lam, weight_decay, weight=None):
+    """L_INV(θ; D_i) of one environment (Eq. 3 / 5) with IRM's L2 term, not yet divided by λ
+    (`rescale`): R + λ·IRMv1 + wd/2 ||θ||². lam None: no IRMv1 term (GroupDRO, and the ERM of IRM-L2
+    and IRM-FT); weight: GroupDRO's N q_i on the risk (None: 1). logits = f_θ(x), params: θ's
+    parameters. Returns (loss, risk)."""
     risk = F.cross_entropy(logits, y)
-    loss = weight * risk if args.inv == "groupdro" else risk
-    loss = loss + args.weight_decay / 2 * sum(p.pow(2).sum() for p in net.parameters())
-    if args.inv == "irm" and not erm:
-        loss = loss + lam * irm_penalty(logits, y)                       # Eq. 4 / 5
+    loss = risk if weight is None else weight * risk
+    loss = loss + weight_decay / 2 * sum(p.pow(2).sum() for p in params)
+    if lam is not None:
+        loss = loss + lam * irm_penalty(logits, y)                   # Eq. 4 / 5 (IRMv1)
     return loss, risk
 
 
-def rescale(args, lam, erm=False):
-    """IRM's code divides the whole loss by λ once λ > 1 (to keep the gradients in range)."""
-    return lam if args.inv == "irm" and not erm and lam > 1 else 1.0
+def rescale(lam):
+    """IRM's code divides the whole loss by λ once λ > 1 (to keep the gradients in range); 1 without
+    an IRMv1 term (lam None)."""
+    return lam if lam is not None and lam > 1 else 1.0
+
+
+def J_i(logits, y, params, nu, lam, weight_decay, beta):
+    """Line 8's objective, Eq. 4 at the current global model: J_i(θ_i; ν_{i,r}) = L_INV(θ_i; E_train^i)
+    + β ||θ_i − ν_{i,r}||², divided as a whole by λ once λ > 1 (IRM's rescaling, so that β keeps its
+    balance against the invariance loss). logits = f_θi(x), params: θ_i's parameters, nu: ν_{i,r}
+    (flat). lam None: the ERM of IRM-L2 (and GroupDRO's θ_i, whose local objective is its risk)."""
+    loss, _ = l_inv(logits, y, params, lam, weight_decay)
+    theta = torch.cat([p.reshape(-1) for p in params])
+    return (loss + beta * (theta - nu).pow(2).sum()) / rescale(lam)
+
+
+def server_update(nu, deltas, alpha):
+    """Line 10: ν^{t+1} = ν^t − α (ν^t − (1/N) Σ_i ν_{i,R}) = ν^t + α mean_i Δ_i, from the uploaded
+    Δ_i = ν_{i,R} − ν^t (flat; a list, or any iterable)."""
+    return nu + alpha * torch.stack(list(deltas)).mean(0)
+
+
+def server_adam(nu, deltas, alpha, gamma, adam_state=None):
+    """Line 10 with Adam on the server (FedOpt, Reddi et al. 2021; IRM's optimiser): one Adam step at
+    lr α·γ on the pseudo-gradient −mean_i Δ_i / γ, which is mean_i ∇L_INV(ν^t; D_i) (divided by λ
+    as `rescale`) when every client took R = 1 plain step of size γ: then ν is centralised
+    full-batch IRM over the environments, step for step. adam_state: the state_dict of the Adam of
+    the round before (None: a new one). Returns (ν^{t+1}, the new state_dict)."""
+    nu_p = nu.clone().requires_grad_()
+    opt = torch.optim.Adam([nu_p], lr=alpha * gamma)
+    if adam_state:
+        opt.load_state_dict(adam_state)
+    nu_p.grad = -torch.stack(list(deltas)).mean(0) / gamma
+    opt.step()
+    return nu_p.detach(), opt.state_dict()
+
+
+def q_update(q, ids, risks, eta_q):
+    """GroupDRO's server step (Sagawa et al.): q_i ∝ q_i exp(η_q R_i) for the clients `ids` that
+    uploaded their risks R_i (a tensor in the order of ids), renormalised over all clients."""
+    q = q.clone()
+    q[ids] = q[ids] * torch.exp(eta_q * risks)
+    return q / q.sum()
+
+
+# ------------------------------------------------------------------- the project's plumbing
+
+def penalised(args, lam, erm=False):
+    """The λ of L_INV's IRMv1 term, or None where it has none (--inv groupdro; the ERM of IRM-L2, IRM-FT)."""
+    return lam if args.inv == "irm" and not erm else None
+
+
+def inv_loss(net, x, y, args, lam, weight=None, erm=False):
+    """l_inv of the model in `net` on a batch, from the flags. `weight` is GroupDRO's N q_i; `erm`
+    drops the invariance term. Returns (loss, risk)."""
+    return l_inv(net(x), y, list(net.parameters()), penalised(args, lam, erm), args.weight_decay,
+                 weight if args.inv == "groupdro" else None)
 
 
 def theta_loss(net, nu_ir, x, y, args, lam):
-    """Line 8's objective J_i(θ_i; ν_{i,r}): Eq. 4 (`dual`) or IRM-L2's ERM, plus β ||θ_i − ν_{i,r}||²,
-    divided as a whole by λ once λ > 1 (IRM's rescaling)."""
-    erm = args.personalize == "l2"
-    loss, _ = inv_loss(net, x, y, args, lam, erm=erm)
-    theta = torch.cat([p.reshape(-1) for p in net.parameters()])
-    return (loss + args.beta * (theta - nu_ir).pow(2).sum()) / rescale(args, lam, erm)
+    """J_i of the θ_i in `net` on a batch, from the flags: Eq. 4 (`dual`) or IRM-L2's ERM (`l2`)."""
+    return J_i(net(x), y, list(net.parameters()), nu_ir, penalised(args, lam, args.personalize == "l2"),
+               args.weight_decay, args.beta)
 
 
 def make_opt(params, args, saved=None, lr=None, kind=None):
@@ -200,6 +287,12 @@ def line8_opt(params, args, saved):
     return make_opt(params, args, saved, lr=args.eta if args.eta is not None else args.lr, kind="sgd")
 
 
+def local_steps(client, args):
+    """Algorithm 1's R on this client: --R, or with `--R epoch` as many steps as --local-epochs passes
+    over its training split in minibatches of --batch-size have (1 at full batch)."""
+    return args.R if args.R != "epoch" else args.local_epochs * math.ceil(client.n / args.batch_size)
+
+
 def batch(client, args, ctx):
     """The client's training split (full batch, the default) or a random minibatch of it."""
     if args.batch_size >= client.n:
@@ -207,8 +300,6 @@ def batch(client, args, ctx):
     idx = torch.randperm(client.n, generator=ctx.gen, device=ctx.device)[:args.batch_size]
     return ctx.prep(client.x[idx], train=True, gen=ctx.gen), client.y[idx]
 
-
-# ------------------------------------------------------------------------------- Algorithm 1
 
 def init_state(model, fed, args, ctx):
     nu0 = common.get_flat(model)
@@ -232,6 +323,8 @@ def eq4(net, centre, client, args, lam, ctx):
         return theta_loss(net, centre, ctx.prep(client.x), client.y, args, lam)
 
 
+# ------------------------------------------------------------------------------- Algorithm 1
+
 def perinvfl_round(t, model, fed, args, state, ctx):
     nu = common.get_flat(model)                                      # ν^t
     lam = args.lam if t > args.anneal else 1.0                       # IRM's penalty schedule
@@ -248,21 +341,21 @@ def perinvfl_round(t, model, fed, args, state, ctx):
         common.set_flat(theta_net, nu if args.theta == "reset" else state["theta"][i])   # θ_i^0: ν^t or kept
         opt_th = line8_opt(theta_net.parameters(), args,             # its state stays on client i across
                            state["opt_theta"][i] if state["opt_lam"][i] == lam else None)  # rounds; new λ: new
-        for r in range(args.R):
+        for r in range(local_steps(client, args)):
             nu_ir = nu + delta                                       # ν_{i,r}
             common.set_flat(model, nu_ir)
             steps = 0 if args.personalize == "ft" else args.S        # (IRM-FT: θ_i at evaluation)
-            for s in range(steps):                                   # line 8
+            for s in range(steps):                                   # line 8: a step on J_i(θ_i; ν_{i,r})
                 x, y = batch(client, args, ctx)
                 loss = theta_loss(theta_net, nu_ir, x, y, args, lam)
                 opt_th.zero_grad(set_to_none=True)
                 loss.backward()
                 opt_th.step()
-            x, y = batch(client, args, ctx)                          # line 9
+            x, y = batch(client, args, ctx)                          # line 9: ν_{i,r} − γ ∇L_INV(ν_{i,r}; D_i)
             loss, risk = inv_loss(model, x, y, args, lam, weight=nq)
             if r == 0:
                 risks[i] = risk.detach()                             # R(f_ν^t; D_i), uploaded
-            grad = torch.autograd.grad(loss / rescale(args, lam), list(model.parameters()))
+            grad = torch.autograd.grad(loss / rescale(penalised(args, lam)), list(model.parameters()))
             delta -= args.lr * torch.cat([g.reshape(-1) for g in grad])   # γ = --lr
         deltas.append(delta)                                         # Δ_i = ν_{i,R} − ν^t, uploaded
         if args.personalize != "ft" and scored(t, args):             # the check: J_i(θ_i) vs J_i(ν_{i,R−1})
@@ -270,21 +363,14 @@ def perinvfl_round(t, model, fed, args, state, ctx):
             state["eq4"][1, i] = eq4(model, nu_ir, client, args, lam, ctx)   # `model` holds ν_{i,R−1}
         state["theta"][i] = common.get_flat(theta_net)               # θ_i^S, scored; stays on client i
         state["opt_theta"][i], state["opt_lam"][i] = opt_th.state_dict(), lam
-    mean_delta = torch.stack(deltas).mean(0)
-    if args.opt == "adam":                                           # line 10 with Adam (FedOpt)
-        nu_p = nu.clone().requires_grad_()
-        opt = make_opt([nu_p], args, state["server_opt"], lr=args.global_lr * args.lr)
-        nu_p.grad = -mean_delta / args.lr                            # = mean_i ∇L_INV(ν^t; D_i) if R = 1
-        opt.step()
-        state["server_opt"] = opt.state_dict()
-        common.set_flat(model, nu_p.detach())
+    if args.opt == "adam":                                           # line 10 with Adam (FedOpt), α·γ
+        nu_next, state["server_opt"] = server_adam(nu, deltas, args.global_lr, args.lr, state["server_opt"])
     else:
-        common.set_flat(model, nu + args.global_lr * mean_delta)     # line 10: ν − α(ν − mean ν_{i,R})
-    if args.inv == "groupdro":                                       # Sagawa et al.: q ∝ q exp(η_q R)
+        nu_next = server_update(nu, deltas, args.global_lr)          # line 10: ν − α(ν − mean ν_{i,R})
+    common.set_flat(model, nu_next)
+    if args.inv == "groupdro":                                       # q from the risks uploaded this round
         ids = list(risks)
-        q = state["q"].clone()
-        q[ids] = q[ids] * torch.exp(args.eta_q * torch.stack([risks[i] for i in ids]))
-        state["q"] = q / q.sum()
+        state["q"] = q_update(state["q"], ids, torch.stack([risks[i] for i in ids]), args.eta_q)
     return risks
 
 
@@ -304,9 +390,14 @@ def fine_tune(net, client, args, ctx):
 # ---------------------------------------------------------------------------------- evaluation
 
 def evaluate(model, fed, args, state, ctx):
-    """θ_i on client i's validation split and test context (pooled and per client); ν as the
-    global model on all of them (`global_*`, the paper's "IRM" row); the end-of-round check of line 8
-    (`eq4_theta`, `eq4_nu` per client, `eq4_holds`: the share of clients with J_i(θ_i) ≤ J_i(ν))."""
+    """Fixed clients: θ_i on client i's validation split and test context (pooled and per client: the
+    test accuracy, `test_model` "theta"), ν as the global model on all of them (`global_*`, the
+    paper's "IRM" row). Leave-one-domain-out: the held-out domain has no client, so ν is scored there
+    and selected on the pooled validation split (the test accuracy, `test_model` "nu", also under
+    `global_*`); θ_i on its own client's validation split (`personal_val_acc` pooled,
+    `personal_per_val` per client). Both: the end-of-round check of line 8 (`eq4_theta`, `eq4_nu`
+    per client, `eq4_holds`: the share of clients with J_i(θ_i) ≤ J_i(ν))."""
+    lodo = args.dataset in data.LODO
     net = copy.deepcopy(model)
     val, hit, per = [], [], []
     for c in fed.clients:
@@ -315,18 +406,24 @@ def evaluate(model, fed, args, state, ctx):
             state["theta"][c.id] = fine_tune(net, c, args, ctx)
         common.set_flat(net, state["theta"][c.id])
         val.append(common.correct(net, c.val_x, c.val_y, ctx))
-        h = common.correct(net, c.test_x, c.test_y, ctx).float()
-        hit.append(h)
-        per.append(h.mean())
+        if not lodo:
+            h = common.correct(net, c.test_x, c.test_y, ctx).float()
+            hit.append(h)
+            per.append(h.mean())
     nu_val, nu_test, nu_per = common.evaluate_global(model, fed, args, state, ctx)
-    extra = {"global_val_acc": nu_val, "global_test_acc": nu_test, "global_per_test": nu_per}
+    extra = {"test_model": "nu" if lodo else "theta",
+             "global_val_acc": nu_val, "global_test_acc": nu_test, "global_per_test": nu_per}
     if args.personalize != "ft":                                     # the end-of-round check (line 8)
         j_theta, j_nu = state["eq4"]
         took = j_nu.isfinite()                                       # (None: the client sat the round out)
         extra.update(eq4_holds=((j_theta <= j_nu) & took).sum().item() / max(took.sum().item(), 1),
                      **{k: [v if ok else None for v, ok in zip(j.tolist(), took.tolist())]
                         for k, j in (("eq4_theta", j_theta), ("eq4_nu", j_nu))})
-    return (torch.cat(val).float().mean().item(), torch.cat(hit).mean().item(), torch.stack(per).tolist(), extra)
+    theta_val = torch.cat(val).float().mean().item()
+    if lodo:
+        extra.update(personal_val_acc=theta_val, personal_per_val=torch.stack([v.float().mean() for v in val]).tolist())
+        return nu_val, nu_test, nu_per, extra
+    return theta_val, torch.cat(hit).mean().item(), torch.stack(per).tolist(), extra
 
 
 def add_args(p):
@@ -346,7 +443,9 @@ def add_args(p):
     a("--beta", type=float, default=None, help="weight of ||theta_i - nu||^2 (default 1)")
     a("--lam", type=float, default=None, help="IRMv1 penalty weight lambda after annealing (rcmnist: 91257)")
     a("--anneal", type=int, default=None, help="rounds with lambda = 1 first (rcmnist: 190)")
-    a("--R", type=int, default=1, help="local steps of nu per round (Algorithm 1's R)")
+    a("--R", type=steps_or_epoch, default=None,
+      help="local steps of nu per round (Algorithm 1's R); epoch: as many as --local-epochs passes over the "
+           "client's data in minibatches of --batch-size have")
     a("--S", type=int, default=1, help="steps of theta_i per step of nu (Algorithm 1's S)")
     a("--opt", default=None, choices=["adam", "sgd"],
       help="nu's optimiser (and IRM-FT's): adam: Adam on the server for nu (line 10, FedOpt), as IRM (rcmnist); "
@@ -354,11 +453,15 @@ def add_args(p):
     a("--eta-q", type=float, default=0.01, help="GroupDRO step size for q")
 
 
+def steps_or_epoch(text):
+    """--R: a number of steps, or 'epoch'."""
+    return text if text == "epoch" else int(text)
+
+
 def check(args):
-    if args.dataset in data.LODO:
-        raise data.UserError(f"perinvfl.py scores each client's own model on its own test set: use a "
-                             f"fixed-clients dataset ({', '.join(data.FIXED + data.FL)}), not {args.dataset}")
-    for k in ("R", "S", "ft_epochs", "ft_batch"):
+    if args.R != "epoch" and args.R < 1:
+        raise data.UserError(f"--R must be at least 1 or 'epoch', got {args.R}")
+    for k in ("S", "ft_epochs", "ft_batch"):
         if getattr(args, k) < 1:
             raise data.UserError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(args, k)}")
     if args.eta is not None and not args.eta > 0:
