@@ -59,6 +59,22 @@ def test_leaderboard_runs_the_missing_cells_once_then_writes_the_table(tiny_boar
     assert f"{sum(acc) / 2:.1f} ±" in rows["fediir"].split(" | ")[1]
 
 
+def test_leaderboard_never_marks_a_centralised_reference_row_best(monkeypatch, tmp_path):
+    f = tmp_path / "central.json"
+    f.write_text(json.dumps({"runs": [{"method": "irm", "test_acc": a} for a in (0.9, 0.91, 0.92)]}))
+    monkeypatch.setattr(leaderboard, "RESULTS", tmp_path)
+    monkeypatch.setattr(leaderboard, "BENCHMARKS", {"b": ("B", "synthetic", [], "cpu")})
+    (tmp_path / "old").mkdir()
+    for s, acc in ((0, 0.1), (1, 0.11)):
+        (tmp_path / "old" / f"fedavg-seed{s}.json").write_text(json.dumps({"complete": True, "domains": {"d": {"test_acc": acc}}}))
+    monkeypatch.setattr(leaderboard, "ROWS", {"fedavg": ("fedavg", [])})
+    monkeypatch.setattr(leaderboard, "REUSE", {("b", "fedavg"): "old/fedavg"})
+    monkeypatch.setattr(leaderboard, "CENTRAL", {"central IRM": ("irm", {"b": "central.json"})})
+    text, c = leaderboard.table(["b"], tmp_path / "board", [0, 1])
+    assert c[("b", "central IRM")] == [90.0, 91.0, 92.0] and c[("b", "fedavg")] == [10.0, 11.0]
+    assert "**" not in text                      # the reference row far ahead, but never the federated best
+
+
 def test_leaderboard_marks_best_only_beyond_two_seed_stds():
     assert leaderboard.best({"a": [90, 91, 92], "b": [80, 81, 82]}) == "a"
     assert leaderboard.best({"a": [90, 91, 92], "b": [89, 90, 91]}) is None     # 1 apart, 2 · std = 2

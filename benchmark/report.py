@@ -931,6 +931,17 @@ def block_speed_glance(where):
             f"{base:.2f} s; against it {ratios}."]
 
 
+def block_leaderboard(where):
+    """Every method on every MNIST-family benchmark (benchmark/leaderboard.py's table)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import leaderboard
+    text, _ = leaderboard.table(list(leaderboard.BENCHMARKS), RESULTS / "leaderboard", leaderboard.SEEDS)
+    return [text, "", "Test accuracy (%), mean ± std over seeds (their number); [paper N]: the paper's number; "
+            "bold: beats every other federated row beyond two seed stds; —: not yet run. Where each cell comes "
+            f"from and its settings: [benchmark/results/leaderboard/README.md]"
+            f"({link(RESULTS / 'leaderboard' / 'README.md', where)})."]
+
+
 BLOCKS = {  # kind -> (function, takes arguments)
     "folder": lambda where, f: report(RESULTS / f, where, figures=False, score=False)[:-1],
     "speed": lambda where, f: speed_report(RESULTS / f, where, figures=False)[:-1],
@@ -938,6 +949,7 @@ BLOCKS = {  # kind -> (function, takes arguments)
     "exit": block_exit, "fedloe-k1": block_fedloe_k1, "fedloe-dg": block_fedloe_dg, "spawn": block_spawn,
     "fig1": block_fig1, "ptest": block_ptest, "irm-central": block_irm_central, "beta": block_beta,
     "speed-table": block_speed_table, "gpu-check": block_gpu_check, "speed-glance": block_speed_glance,
+    "leaderboard": block_leaderboard,
 }
 MARKER = re.compile(r"<!-- report:(\S+) -->\n(.*?)<!-- /report:\1 -->", re.S)
 
