@@ -416,7 +416,8 @@ def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=
 
 # ------------------------------------------------------------------ the sampled clients of a round
 
-def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None, loss_fn=cross_entropy, epochs=None):
+def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None, loss_fn=cross_entropy, epochs=None,
+                  objective=None):
     """Every client in `clients` trained from θ (a flat vector) as local_sgd trains one, with a fresh
     optimiser make_opt(params) (default: SGD with args' lr, momentum and weight decay). `momentum`, if
     given, is {client id: flat SGD momentum buffer}: a client's is loaded before its steps and replaced
@@ -424,13 +425,16 @@ def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None
 
     One client after another through local_sgd, unless --parallel-clients is on: then all at once
     (`at_once`), from the same minibatches; the numbers agree with the sequential ones to float
-    tolerance, not bit for bit (batched kernels sum in another order)."""
+    tolerance, not bit for bit (batched kernels sum in another order). There the loss is `objective`,
+    loss_fn written with torch.func (see weighted_cross_entropy, the default, for the plain
+    cross-entropy); a loss_fn other than cross_entropy without one is refused."""
     make_opt = make_opt or (lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum,
                                                            weight_decay=args.weight_decay))
     if parallel(args):
-        if loss_fn is not cross_entropy:
-            raise UserError("--parallel-clients on trains the plain cross-entropy only; use off")
-        yield from at_once(model, theta, clients, args, ctx, make_opt, momentum, epochs)
+        if loss_fn is not cross_entropy and objective is None:
+            raise UserError("--parallel-clients on: this local loss has no torch.func form; use off")
+        yield from at_once(model, theta, clients, args, ctx, make_opt, momentum, epochs,
+                           objective or weighted_cross_entropy)
         return
     for client in clients:
         set_flat(model, theta)
@@ -452,10 +456,14 @@ def parallel(args):
 
 
 def check_parallel(args, method, supported):
-    """Refuse --parallel-clients on where it cannot apply; record what 'auto' chose."""
+    """Refuse --parallel-clients on where it cannot apply; record what 'auto' chose. supported: a bool,
+    or a function of args giving None where the method's clients train at once with them, else the
+    reason they do not (a phrase, shown after the method's name)."""
+    reason = supported(args) if callable(supported) else None if supported else \
+        "trains its clients one after another (its local loss is not written with torch.func)"
+    supported = reason is None
     if args.parallel_clients == "on" and not supported:
-        raise UserError(f"--parallel-clients on: {method} trains its clients one after another "
-                        f"(its local loss is not written with torch.func); use off")
+        raise UserError(f"--parallel-clients on: {method} {reason}; use off")
     if args.parallel_clients == "on" and args.dataset in PHOTOS:
         raise UserError(f"--parallel-clients on: not for {args.dataset} (its augmentation draws from the "
                         f"minibatch stream between batches, and a ResNet fills a GPU alone); use off")
@@ -481,16 +489,27 @@ def minibatch_plan(clients, batch_size, epochs, ctx, order=None):
                         for i in (order or range(len(plans)))], 1)
 
 
-def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=None):
+def weighted_cross_entropy(model, params, buffers, x, y, w):
+    """One client's minibatch loss as at_once takes it, a function of the client's own parameters and
+    buffers (dicts by model.named_parameters() / named_buffers() names) that torch.func.vmap batches
+    over the clients: Σ_j w_j CE(f(x_j), y_j), with w_j = 1 / (the batch's real examples) on those and 0
+    on the padding, so that it is the mean over the real examples, the sequential minibatch's loss.
+    Another method's objective has this signature and the same weighting, nested gradients of its own
+    written with torch.func (fediir.iir_objective_at)."""
+    return (F.cross_entropy(torch.func.functional_call(model, (params, buffers), (x,)), y, reduction="none") * w).sum()
+
+
+def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=None, objective=weighted_cross_entropy):
     """The clients' local updates at once: their parameters and buffers stacked along a new first
     dimension (buffers are read, not returned: none of the models here updates one in training),
     one call of vmap(grad(loss)) through functional_call per step for all of them, and one
     optimiser over the stacked tensors, which is every client's own (SGD's and Adam's rules act
     elementwise; Adam's shared step count is right for every client still training). Step k takes
     the k-th minibatch of every client; a partial batch is padded and its loss is the mean over its
-    real examples. The clients are stacked longest first, so those still training are a prefix:
-    the others drop out of the gradient computation and are put back after every optimiser step
-    (parameters and optimiser state), so they never move again. Returns [(θ_c, mean loss)]."""
+    real examples (`objective`, weighted_cross_entropy's form, so weights them). The clients are
+    stacked longest first, so those still training are a prefix: the others drop out of the gradient
+    computation and are put back after every optimiser step (parameters and optimiser state), so they
+    never move again. Returns [(θ_c, mean loss)]."""
     C, epochs = len(clients), epochs or args.local_epochs
     order = sorted(range(C), key=lambda i: -clients[i].n)               # longest first
     plan = minibatch_plan(clients, args.batch_size, epochs, ctx, order)  # drawn in the clients' order
@@ -511,7 +530,7 @@ def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=No
             opt.state[p]["momentum_buffer"] = m.reshape(p.shape).clone()
 
     def loss(p, b, x, y, w):
-        return (F.cross_entropy(torch.func.functional_call(model, (p, b), (x,)), y, reduction="none") * w).sum()
+        return objective(model, p, b, x, y, w)
     grad_and_loss = torch.func.vmap(torch.func.grad_and_value(loss))
     model.train()
     total = torch.zeros(C, device=ctx.device)
@@ -1117,7 +1136,8 @@ def print_table(results):
 def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_state=None,
          evaluate_fn=evaluate_global, check=None, parallel_clients=False):
     """The entry point of every method script: bad input -> one line on stderr and exit 2.
-    parallel_clients: the method's clients train through train_clients (--parallel-clients applies)."""
+    parallel_clients: the method's clients train through train_clients (--parallel-clients applies);
+    or a function of the resolved args, check_parallel's `supported`."""
     p = make_parser(method, doc)
     if add_args:
         add_args(p)

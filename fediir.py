@@ -18,6 +18,9 @@ Algorithm 1 (one communication round t):
 Steps 2 to 4 are plain functions of tensors and modules above the round function, to copy into another
 training loop (docs/fediir.md, "Copy it"): the client's classifier_grads (its upload for g_bar) and
 iir_objective (step 3); the server's gbar_mean, gbar_update (the EMA) and server_update (step 4).
+With --parallel-clients on (auto: on CUDA) step 3 trains the sampled clients at once (common.at_once)
+on iir_objective_at, the same objective written with torch.func (∇_ω R_c a nested torch.func.grad),
+to float tolerance, not bit for bit (test_parallel.py); the g_bar pass stays client by client.
 
 Where the paper and the official code differ, the numbers of the paper's tables come from the code,
 so the defaults follow the code (github.com/YamingGuo98/FedIIR, read at commit 3e7a785; the files
@@ -122,6 +125,23 @@ def iir_objective(featurizer, classifier, x, y, g_tilde, gamma):
     return risk + gamma * iir_penalty(g, g_tilde)
 
 
+def iir_objective_at(featurizer, classifier, phi, omega, x, y, w, g_tilde, gamma):
+    """iir_objective as a function of the parameters, for torch.func.vmap over clients (many clients
+    at once): φ and ω as dicts of tensors by the featurizer's and the classifier's own names
+    (parameters and buffers), w the per-example weights (1/b on a batch's b real examples, 0 on
+    padding), so that R_c = Σ_j w_j CE_j is the minibatch's mean as in iir_objective. ∇_ω R_c is a
+    nested torch.func.grad, which keeps its graph as create_graph does: the same objective, the same
+    gradient to rounding."""
+    z = torch.func.functional_call(featurizer, phi, (x,))
+
+    def risk(omega):
+        return (F.cross_entropy(torch.func.functional_call(classifier, omega, (z,)), y, reduction="none") * w).sum()
+    if gamma == 0:
+        return risk(omega)
+    g = torch.func.grad(risk)(omega)                                    # ∇_ω R_c(θ; ζ), in the graph
+    return risk(omega) + gamma * iir_penalty([g[name] for name, _ in classifier.named_parameters()], g_tilde)
+
+
 def server_update(theta, thetas, p, global_lr=1.0):
     """Step 4, server: θ^t = θ^{t-1} + η_g Σ_c p_c Δ_c / Σ_c p_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1}
     as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable, read one at a
@@ -167,6 +187,17 @@ def iir_loss(g_tilde, gamma):
     return loss_fn
 
 
+def iir_loss_at(g_tilde, gamma):
+    """iir_objective_at as common.at_once's objective(model, params, buffers, x, y, w): the model's
+    dicts split into the featurizer's φ and the classifier's ω (--parallel-clients on)."""
+    def objective(model, params, buffers, x, y, w):
+        part = lambda prefix: {k[len(prefix):]: v for d in (params, buffers) for k, v in d.items()
+                               if k.startswith(prefix)}
+        return iir_objective_at(model.featurizer, model.classifier, part("featurizer."), part("classifier."),
+                                x, y, w, g_tilde, gamma)
+    return objective
+
+
 # ------------------------------------------------------------------------------------ one round
 
 def fediir_round(t, model, fed, args, state, ctx):
@@ -178,7 +209,8 @@ def fediir_round(t, model, fed, args, state, ctx):
     gamma = args.gamma / 2 if args.half else args.gamma
     # step 3: on every c ∈ S, θ_c ← θ^{t-1}, then K minibatch steps on the penalised objective
     trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx,
-                                   loss_fn=iir_loss(state["g_tilde"], gamma))
+                                   loss_fn=iir_loss(state["g_tilde"], gamma),
+                                   objective=iir_loss_at(state["g_tilde"], gamma))   # the same, at once
     losses = {}
 
     def uploads():                                                     # θ_c, client by client
@@ -217,7 +249,8 @@ def check(args):
 
 
 def main(argv=None):
-    return common.main("fediir", __doc__, fediir_round, argv, add_args, init_state=init_state, check=check)
+    return common.main("fediir", __doc__, fediir_round, argv, add_args, init_state=init_state, check=check,
+                       parallel_clients=True)
 
 
 if __name__ == "__main__":

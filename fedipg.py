@@ -32,6 +32,11 @@ One communication round t (w^t: the global model at its start):
          --local-step sgd: --local-epochs of minibatch SGD with --momentum on f_i, the penalty on
            each minibatch (FedIIR's local training, shared with fedavg.py). Not the paper's, but
            every committed FedIPG number (docs/fedipg.md, benchmark/results) was measured with it.
+         --parallel-clients on (auto: on CUDA where it applies) trains them at once (common.at_once)
+           on local_objective_at, f_i with `tangent` and per-example weights, to float tolerance
+           (test_parallel.py): with --local-step sgd, the tangent penalty and every client starting
+           from w^t (no slow or unreliable client); refused otherwise (parallel_reason). The paper's
+           step, one full-batch step per client in chunks, stays client by client.
     3. server: w^{t+1} = w^t + η_g Σ_i n_i Δ_i / Σ_i n_i over the arrived i ∈ I_ID           (Eq. 3)
        (Algorithm 1 averages models, Σ n_i w_i / Σ n_i: the same for fresh updates and η_g = 1; a
        stale Δ_i is applied to the current model, as the analysis of Eq. 12–13 assumes)
@@ -204,6 +209,17 @@ def local_objective(model, x, y, lam, layers=None, affine=None):
     return risk + lam * d * d
 
 
+def local_objective_at(layers, x, y, w, lam):
+    """local_objective through `tangent` with per-example weights w (1/b on a batch's b real examples,
+    0 on padding): f_i = Σ_j w_j CE_j + λ d², d = Σ_j w_j ⟨∂CE_j/∂z_j, ż_j⟩ (Eq. 9), the batch's
+    means over its real examples. No gradient is taken inside, so torch.func.vmap batches it over
+    clients whose parameters torch.func.functional_call puts in the layers."""
+    z, dz = tangent(layers, x)
+    onehot = torch.zeros_like(z).scatter(1, y[:, None], 1.0)
+    d = (((z.softmax(1) - onehot) * dz).sum(1) * w).sum()                  # ⟨∇R_i(w), w⟩
+    return (F.cross_entropy(z, y, reduction="none") * w).sum() + lam * d * d
+
+
 def gradient_step(model, chunks, n, lr, lam, weight_decay=0.0, layers=None, affine=None, autocast=None):
     """The client's local step: w ← w − η ∇f_i(w) in place (Eq. 2, Algorithm 1 line 15), f_i = R_i + λ d²
     over its whole training split (Eq. 1, 9), given as `chunks`, an iterable of (x, y) that together
@@ -324,6 +340,46 @@ def ipg_loss(lam, mode="auto"):
     return loss_fn
 
 
+class Applied(nn.Module):
+    """fn(*inputs) as the forward of a module holding `model`, so that torch.func.functional_call puts
+    a client's parameters in the model's layers for a function other than model.forward."""
+
+    def __init__(self, model, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, *inputs):
+        return self.fn(*inputs)
+
+
+def ipg_loss_at(lam):
+    """ipg_loss as common.at_once's objective(model, params, buffers, x, y, w), for --parallel-clients
+    on: the penalty through `tangent` (parallel_reason refuses the other --penalty forms, which take
+    gradients inside the loss)."""
+    def objective(model, params, buffers, x, y, w):
+        if lam == 0:
+            return common.weighted_cross_entropy(model, params, buffers, x, y, w)
+        layers = chain(model)
+        host = Applied(model, lambda x, y, w: local_objective_at(layers, x, y, w, lam))
+        return torch.func.functional_call(host, {"model." + k: v for d in (params, buffers) for k, v in d.items()},
+                                          (x, y, w))
+    return objective
+
+
+def parallel_reason(args):
+    """common.check_parallel's `supported`: None where the round's clients can train at once through
+    common.train_clients, else why not."""
+    if args.local_step == "paper":
+        return ("trains with --local-step paper one client after another (one full-batch step each, in "
+                "chunks, not minibatch SGD: use --local-step sgd for clients at once)")
+    if args.aberrant and args.aberrant[0] in ("slow", "unreliable"):
+        return f"--aberrant {args.aberrant[0]}: a stale client starts from an older model than the others"
+    if args.lam > 0 and (args.penalty in ("layers", "params") or args.model.startswith("resnet")):
+        return ("takes the penalty at once through --penalty tangent only (the other forms differentiate "
+                "inside the loss)")
+    return None
+
+
 def in_chunks(client, batch_size, ctx, train=False):
     """The client's whole training split, in order, in chunks of batch_size (memory only), as model
     inputs: for training as common.local_sgd prepares them (augmented on the photo datasets, from
@@ -398,6 +454,17 @@ def one_round(t, model, fed, args, state, ctx, warmup, last):
     losses, g = {}, []
 
     def deltas():                                                           # step 2, client by client
+        if args.parallel_clients == "on":           # at once (parallel_reason: --local-step sgd, all fresh)
+            ids = [i for i, _, _ in arrived]
+            common.set_flat(model, w_t)
+            if warmup:                                                      # g_i = ∇R_i(w^t), no draws
+                g.extend(risk_gradient(model, fed.clients[i], ctx, args.batch_size) for i in ids)
+            for i, (w_i, loss) in zip(ids, common.train_clients(model, w_t, [fed.clients[i] for i in ids], args, ctx,
+                                                                loss_fn=ipg_loss(args.lam, args.penalty),
+                                                                objective=ipg_loss_at(args.lam))):
+                losses[i] = loss
+                yield w_i - w_t                                             # Δ_i
+            return
         for i, start, tau in arrived:
             common.set_flat(model, start)                                   # w_i ← w^{t−τ_i}
             if warmup:
@@ -544,7 +611,7 @@ def check(args):
 
 def main(argv=None):
     return common.main("fedipg", __doc__, fedipg_round, argv, add_args, init_state=init_state,
-                       evaluate_fn=evaluate, check=check)
+                       evaluate_fn=evaluate, check=check, parallel_clients=parallel_reason)
 
 
 if __name__ == "__main__":
