@@ -668,7 +668,7 @@ def test_heads_start_as_the_fedIIR_code():
 def test_fediir_global_gradient_is_the_mean_classifier_gradient(mode):
     ds = data.synthetic()
     fed = common.federate(ds, 0, 3, seed=0, device="cpu")
-    args = type("A", (), dict(model="smallconv", head="mlp", batch_size=50, gbar=mode))
+    args = type("A", (), dict(model="smallconv", head="mlp", batch_size=50, gbar=mode, gbar_inputs="augmented"))
     torch.manual_seed(0)
     model = common.build_model(args, ds)
     ctx = tiny_ctx()
@@ -985,16 +985,16 @@ def test_fedomg_headline_command_on_a_fake_pacs_tree(tmp_path):
     data.make_fake_tree(tmp_path, per_class=2)
     res, _ = run(fedomg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained", "--rounds", "2",
                                "--local-epochs", "1", "--test-domain", "photo", "--batch-size", "8"], tmp_path)
-    assert (res["args"]["model"], res["args"]["head"], res["args"]["global_lr"]) == ("resnet18", "linear", 5e-2)
+    assert (res["args"]["model"], res["args"]["head"], res["args"]["global_lr"]) == ("resnet18", "linear", 0.5)
     assert list(res["domains"]) == ["photo"] and 0 <= res["domains"]["photo"]["test_acc"] <= 1
 
 
-def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
+def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
     p = common.make_parser("fedomg", fedomg.__doc__)
     fedomg.add_args(p)
     a = common.resolve(p.parse_args(["--dataset", "pacs", "--out", str(tmp_path / "r.json")]), "fedomg", fedomg.DEFAULTS)
     assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay, a.global_lr) == \
-        ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 5e-2)
+        ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 0.5)               # η_g: train_pacs_OMG.py (Table 4: 5e-2)
     assert (a.kappa, a.server_rule, a.solver, a.solver_evals, a.lr_step) == (0.5, "code", "sgd", 21, 0.8)
     for name, step in (("mnist", 1.0), ("cifar10", 1.0), ("rmnist", 0.8)):         # the FL code has no lr step
         a = common.resolve(p.parse_args(["--dataset", name, "--out", str(tmp_path / "r.json")]), "fedomg", fedomg.DEFAULTS)
@@ -1013,10 +1013,12 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedomg", ["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
     ("fedomg", ["--server-rule", "cagrad"], "argument --server-rule: invalid choice: 'cagrad'"),
     ("fedomg", ["--no-rescale"], "unrecognized arguments: --no-rescale"),
-    ("perinvfl", ["--dataset", "rmnist"], "perinvfl.py scores each client's own model on its own test set"),
+    ("perinvfl", ["--dataset", "rmnist", "--R", "0"], "--R must be at least 1 or 'epoch', got 0"),
     ("perinvfl", ["--dataset", "rcmnist", "--beta", "nan"], "--beta must be >= 0, got nan"),
     ("perinvfl", ["--dataset", "rcmnist", "--lam", "-1"], "--lam must be >= 0, got -1.0"),
     ("perinvfl", ["--dataset", "rcmnist", "--S", "0"], "--S must be at least 1, got 0"),
+    ("perinvfl", ["--dataset", "rcmnist", "--eta", "0"], "--eta must be positive, got 0.0"),
+    ("perinvfl", ["--dataset", "rcmnist", "--theta", "both"], "argument --theta: invalid choice: 'both'"),
     ("perinvfl", ["--dataset", "rcmnist", "--personalize", "ft", "--ft-epochs", "0"], "--ft-epochs must be at least 1, got 0"),
     ("fedavg", ["--dataset", "rmnist", "--no-rotation"], "--no-rotation applies to rcmnist and rcfmnist only, not rmnist"),
     ("perinvfl", ["--dataset", "rcmnist", "--inv", "vrex"], "argument --inv: invalid choice: 'vrex'"),
@@ -1030,8 +1032,8 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedloe", ["--stage2-comms", "-1"], "--stage2-comms (-1), both >= 0"),
     ("fedloe", ["--head", "mlp"], "fedloe ensembles linear heads (Eq. 12 is exact only for them)"),
     ("fedloe", ["--sample", "5"], "fedloe uses every client at every communication"),
-    ("fedloe", ["--dataset", "mnist"], "fedloe is leave-one-domain-out; mnist has fixed clients"),
-    ("fedloe", ["--dataset", "rcmnist"], "fedloe is leave-one-domain-out; rcmnist has fixed clients"),
+    ("fedloe", ["--dataset", "mnist"], "has 1 training example(s), too few for a train/tune split; use fewer --clients"),
+    ("fedloe", ["--dataset", "rcmnist", "--sample", "3"], "fedloe uses every client at every communication"),
     ("fedloe", ["--select", "val"], "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration)"),
     ("fedloe", ["--dg", "coral"], "argument --dg: invalid choice: 'coral'"),
     ("fedloe", ["--dg-lambda", "-1"], "--dg-lambda must be >= 0, got -1.0"),
@@ -1040,7 +1042,9 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedloe", ["--server-steps", "-1"], "--server-steps must be >= 0, got -1"),
     ("fedloe", ["--clients", "2000"], "too few for a train/tune split; use fewer --clients"),
     ("fedipg", ["--lam", "-1"], "--lam must be >= 0, got -1.0"),
-    ("fedipg", ["--exit", "auto", "--exit-warmup", "0"], "--exit-warmup must be between 1 and --rounds (100), got 0"),
+    ("fedipg", ["--exit", "auto", "--exit-warmup", "0"], "--exit-warmup must be at least 1, got 0"),
+    ("fedipg", ["--exit", "auto", "--warmup", "rounds", "--rounds", "4", "--exit-warmup", "5"],
+     "--warmup rounds: --exit-warmup must be between 1 and --rounds (4), got 5"),
     ("fedipg", ["--exit-L", "0"], "--exit-L must be positive, got 0.0"),
     ("fedipg", ["--exit-clients", "a,b"], "--exit-clients takes client numbers like 3,7, got 'a,b'"),
     ("fedipg", ["--aberrant", "fast:2"], "--aberrant takes slow:K, unreliable:P or rotate:DEG, got 'fast:2'"),
@@ -1054,8 +1058,8 @@ def test_fedomg_dg_defaults_follow_the_paper(tmp_path):
     ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
     ("fedipg", QUICK + ["--model", "resnet18", "--no-pretrained", "--penalty", "tangent"],
      "--penalty tangent needs a chain of Conv2d, Linear, ReLU, GroupNorm, MaxPool2d, GlobalMean, Flatten"),
-    ("fediir", QUICK + ["--parallel-clients", "on"], "--parallel-clients on: fediir trains its clients one after another"),
-    ("fedipg", QUICK + ["--parallel-clients", "on"], "--parallel-clients on: fedipg trains its clients one after another"),
+    ("fedipg", QUICK + ["--parallel-clients", "on"], "--parallel-clients on: fedipg trains with --local-step paper one "
+                                                     "client after another"),
     ("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--parallel-clients", "on"],
      "--parallel-clients on: perinvfl trains its clients one after another"),
     ("fedomg", ["--dataset", "pacs", "--parallel-clients", "on"], "--parallel-clients on: not for pacs"),
@@ -1094,7 +1098,8 @@ def test_irm_penalty_and_its_gradient_match_a_hand_computation():
 
 def pinv_args(**kw):
     a = dict(sample=2, batch_size=100, lr=0.05, momentum=0.0, weight_decay=0.01, global_lr=1.0, inv="irm",
-             personalize="dual", beta=0.0, lam=3.0, anneal=0, R=1, S=1, opt="sgd", eta_q=0.5)
+             personalize="dual", beta=0.0, lam=3.0, anneal=0, R=1, S=1, opt="sgd", eta_q=0.5, theta="reset",
+             theta_opt="sgd", eta=None, eval_every=10 ** 6, rounds=10 ** 6)   # (no end-of-round check)
     a.update(kw)
     return type("Args", (), a)
 
@@ -1121,10 +1126,11 @@ def pinv_setup(**kw):
 
 def test_perinvfl_lines_8_to_10_against_a_hand_computation():
     """One round, plain steps: ν_{i,1} = ν − γ∇L_INV(ν; D_i) (line 9), θ_i = θ_i − η(∇L_INV(θ_i) +
-    2β(θ_i − ν_{i,0})) (line 8), ν' = ν − α(ν − mean_i ν_{i,1}) (line 10), for α = 1 and 0.5. λ = 3 > 1:
-    IRM's rescaling divides Eq. 4 as a whole, the β term included, so β keeps its balance against L_IRM."""
+    2β(θ_i − ν_{i,0})) (line 8, from a kept θ_i), ν' = ν − α(ν − mean_i ν_{i,1}) (line 10), for α = 1 and
+    0.5. λ = 3 > 1: IRM's rescaling divides Eq. 4 as a whole, the β term included, so β keeps its balance
+    against L_IRM."""
     for alpha in (1.0, 0.5):
-        model, fed, ctx, args, state = pinv_setup(beta=0.7, global_lr=alpha)
+        model, fed, ctx, args, state = pinv_setup(beta=0.7, global_lr=alpha, theta="kept")
         nu = common.get_flat(model)
         theta0 = nu + 0.1 * torch.randn(len(nu), generator=torch.Generator().manual_seed(1))
         state["theta"] = [theta0.clone(), theta0.clone()]
@@ -1147,7 +1153,7 @@ def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
             theta = theta - args.lr * grad_by_hand(theta, c, args.lam, args.weight_decay)
         assert torch.allclose(state["theta"][i], theta, atol=1e-5)
     # 2βη = 1: line 8 becomes θ ← ν_{i,r} − η∇L_INV(θ): θ_i never strays more than one gradient step
-    model, fed, ctx, args, state = pinv_setup(beta=1 / (2 * 0.05), S=4, lam=1.0)
+    model, fed, ctx, args, state = pinv_setup(beta=1 / (2 * 0.05), S=4, lam=1.0, theta="kept")
     far = [common.get_flat(model) + 5.0, common.get_flat(model) - 5.0]
     state["theta"] = [f.clone() for f in far]
     nu = common.get_flat(model)
@@ -1198,7 +1204,7 @@ def test_perinvfl_ablations_l2_and_ft():
             loss = F.cross_entropy(c.x[idx].float().flatten(1) / 255 @ W.T + b, c.y[idx]) + 0.005 * t_.pow(2).sum()
             th = th - args.lr * torch.autograd.grad(loss, t_)[0]
     assert torch.allclose(got, th, atol=1e-6) and (got - nu).norm() > 1e-3
-    model, fed, ctx, args, state = pinv_setup(personalize="l2", beta=0.7)
+    model, fed, ctx, args, state = pinv_setup(personalize="l2", beta=0.7, theta="kept")
     theta0 = common.get_flat(model) + 0.3
     state["theta"] = [theta0.clone(), theta0.clone()]
     nu = common.get_flat(model)
@@ -1910,17 +1916,32 @@ def by_hand(phi, Y, y, env):
     return [R[c] / n[c] for c in range(2)], [dw[c] / n[c] for c in range(2)], [[g / n[c] for g in gphi[c]] for c in range(2)]
 
 
-def loe_fish_by_hand(phi, T, weights, lr, wd, meta, betas=(0.9, 0.999), eps=1e-8):
-    """One Fish step in plain floats: a fresh Adam's step on weights[c]·R_c (+ weight decay) for client
-    0, then client 1 at the moved point, then the meta step."""
-    (b1, b2), tilde, m, v = betas, list(phi), [0.0, 0.0], [0.0, 0.0]
-    for step, c in enumerate((0, 1), 1):
-        g = by_hand(tilde, T.Y.tolist(), T.y.tolist(), LOE_ENV)[2][c]
-        g = [weights[c] * g[k] + wd * tilde[k] for k in range(2)]
-        m = [b1 * m[k] + (1 - b1) * g[k] for k in range(2)]
-        v = [b2 * v[k] + (1 - b2) * g[k] ** 2 for k in range(2)]
-        tilde = [tilde[k] - lr * (m[k] / (1 - b1 ** step)) / (math.sqrt(v[k] / (1 - b2 ** step)) + eps) for k in range(2)]
-    return [phi[k] + meta * (tilde[k] - phi[k]) for k in range(2)]
+def loe_fish_by_hand(phi, T, weights, lr, wd, meta, steps=1, betas=(0.9, 0.999), eps=1e-8):
+    """`steps` Fish steps in plain floats: from φ̃ = φ, an Adam step on weights[c]·R_c (+ weight decay) for
+    client 0, then client 1 at the moved point, then the meta step; the Adam's moments and step count
+    carry over from one meta step to the next (DomainBed's Fish)."""
+    (b1, b2), m, v, step = betas, [0.0, 0.0], [0.0, 0.0], 0
+    for _ in range(steps):
+        tilde = list(phi)
+        for c in (0, 1):
+            step += 1
+            g = by_hand(tilde, T.Y.tolist(), T.y.tolist(), LOE_ENV)[2][c]
+            g = [weights[c] * g[k] + wd * tilde[k] for k in range(2)]
+            m = [b1 * m[k] + (1 - b1) * g[k] for k in range(2)]
+            v = [b2 * v[k] + (1 - b2) * g[k] ** 2 for k in range(2)]
+            tilde = [tilde[k] - lr * (m[k] / (1 - b1 ** step)) / (math.sqrt(v[k] / (1 - b2 ** step)) + eps)
+                     for k in range(2)]
+        phi = [phi[k] + meta * (tilde[k] - phi[k]) for k in range(2)]
+    return phi
+
+
+def loe_fish_steps(phi, T, weights, lr, wd, meta, steps):
+    """fedloe.fish_step `steps` times with one inner Adam, as solve_phi runs it."""
+    tilde = phi.clone().requires_grad_()
+    inner = torch.optim.Adam([tilde], lr=lr, weight_decay=wd)
+    for _ in range(steps):
+        phi = fedloe.fish_step(phi, T, weights, meta, tilde, inner)
+    return phi
 
 
 def test_fedloe_irm_rex_fish_match_hand_computed_values():
@@ -1930,12 +1951,13 @@ def test_fedloe_irm_rex_fish_match_hand_computed_values():
     got = fedloe.risks(phi, T)
     assert torch.allclose(got, torch.tensor(R, dtype=torch.float64), atol=1e-12)
     assert math.isclose(fedloe.irm_penalty(phi, T, "domainbed").item(), (dw[0] ** 2 + dw[1] ** 2) / 2, abs_tol=1e-12)
-    assert math.isclose(fedloe.rex_penalty(got).item(), ((R[0] - R[1]) / 2) ** 2, abs_tol=1e-12)
-    # Fish (DomainBed's, uniform): one step of a fresh Adam on client 0's risk, one on client 1's at the moved point, the meta step
+    assert math.isclose(fedloe.rex_penalty(phi, T, "domainbed").item(), ((R[0] - R[1]) / 2) ** 2, abs_tol=1e-12)
+    # Fish (DomainBed's, uniform): per meta step an Adam step on client 0's risk, one on client 1's at the moved
+    # point, the meta step; three meta steps, the inner Adam's state kept
     lr, wd, meta = 0.4, 0.01, 0.3
-    got = fedloe.fish_step(phi, T, fedloe.fish_weights(T, "domainbed"), lr, wd, meta)
-    assert torch.allclose(got, torch.tensor(loe_fish_by_hand(phi.tolist(), T, [1, 1], lr, wd, meta), dtype=torch.float64),
-                          atol=1e-12)
+    got = loe_fish_steps(phi, T, fedloe.fish_weights(T, "domainbed"), lr, wd, meta, 3)
+    assert torch.allclose(got, torch.tensor(loe_fish_by_hand(phi.tolist(), T, [1, 1], lr, wd, meta, 3),
+                                            dtype=torch.float64), atol=1e-12)
 
 
 def test_fedloe_eq_11_weights_irm_summed_and_fish_by_client_size():
@@ -1944,20 +1966,21 @@ def test_fedloe_eq_11_weights_irm_summed_and_fish_by_client_size():
     T = tiny_predictions(n_train=(10, 40))
     phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
     _, dw, _ = by_hand(phi.tolist(), T.Y.tolist(), T.y.tolist(), LOE_ENV)
-    assert math.isclose(fedloe.irm_penalty(phi, T).item(), dw[0] ** 2 + dw[1] ** 2, abs_tol=1e-12)      # Σ_c, not mean_c
-    assert fedloe.fish_weights(T) == [2 * 0.2, 2 * 0.8] and fedloe.fish_weights(T, "domainbed") == [1.0, 1.0]
-    assert fedloe.fish_weights(tiny_predictions(n_train=(7, 7))) == [1.0, 1.0]     # equal clients: the forms agree
+    assert math.isclose(fedloe.irm_penalty(phi, T, "paper").item(), dw[0] ** 2 + dw[1] ** 2, abs_tol=1e-12)  # Σ_c
+    assert fedloe.fish_weights(T, "paper") == [2 * 0.2, 2 * 0.8] and fedloe.fish_weights(T, "domainbed") == [1.0, 1.0]
+    assert fedloe.fish_weights(tiny_predictions(n_train=(7, 7)), "paper") == [1.0, 1.0]  # equal clients: forms agree
     lr, wd, meta = 0.4, 0.01, 0.3
-    got = fedloe.fish_step(phi, T, fedloe.fish_weights(T), lr, wd, meta)
+    got = loe_fish_steps(phi, T, fedloe.fish_weights(T, "paper"), lr, wd, meta, 1)
     expected = loe_fish_by_hand(phi.tolist(), T, [0.4, 1.6], lr, wd, meta)
     uniform = loe_fish_by_hand(phi.tolist(), T, [1.0, 1.0], lr, wd, meta)
     assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
     assert max(abs(a - b) for a, b in zip(expected, uniform)) > 1e-3                # the weights do move the step
-    # the server: args.dg_form reaches both, and the risk term is Σ_c p(c) R_c with the training sizes
+    # the server: args.dg_form reaches both; the risk term is Σ_c p(c) R_c with the training sizes (paper), the mean
     args = lambda dg, form, steps: type("A", (), dict(dg=dg, dg_form=form, dg_lambda=100.0, stage2_lr=0.05,
                                                       stage2_wd=5e-4, server_steps=steps, meta_lr=0.3))
-    p, ends = torch.tensor([0.2, 0.8], dtype=torch.float64), {}
-    for form, reduce in (("paper", 1.0), ("domainbed", 0.5)):    # 5 Adam steps on Eq. 11: the sum, or the mean (P = 2)
+    ends = {}
+    for form, reduce, p in (("paper", 1.0, [0.2, 0.8]), ("domainbed", 0.5, [0.5, 0.5])):  # 5 Adam steps on Eq. 11
+        p = torch.tensor(p, dtype=torch.float64)                 # the IRMv1 sum, or the mean (P = 2)
         want = torch.full((2,), 0.5, dtype=torch.float64, requires_grad=True)
         opt = torch.optim.Adam([want], lr=0.05, weight_decay=5e-4)
         for _ in range(5):
@@ -1967,8 +1990,8 @@ def test_fedloe_eq_11_weights_irm_summed_and_fish_by_client_size():
         ends[form] = fedloe.solve_phi(T, args("irm", form, 5))
         assert torch.allclose(ends[form], want.detach(), atol=1e-12)
     assert (ends["paper"] - ends["domainbed"]).abs().max() > 1e-4
-    fish = fedloe.solve_phi(T, args("fish", "paper", 1))
-    assert torch.allclose(fish, torch.tensor(loe_fish_by_hand([0.5, 0.5], T, [0.4, 1.6], 0.05, 5e-4, 0.3),
+    fish = fedloe.solve_phi(T, args("fish", "paper", 3))
+    assert torch.allclose(fish, torch.tensor(loe_fish_by_hand([0.5, 0.5], T, [0.4, 1.6], 0.05, 5e-4, 0.3, 3),
                                              dtype=torch.float64), atol=1e-12)
 
 
@@ -1981,7 +2004,7 @@ def test_fedloe_server_lowers_the_eq_11_objective(dg):
 
     def objective(phi):
         R = fedloe.risks(phi, T)
-        pen = fedloe.irm_penalty(phi, T) if dg == "irm" else fedloe.rex_penalty(R)
+        pen = fedloe.irm_penalty(phi, T, "paper") if dg == "irm" else fedloe.rex_penalty(phi, T, "paper")
         return ((p * R).sum() + pen).item()
     phi = fedloe.solve_phi(T, args)
     assert objective(phi) < objective(torch.full((2,), 0.5, dtype=torch.float64)) - 1e-3
@@ -2010,7 +2033,7 @@ def test_fedloe_stage2_with_uniform_phi_and_no_server_steps_is_the_plain_average
     fed, model = tiny_federation((12, 20)), tiny_model()
     fedloe.split_appendix_d2(fed, 0)
     args = tiny_args(stage2_lr=0.5, stage2_wd=5e-4, stage2_epochs=3, stage2_comms=1, server_steps=0, dg="irm",
-                     dg_lambda=100.0, meta_lr=0.05)
+                     dg_form="feddg", dg_lambda=100.0, meta_lr=0.05)
     heads = []
     for c in fed.clients:                                    # independently: 3 full-batch SGD steps on the head
         W, b = model.classifier.weight.detach().clone(), model.classifier.bias.detach().clone()
@@ -2236,14 +2259,17 @@ LOE_SYNC_CASES = [                 # method, argv, the functions that hold its p
                  id="fedloe-irm-domainbed"),
     pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2", "--R", "2"],
                  LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl"),
+    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--theta", "kept", "--theta-opt", "adam",
+                              "--anneal", "1"], LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl-kept-adam"),
     pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "l2", "--inv", "groupdro",
                               "--opt", "sgd"], LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl-l2-groupdro"),
     pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "ft", "--ft-batch", "256"],
                  LOE_PINV + ["perinvfl.fine_tune"], id="perinvfl-ft"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "tangent"], ["common.local_sgd"],
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "tangent"], ["fedipg.paper_step"],
                  id="fedipg-tangent"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "layers"], ["common.local_sgd"], id="fedipg-layers"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "params"], ["common.local_sgd"], id="fedipg-params"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "layers"], ["fedipg.paper_step"], id="fedipg-layers"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "params"], ["fedipg.paper_step"], id="fedipg-params"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd"], ["common.local_sgd"], id="fedipg-sgd"),
 ]
 
 
@@ -2374,7 +2400,7 @@ def test_fedipg_layer_identity_holds_for_groupnorm_and_batchnorm_models(arch):
 def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path, device):
     argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7", "--device", device]
     a, _ = run(fedavg.main, argv + ["--parallel-clients", "off"], tmp_path, "avg.json")   # one client after another, as FedIPG
-    b, _ = run(fedipg.main, argv + ["--lam", "0", "--exit", "off"], tmp_path, "ipg.json")
+    b, _ = run(fedipg.main, argv + ["--lam", "0", "--exit", "off", "--local-step", "sgd"], tmp_path, "ipg.json")
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
     c, _ = run(fedipg.main, argv + ["--lam", "0.01"], tmp_path, "ipg.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
@@ -2382,7 +2408,7 @@ def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path, device):
 
 def ipg_args(**kw):
     return tiny_args(**dict(dict(lam=0.0, penalty="auto", exit="off", exit_warmup=3, exit_L=0.5, exit_clients=[],
-                                 aberrant=None, aberrant_client=0), **kw))
+                                 aberrant=None, aberrant_client=0, local_step="sgd", warmup="rounds"), **kw))
 
 
 def recording_local_sgd(log):
@@ -2533,7 +2559,8 @@ def test_fedipg_every_in_distribution_client_takes_part_by_default(tmp_path, cap
 @on_every_device
 def test_fedipg_end_to_end_with_exits_and_aberrant_client_resumes(tmp_path, monkeypatch, device):
     argv = QUICK + ["--rounds", "4", "--clients", "6", "--sample", "6", "--test-domain", "2", "--exit", "auto",
-                    "--exit-warmup", "2", "--aberrant", "rotate:180", "--exit-clients", "5", "--device", device]
+                    "--exit-warmup", "2", "--aberrant", "rotate:180", "--exit-clients", "5", "--device", device,
+                    "--local-step", "sgd"]                    # (the warm-up: a pre-training phase before round 1)
     full, _ = run(fedipg.main, argv, tmp_path, "full.json")
     d = full["domains"]["style2"]
     assert d["test_acc"] > 0.6 and d["id_acc"] > 0.6                              # 4 classes: chance 0.25
@@ -2753,7 +2780,7 @@ def test_parallel_clients_auto_is_on_for_cuda_and_the_small_models_only():
     assert not common.parallel(a(device="cpu")) and not common.parallel(a(model="resnet18"))
     assert not common.parallel(a(dataset="pacs", model="convnet")) and not common.parallel(a(parallel_clients="off"))
     assert common.parallel(a(device="cpu", parallel_clients="on"))
-    for method, supported, expected in (("fedavg", True, "on"), ("fediir", False, "off")):
+    for method, supported, expected in (("fedavg", True, "on"), ("perinvfl", False, "off")):
         args = a()
         common.check_parallel(args, method, supported)                 # 'auto' resolved for the record
         assert args.parallel_clients == expected
