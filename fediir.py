@@ -20,7 +20,7 @@ training loop (docs/fediir.md, "Copy it"): the client's classifier_grads (its up
 iir_objective (step 3); the server's gbar_mean, gbar_update (the EMA) and server_update (step 4).
 With --parallel-clients on (auto: on CUDA) step 3 trains the sampled clients at once (common.at_once)
 on iir_objective_at, the same objective written with torch.func (∇_ω R_c a nested torch.func.grad),
-to float tolerance, not bit for bit (test_parallel.py); the g_bar pass stays client by client.
+to float tolerance, not bit for bit (test_methods.py, test_parallel_*); the g_bar pass stays client by client.
 
 Where the paper and the official code differ, the numbers of the paper's tables come from the code,
 so the defaults follow the code (github.com/YamingGuo98/FedIIR, read at commit 3e7a785; the files

@@ -34,7 +34,7 @@ One communication round t (w^t: the global model at its start):
            every committed FedIPG number (docs/fedipg.md, benchmark/results) was measured with it.
          --parallel-clients on (auto: on CUDA where it applies) trains them at once (common.at_once)
            on local_objective_at, f_i with `tangent` and per-example weights, to float tolerance
-           (test_parallel.py): with --local-step sgd, the tangent penalty and every client starting
+           (test_methods.py, test_parallel_*): with --local-step sgd, the tangent penalty and every client starting
            from w^t (no slow or unreliable client); refused otherwise (parallel_reason). The paper's
            step, one full-batch step per client in chunks, stays client by client.
     3. server: w^{t+1} = w^t + η_g Σ_i n_i Δ_i / Σ_i n_i over the arrived i ∈ I_ID           (Eq. 3)

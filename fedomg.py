@@ -60,7 +60,7 @@ Choices, and where they come from:
   `--solver exact`: scipy's SLSQP on the simplex (as CAGrad's repository offers); Eq. 15 is convex.
   Measured against SLSQP (κ = 0.5, Gram matrices of U updates of 500 Gaussian entries, seeds 0–9;
   "correlated": one shared random direction plus 0.8× independent noise, as updates from one
-  model; test_audit_fedomg.py re-measures it), the objective the 21 evaluations reach lies above the
+  model; test_fedomg_solver_accuracy_as_stated re-measures it), the objective the 21 evaluations reach lies above the
   exact minimum by, relative: U = 10, ≤ 1.7e-3 (correlated ≤ 2.2e-3); U = 20, 2.5e-3–1.1e-2
   (3.4e-3–6.0e-3); U = 100, 26–38% (3.5–5.6%). With 201 evaluations (`--solver-evals 201`):
   ≤ 2.7e-4, ≤ 1.6e-3 and 9–13% (correlated ≤ 3.7e-3 at 100). Nearly parallel updates: within 1e-3.
