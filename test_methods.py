@@ -1447,6 +1447,7 @@ def test_waterbird_on_a_fake_tree(tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------- benchmark
 sys.path.insert(0, str(HERE / "benchmark"))
+sys.path.insert(0, str(HERE / "benchmark" / "diagnostics"))
 import report as bench_report  # noqa: E402
 import run as bench_run  # noqa: E402
 
@@ -4093,7 +4094,7 @@ def test_fixed_client_defaults_follow_fedavgs_default_run(tmp_path):
 # so the global invariant model ν is scored there and is the run's test accuracy (`test_model` "nu"),
 # selected on ν's pooled validation accuracy; the personalised θ_i are scored on their own clients'
 # validation splits; the defaults there; the refusal that remains is one line. And the row label of
-# benchmark/rcmnist_ptest.py, which names line 8's reading (issue 28).
+# benchmark/diagnostics/rcmnist_ptest.py, which names line 8's reading (issue 28).
 
 PINV_LODO = ["--dataset", "synthetic", "--test-domain", "1", "--rounds", "3", "--eval-every", "1"]
 
@@ -4183,7 +4184,7 @@ def test_perinvfl_refusal_that_remains_on_lodo_is_one_line(capsys):
 
 
 def test_rcmnist_ptest_rows_name_line_8s_reading():
-    """benchmark/rcmnist_ptest.py's row of a perinvfl run names --theta and --theta-opt, so that runs of
+    """benchmark/diagnostics/rcmnist_ptest.py's row of a perinvfl run names --theta and --theta-opt, so that runs of
     the two readings never merge into one row; runs made before those flags say so."""
     import rcmnist_ptest                                  # (benchmark/ is on the path: test_methods)
     a = {"inv": "irm", "personalize": "dual", "theta": "reset", "theta_opt": "sgd"}

@@ -15,7 +15,7 @@ other cells run through benchmark/run.py (resumable: a complete run is skipped, 
 continued) into benchmark/results/leaderboard/<benchmark>/. A method that refuses a protocol gets
 no cell, and the reason is listed under the table. PerInvFL gives two rows from one run: its
 personalised models and its global invariant model ν ("federated IRM"). The centralised ERM and IRM
-of benchmark/irm_central.py are reference rows on the two RC-MNIST columns.
+of benchmark/diagnostics/irm_central.py are reference rows on the two RC-MNIST columns.
 
 A cell is marked best (bold) only where its mean beats every other federated row's mean in that
 column by more than two seed standard deviations (2 · the larger of the two stds), with at least 2

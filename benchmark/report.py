@@ -295,6 +295,7 @@ def ptest_table(folder, paths, score=True):
     from the ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed); (None, None, None)
     without."""
     if score and paths and all(Path(f).with_suffix(".ckpt").is_file() for f in paths):
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
         import rcmnist_ptest                                  # torch and the data: only when scoring
         try:
             scored = rcmnist_ptest.table(paths)

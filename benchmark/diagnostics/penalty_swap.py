@@ -45,7 +45,7 @@ the g̃ its last round aligned to, 0 at round 0).
 (under a lock on its folder, to the file as it is then), so that two processes with different
 --penalties or --seeds can share one --out.
 `--report FILE`: the markdown table of FILE beside the committed centralised IRM / ERM
-(benchmark/irm_central.py) and ν (perinvfl.py) on the same data.
+(benchmark/diagnostics/irm_central.py) and ν (perinvfl.py) on the same data.
 
 Cost on the CPU (AMD EPYC, one thread, 2026-11-23, full MNIST, a machine shared with other jobs): a
 round takes 1.4 to 2.5 s (none, irm, vrex, fedipg) and 2.7 to 3.4 s (fediir: a pass for g̃ first),

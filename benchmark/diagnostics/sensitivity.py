@@ -3,8 +3,8 @@ move when its initial weights move by a relative amount s? Two CPU runs, the sec
 weight w replaced by w (1 + s z), z standard normal (a fixed draw); prints gpu_check's differences
 (largest relative difference of a round's training loss, largest accuracy difference).
 
-    python benchmark/sensitivity.py                 # s = 2^-22 (about two float32 ulps) and 2^-11
-    python benchmark/sensitivity.py --scale 1e-3
+    python benchmark/diagnostics/sensitivity.py                 # s = 2^-22 (about two float32 ulps) and 2^-11
+    python benchmark/diagnostics/sensitivity.py --scale 1e-3
 
 A GPU's fp32 convolutions are TF32 by default (10-bit mantissa, relative rounding about 2^-11 =
 4.9e-4): a method whose case moves by more than gpu_check's CPU-vs-GPU bound at s = 2^-11 cannot be
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 import common  # noqa: E402
 import gpu_check  # noqa: E402
 

@@ -10,7 +10,7 @@ is re-scored too and must equal the run's own number. Std over seeds with n − 
 
     python fedavg.py --dataset rcmnist --seed 0 --out results/rc/fedavg-s0.json
     python perinvfl.py --dataset rcmnist --seed 0 --out results/rc/perinvfl-dual-s0.json
-    python benchmark/rcmnist_ptest.py results/rc/*.json
+    python benchmark/diagnostics/rcmnist_ptest.py results/rc/*.json
 """
 import json
 import sys
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import data  # noqa: E402
 

@@ -18,10 +18,10 @@ communicating every epoch (the trunk), and at each epoch k of --spawn it branche
 If one-shot averaging fails from θ_0 (random) but matches the trunk from a trained θ_k, the start is
 what Figure 1a's regime needs; the published result behind that reading is that models trained
 apart from one shared start can be averaged only while they stay in one basin (McMahan et al.
-2017, Figure 1, reproduced by benchmark/mcmahan_fig1.py; Frankle et al. 2020). The branch at k = 0
+2017, Figure 1, reproduced by benchmark/diagnostics/mcmahan_fig1.py; Frankle et al. 2020). The branch at k = 0
 is fedloe.py with --stage1-comms 1 --stage1-epochs L bit for bit (tested).
 
-    python benchmark/fedloe_spawn.py --dataset rmnist --clients 20 --data-root data --test-domain 0 \\
+    python benchmark/diagnostics/fedloe_spawn.py --dataset rmnist --clients 20 --data-root data --test-domain 0 \\
         --model smallconv --lr 1e-2 --spawn 0 1 4 16 --spawn-epochs 16 --seed 0 --out results/spawn-seed0.json
 
 --stage1-epochs / --stage1-comms / --stage2-comms are set from --spawn and --spawn-epochs (the trunk
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import fedloe  # noqa: E402
 

@@ -7,12 +7,12 @@ training set of θ w + (1 − θ) w′ for 50 evenly spaced θ in [−0.2, 1.2].
 initialisations the average is far worse than either model (a barrier between them); from one shared
 initialisation it is better than both ("much better than the loss of either parent model"). This
 is the reason FedAvg starts every client from the same model, and the published result behind the
-reading of benchmark/fedloe_spawn.py (when one-shot averaging of clients can work).
+reading of benchmark/diagnostics/fedloe_spawn.py (when one-shot averaging of clients can work).
 
 Not given in the paper, chosen here: PyTorch's default initialisation, inputs scaled to [0, 1],
 a seeded shuffle per pass; the different-initialisation pair draws w′'s weights from seed + 1000.
 
-    python benchmark/mcmahan_fig1.py --data-root data --seeds 0 1 2 --out benchmark/results/mcmahan-fig1/fig1.json
+    python benchmark/diagnostics/mcmahan_fig1.py --data-root data --seeds 0 1 2 --out benchmark/results/mcmahan-fig1/fig1.json
 """
 import sys
 from pathlib import Path
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import data  # noqa: E402
 

@@ -9,8 +9,8 @@ tangent mode's two forward streams alone, and each penalised step; and the size 
 gradient against the risk's is printed. --clock cpu times this process's CPU use instead of the
 wall clock (steadier when other jobs share the CPU).
 
-    python benchmark/fedipg_speed.py                       # 50 clients, 5 sampled
-    python benchmark/fedipg_speed.py --clock cpu --rounds 10
+    python benchmark/diagnostics/fedipg_speed.py                       # 50 clients, 5 sampled
+    python benchmark/diagnostics/fedipg_speed.py --clock cpu --rounds 10
 """
 import statistics
 import sys
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 import fedavg  # noqa: E402
 import fedipg  # noqa: E402
 from speed import alternate, setup  # noqa: E402  (benchmark/speed.py: the shared CLI and timing loop)

@@ -21,8 +21,8 @@ The label law is data.colored's (IRM's: digit < 5, flipped with probability 0.25
 agrees with the label with probability p). The shuffles use torch generators seeded by --seed, not
 IRM's numpy state, so the digits in each environment differ from IRM's run; the law is the same.
 
-    python benchmark/irm_central.py --data-root data --out benchmark/results/irm-central/results.json
-    python benchmark/irm_central.py --data-root data --data colored --methods irm --seeds 0 1 2 --out ...
+    python benchmark/diagnostics/irm_central.py --data-root data --out benchmark/results/irm-central/results.json
+    python benchmark/diagnostics/irm_central.py --data-root data --data colored --methods irm --seeds 0 1 2 --out ...
 """
 import argparse
 import json
@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import data  # noqa: E402
 

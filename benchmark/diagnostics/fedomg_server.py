@@ -5,7 +5,7 @@ Eq. 16) for U = 3, 20 and 100 participating clients.
    FedOMG rounds, the server step timed inside them.
 2. ResNet-18-sized updates (11.2M parameters), simulated with random tensors: the server step alone.
 
-    python benchmark/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] [--rounds 2]
+    python benchmark/diagnostics/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] [--rounds 2]
 """
 import argparse
 import statistics
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import data  # noqa: E402
 import fedomg  # noqa: E402

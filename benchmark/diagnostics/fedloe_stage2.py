@@ -1,6 +1,6 @@
 """FedLOE's stage 2 with each invariance term from one stage-1 run: stage 1 is trained once.
 
-    python benchmark/fedloe_stage2.py results/s1.json --test-domain 0 --stage1-epochs 8 --stage1-comms 2
+    python benchmark/diagnostics/fedloe_stage2.py results/s1.json --test-domain 0 --stage1-epochs 8 --stage1-comms 2
         (then any fedloe flags) runs, for a single held-out domain,
     1. python fedloe.py FLAGS --stage2-comms 0 --out results/s1.json --resume   (stage 1 only, "our FedAvg";
        nothing to do if that run is complete)
@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import common  # noqa: E402
