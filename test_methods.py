@@ -2725,7 +2725,7 @@ def test_fedipg_on_stained_mnist_learns_its_training_combinations(tmp_path):
 
 # ------------------------------------------------------------ the sampled clients at once (torch.func)
 # Parallel and sequential runs of a seed agree to float tolerance, not bit for bit: the batched
-# kernels (grouped convolutions, per-client sums) add in another order. Measured on this CPU with
+# kernels (grouped convolutions, per-client sums) add in another order. Measured on the 2-core CPU with
 # FedOMG's small CNN (relative 2-norm differences; parameters / the update θ_T − θ_0): FedAvg after
 # 2 rounds 2.5e-8 / 4.4e-7, FedOMG after 3 rounds 1.4e-8 / 1.0e-6 (kept momentum 4e-7), FedLOE
 # stage 1 (Adam, lr 1e-3) after 2 2.4e-6 / 7.8e-6. Two things amplify the rounding and are avoided
@@ -5545,3 +5545,33 @@ def test_penalty_swap_bad_input_is_one_line(tmp_path, capsys):
     if not torch.cuda.is_available():
         argv = quick + ["--device", "cuda", "--out", str(tmp_path / "o.json")]
         assert "no CUDA device" in fails(ps.main, argv, capsys)
+
+
+def test_fedavg_docs_loop_runs():
+    """docs/fedavg.md's 'Copy it' loop, run as printed (2 rounds instead of 100) with the copied
+    server_update, on three clients of its own: it gets what the test's own loop gets."""
+    text = (HERE / "docs" / "fedavg.md").read_text()
+    block = text.split("## Copy it")[1].split("```python\n")[1].split("```")[0]
+    assert "range(100)" in block
+    m = copied(fedavg, "server_update")
+    clients = [(x.float() / 255, y) for x, y in three_clients()]
+    ns = {"model": own_model(), "clients": clients, "server_update": m.server_update}
+    torch.manual_seed(5)
+    exec(block.replace("range(100)", "range(2)"), ns)
+    model = own_model()
+    torch.manual_seed(5)
+    theta = flat(model)
+    for t in range(2):
+        thetas = []
+        for x, y in clients:
+            load(model, theta)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+            for idx in torch.randperm(len(y)).split(64):
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            thetas.append(flat(model))
+        theta = m.server_update(theta, thetas, [float(len(y)) for _, y in clients])
+    assert torch.equal(ns["theta"], theta) and torch.equal(flat(ns["model"]), theta)
+    assert not torch.equal(theta, flat(own_model()))
