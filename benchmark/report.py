@@ -943,6 +943,16 @@ def block_leaderboard(where):
             f"({link(RESULTS / 'leaderboard' / 'README.md', where)})."]
 
 
+def block_penalty_swap(where, name="penalty-swap/swap.json"):
+    """Which penalties learn invariance in ν's federated optimisation (diagnostics/penalty_swap.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
+    import contextlib
+    import io
+    import penalty_swap
+    with contextlib.redirect_stdout(io.StringIO()):
+        return penalty_swap.report(RESULTS / name).splitlines()
+
+
 BLOCKS = {  # kind -> (function, takes arguments)
     "folder": lambda where, f: report(RESULTS / f, where, figures=False, score=False)[:-1],
     "speed": lambda where, f: speed_report(RESULTS / f, where, figures=False)[:-1],
@@ -950,7 +960,7 @@ BLOCKS = {  # kind -> (function, takes arguments)
     "exit": block_exit, "fedloe-k1": block_fedloe_k1, "fedloe-dg": block_fedloe_dg, "spawn": block_spawn,
     "fig1": block_fig1, "ptest": block_ptest, "irm-central": block_irm_central, "beta": block_beta,
     "speed-table": block_speed_table, "gpu-check": block_gpu_check, "speed-glance": block_speed_glance,
-    "leaderboard": block_leaderboard,
+    "leaderboard": block_leaderboard, "penalty-swap": block_penalty_swap,
 }
 MARKER = re.compile(r"<!-- report:(\S+) -->\n(.*?)<!-- /report:\1 -->", re.S)
 
