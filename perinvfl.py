@@ -153,6 +153,15 @@ no schedule to scale: the large λ needs Adam) and β = 1 (`LODO_DEFAULTS` below
 
 Communication per round: ν down and Δ_i up (|θ| floats each); θ_i never leaves the client.
 
+--parallel-clients on (auto: on CUDA where it applies) takes line 9 of every sampled client at once
+(common.at_once with `l_inv_at`, IRMv1's dummy-scale derivative a nested torch.func.grad), to float
+tolerance against the clients one after another (test_methods.py, test_parallel_perinvfl_*); line 8
+and the end-of-round check stay client by client. Only with IRMv1, --R 1 and full batch (the
+fixed-client default; `parallel_reason`): with R > 1 line 8 reads every ν_{i,r} between line 9's
+steps, --R epoch draws each step's minibatch afresh (not at_once's passes), and GroupDRO weighs each
+client's risk by its own N q_i. The at-once step draws a permutation per client from the minibatch
+stream, so later draws (IRM-FT's minibatches) differ from the sequential run's.
+
     python perinvfl.py --dataset rcmnist --data-root DIR --p-test 0.1
     python perinvfl.py --dataset rcmnist --data-root DIR --no-rotation
     python perinvfl.py --dataset rcmnist --data-root DIR --no-rotation --theta kept
@@ -249,6 +258,22 @@ def q_update(q, ids, risks, eta_q):
     return q / q.sum()
 
 
+def l_inv_at(lam, weight_decay):
+    """l_inv divided by rescale(lam) (line 9's loss) as common.at_once's objective(model, params, buffers, x,
+    y, w), for --parallel-clients on: R = Σ_j w_j CE_j (w_j = 1/b on a batch's b real examples, 0 on
+    padding), and IRMv1's derivative w.r.t. the dummy scale a nested torch.func.grad, which keeps its graph
+    as irm_penalty's create_graph does (so it runs under torch.func.vmap over the clients)."""
+    def objective(model, params, buffers, x, y, w):
+        logits = torch.func.functional_call(model, (params, buffers), (x,))
+        risk = lambda scale: (F.cross_entropy(logits * scale, y, reduction="none") * w).sum()   # R(w·f)
+        loss = risk(1.0) + weight_decay / 2 * sum(p.pow(2).sum() for p in params.values())
+        if lam is not None:
+            one = torch.ones((), dtype=logits.dtype, device=logits.device)
+            loss = loss + lam * torch.func.grad(risk)(one).pow(2)    # IRMv1: (d/dw R(w·f)|_{w=1})²
+        return loss / rescale(lam)
+    return objective
+
+
 # ------------------------------------------------------------------- the project's plumbing
 
 def penalised(args, lam, erm=False):
@@ -325,6 +350,33 @@ def eq4(net, centre, client, args, lam, ctx):
 
 # ------------------------------------------------------------------------------- Algorithm 1
 
+def parallel_reason(args):
+    """common.check_parallel's `supported`: None where line 9 runs for every sampled client at once
+    (common.at_once, l_inv_at): IRMv1 with R = 1 (rcmnist's and the fixed-client default) at full batch
+    (checked in the round, where the clients' sizes are known). Else why not."""
+    if args.inv != "irm":
+        return "trains its clients one after another under --inv groupdro (its line 9 weighs each risk by N q_i)"
+    if args.R != 1:
+        return ("trains its clients one after another unless --R 1 (line 8 reads every ν_{i,r} between line 9's "
+                "steps, and --R epoch draws each step's minibatch afresh)")
+    return None
+
+
+def line9_at_once(model, nu, clients, args, lam, ctx):
+    """Line 9 (R = 1 full-batch plain step of size γ = --lr on L_INV / rescale) of every client in
+    `clients` at once through common.at_once: {client id: Δ_i = ν_{i,1} − ν^t}. The same step as the
+    sequential one to float tolerance (batched kernels; test_methods.py, test_parallel_perinvfl_*)."""
+    if any(c.n > args.batch_size for c in clients):
+        raise common.UserError("--parallel-clients on: perinvfl takes line 9 at once at full batch only "
+                               f"(--batch-size >= {max(c.n for c in clients)}); use off")
+    plain = lambda params: torch.optim.SGD(params, lr=args.lr)      # γ; IRM's L2 is in the loss
+    full = copy.copy(args)
+    full.batch_size = max(c.n for c in clients)                      # one batch each, padded to the largest
+    done = common.at_once(model, nu, clients, full, ctx, plain, epochs=1,
+                          objective=l_inv_at(penalised(args, lam), args.weight_decay))
+    return {c.id: nu_1 - nu for c, (nu_1, _) in zip(clients, done)}
+
+
 def perinvfl_round(t, model, fed, args, state, ctx):
     nu = common.get_flat(model)                                      # ν^t
     lam = args.lam if t > args.anneal else 1.0                       # IRM's penalty schedule
@@ -333,7 +385,10 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     deltas, risks = [], {}
     if scored(t, args):
         state["eq4"].fill_(float("nan"))                             # (clients left out of the round: nan)
-    for i in common.sample_clients(ctx, N, args.sample):
+    ids = common.sample_clients(ctx, N, args.sample)
+    ahead = line9_at_once(model, nu, [fed.clients[i] for i in ids], args, lam, ctx) \
+        if getattr(args, "parallel_clients", "off") == "on" else {}  # line 9 of every client at once (R = 1)
+    for i in ids:
         client, nq = fed.clients[i], N * state["q"][i]
         model.train()
         theta_net.train()
@@ -352,6 +407,11 @@ def perinvfl_round(t, model, fed, args, state, ctx):
                 loss.backward()
                 opt_th.step()
             x, y = batch(client, args, ctx)                          # line 9: ν_{i,r} − γ ∇L_INV(ν_{i,r}; D_i)
+            if ahead:                                                # (taken at once above; R = 1)
+                with torch.no_grad():
+                    risks[i] = F.cross_entropy(model(x), y)          # R(f_ν^t; D_i), uploaded
+                delta = ahead[i]
+                continue
             loss, risk = inv_loss(model, x, y, args, lam, weight=nq)
             if r == 0:
                 risks[i] = risk.detach()                             # R(f_ν^t; D_i), uploaded
@@ -473,7 +533,7 @@ def check(args):
 
 def main(argv=None):
     return common.main("perinvfl", __doc__, perinvfl_round, argv, add_args, DEFAULTS, init_state,
-                       evaluate, check)
+                       evaluate, check, parallel_clients=parallel_reason)
 
 
 if __name__ == "__main__":

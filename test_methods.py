@@ -1073,7 +1073,7 @@ def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
      "--penalty tangent needs a chain of Conv2d, Linear, ReLU, GroupNorm, MaxPool2d, GlobalMean, Flatten"),
     ("fedipg", QUICK + ["--parallel-clients", "on"], "--parallel-clients on: fedipg trains with --local-step paper one "
                                                      "client after another"),
-    ("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--parallel-clients", "on"],
+    ("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--inv", "groupdro", "--parallel-clients", "on"],
      "--parallel-clients on: perinvfl trains its clients one after another"),
     ("fedomg", ["--dataset", "pacs", "--parallel-clients", "on"], "--parallel-clients on: not for pacs"),
     ("fedavg", ["--parallel-clients", "yes"], "argument --parallel-clients: invalid choice: 'yes'"),
@@ -5575,3 +5575,53 @@ def test_fedavg_docs_loop_runs():
         theta = m.server_update(theta, thetas, [float(len(y)) for _, y in clients])
     assert torch.equal(ns["theta"], theta) and torch.equal(flat(ns["model"]), theta)
     assert not torch.equal(theta, flat(own_model()))
+
+
+# ------------------------------------------- PerInvFL's line 9 at once (--parallel-clients on)
+# Line 9's full-batch step of every sampled client at once through common.at_once with
+# perinvfl.l_inv_at (IRMv1's dummy-scale derivative a nested torch.func.grad); line 8 stays client by
+# client. Measured on the CPU (torch float32): see the tolerances asserted below.
+
+PINV_PAR = ["--R", "1", "--batch-size", "100000", "--lam", "50", "--anneal", "1", "--beta", "0.5", "--S", "2",
+            "--theta", "kept", "--weight-decay", "1e-3"]
+
+
+def test_parallel_perinvfl_line_9_matches_sequential_across_the_lambda_switch(tmp_path, monkeypatch):
+    """3 rounds with λ = 1 in round 1 and λ = 50 (loss divided by 50) after: ν, every θ_i and the uploaded
+    risks agree with the sequential run; the at-once step is not the penalty-free one."""
+    args = method_args(perinvfl, "perinvfl", PINV_PAR, tmp_path)
+    out = both_ways(perinvfl.perinvfl_round, args, 3, monkeypatch, perinvfl.init_state)
+    (seq, nu0, s_state, s_loss, _), (par, _, p_state, p_loss, _) = out["off"], out["on"]
+    assert rel(seq, nu0) > 1e-4 and rel(par, seq) < 1e-6 and rel(par - nu0, seq - nu0) < 1e-4
+    assert all(rel(p, s) < 1e-6 for p, s in zip(p_state["theta"], s_state["theta"]))
+    assert sorted(p_loss) == sorted(s_loss)
+    assert torch.allclose(torch.stack([p_loss[i] for i in s_loss]), torch.stack(list(s_loss.values())), rtol=1e-5)
+    args.lam = 0.0                                                    # the same rounds without IRMv1's term
+    free = both_ways(perinvfl.perinvfl_round, args, 3, monkeypatch, perinvfl.init_state)["off"][0]
+    assert rel(free - nu0, seq - nu0) > 100 * rel(par - nu0, seq - nu0)
+
+
+def test_parallel_perinvfl_run_matches_sequential_and_resumes(tmp_path, monkeypatch):
+    argv = QUICK + ["--clients", "3", "--test-domain", "0", "--R", "1", "--batch-size", "100000",
+                    "--lam", "20", "--anneal", "2"]
+    seq, seq_out = run(perinvfl.main, argv + ["--parallel-clients", "off"], tmp_path, "seq.json")
+    full, full_out = run(perinvfl.main, argv + ["--parallel-clients", "on"], tmp_path, "full.json")
+    assert full["args"]["parallel_clients"] == "on"
+    assert (final_theta(full_out) - final_theta(seq_out)).abs().max() < 1e-5         # ν after 4 rounds
+    loss = lambda r: torch.tensor([row["loss"] for row in r["domains"]["style0"]["history"]])   # uploaded risks
+    assert torch.allclose(loss(full), loss(seq), rtol=1e-5)
+    resumed = interrupted_then_resumed(perinvfl.main, argv + ["--parallel-clients", "on"], str(tmp_path / "cut.json"),
+                                       monkeypatch, lambda blob: blob["round"] == 2)
+    assert strip_times(resumed) == strip_times(full)
+    assert torch.equal(final_theta(str(tmp_path / "cut.json")), final_theta(full_out))
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["--inv", "groupdro", "--R", "1"], "under --inv groupdro"),
+    ([], "unless --R 1"),
+    (["--R", "1", "--batch-size", "8"], "takes line 9 at once at full batch only"),
+])
+def test_parallel_perinvfl_refuses_with_its_reason(argv, reason, capsys):
+    line = fails(perinvfl.main, QUICK + argv + ["--parallel-clients", "on"], capsys)
+    assert line.startswith("perinvfl.py: error: --parallel-clients on: ") and reason in line
+    assert line.endswith("; use off")
