@@ -387,7 +387,7 @@ def perinvfl_round(t, model, fed, args, state, ctx):
         state["eq4"].fill_(float("nan"))                             # (clients left out of the round: nan)
     ids = common.sample_clients(ctx, N, args.sample)
     ahead = line9_at_once(model, nu, [fed.clients[i] for i in ids], args, lam, ctx) \
-        if getattr(args, "parallel_clients", "off") == "on" else {}  # line 9 of every client at once (R = 1)
+        if args.parallel_clients == "on" else {}  # line 9 of every client at once (R = 1)
     for i in ids:
         client, nq = fed.clients[i], N * state["q"][i]
         model.train()

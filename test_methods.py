@@ -1112,7 +1112,7 @@ def test_irm_penalty_and_its_gradient_match_a_hand_computation():
 def pinv_args(**kw):
     a = dict(sample=2, batch_size=100, lr=0.05, momentum=0.0, weight_decay=0.01, global_lr=1.0, inv="irm",
              personalize="dual", beta=0.0, lam=3.0, anneal=0, R=1, S=1, opt="sgd", eta_q=0.5, theta="reset",
-             theta_opt="sgd", eta=None, eval_every=10 ** 6, rounds=10 ** 6)   # (no end-of-round check)
+             theta_opt="sgd", eta=None, eval_every=10 ** 6, rounds=10 ** 6, parallel_clients="off")   # (no end-of-round check)
     a.update(kw)
     return type("Args", (), a)
 
