@@ -5023,6 +5023,23 @@ def test_report_check_names_a_stale_block_and_rewrites_it(tmp_path, monkeypatch,
     assert "without its closing" in str(pytest.raises(SystemExit, bench_report.main, ["--check"]).value)
 
 
+def test_report_ptest_block_names_equal_rows_together(tmp_path, monkeypatch):
+    """block_ptest: a personalised row equal in every cell to a ν row is named with it ("ν = θ_i"),
+    ν rows of runs sharing ν appear once with θ_i's settings dropped from their label, and a row that
+    differs in one cell stays on its own."""
+    monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
+    (tmp_path / "f").mkdir()
+    a, b = "| 11.5 ± 0.2 | 21.2 ± 0.1 | 3 |", "| 10.9 ± 0.2 | 20.7 ± 0.2 | 3 |"
+    (tmp_path / "f" / "ptest.md").write_text("\n".join([
+        "| method | p_test 0.1 | p_test 0.2 | seeds |", "|---|---|---|---|",
+        f"| dual, theta kept, line 8 sgd {b}", f"| dual, theta kept, line 8 sgd (global ν) {a}",
+        f"| dual, theta reset, line 8 sgd {a}", f"| dual, theta reset, line 8 sgd (global ν) {a}",
+        "| other | 11.5 ± 0.2 | 21.3 ± 0.1 | 3 |"]) + "\n")
+    lines = bench_report.block_ptest(tmp_path, "f")
+    labels = [line.split("|")[1].strip() for line in lines[2:]]
+    assert labels == ["dual, theta kept, line 8 sgd", "dual (global ν) = dual, theta reset, line 8 sgd", "other"]
+
+
 def test_verdict_rule_on_made_up_seeds(monkeypatch):
     """The one rule: holds beyond 2·max(std), reversed beyond it the other way, else within 2 std;
     one seed gives no verdict; the paper's own difference is shown beside."""
