@@ -48,8 +48,8 @@ FLAlgorithms/servers/serverbase.py at the start of each round of FLAlgorithms/se
   invariant either: with the plain steps the kept θ_i ends below ν on J_i for 3 of 4 clients and
   still follows the colour (embedded, no rotation, 100 rounds with the switch at round 51: θ_i
   10.7%, ν 42.7%) — see "What Eq. 4 can do with one context". At full scale (no rotation, 500
-  rounds, 3 seeds, CPU, 2026-11-23; docs/perinvfl.md) the kept θ_i ends at 11.1% against ν's 63.4%
-  and above ν on J_i for every client (about 2.0e-5 against 7.5e-6): its plain steps lag ν's server
+  rounds, 3 seeds, CPU, 2026-11-23; docs/perinvfl.md) the kept θ_i ends at 11.0% against ν's 63.4%
+  and above ν on J_i for every client (1.8–2.1e-5 against 7.4–7.7e-6): its plain steps lag ν's server
   Adam while λ = 1, and from the switch on, with the loss divided by λ, they are 91257 times
   smaller, so θ_i stays where round 190 left it.
 The end-of-round check: at every evaluated round each client records J_i(θ_i; ν_{i,R−1}) and
