@@ -17,154 +17,63 @@ Algorithm 1 (one round t; all N clients take part, as in the paper):
         ν_{i,r+1} ← ν_{i,r} − γ ∇L_INV(ν_{i,r}; D_i)                                    (line 9)
     server: ν^{t+1} ← ν^t − α (ν^t − (1/N) Σ_i ν_{i,R})                                   (line 10)
 Line 8 descends J_i(·; ν_{i,r}); line 9 never reads θ_i, so θ_i does not feed back into ν. Every
-client holds one training context (Table 6), so E_train^i = D_i is one environment and each client
-is one environment of the federated IRM. Clients upload Δ_i = ν_{i,R} − ν^t (the same information
-as ν_{i,R}); line 10 is ν^t + α mean_i Δ_i.
-Lines 8 to 10 are plain functions of tensors and modules above the round function, to copy into
-another training loop (docs/perinvfl.md, "Copy it"): the client's objectives `l_inv` (L_INV, with
-IRMv1's `irm_penalty`) and `J_i` (line 8's, Eq. 4), IRM's `rescale`; the server's `server_update`
-(line 10), `server_adam` (line 10 with Adam, the RC-MNIST default) and GroupDRO's `q_update`.
+client holds one training context (Table 6), so E_train^i = D_i and each client is one environment
+of the federated IRM. Clients upload Δ_i = ν_{i,R} − ν^t; line 10 is ν^t + α mean_i Δ_i.
+The plain functions below are lines 8 to 10, to copy into another training loop
+(docs/perinvfl.md, "Copy it"): `l_inv` (L_INV, with IRMv1's `irm_penalty`), `J_i` (Eq. 4), IRM's
+`rescale`; on the server `server_update` (line 10), `server_adam` (line 10 with Adam) and GroupDRO's
+`q_update`.
 
-Which θ_i line 8 starts from (`--theta`). Algorithm 1 initialises θ_i^0 once (line 1) and returns
-θ_i^S (line 11), but its index s restarts at 0 for every (t, r), and Theorem 2(2) bounds
-||θ_i^S(ν_t*) − ν_t*||², S steps from a start that depends on ν, "since the number of local
-iterations S is finite", by the proof of pFedMe's Theorem 2 (T Dinh et al. 2020) — whose code
-copies the global model into the personalised one at every round (CharlieDinh/pFedMe:
-`set_parameters` in FLAlgorithms/users/userbase.py, called for every user by `send_parameters` in
-FLAlgorithms/servers/serverbase.py at the start of each round of FLAlgorithms/servers/serverpFedMe.py
-`train`) and carries it across the round's local iterations (FLAlgorithms/users/userpFedMe.py
-`train`). So:
-- `reset` (default): θ_i ← ν^t at the start of every round, carried through the round's R·S steps
-  of line 8 (pFedMe's code). Then S descent steps from ν^t end at J_i(θ_i; ν^t) ≤ J_i(ν^t; ν^t):
-  θ_i is a (partial) minimiser of Eq. 4 with the current ν, as Theorem 2(2)'s θ_i^S(ν).
-- `kept`: θ_i stays on its client across rounds (Ditto's form, Li et al. 2021). This file's form
-  before (with Adam for line 8) left θ_i at the colour (full RC-MNIST without rotation,
-  docs/perinvfl.md: 11.2% while ν reached 63.8%), and θ_i was no minimiser of Eq. 4: on
-  the final checkpoint of the embedded RC-MNIST without rotation (500 rounds, seed 0, CPU,
-  2026-11-23) J_i was higher at θ_i than at ν for all four clients (4.2–4.9e-6 against 2.9–3.5e-6;
-  every single-environment penalty below 5e-11 at both): an optimisation failure, not Eq. 4's
-  minimum (its Adam moments, grown on the λ = 1 objective, were carried across the switch to
-  λ = 91257, after which they shrink its steps; below). Minimising Eq. 4 does not make θ_i
-  invariant either: with the plain steps the kept θ_i ends below ν on J_i for 3 of 4 clients and
-  still follows the colour (embedded, no rotation, 100 rounds with the switch at round 51: θ_i
-  10.7%, ν 42.7%) — see "What Eq. 4 can do with one context". At full scale (no rotation, 500
-  rounds, 3 seeds, CPU, 2026-11-23; docs/perinvfl.md) the kept θ_i ends at 11.0% against ν's 63.4%
-  and above ν on J_i for every client (1.8–2.1e-5 against 7.4–7.7e-6): its plain steps lag ν's server
-  Adam while λ = 1, and from the switch on, with the loss divided by λ, they are 91257 times
-  smaller, so θ_i stays where round 190 left it.
-The end-of-round check: at every evaluated round each client records J_i(θ_i; ν_{i,R−1}) and
-J_i(ν_{i,R−1}; ν_{i,R−1}) on its whole training split, with the round's λ and IRM's rescaling —
-line 8's last objective (ν_{i,R−1} = ν^t when R = 1) — in the results as `eq4_theta`, `eq4_nu`
-(per client) and `eq4_holds` (the share of clients with J_i(θ_i) ≤ J_i(ν)). Under `reset` with
-R = 1 it holds whenever line 8's steps descend; under `kept` (or R > 1) it is a measurement.
+Where line 8 starts (`--theta`). Algorithm 1's index s restarts at 0 for every (t, r), and Theorem
+2(2) bounds S steps from a start that depends on ν, by the proof of pFedMe's Theorem 2, whose code
+copies the global model into the personalised one at every round (CharlieDinh/pFedMe: `set_parameters`
+in FLAlgorithms/users/userbase.py, called by `send_parameters` at the start of each round of
+FLAlgorithms/servers/serverpFedMe.py). So `reset` (default): θ_i ← ν^t every round, carried through
+the round's R·S steps of line 8; `kept`: θ_i stays on its client across rounds (Ditto's form). At
+every evaluated round each client records line 8's last objective at θ_i and at ν (`eq4_theta`,
+`eq4_nu`) and the share of clients where J_i(θ_i) ≤ J_i(ν) (`eq4_holds`). With one context per
+client Eq. 4 has no invariance of its own (one environment's IRMv1 derivative is ⟨∇_(W,b) R, (W,b)⟩,
+zero wherever the risk is stationary in the head): θ_i keeps ν's invariance only by staying near ν.
 
-What Eq. 4 can do with one context. With a linear head (W, b) on features φ, the dummy scale w
-multiplies W and b, so the single-environment IRMv1 derivative d/dw R(w·f)|_{w=1} is exactly
-⟨∇_{(W,b)} R, (W,b)⟩: zero at every point where the environment's risk is stationary in the head,
-the risk's own minimiser included. With one context per client Eq. 4 has no invariance content of
-its own: its minimiser is, up to the penalty's effect on the optimisation path, IRM-L2's (risk +
-β ||θ_i − ν||²), and θ_i inherits ν's invariance only by staying near ν.
-
-Hyperparameters. The paper gives none. They are not tuned on test accuracy here (on the
-leave-one-domain-out datasets: below); on RC-MNIST / RC-FMNIST they are the IRM paper's published
-ColoredMNIST settings (Arjovsky et al., the law this benchmark uses), mapped onto Algorithm 1 so
+Hyperparameters. The paper gives none; none is tuned on test accuracy. On RC-MNIST / RC-FMNIST they
+are the IRM paper's published ColoredMNIST settings (Arjovsky et al.), mapped onto Algorithm 1 so
 that ν follows centralised IRM step for step:
-- full-batch steps, Adam lr 4.898e-4, L2 1.10794568e-3 on all parameters, λ = 1 for the first 190
-  rounds, then 91257.186 with the whole loss divided by λ (IRM's code); 500 rounds; R = S = 1;
-  IRM's MLP initialisation (Xavier-uniform weights, zero biases: common.build_model).
-- `--opt adam` (rcmnist default) is Algorithm 1 with Adam in place of the plain steps, as IRM's
-  code. ν's Adam runs on the server (FedOpt, Reddi et al. 2021) on the pseudo-gradient
-  −mean_i Δ_i / γ, with lr α·γ; each client takes its R plain steps of line 9 with γ = --lr. With
-  R = 1 the pseudo-gradient is mean_i ∇L_INV(ν^t; D_i), the gradient of IRM's objective (mean over
-  the environments), so ν is centralised full-batch IRM step for step — IRM with this file's
-  two-logit head (a test checks it), not IRM's one-logit code: the loss and penalty are the same
-  functions of the logit difference a − b, but the head's two rows each take an Adam step, so
-  a − b moves up to twice as far per step, and the L2 on (w_a, w_b) is half that on w_a − w_b when
-  w_a = −w_b. Adam moments kept per client and averaged models would not be IRM: they converge to a
-  median-like point, not to argmin Σ_i L_INV.
-  `--opt sgd`: Algorithm 1's plain steps for ν with γ = --lr.
-- Line 8's optimiser (`--theta-opt`) is the paper's: plain gradient steps (with --momentum, 0 on
-  RC-MNIST) of size η = `--eta`: 0.1 on rcmnist / rcfmnist, the full-batch plain step that
-  fedavg.py takes on the same MLP and data (common's RC-MNIST default; the paper gives no η), --lr
-  elsewhere. Not IRM's Adam (`--theta-opt adam`, at --lr: this file's form before): an Adam step
-  moves every parameter by about its lr whatever its gradient, and at IRM's lr that overshoots
-  J_i: on the embedded RC-MNIST without rotation at round 50 (seed 0, CPU, 2026-11-23), one Adam
-  step from ν^t raised J_i of clients 0 and 1 by 1.4e-2 and 2.3e-2 with the client's moments (4.0e-2
-  and 6.0e-2 with fresh ones), where the step at lr 1e-4 lowered it; the end-of-round check failed
-  for every client at rounds 25 and 50 under Adam, held under the plain steps. A plain step of
-  small enough η never raises J_i.
-  Line 8's optimiser state (momentum, Adam's moments) stays on θ_i's client across rounds under
-  either reading, as ν's Adam does on the server, and restarts whenever λ changes: moments grown on
-  the λ = 1 objective, whose risk and pull gradients are λ times larger than after the switch,
-  would shrink the steps for thousands of rounds. With plain steps and momentum 0 there is none.
-- IRM's rescaling divides L_INV by λ once λ > 1. Line 8's objective is Eq. 4 as a whole, divided by
-  λ: J_i = (L_IRM(θ_i) + L2 + β ||θ_i − ν||²) / λ, so that β keeps the paper's balance against the
-  invariance loss at every round (dividing L_IRM alone would make the pull λ·β and pin θ_i to ν).
-  With plain steps that is a step η/λ on the risk, the L2 and the pull and η on the penalty, so
-  after the switch line 8 moves θ_i along the single-environment penalty's gradient only, and
-  under `reset` θ_i stays within a small step of ν^t and scores like ν (embedded RC-MNIST without
-  rotation, 100 rounds with the switch at round 51, seed 0, CPU, 2026-11-23: ||θ_i − ν|| ≈ 0.016
-  against ||ν|| ≈ 20.6, θ_i 42.4% against ν's 42.7%, J_i(θ_i) < J_i(ν) for every client). With
-  the defaults (`reset`, R = S = 1) β has no effect at all: the pull's gradient is zero at
-  θ_i = ν^t (with S > 1 or R > 1 it has).
-- α = 1 (line 10 becomes the plain average, Algorithm 1's mean of ν_{i,R}).
-- β = 1, not tuned: the validation split is drawn like the training context, where the spurious
-  colour is predictive, so it would always pick the model closest to the colour. The paper gives
-  no value. Remark 1 says that fewer training contexts call for a smaller β ("empirically"), but the
-  proof of Theorem 3(2) says the opposite: with too few contexts the minimiser of Eq. 4 relies on
-  the spurious features, and only a β large enough to force θ_i = ν* gives invariance. Every client
-  here holds one context, so the proof argues for a large β (and θ_i → ν as β grows). β = 1 weighs
-  ||θ_i − ν||² like the risk, as Eq. 4 is printed.
-- IRM-FT: 1 epoch in minibatches of 64 (FTFA fine-tunes for a few local epochs), Adam at --lr.
-- GroupDRO: η_q = 0.01 (DomainBed's default); client i's ν-loss is N q_i R_i, so that uniform q is
-  ERM; q is updated from the risks uploaded at the end of a round (the risk of ν^t on D_i), which
-  the next round uses — Sagawa et al.'s update order with one round of lag, needing no extra
-  communication. With one context per client, GroupDRO's local objective for θ_i is its risk.
-- The model: IRM's MLP 392 → 390 → 390 (ReLU) with a linear head to 2 logits and the cross-entropy
-  (IRM: one logit and the binary cross-entropy; CE of logits (a, b) is BCE of a − b, and the dummy
-  scale multiplies both, so the loss and the penalty are the same functions of a − b).
-- Model selection: the last round (common's `--select last` for RC-MNIST): see common.py.
+- full batch, lr 4.898e-4, L2 1.10794568e-3 on all parameters, λ = 1 for 190 rounds, then 91257.186
+  with the whole loss divided by λ (IRM's code; `rescale`); 500 rounds; R = S = 1; α = 1; IRM's MLP
+  392 → 390 → 390 with Xavier-uniform weights and zero biases, two logits and the cross-entropy
+  (IRM: one logit and BCE, the same functions of a − b).
+- `--opt adam` (RC-MNIST): ν's Adam runs on the server (FedOpt, Reddi et al. 2021) on the
+  pseudo-gradient −mean_i Δ_i / γ with lr α·γ; with R = 1 that is the gradient of IRM's objective,
+  so ν is centralised full-batch IRM with this file's two-logit head (tested). `--opt sgd`:
+  Algorithm 1's plain steps.
+- Line 8 (`--theta-opt sgd`): the paper's plain steps of size η = 0.1 on RC-MNIST, the full-batch
+  step fedavg.py takes there (the paper gives no η), --lr elsewhere; `adam` is IRM's Adam at --lr.
+  Its state stays on the client and restarts whenever λ changes. After the switch J_i is divided by
+  λ as a whole, β's term included, so β keeps Eq. 4's balance against the invariance loss.
+- β = 1, not tuned: the validation split is drawn like the training contexts, where the colour is
+  predictive, so it would pick the most colour-dependent model. With `reset` and R = S = 1 β has
+  no effect (the pull's gradient is zero at θ_i = ν^t).
+- GroupDRO: η_q = 0.01 (DomainBed); client i's ν-loss is N q_i R_i, q updated from the risks
+  uploaded at the end of a round (one round of lag, no extra communication).
+- IRM-FT: 1 epoch of ERM in minibatches of 64, fresh Adam at --lr (FTFA fine-tunes a few epochs).
+- Model selection: the last round on RC-MNIST (common's `--select last`).
 
-`--personalize` gives Table 5's ablations: `dual` (Eq. 4, line 8 as above), `l2` (IRM-L2: plain ERM
-+ β ||θ_i − ν_{i,r}||², same `--theta`), `ft` (IRM-FT, local fine-tuning as Cheng et al.'s FTFA:
-θ_i = ν fine-tuned on D_i by `--ft-epochs` epochs of plain ERM in minibatches of `--ft-batch`, with a
-fresh optimiser and no regulariser). θ_i never feeds back into ν, so under `ft` it is computed when
-it is scored (at each evaluation), which gives the numbers that fine-tuning at every round would.
-Evaluation on the fixed-client datasets (rcmnist, rcfmnist, waterbird, the label-skew sets): each
-personalised θ_i on its own test context (per client and pooled, the reported test accuracy,
-`test_model` "theta"), and ν on every client's test context (`global_*` in the results: the "IRM"
-row).
+`--personalize` gives Table 5's ablations: `dual` (Eq. 4), `l2` (IRM-L2: ERM + β ||θ_i − ν_{i,r}||²),
+`ft` (IRM-FT: ν fine-tuned on D_i, computed when scored since θ_i never feeds back into ν).
 
-Leave-one-domain-out datasets (rmnist, synthetic, stained, pacs, vlcs, officehome). Each training
-client is one environment of the federated IRM (a client never mixes domains, except on stained,
-whose clients are samples of the pooled training combinations). The held-out domain has no client,
-so no θ_i can be scored there: the model for an unseen context is the global invariant ν (Eq. 3),
-and the run's test accuracy is ν's on the held-out domain (`test_acc`, equal to `global_test_acc`;
-`test_model` "nu" in the results). Model selection is the project's usual rule applied to ν: the
-round with ν's best accuracy on the pooled validation split of the training clients (`--select
-val`, the default there). Each θ_i is scored on its own client's validation split
-(`personal_val_acc` pooled over the clients, `personal_per_val` per client; a client not sampled
-yet holds θ_i^0 = ν^0). Defaults there (the paper gives none), by this rule: IRM's ColoredMNIST
-recipe does not carry over (full batch is out of reach for the photo datasets' ResNets, and its
-λ = 91257 with the loss divided by λ presumes Adam's scale-free steps: with Algorithm 1's plain
-steps it would shrink the risk's step 91257-fold), so what every method of the project uses on the
-dataset (common.DATASET_DEFAULTS: the model, FedIIR's Table 3 lr and batch size, 100 rounds, one
-local epoch per round, best validation), the local epoch read as Algorithm 1's R (`--R epoch`:
-E·⌈n_i/B⌉ steps of line 9 on client i, E = --local-epochs, each on a random minibatch of B drawn
-like line 8's; 1 at full batch), S = 1, Algorithm 1's plain steps for ν and θ_i (γ = η = --lr,
-momentum 0, α = 1), IRMv1 at λ = 1 from the first round (DomainBed's weight before its warm-up ends;
-no schedule to scale: the large λ needs Adam) and β = 1 (`LODO_DEFAULTS` below).
+Evaluation. Fixed-client datasets (rcmnist, rcfmnist, waterbird, label skew): each θ_i on its own
+test context (`test_acc`, `test_model` "theta"), ν on every client's (`global_*`: the "IRM" row).
+Leave-one-domain-out datasets: the held-out domain has no client, so the test accuracy is ν's
+(`test_model` "nu"), selected on the pooled validation split; each θ_i is scored on its client's
+validation split (`personal_val_acc`). IRM's recipe does not carry over there (full batch, and a λ
+that presumes Adam's steps), so `LODO_DEFAULTS` below: the dataset's common settings, a local epoch
+as R (`--R epoch`), plain steps (γ = η = --lr, momentum 0), λ = 1 from the first round, β = 1.
 
 Communication per round: ν down and Δ_i up (|θ| floats each); θ_i never leaves the client.
-
---parallel-clients on (auto: on CUDA where it applies) takes line 9 of every sampled client at once
-(common.at_once with `l_inv_at`, IRMv1's dummy-scale derivative a nested torch.func.grad), to float
-tolerance against the clients one after another (test_methods.py, test_parallel_perinvfl_*); line 8
-and the end-of-round check stay client by client. Only with IRMv1, --R 1 and full batch (the
-fixed-client default; `parallel_reason`): with R > 1 line 8 reads every ν_{i,r} between line 9's
-steps, --R epoch draws each step's minibatch afresh (not at_once's passes), and GroupDRO weighs each
-client's risk by its own N q_i. The at-once step draws a permutation per client from the minibatch
-stream, so later draws (IRM-FT's minibatches) differ from the sequential run's.
+--parallel-clients (auto on CUDA where it applies: IRMv1, --R 1, full batch; `parallel_reason`) takes
+line 9 of every client at once (common.at_once with `l_inv_at`), to float tolerance against the
+clients one after another; line 8 and the end-of-round check stay client by client.
+Measurements, the readings' consequences and the paper's tables: docs/perinvfl.md.
 
     python perinvfl.py --dataset rcmnist --data-root DIR --p-test 0.1
     python perinvfl.py --dataset rcmnist --data-root DIR --no-rotation
