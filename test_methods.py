@@ -5126,6 +5126,25 @@ def test_leaderboard_runs_the_missing_cells_once_then_writes_the_table(tiny_boar
     assert "refused — a reason" in readme and "reused from `benchmark/results/old/fedavg-seed*.json`" in readme
     acc = [100 * json.loads((board / "syn-0" / f"fediir-seed{s}.json").read_text())["mean_test_acc"] for s in (0, 1)]
     assert f"{sum(acc) / 2:.1f} ±" in rows["fediir"].split(" | ")[1]
+    assert readme.endswith("## Still to run\n\nEvery cell has its seeds.\n")
+
+
+def test_leaderboard_sources_of_a_benchmark_without_arguments_have_no_stray_space(monkeypatch, tmp_path):
+    monkeypatch.setattr(leaderboard, "BENCHMARKS", {"b": ("B", "synthetic", [], "cpu")})
+    monkeypatch.setattr(leaderboard, "ROWS", {"fedavg": ("fedavg", [])})
+    monkeypatch.setattr(leaderboard, "REUSE", {})
+    text = leaderboard.sources(["b"], tmp_path, [0])
+    assert "(`b`): `--dataset synthetic` and" in text
+    assert "`python fedavg.py --dataset synthetic --data-root DIR --seed S` →" in text
+
+
+def test_leaderboard_lists_what_is_still_to_run_with_its_command(tiny_board, tmp_path):
+    leaderboard.main(tiny_board + ["--table-only"])
+    still = (tmp_path / "board" / "README.md").read_text().split("## Still to run\n\n")[1]
+    assert "- **Synthetic, domain 0** (`syn-0`, cpu): fediir — `python benchmark/leaderboard.py --data-root DIR " \
+           "--only syn-0 --jobs 2`" in still
+    assert "(`syn-1`, gpu): fedavg — `python benchmark/leaderboard.py --data-root DIR --only syn-1`" in still
+    assert "`python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --minutes 25`" in still
 
 
 def test_leaderboard_never_marks_a_centralised_reference_row_best(monkeypatch, tmp_path):

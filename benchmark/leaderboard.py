@@ -191,7 +191,7 @@ def sources(benches, out_dir, seeds):
     out = []
     for b in benches:
         _, dataset, args, _ = BENCHMARKS[b]
-        out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`): `--dataset {dataset} {shlex.join(args)}` and each method's "
+        out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`): `{shlex.join(['--dataset', dataset, *args])}` and each method's "
                    f"defaults for {dataset}.")
         for row, (script, extra) in ROWS.items():
             if (b, row) in REFUSED:
@@ -199,8 +199,9 @@ def sources(benches, out_dir, seeds):
             elif (b, row) in REUSE:
                 out.append(f"  - {row}: reused from `benchmark/results/{REUSE[(b, row)]}-seed*.json`")
             else:
-                out.append(f"  - {row}: `python {script}.py --dataset {dataset} {shlex.join(row_args(b, row))} "
-                           f"--data-root DIR --seed S` → `{folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) else folder(b, out_dir)}/{row}-seedS.json`")
+                cmd = shlex.join([f"{script}.py", "--dataset", dataset, *row_args(b, row), "--data-root", "DIR",
+                                  "--seed", "S"])
+                out.append(f"  - {row}: `python {cmd}` → `{folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) else folder(b, out_dir)}/{row}-seedS.json`")
     return "\n".join(out)
 
 
@@ -252,6 +253,23 @@ def figure(c, benches, out_dir):
     plt.close(fig)
 
 
+def still_to_run(benches, out_dir, seeds):
+    """The cells with a seed missing, by benchmark, and the one command that runs them (the GPU ones:
+    gpu_session.py, which runs every missing GPU cell within a borrowed GPU's time)."""
+    todo = missing(benches, out_dir, seeds)
+    if not todo:
+        return "Every cell has its seeds.\n"
+    out = []
+    for b, rows in todo.items():
+        where = BENCHMARKS[b][3]
+        cmd = f"python benchmark/leaderboard.py --data-root DIR --only {b}" + (" --jobs 2" if where == "cpu" else "")
+        out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`, {where}): {', '.join(rows)} — `{cmd}`")
+    if any(BENCHMARKS[b][3] == "gpu" for b in todo):
+        out.append("\nOn a borrowed GPU, every missing GPU cell within its time, resumable: "
+                   "`python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --minutes 25`.")
+    return "\n".join(out) + "\n"
+
+
 def write(benches, a):
     text, c = table(benches, a.out_dir, a.seeds)
     out = Path(a.out_dir)
@@ -260,7 +278,8 @@ def write(benches, a):
         "# Leaderboard\n\nTest accuracy (%), mean ± std over seeds (number of seeds), the paper's number in "
         "brackets where one exists; bold: beats every other row beyond two seed stds. Written by "
         "`python benchmark/leaderboard.py --table-only`.\n\n" + text + "\n\n![leaderboard](leaderboard.svg)\n\n"
-        "## Where each cell comes from\n\n" + sources(benches, a.out_dir, a.seeds) + "\n")
+        "## Where each cell comes from\n\n" + sources(benches, a.out_dir, a.seeds) + "\n\n"
+        "## Still to run\n\n" + still_to_run(benches, a.out_dir, a.seeds))
     if not a.no_figure:
         figure(c, benches, out)
     print(text)
