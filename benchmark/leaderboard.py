@@ -191,6 +191,7 @@ def sources(benches, out_dir, seeds):
     out = []
     for b in benches:
         _, dataset, args, _ = BENCHMARKS[b]
+        shown = folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) else folder(b, out_dir)
         out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`): `{shlex.join(['--dataset', dataset, *args])}` and each method's "
                    f"defaults for {dataset}.")
         for row, (script, extra) in ROWS.items():
@@ -201,7 +202,7 @@ def sources(benches, out_dir, seeds):
             else:
                 cmd = shlex.join([f"{script}.py", "--dataset", dataset, *row_args(b, row), "--data-root", "DIR",
                                   "--seed", "S"])
-                out.append(f"  - {row}: `python {cmd}` → `{folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) else folder(b, out_dir)}/{row}-seedS.json`")
+                out.append(f"  - {row}: `python {cmd}` → `{shown}/{row}-seedS.json`")
     return "\n".join(out)
 
 
