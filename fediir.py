@@ -1,5 +1,6 @@
 """FedIIR — Out-of-Distribution Generalization of Federated Learning via Implicit Invariant
-Relationships (Guo, Guo, Zhang, Wang; ICML 2023). Official code: github.com/YamingGuo98/FedIIR.
+Relationships (Yaming Guo, Kai Guo, Xiaofeng Cao, Tieru Wu, Yi Chang; ICML 2023). Official code:
+github.com/YamingGuo98/FedIIR.
 
 The model is f = w ∘ Φ with θ = (φ, ω): featurizer φ and classifier ω (model.featurizer and
 model.classifier). Clients learn invariant relationships implicitly by aligning the gradient of
