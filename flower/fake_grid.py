@@ -1,0 +1,62 @@
+"""A Grid in one process for tests and timing: no ports, no ray. Every message and every reply goes
+through Flower's own serialisation (the objects a SuperLink stores, deflated to bytes and inflated
+back) on its way to the ClientApp, which runs with a Context per node (its node config and state)."""
+import itertools
+import uuid
+
+from flwr.app import Context, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+from flwr.supercore.task_identity import TaskIdentity
+
+
+def round_trip(rd):
+    """rd as bytes and back: a new RecordDict, nothing shared with rd."""
+    contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(rd).items()}
+    out = inflate_object_from_contents(rd.object_id, contents)
+    assert isinstance(out, RecordDict)
+    return out
+
+
+class FakeGrid(Grid):
+    def __init__(self, client_app, n, run_config=None, node_ids=None):
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.app = client_app
+        ids = node_ids or [1000 + 7 * k for k in range(n)][::-1]      # node ids unrelated to partition ids
+        self.contexts = {nid: Context(1, nid, {"partition-id": p, "num-partitions": n}, RecordDict(), run_config or {})
+                         for p, nid in enumerate(ids)}
+        self.replies, self.sent = {}, itertools.count()
+
+    def set_run(self, run):
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        from flwr.app import Message
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            msg.content = round_trip(msg.content)
+            reply = self.app(msg, self.contexts[msg.metadata.dst_node_id])
+            reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            if reply.has_content():
+                reply.content = round_trip(reply.content)
+            self.replies[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(list(messages)))
