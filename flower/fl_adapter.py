@@ -85,7 +85,7 @@ class Link:
     """The server's side: which node holds which client, and the message round trips of a round."""
 
     def __init__(self, grid, wait=600.0):
-        self.grid, self.wait, self.nodes, self.args, self.method = grid, wait, None, None, None
+        self.grid, self.wait, self.nodes, self.args, self.method, self.out = grid, wait, None, None, None, None
         self.moved = {}        # round -> [bytes down, bytes up]
         self.times = {}        # round -> seconds of messaging and client work
 
@@ -149,7 +149,7 @@ def serve(grid, method, argv, rounds, wait=600.0):
     def flower_run(name, args, round_fn, init_state, evaluate_fn):
         if args.parallel_clients == "on":
             raise common.UserError("--parallel-clients on: on Flower every client trains on its own node; use off")
-        link.args = json.dumps(vars(args))   # as common.run receives them; the nodes resolve the rest alike
+        link.args, link.out = json.dumps(vars(args)), args.out   # as common.run receives them; the nodes resolve the rest alike
         fn = lambda t, model, fed, a, state, ctx: rounds(link, t, model, fed, a, state, ctx)
         return run(name, args, fn, init_state, evaluate_fn)
     common.run = flower_run
@@ -244,7 +244,9 @@ def client_app(handlers):
 
 
 def report(link):
-    """Per-round messaging time and bytes, on the server's stdout."""
+    """Per-round messaging time and bytes: on the server's stdout and in <out>.flower.json."""
+    rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u} for t, (d, u) in link.moved.items()}
+    common.write_json(str(Path(link.out).with_suffix(".flower.json")), {"rounds": rounds})
     for t in sorted(link.moved):
         down, up = link.moved[t]
         print(f"flower: round {t}: {link.times.get(t, 0.0):.2f} s of messages and client work, "

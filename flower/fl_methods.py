@@ -2,6 +2,8 @@
 handlers (HANDLERS: message type -> fn(node, request, context) -> reply). Both call the method
 file's plain functions; the order of the operations is the method file's round's, so the numbers are
 its own bit for bit (flower/test_flower.py). What each message carries: docs/flower.md."""
+import copy
+
 import torch
 
 import common
@@ -10,6 +12,9 @@ from fl_adapter import load_state, save_state
 import fedavg
 import fediir
 import fedomg
+import fedipg
+import fedloe
+import perinvfl
 
 ROUNDS, HANDLERS = {}, {}
 
@@ -105,3 +110,153 @@ def fedomg_train(node, req, context):
 
 
 ROUNDS["fedomg"], HANDLERS["train.fedomg"] = fedomg_round, fedomg_train
+
+
+# ---------------------------------------------------------------------------------------- FedIPG
+# The server keeps I_ID, the contributions and the aberrant client's timing (fedipg.arrivals: which
+# updates arrive this round and from which w^{t−τ_i}); the nodes take Eq. 9's step from the model sent.
+
+def fedipg_round(link, t, model, fed, args, state, ctx):
+    exits = args.exit == "auto"
+    if exits and args.warmup == "pretraining" and t == 1:                  # Algorithm 1 line 1, before t = 1
+        w_1 = common.get_flat(model)
+        for s in range(1, args.exit_warmup + 1):                            # (its messages: group -s)
+            fedipg_one(link, -s, model, fed, args, state, ctx, warmup=True, last=s == args.exit_warmup)
+        common.set_flat(model, w_1)                                         # lines 2-4: w^1 to all
+        state.update(fedipg.aberrant_start(w_1, args))
+    warmup = exits and args.warmup == "rounds" and t <= args.exit_warmup
+    return fedipg_one(link, t, model, fed, args, state, ctx, warmup, last=t == args.exit_warmup)
+
+
+def fedipg_one(link, t, model, fed, args, state, ctx, warmup, last):
+    w_t = common.get_flat(model)
+    ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]  # I_ID
+    C = len(ID) if warmup else min(args.sample, len(ID))
+    S = [ID[k] for k in common.sample_clients(ctx, len(ID), C)]            # step 1
+    arrived = fedipg.arrivals(abs(t), S, w_t, args, state, ctx)            # (i, w^{t−τ_i}, τ_i)
+    up = link.ask(t, "train.fedipg", [(i, {"w": start, "warmup": warmup}) for i, start, _ in arrived], fed, ctx.gen)
+    n = [float(fed.clients[i].n) for i, _, _ in arrived]
+    common.set_flat(model, fedipg.aggregate(w_t, (r["delta"] for r in up), n, args.global_lr))   # Eq. 3
+    if warmup:                                                              # Eq. 13 from the uploaded g_i
+        fedipg.contributions(fed, args, state, [i for i, _, _ in arrived], [r["g"] for r in up],
+                             [tau == 0 for _, _, tau in arrived])
+        if last:
+            fedipg.decide_exits(fed, state)
+    return {i: r["loss"] for (i, _, _), r in zip(arrived, up)} or {ID[0]: torch.zeros((), device=w_t.device)}
+
+
+def fedipg_train(node, req, context):
+    """Step 2 on the client: g_i = ∇R_i(w) in a warm-up round, then the local step on f_i (Eq. 9) from w."""
+    model, start = node.model, req["w"]
+    common.set_flat(model, start)
+    g = fedipg.risk_gradient(model, node.client, node.ctx, node.args.batch_size) if req["warmup"] else None
+    loss = fedipg.local_step(model, node.client, node.args, node.ctx)
+    return {"delta": common.get_flat(model) - start, "loss": loss, "g": g}
+
+
+ROUNDS["fedipg"], HANDLERS["train.fedipg"] = fedipg_round, fedipg_train
+
+
+# ---------------------------------------------------------------------------------------- FedLOE
+# Stage 1: every client's Adam epochs from the broadcast (θ, ψ), averaged (Eq. 4). Stage 2: heads
+# trained on the frozen features go up (Eq. 10), all heads come down with the model, the tuning
+# predictions and labels go up, and the server solves Eq. 11 and ensembles the heads (Eq. 12).
+
+def fedloe_round(link, t, model, fed, args, state, ctx):
+    theta, P = common.get_flat(model), len(fed.clients)
+    if t <= args.stage1_comms:
+        up = link.ask(t, "train.fedloe", [(c, {"theta": theta}) for c in range(P)], fed, ctx.gen)
+        common.set_flat(model, fedloe.average(theta, (r["theta"] for r in up), [c.n for c in fed.clients],
+                                              args.global_lr))                                  # Eq. 4
+    else:
+        up = link.ask(t, "train.fedloe_head", [(c, {"theta": theta}) for c in range(P)], fed, ctx.gen)   # Eq. 10
+        Ws, bs = torch.stack([r["W"] for r in up]).to(theta.device), torch.stack([r["b"] for r in up]).to(theta.device)
+        preds = link.ask(t, "query.fedloe", [(c, {"theta": theta, "Ws": Ws, "bs": bs}) for c in range(P)], fed)
+        T = fedloe.tuning(torch.cat([r["Y"] for r in preds]).to(theta.device),
+                          torch.cat([r["y"] for r in preds]).to(theta.device), [len(r["y"]) for r in preds],
+                          [c.n for c in fed.clients])
+        phi = fedloe.solve_phi(T, args)                                                         # Eq. 11
+        if not bool(torch.isfinite(phi).all()):
+            raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
+                                   f"{fed.name}); lower --dg-lambda or --stage2-lr")
+        W, b = fedloe.ensemble(phi, Ws, bs)                                                     # Eq. 12
+        with torch.no_grad():
+            model.classifier.weight.copy_(W)
+            model.classifier.bias.copy_(b)
+        state["phi"] = phi
+        print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1 / P:.4f})",
+              flush=True)
+    stage = "stage1" if t <= args.stage1_comms else "stage2"
+    state["bytes"][stage] = [a + b for a, b in zip(state["bytes"][stage], reversed(link.moved[t]))]   # measured
+    return {c: r["loss"] for c, r in enumerate(up)}
+
+
+def fedloe_train(node, req, context):
+    adam = lambda params: torch.optim.Adam(params, lr=node.args.lr, weight_decay=node.args.weight_decay)
+    theta_c, loss = next(common.train_clients(node.model, req["theta"], [node.client], node.args, node.ctx, adam))
+    return {"theta": theta_c, "loss": loss}
+
+
+def fedloe_head(node, req, context):
+    """Eq. 10 on the client: its head ψ̂_c from the broadcast ψ on the frozen features g_θ̂(x)."""
+    args, client, head = node.args, node.client, node.model.classifier
+    theta_of(node, req)
+    z = fedloe.features(node.model, client.x, node.ctx)
+    minibatches = common.batches(len(client.y), args.batch_size, args.stage2_epochs // args.stage2_comms, node.ctx)
+    W, b, loss = fedloe.overfit_head(head.weight.detach(), head.bias.detach(), z, client.y, minibatches,
+                                     args.stage2_lr, args.momentum, args.stage2_wd)
+    return {"W": W, "b": b, "loss": loss}
+
+
+def fedloe_predict(node, req, context):
+    """2.2 on the client: every head's predictions on its tuning split, with the labels."""
+    theta_of(node, req)
+    z = fedloe.features(node.model, node.client.tune_x, node.ctx)
+    return {"Y": fedloe.head_predictions(z, req["Ws"], req["bs"]), "y": node.client.tune_y}
+
+
+ROUNDS["fedloe"] = fedloe_round
+HANDLERS.update({"train.fedloe": fedloe_train, "train.fedloe_head": fedloe_head, "query.fedloe": fedloe_predict})
+
+
+# -------------------------------------------------------------------------------------- PerInvFL
+# ν, q and line 10 on the server; θ_i and its optimiser in the node's state (Context.state), where
+# lines 5-9 run (perinvfl.client_update). θ_i goes up with each update only so that the server can
+# score the personalised models as perinvfl.evaluate does; the node trains from its own copy.
+
+def perinvfl_round(link, t, model, fed, args, state, ctx):
+    nu, N = common.get_flat(model), len(fed.clients)
+    lam = args.lam if t > args.anneal else 1.0                               # IRM's penalty schedule
+    if perinvfl.scored(t, args):
+        state["eq4"].fill_(float("nan"))
+    ids = common.sample_clients(ctx, N, args.sample)
+    up = link.ask(t, "train.perinvfl", [(i, {"nu": nu, "lam": lam, "nq": N * state["q"][i],
+                                              "score": perinvfl.scored(t, args)}) for i in ids], fed, ctx.gen)
+    for i, r in zip(ids, up):
+        state["theta"][i] = r["theta"]                                        # (the copy that is scored)
+        if r["checks"] is not None:
+            state["eq4"][0, i], state["eq4"][1, i] = r["checks"]
+    deltas, risks = [r["delta"] for r in up], {i: r["risk"] for i, r in zip(ids, up)}
+    if args.opt == "adam":                                                    # line 10
+        nu_next, state["server_opt"] = perinvfl.server_adam(nu, deltas, args.global_lr, args.lr, state["server_opt"])
+    else:
+        nu_next = perinvfl.server_update(nu, deltas, args.global_lr)
+    common.set_flat(model, nu_next)
+    if args.inv == "groupdro":
+        state["q"] = perinvfl.q_update(state["q"], ids, torch.stack([risks[i] for i in ids]), args.eta_q)
+    return risks
+
+
+def perinvfl_train(node, req, context):
+    args, lam, i = node.args, req["lam"], node.client.id
+    kept = load_state(context, node)                                          # θ_i, its optimiser, its λ
+    theta_net = copy.deepcopy(node.model)                                    # holds θ_i while it works
+    saved = kept.get("opt") if kept.get("lam") == lam else None
+    delta, risk, checks, theta_i, opt = perinvfl.client_update(
+        node.model, theta_net, req["nu"], node.client, args, lam, req["nq"], kept.get("theta", node.init["theta"][i]),
+        saved, node.ctx, None, req["score"])
+    save_state(context, node, {"theta": theta_i, "opt": opt, "lam": lam})
+    return {"delta": delta, "risk": risk, "checks": checks, "theta": theta_i}
+
+
+ROUNDS["perinvfl"], HANDLERS["train.perinvfl"] = perinvfl_round, perinvfl_train

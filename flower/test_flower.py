@@ -59,3 +59,92 @@ def test_flower_equals_the_method_file(method, tmp_path):
         assert torch.equal(v, fl_ckpt["model"][k]), f"{method}: {k} differs"
     assert history(own) == history(fl)
     assert own_ckpt["gen"].equal(fl_ckpt["gen"]) and own_ckpt["sampler"].equal(fl_ckpt["sampler"])
+
+
+# ------------------------------------------------------------------------------- run_local.py
+
+RUN_LOCAL = [sys.executable, str(HERE / "run_local.py")]
+
+
+def flower_processes():
+    """Pids of running SuperLinks, SuperNodes and their Flower children (from /proc, no psutil)."""
+    pids = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = next((l for l in (d / "status").read_text().splitlines() if l.startswith("State:")), "")
+            except OSError:
+                continue
+            if ("flower-super" in cmd or "flwr-serverapp" in cmd or "flwr-clientapp" in cmd) and "zombie" not in state:
+                pids.add(int(d.name))
+    return pids
+
+
+def refused(argv, expect):
+    before = flower_processes()
+    r = subprocess.run(RUN_LOCAL + argv, capture_output=True, text=True, timeout=120, cwd=HERE.parent)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run_local.py: error: ") and expect in lines[0], r.stderr
+    assert flower_processes() <= before          # nothing of this run left running
+
+
+def test_run_local_unknown_method():
+    refused(["--method", "fedsgd"], "unknown method 'fedsgd'")
+
+
+def test_run_local_bad_node_count():
+    refused(["--method", "fedavg", "--nodes", "1"], "--nodes 1 is below the 2 training domains")
+    refused(["--method", "fediir", "--nodes", "500"], "enough for at most 240 clients")
+
+
+def test_run_local_port_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        refused(["--method", "fedavg", "--nodes", "2", "--port", str(port)], f"port {port} on 127.0.0.1 is in use")
+
+
+deploy = pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY") != "1",
+                            reason="real SuperLink + SuperNodes (minutes): set FLOWER_DEPLOY=1")
+
+
+@pytest.mark.slow
+@deploy
+@pytest.mark.parametrize("method", ["fedavg", "fediir"])
+def test_run_local_real_processes(method, tmp_path):
+    """One round on a SuperLink and 2 SuperNodes (127.0.0.1): the global model equals the in-process
+    run's bit for bit, and no process of the deployment is left running."""
+    before = flower_processes()
+    out = tmp_path / "flower.json"
+    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--rounds", "1", "--out", str(out),
+                                    "--timeout", "500"], capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+    assert r.returncode == 0, r.stderr
+    assert f"results: {out}" in r.stdout
+    assert flower_processes() <= before
+    mod = importlib.import_module(method)
+    mod.main(["--dataset", "synthetic", "--clients", "2", "--rounds", "1", "--test-domain", "0", "--seed", "0",
+              "--eval-every", "1", "--out", str(tmp_path / "own.json")])
+    own = torch.load(tmp_path / "own.ckpt", weights_only=True)
+    real = torch.load(tmp_path / "flower.ckpt", weights_only=True)
+    for k, v in own["model"].items():
+        assert torch.equal(v, real["model"][k]), f"{method}: {k} differs"
+    assert history(json.loads(out.read_text())) == history(json.loads((tmp_path / "own.json").read_text()))
+
+
+@pytest.mark.slow
+@deploy
+def test_run_local_ctrl_c_stops_everything(tmp_path):
+    before = flower_processes()
+    p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5", "--out",
+                                      str(tmp_path / "r.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=HERE.parent)
+    assert "SuperLink 127.0.0.1:" in p.stdout.readline()       # the deployment is up
+    time.sleep(3)
+    assert flower_processes() - before                            # ... and running
+    p.send_signal(2)                                              # Ctrl-C
+    assert p.wait(60) == 130
+    assert "interrupted" in p.stderr.read()
+    assert flower_processes() <= before

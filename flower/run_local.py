@@ -1,0 +1,229 @@
+"""Run a method on a real Flower deployment on this machine: a SuperLink and one SuperNode per client, all
+on 127.0.0.1 (free ports), then `flwr run` of the Flower App in flower/. Every process it starts is
+stopped again, by its process group, on success, on failure and on Ctrl-C.
+
+    python flower/run_local.py --method fediir --nodes 3 --rounds 2
+    python flower/run_local.py --method fedomg --nodes 3 --rounds 2 --out results/omg.json -- --kappa 0.3
+
+--nodes is the number of clients (one SuperNode each). The dataset is the synthetic one unless
+--dataset says otherwise (it needs no download; the digits' domains need --nodes >= 5). Flags after
+`--` go to the method as they are (python <method>.py --help).
+"""
+import argparse
+import contextlib
+import io
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+METHODS = ("fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg")
+
+
+class Refused(Exception):
+    """Bad input or a failed start: one line on stderr, exit 2."""
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="run_local.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--nodes", type=int, default=3, help="SuperNodes = clients (default 3)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dataset", default="synthetic")
+    p.add_argument("--test-domain", default="0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results JSON (default results/flower-<method>-<dataset>-seed<seed>.json)")
+    p.add_argument("--port", type=int, default=None, help="the SuperLink's port (default: a free one)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before the run is given up (default 3600)")
+    p.add_argument("rest", nargs="*", help="further flags of the method, after --")
+    args = p.parse_args(argv)
+    args.out = str(Path(args.out or f"results/flower-{args.method}-{args.dataset}-seed{args.seed}.json").resolve())
+    return args
+
+
+def method_argv(a):
+    return ["--dataset", a.dataset, "--clients", str(a.nodes), "--rounds", str(a.rounds), "--test-domain",
+            a.test_domain, "--seed", str(a.seed), "--out", a.out, "--eval-every", "1", *a.rest]
+
+
+def check(a):
+    """Refuse what the run would refuse, before any process starts: the method, the nodes, the flags."""
+    if a.method not in METHODS:
+        raise Refused(f"unknown method {a.method!r}; choose from {', '.join(METHODS)}")
+    if a.nodes < 1:
+        raise Refused(f"--nodes must be positive, got {a.nodes}")
+    sys.path.insert(0, str(ROOT))
+    import importlib
+
+    import common
+    import data
+
+    class Resolved(Exception):
+        pass
+
+    def dry(method, args, *rest):   # common.run up to the split of the first held-out domain
+        ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
+                       p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
+        common.test_domains(args, ds)
+        raise Resolved(args.clients)
+    run, common.run, said = common.run, dry, io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+            importlib.import_module(a.method).main(method_argv(a))
+    except Resolved as r:
+        if r.args[0] != a.nodes:
+            raise Refused(f"--nodes {a.nodes}: the run has {r.args[0]} clients (one SuperNode each)")
+    except SystemExit as e:          # the method's own refusal (one line), said of --nodes where it is --clients
+        line = (said.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1].split("error: ", 1)[-1]
+        raise Refused(line.replace(f"--clients {a.nodes}", f"--nodes {a.nodes}")) from None
+    finally:
+        common.run = run
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class Processes:
+    """The processes this script starts, each the leader of its own process group."""
+
+    def __init__(self, env, logdir):
+        self.env, self.logdir, self.procs = env, logdir, []
+
+    def start(self, name, cmd):
+        log = open(self.logdir / f"{name}.log", "w")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.logdir,
+                             start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self):
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.time() + 10
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, end - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for _, p in self.procs:          # the group too: the SuperNodes' ClientApp and the SuperLink's ServerApp
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+
+
+def wait_port(port, proc, name, seconds=120):
+    end = time.time() + seconds
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise Refused(f"the {name} exited at start (code {proc.returncode})")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise Refused(f"the {name} did not open port {port} in {seconds} s")
+
+
+def deploy(a, port, logdir):
+    home = logdir / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "fedood"\n\n[superlink.fedood]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ else [])),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    bindir = Path(sys.executable).parent
+    procs = Processes(env, logdir)
+    try:
+        link = procs.start("superlink", [str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+                                         "--port", str(port), "--disable-runtime-dependency-installation"])
+        wait_port(port, link, "SuperLink")
+        for i in range(a.nodes):
+            procs.start(f"supernode-{i}", [str(bindir / "flower-supernode"), "--insecure", "--superlink",
+                                           f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(free_port()),
+                                           "--node-config", f"partition-id={i} num-partitions={a.nodes}"])
+        config = f'method="{a.method}" argv={json.dumps(shlex.join(method_argv(a)))}'
+        print(f"SuperLink 127.0.0.1:{port}, {a.nodes} SuperNodes; logs in {logdir}", flush=True)
+        t0 = time.time()
+        run = subprocess.run([str(bindir / "flwr"), "run", str(HERE), "fedood", "--run-config", config, "--stream"],
+                             env=env, cwd=logdir, timeout=a.timeout, capture_output=True, text=True)
+        (logdir / "flwr-run.log").write_text(run.stdout + run.stderr)
+        return run, time.time() - t0
+    finally:
+        procs.stop()
+
+
+def interrupted(*_):
+    raise KeyboardInterrupt
+
+
+def main(argv=None):
+    a = parse(sys.argv[1:] if argv is None else argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):     # as Ctrl-C: unwind through the finally blocks
+        signal.signal(sig, interrupted)
+    try:
+        check(a)
+        port = a.port or free_port()
+        if not port_free(port):
+            raise Refused(f"port {port} on 127.0.0.1 is in use; pick another --port or leave it out")
+        logdir = Path(tempfile.mkdtemp(prefix=f"flower-{a.method}-"))
+        done = Path(a.out)
+        if done.exists():
+            done.unlink()
+        run, seconds = deploy(a, port, logdir)
+    except Refused as e:
+        if str(e):
+            print(f"run_local.py: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("run_local.py: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
+    except subprocess.TimeoutExpired:
+        print(f"run_local.py: error: no result in {a.timeout:.0f} s; stopped (logs: {logdir})", file=sys.stderr)
+        return 1
+    res = json.loads(done.read_text()) if done.exists() else None
+    if res is None or not res.get("complete"):
+        tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
+        print(f"run_local.py: error: the run did not finish ({tail[0]}); logs: {logdir}", file=sys.stderr)
+        return 1
+    for line in (run.stdout + run.stderr).splitlines():
+        if "flower: round" in line or "| val " in line:
+            print(line.split("|", 1)[-1].strip() if "flower: round" in line else line.strip())
+    timing = Path(a.out).with_suffix(".flower.json")
+    if timing.exists():
+        per = json.loads(timing.read_text())["rounds"]
+        for t, r in sorted(per.items(), key=lambda kv: int(kv[0])):
+            if int(t) > 0:
+                print(f"round {t}: {r['seconds']:.1f} s, {r['down'] / 2**20:.3f} MiB down, {r['up'] / 2**20:.3f} MiB up")
+    print(f"{a.rounds} round(s) in {seconds:.1f} s on {a.nodes} SuperNodes (start and stop included)")
+    print(f"results: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
