@@ -290,6 +290,45 @@ def line9_at_once(model, nu, clients, args, lam, ctx):
     return {c.id: nu_1 - nu for c, (nu_1, _) in zip(clients, done)}
 
 
+def client_update(model, theta_net, nu, client, args, lam, nq, theta_i, saved, ctx, ahead=None, score=False):
+    """Lines 5-9 on client i (one sampled client of perinvfl_round): R local steps, each S steps of
+    line 8 on θ_i and one of line 9 on ν_{i,r} (`ahead`: line 9 taken at once beforehand, R = 1).
+    model: works on ν (left holding ν_{i,R−1}); theta_net: on θ_i; nu: ν^t; nq: N q_i (GroupDRO's
+    weight); theta_i: the kept θ_i (unused with --theta reset); saved: its optimiser's state or None.
+    Returns Δ_i = ν_{i,R} − ν^t, R(f_ν^t; D_i) (both uploaded), the end-of-round check (J_i(θ_i),
+    J_i(ν_{i,R−1})) if `score` (else None), θ_i^S and its optimiser's state (both stay on client i)."""
+    model.train()
+    theta_net.train()
+    delta, risk = torch.zeros_like(nu), None                         # ν_{i,r} − ν^t; ν_{i,0} ← ν^t (line 5)
+    common.set_flat(theta_net, nu if args.theta == "reset" else theta_i)   # θ_i^0: ν^t or kept
+    opt_th = line8_opt(theta_net.parameters(), args, saved)
+    for r in range(local_steps(client, args)):
+        nu_ir = nu + delta                                           # ν_{i,r}
+        common.set_flat(model, nu_ir)
+        steps = 0 if args.personalize == "ft" else args.S            # (IRM-FT: θ_i at evaluation)
+        for s in range(steps):                                       # line 8: a step on J_i(θ_i; ν_{i,r})
+            x, y = batch(client, args, ctx)
+            loss = theta_loss(theta_net, nu_ir, x, y, args, lam)
+            opt_th.zero_grad(set_to_none=True)
+            loss.backward()
+            opt_th.step()
+        x, y = batch(client, args, ctx)                              # line 9: ν_{i,r} − γ ∇L_INV(ν_{i,r}; D_i)
+        if ahead is not None:                                        # (taken at once before; R = 1)
+            with torch.no_grad():
+                risk = F.cross_entropy(model(x), y)                  # R(f_ν^t; D_i), uploaded
+            delta = ahead
+            continue
+        loss, r_risk = inv_loss(model, x, y, args, lam, weight=nq)
+        if r == 0:
+            risk = r_risk.detach()                                   # R(f_ν^t; D_i), uploaded
+        grad = torch.autograd.grad(loss / rescale(penalised(args, lam)), list(model.parameters()))
+        delta -= args.lr * torch.cat([g.reshape(-1) for g in grad])  # γ = --lr
+    checks = None
+    if args.personalize != "ft" and score:                           # the check: J_i(θ_i) vs J_i(ν_{i,R−1})
+        checks = (eq4(theta_net, nu_ir, client, args, lam, ctx), eq4(model, nu_ir, client, args, lam, ctx))
+    return delta, risk, checks, common.get_flat(theta_net), opt_th.state_dict()
+
+
 def perinvfl_round(t, model, fed, args, state, ctx):
     nu = common.get_flat(model)                                      # ν^t
     lam = args.lam if t > args.anneal else 1.0                       # IRM's penalty schedule
@@ -302,40 +341,14 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     ahead = line9_at_once(model, nu, [fed.clients[i] for i in ids], args, lam, ctx) \
         if args.parallel_clients == "on" else {}  # line 9 of every client at once (R = 1)
     for i in ids:
-        client, nq = fed.clients[i], N * state["q"][i]
-        model.train()
-        theta_net.train()
-        delta = torch.zeros_like(nu)                                 # ν_{i,r} − ν^t; ν_{i,0} ← ν^t (line 5)
-        common.set_flat(theta_net, nu if args.theta == "reset" else state["theta"][i])   # θ_i^0: ν^t or kept
-        opt_th = line8_opt(theta_net.parameters(), args,             # its state stays on client i across
-                           state["opt_theta"][i] if state["opt_lam"][i] == lam else None)  # rounds; new λ: new
-        for r in range(local_steps(client, args)):
-            nu_ir = nu + delta                                       # ν_{i,r}
-            common.set_flat(model, nu_ir)
-            steps = 0 if args.personalize == "ft" else args.S        # (IRM-FT: θ_i at evaluation)
-            for s in range(steps):                                   # line 8: a step on J_i(θ_i; ν_{i,r})
-                x, y = batch(client, args, ctx)
-                loss = theta_loss(theta_net, nu_ir, x, y, args, lam)
-                opt_th.zero_grad(set_to_none=True)
-                loss.backward()
-                opt_th.step()
-            x, y = batch(client, args, ctx)                          # line 9: ν_{i,r} − γ ∇L_INV(ν_{i,r}; D_i)
-            if ahead:                                                # (taken at once above; R = 1)
-                with torch.no_grad():
-                    risks[i] = F.cross_entropy(model(x), y)          # R(f_ν^t; D_i), uploaded
-                delta = ahead[i]
-                continue
-            loss, risk = inv_loss(model, x, y, args, lam, weight=nq)
-            if r == 0:
-                risks[i] = risk.detach()                             # R(f_ν^t; D_i), uploaded
-            grad = torch.autograd.grad(loss / rescale(penalised(args, lam)), list(model.parameters()))
-            delta -= args.lr * torch.cat([g.reshape(-1) for g in grad])   # γ = --lr
+        saved = state["opt_theta"][i] if state["opt_lam"][i] == lam else None   # θ_i's optimiser; new λ: new
+        delta, risks[i], checks, state["theta"][i], state["opt_theta"][i] = client_update(   # lines 5-9 on client i
+            model, theta_net, nu, fed.clients[i], args, lam, N * state["q"][i], state["theta"][i], saved, ctx,
+            ahead.get(i), scored(t, args))
+        state["opt_lam"][i] = lam
         deltas.append(delta)                                         # Δ_i = ν_{i,R} − ν^t, uploaded
-        if args.personalize != "ft" and scored(t, args):             # the check: J_i(θ_i) vs J_i(ν_{i,R−1})
-            state["eq4"][0, i] = eq4(theta_net, nu_ir, client, args, lam, ctx)
-            state["eq4"][1, i] = eq4(model, nu_ir, client, args, lam, ctx)   # `model` holds ν_{i,R−1}
-        state["theta"][i] = common.get_flat(theta_net)               # θ_i^S, scored; stays on client i
-        state["opt_theta"][i], state["opt_lam"][i] = opt_th.state_dict(), lam
+        if checks is not None:                                       # the check: J_i(θ_i) vs J_i(ν_{i,R−1})
+            state["eq4"][0, i], state["eq4"][1, i] = checks
     if args.opt == "adam":                                           # line 10 with Adam (FedOpt), α·γ
         nu_next, state["server_opt"] = server_adam(nu, deltas, args.global_lr, args.lr, state["server_opt"])
     else:
