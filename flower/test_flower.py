@@ -30,6 +30,14 @@ ARGV = {
     "fedavg": BASE + ["--clients", "3", "--sample", "2"],
     "fediir": BASE + ["--clients", "3", "--sample", "2"],
     "fedomg": BASE + ["--clients", "3", "--sample", "2"],   # momentum 0.9: kept in each node's state
+    # stage 1 (one communication), then two of stage 2: heads, predictions, Eq. 11 on the server
+    "fedloe": ["--dataset", "synthetic", "--test-domain", "0", "--clients", "3", "--stage1-epochs", "1",
+               "--stage1-comms", "1", "--stage2-epochs", "2", "--stage2-comms", "2"],
+    # θ_i kept on its node with its Adam state, GroupDRO's q on the server, R = S = 2
+    "perinvfl": BASE + ["--clients", "3", "--sample", "2", "--inv", "groupdro", "--theta", "kept", "--theta-opt",
+                        "adam", "--R", "2", "--S", "2", "--batch-size", "32"],
+    # the exit rule: a pre-training round with g_i up (Eq. 13), a slow client (stale w^{t-τ})
+    "fedipg": BASE + ["--clients", "3", "--exit", "auto", "--exit-warmup", "1", "--aberrant", "slow:2"],
 }
 
 
@@ -55,10 +63,13 @@ def test_flower_equals_the_method_file(method, tmp_path):
     """torch.equal: the same operations in the same order (the method's client functions on the node,
     its server functions on the server, the minibatch stream handed from node to node)."""
     (own, own_ckpt), (fl, fl_ckpt) = run_both(method, tmp_path)
+    assert own["complete"] and fl["complete"]
     for k, v in own_ckpt["model"].items():
         assert torch.equal(v, fl_ckpt["model"][k]), f"{method}: {k} differs"
     assert history(own) == history(fl)
     assert own_ckpt["gen"].equal(fl_ckpt["gen"]) and own_ckpt["sampler"].equal(fl_ckpt["sampler"])
+    if method == "perinvfl":                   # the personalised models, scored from the nodes' copies
+        assert all(torch.equal(a, b) for a, b in zip(own_ckpt["state"]["theta"], fl_ckpt["state"]["theta"]))
 
 
 # ------------------------------------------------------------------------------- run_local.py
