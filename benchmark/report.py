@@ -32,10 +32,10 @@ only: p_test tables from ptest.md, never from local checkpoints), and redraws th
 `folder:`, `speed:` and `speed-table:` blocks unless --no-figures; --check only compares, names every block that
 would change on stderr and exits 1. A new results folder gets its section in
 benchmark/results/README.md by the two marker lines with NAME = folder:<folder>; BLOCKS lists the
-other kinds. Every verdict follows one rule (verdict(), stated in the README): a claim holds when
-the paper's method differs from its baseline in the paper's direction by more than twice the larger
-of the two seed standard deviations, is reversed when it differs by that much the other way, and is
-"within 2 std" otherwise.
+other kinds. Every verdict follows one rule (RULE below, printed in the README by the `rule` block):
+the measured gain against the paper's own gain and twice the larger seed std. Beside every generated
+table a line names the torch and numpy versions and the device the results behind it were made with
+(their "provenance", written into every results file since 2026-11-24), or says it was not recorded.
 """
 import argparse
 import json
@@ -84,6 +84,7 @@ def load(folder):
         if not r.get("complete", True) or "domains" not in r:
             skipped.append(f.name)
             continue
+        SOURCES.add(f)
         label = f.stem.rsplit("-seed", 1)[0]
         runs.setdefault(label, []).append(r)
         if "global_test_acc" in next(iter(r["domains"].values())):   # PerInvFL's global ν
@@ -94,6 +95,51 @@ def load(folder):
                     row["test_acc"] = row["global_test_acc"]
             runs.setdefault(label + " (global)", []).append(g)
     return runs, skipped
+
+
+SOURCES = set()   # the results files read since the last provenance_line() (behind the table being made)
+BEFORE = "2026-11-24"   # the first day every results file records its provenance
+
+
+def provenance(path):
+    """[(torch, numpy, device, date) or None per run] of one results file: its "provenance" dict (the
+    method scripts' files, and each run of a file that holds several); a file without one but with its
+    own top-level "torch" and "device" (gpu_check.py's) gives those."""
+    try:
+        r = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return [None]
+    if not isinstance(r, dict):
+        return [None]
+    recs = [r.get("provenance")] if "provenance" in r or "runs" not in r else \
+        [x.get("provenance") for x in r["runs"] if isinstance(x, dict)] or [None]
+    if recs == [None] and "torch" in r and "device" in r:
+        recs = [{"torch": r["torch"], "device": r["device"], "date": str(r.get("started", ""))[:10]}]
+    return [(p.get("torch"), p.get("numpy"), p.get("device"), p.get("date")) if isinstance(p, dict) else None
+            for p in recs]
+
+
+def provenance_line(paths=None):
+    """One line: the torch and numpy versions, the device and the dates of the results behind a
+    table (`paths`, default the files read since the last call), or that they were not recorded."""
+    global SOURCES
+    paths, SOURCES = sorted(set(SOURCES if paths is None else paths)), set()
+    recs = [p for f in paths for p in provenance(f)]
+    known, missing = {}, sum(p is None for p in recs)
+    for tv, nv, dev, date in (p for p in recs if p):
+        known.setdefault((tv, nv, dev), []).append(date or "")
+    parts = []
+    for (tv, nv, dev), dates in sorted(known.items(), key=lambda kv: str(kv[0])):
+        ds = sorted(d for d in dates if d)
+        when = (ds[0] if ds[0] == ds[-1] else f"{ds[0]} to {ds[-1]}") if ds else "undated"
+        parts.append(", ".join(x for x in (tv and f"torch {tv}", nv and f"numpy {nv}", dev) if x)
+                     + f" ({len(dates)} run{'s' * (len(dates) > 1)}, {when})")
+    if missing:
+        runs = f"{missing} run{'s' * (missing > 1)}"
+        were = "were" if missing > 1 else "was"
+        parts.append(f"not recorded for the other {runs} (made before {BEFORE})" if known else
+                     f"not recorded (the {runs} behind this table {were} made before {BEFORE})")
+    return "Provenance: " + "; ".join(parts) + "." if parts else ""
 
 
 def mean_std(xs):
@@ -421,6 +467,7 @@ def report(folder, where=".", figures=True, score=True):
         lines += ["", f"More from these runs: [{md.name}]({os.path.relpath(md, where)})."]
     if skipped:
         lines += ["", f"Left out (incomplete or unreadable): {', '.join(skipped)}."]
+    lines += ["", provenance_line([f for f in sorted(Path(folder).glob("*.json")) if f.name not in skipped])]
     return lines + [""]
 
 
@@ -433,6 +480,7 @@ def speed_report(path, where=".", figures=True):
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
         sys.exit(f"report.py: error: {path} is not a speed.py --json file ({e.__class__.__name__}: {e})")
     stem = Path(path).with_suffix("")
+    SOURCES.add(Path(path))
     if figures:
         save(speed_figure(speed), stem)
     return ["## speed", "", f"`benchmark/speed.py`: {speed['setting']}.", "",
@@ -440,7 +488,7 @@ def speed_report(path, where=".", figures=True):
             *[f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |" for k, v in med.items()], "",
             f"![seconds per round]({os.path.relpath(f'{stem}.svg', where)})", "",
             f"Bars: the median over the timed rounds; whiskers: the fastest and the slowest round "
-            f"([PNG]({os.path.relpath(f'{stem}.png', where)})).", ""]
+            f"([PNG]({os.path.relpath(f'{stem}.png', where)})).", "", provenance_line(), ""]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -472,55 +520,59 @@ class Claim:
     base_folder: str = ""
     scale: str = ""            # empty: the paper's scale; else why not
     metric: str = "acc"        # acc: test accuracy (%); loss: McMahan et al.'s Figure 1 (fig1.json)
+    short: str = ""            # the claim in a few words, for the README's methods table
 
 
 NOT_PAPER_SCALE = "full RotatedMNIST, narrow ConvNet (the paper: PACS, ResNet-50)"
 CLAIMS = [
     Claim("fedavg", "Fig. 1", "averaging two models trained apart from one shared initialisation: loss below the "
           "better parent's", "mcmahan-fig1", "shared:average", "shared:parent", "below both parents", sign=-1,
-          metric="loss"),
+          metric="loss", short="shared initialisation"),
     Claim("fedavg", "Fig. 1", "... from two different initialisations: loss above the better parent's",
-          "mcmahan-fig1", "different:average", "different:parent", "far above", metric="loss"),
+          "mcmahan-fig1", "different:average", "different:parent", "far above", metric="loss",
+          short="different initialisations"),
     Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 0° held out", "rmnist50-full-0",
-          "fediir", "fedavg", "84.0 / 77.9"),
+          "fediir", "fedavg", "84.0 / 77.9", short="0° held out"),
     Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 75° held out", "rmnist50-full-75",
-          "fediir", "fedavg", "84.5 / 81.2"),
+          "fediir", "fedavg", "84.5 / 81.2", short="75° held out"),
     Claim("fedomg", "Table 1", "FedOMG above FedAvg, MNIST, Dirichlet α = 0.5 (200 of 800 rounds)",
-          "mnist-fl-full-alpha0.5", "fedomg", "fedavg", "98.58 / 91.47"),
+          "mnist-fl-full-alpha0.5", "fedomg", "fedavg", "98.58 / 91.47", short="α 0.5"),
     Claim("fedomg", "Table 1", "FedOMG above FedAvg, MNIST, Dirichlet α = 0.1 (200 of 800 rounds)",
-          "mnist-fl-full-alpha0.1", "fedomg", "fedavg", "98.75 / 93.77"),
+          "mnist-fl-full-alpha0.1", "fedomg", "fedavg", "98.75 / 93.77", short="α 0.1"),
     Claim("fedloe", "Fig. 1a", "few communications beat many: K1 = 4 above every-epoch averaging (K1 = 64)",
-          "fedloe-fig1a-smallconv", "k4", "k64", "best at K1 = 4", scale=NOT_PAPER_SCALE),
+          "fedloe-fig1a-smallconv", "k4", "k64", "best at K1 = 4", scale=NOT_PAPER_SCALE, short="K1 4 vs 64"),
     Claim("fedloe", "Table 2", "FedLOE-Fish above its own stage 1 (\"our FedAvg\"), 0° held out",
-          "fedloe-dg-smallconv", "fish", "stage1", "86.60 / 85.98 (PACS)", scale=NOT_PAPER_SCALE),
+          "fedloe-dg-smallconv", "fish", "stage1", "86.60 / 85.98 (PACS)", scale=NOT_PAPER_SCALE,
+          short="Fish vs stage 1"),
     Claim("perinvfl", "Table 2", "PerInvFL above FedAvg, RC-MNIST, p_test 0.1", "rcmnist-full-reset",
-          "perinvfl", "fedavg", "53.46 / 20.77", base_folder="rcmnist-full"),
+          "perinvfl", "fedavg", "53.46 / 20.77", base_folder="rcmnist-full", short="over FedAvg"),
     Claim("perinvfl", "Table 2", "PerInvFL above IRM (its global ν), RC-MNIST, p_test 0.1", "rcmnist-full-reset",
-          "perinvfl", "perinvfl (global)", "53.46 / 51.48"),
+          "perinvfl", "perinvfl (global)", "53.46 / 51.48", short="over IRM (ν)"),
     Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 0° held out", "rmnist50-full-0",
-          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)"),
+          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)", short="0° held out"),
     Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 75° held out", "rmnist50-full-75",
-          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)"),
+          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)", short="75° held out"),
     Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, foreground", "stained-vic-fg",
-          "fedipg", "fedavg", "63.99 / 45.73"),
+          "fedipg", "fedavg", "63.99 / 45.73", short="foreground"),
     Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, background", "stained-vic-bg",
-          "fedipg", "fedavg", "62.77 / 49.71"),
+          "fedipg", "fedavg", "62.77 / 49.71", short="background"),
     Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, both", "stained-vic-both",
-          "fedipg", "fedavg", "62.08 / 52.78"),
+          "fedipg", "fedavg", "62.08 / 52.78", short="both"),
     Claim("fedipg", "Fig. 3", "a client turned to 180° harms: 75° accuracy with it excluded above kept",
-          "fedipg-exit-full", "exit-hand", "kept", "up to 20 points"),
+          "fedipg-exit-full", "exit-hand", "kept", "up to 20 points", short="180° client"),
     Claim("fedipg", "Fig. 3", "a slow:3 client harms: excluded above kept", "fedipg-exit-slow-full",
-          "exit-hand", "kept", "up to 35 points"),
+          "exit-hand", "kept", "up to 35 points", short="slow:3 client"),
     # excluded by hand the aberrant client never takes part, so the unreliable and the slow exit-hand runs
     # are one run (seed 0's two agree bit for bit; seed 1 ran once, in the slow folder): both seeds from there
     Claim("fedipg", "Fig. 3", "an unreliable:0.5 client harms: excluded (the slow folder's exit-hand runs) above kept",
-          "fedipg-exit-slow-full", "exit-hand", "kept", "up to 20 points", base_folder="fedipg-exit-unreliable-full"),
+          "fedipg-exit-slow-full", "exit-hand", "kept", "up to 20 points", base_folder="fedipg-exit-unreliable-full",
+          short="unreliable:0.5 client"),
     Claim("fedipg", "Sec. IV", "the exit strategy (Eq. 13) helps: 180° client, --exit auto above kept",
-          "fedipg-exit-full", "exit-auto", "kept", "exit above kept"),
+          "fedipg-exit-full", "exit-auto", "kept", "exit above kept", short="180° client"),
     Claim("fedipg", "Sec. IV", "... slow:3 client, --exit auto above kept", "fedipg-exit-slow-full",
-          "exit-auto", "kept", "exit above kept"),
+          "exit-auto", "kept", "exit above kept", short="slow:3 client"),
     Claim("fedipg", "Sec. IV", "... unreliable:0.5 client, --exit auto above kept", "fedipg-exit-unreliable-full",
-          "exit-auto", "kept", "exit above kept"),
+          "exit-auto", "kept", "exit above kept", short="unreliable:0.5 client"),
 ]
 METHODS = [  # file, method, paper
     ("fedavg.py", "FedAvg", "McMahan et al., *Communication-Efficient Learning of Deep Networks from "
@@ -541,9 +593,13 @@ _loaded = {}
 
 def committed(folder):
     """load() of a committed results folder, once per process."""
+    global SOURCES
     if folder not in _loaded:
-        _loaded[folder] = load(RESULTS / folder)[0]
-    return _loaded[folder]
+        before, SOURCES = SOURCES, set()
+        _loaded[folder] = load(RESULTS / folder)[0], SOURCES
+        SOURCES = before
+    SOURCES |= _loaded[folder][1]
+    return _loaded[folder][0]
 
 
 def seed_values(folder, label, metric="acc"):
@@ -553,6 +609,7 @@ def seed_values(folder, label, metric="acc"):
     if metric == "loss":
         init, what = label.split(":")
         runs = json.loads((RESULTS / folder / "fig1.json").read_text())["runs"]
+        SOURCES.add(RESULTS / folder / "fig1.json")
         out = []
         for r in runs:
             if r["init"] == init:
@@ -588,28 +645,53 @@ def devices(*runs):
     return f"{n}: " + ", ".join(f"{s} {'/'.join(sorted(d))}" for s, d in sorted(by_seed.items()))
 
 
+RULE = ("With d the gain measured here (the paper's method minus its baseline, means over seeds, signed so "
+        "that the paper's direction is positive), s = 2·max(s_m, s_b) with s_m, s_b their seed stds (n − 1), "
+        "and D the paper's own gain: *reproduced* when d > s and d ≥ D/2; *smaller* when d > s but "
+        "d < D/2; *not reproduced* when |d| ≤ s; *reversed* when d < −s. Where the paper prints no gain (a "
+        "figure's shape or largest gap, e.g. \"up to 20 points\") only the direction counts: *direction holds* "
+        "when d > s (shown as \"direction only\"). Each verdict shows d, D and s, e.g. \"smaller: +1.4 vs +32.7 "
+        "(2 std 0.3)\"; fewer than two seeds on a side: *one seed*, no verdict.")
+WORDS = ("reproduced", "smaller", "direction holds", "not reproduced", "reversed", "one seed")
+
+
+def published_gain(c):
+    """D: the paper's own gain in its direction, where it prints both numbers ("84.0 / 77.9"); else None."""
+    try:
+        pm, pb = (float(x.split()[0]) for x in c.published.split(" / "))
+    except ValueError:
+        return None
+    return c.sign * (pm - pb)
+
+
 def verdict(c):
-    """The one rule for every verdict: with m ± s_m the paper's method and b ± s_b the baseline here
-    (mean ± std over seeds, n − 1) and d = sign · (m − b), the difference in the paper's direction:
-    "holds" when d > 2·max(s_m, s_b), "reversed" when d < −2·max(s_m, s_b), else "within 2 std" (the
-    paper's difference does not appear beyond the seed spread); fewer than two seeds on either side:
-    "one seed". Returns (word, text, method values, baseline values)."""
+    """The one rule for every verdict (RULE): with m ± s_m the paper's method and b ± s_b the baseline
+    here (mean ± std over seeds, n − 1), d = sign · (m − b) the gain in the paper's direction,
+    s = 2·max(s_m, s_b) and D the paper's own gain (None where it prints none): "reproduced" when d > s
+    and d ≥ D/2, "smaller" when d > s and d < D/2, "direction holds" when d > s and D is None, "not
+    reproduced" when |d| ≤ s, "reversed" when d < −s; fewer than two seeds on either side: "one seed".
+    Returns (word, text, method values, baseline values); the text is e.g. "smaller: +1.4 vs +32.7
+    (2 std 0.3)"."""
     mv, bv = seed_values(c.folder, c.method, c.metric), seed_values(c.base_folder or c.folder, c.base, c.metric)
     if not mv or not bv:
         sys.exit(f"report.py: error: no committed runs '{c.method}' / '{c.base}' in benchmark/results/{c.folder}")
     m, b = np.mean([v for _, v, _ in mv]), np.mean([v for _, v, _ in bv])
     if len(mv) < 2 or len(bv) < 2:
         return "one seed", "one seed: no verdict", mv, bv
-    bound = 2 * max(np.std([v for _, v, _ in mv], ddof=1), np.std([v for _, v, _ in bv], ddof=1))
-    d = c.sign * (m - b)
-    word = "holds" if d > bound else "reversed" if d < -bound else "within 2 std"
+    s = 2 * max(np.std([v for _, v, _ in mv], ddof=1), np.std([v for _, v, _ in bv], ddof=1))
+    d, D = c.sign * (m - b), published_gain(c)
+    if d < -s:
+        word = "reversed"
+    elif d <= s:
+        word = "not reproduced"
+    elif D is None:
+        word = "direction holds"
+    else:
+        word = "reproduced" if d >= D / 2 else "smaller"
     signed = lambda x: f"{'+' if x >= 0 else '−'}{fmt(abs(x), c.metric)}"
-    try:                                                     # the paper's own difference, where it prints two numbers
-        pm, pb = (float(x.split()[0]) for x in c.published.split(" / "))
-        paper = f"; paper {signed(c.sign * (pm - pb))}"
-    except ValueError:
-        paper = ""
-    return word, f"{word} ({signed(d)}; 2 std {fmt(bound, c.metric)}{paper})", mv, bv
+    paper = f" vs {signed(D)} (2 std {fmt(s, c.metric)})" if D is not None else \
+        f" (2 std {fmt(s, c.metric)}; direction only)"
+    return word, f"{word}: {signed(d)}{paper}", mv, bv
 
 
 def link(target, where):
@@ -630,27 +712,56 @@ def block_glance(where):
 
 
 def summary(paper):
-    """'group: verdicts' for one paper's claims, e.g. 'Table 8: within 2 std ×2'."""
-    out = {}
-    for c in CLAIMS:
-        if c.paper == paper:
-            out.setdefault(c.group, []).append(verdict(c)[0])
-    parts = []
-    for g, words in out.items():
-        counts = {w: words.count(w) for w in dict.fromkeys(words)}
-        parts.append(f"{g}: " + ", ".join(w + (f" ×{n}" if n > 1 else "") for w, n in counts.items()))
+    """Every verdict of one paper's claims with its numbers, one line each, e.g. 'Table 8, 0° held out —
+    not reproduced: −0.5 vs +6.1 (2 std 7.8)'."""
+    parts = [f"{c.group}, {c.short} — {verdict(c)[1]}" for c in CLAIMS if c.paper == paper]
     scale = next((c.scale for c in CLAIMS if c.paper == paper and c.scale), "")
-    return ("not at the paper's scale; " if scale else "") + "; ".join(parts)
+    return ("not at the paper's scale:<br>" if scale else "") + "<br>".join(parts)
 
 
 def block_methods(where):
-    """README: the methods table, each paper's verdicts counted by the rule."""
-    lines = ["| file | method and paper | verdict at the paper's scale (the rule: Results at a glance) | page |",
-             "|---|---|---|---|"]
+    """README: the methods table, each claim's verdict by the rule, with its measured and published gain."""
+    lines = ["| file | method and paper | verdict at the paper's scale: measured vs published gain (the rule: Results "
+             "at a glance) | page |", "|---|---|---|---|"]
     for f, name, paper in METHODS:
         page = link(ROOT / "docs" / f.replace(".py", ".md"), where)
         lines.append(f"| [`{f}`]({link(ROOT / f, where)}) | {name}: {paper} | {summary(f[:-3])} | [{name}]({page}) |")
     return lines
+
+
+QUICKLOOK = "quicklook"   # OMP_NUM_THREADS=1 python fedavg.py --rounds 20 --test-domain 0: its run and time.txt
+# The same command on another CPU, by hand (not committed): the numbers move with the processor.
+QUICKLOOK_ELSEWHERE = ("an Intel Xeon", 0.7542, 0.4077)      # (CPU, validation, test accuracy)
+
+
+def block_quicklook(where, folder=QUICKLOOK):
+    """README: what the quick look ends at and how long it took, from its committed run and time.txt
+    beside it: the command's conditions written before the run ("torch X, numpy Y, python Z",
+    "date: D", lscpu's "Model name:" line, optionally "load: ..." when the machine was not idle) and /usr/bin/time's line ("<user>user <system>system
+    <m:ss.cc>elapsed ..."). Its provenance line: the run's own, else time.txt's."""
+    f, tf = RESULTS / folder / "fedavg-rmnist-seed0.json", RESULTS / folder / "time.txt"
+    r, txt = json.loads(f.read_text()), tf.read_text()
+    (dom, d), = r["domains"].items()
+    find = lambda pattern: (m := re.search(pattern, txt)) and m[1].strip()
+    p = r.get("provenance") or {"torch": find(r"torch ([^,\s]+)"), "numpy": find(r"numpy ([^,\s]+)"),
+                                "device": find(r"Model name:(.+)"), "date": find(r"date: (\S+)")}
+    tm = re.search(r"([\d.]+)user ([\d.]+)system (?:(\d+):)?(\d+):([\d.]+)elapsed", txt)
+    user, system = float(tm[1]), float(tm[2])
+    wall = 3600 * int(tm[3] or 0) + 60 * int(tm[4]) + float(tm[5])
+    cpu, val, test = QUICKLOOK_ELSEWHERE
+    load = find(r"load: ([^(\n]+)")                        # e.g. "the machine shared with other jobs"
+    where_from = "the run" if r.get("provenance") else "time.txt"
+    return [f"It ends at test accuracy {d['test_acc']:.3f} on the held-out {dom}° domain, validation "
+            f"{d['val_acc']:.3f} (round {d['best_round']}, the best validation; seed {r['seed']}). The committed run "
+            f"([{f.parent.name}/]({link(f.parent, where)}/)), one thread of an {p['device']}: {user + system:.0f} s "
+            f"of CPU time ({user:.0f} s user, {system:.0f} s system), {wall / 60:.1f} minutes of wall clock{f' ({load.strip()})' if load else ''}. The same "
+            f"command on {cpu}: validation {val:.3f}, test {test:.3f}.", "",
+            f"Provenance: torch {p['torch']}, numpy {p['numpy']}, {p['device']} ({where_from}, {p['date']})."]
+
+
+def block_rule(where):
+    """README: the verdict rule, as verdict() applies it."""
+    return textwrap.wrap(f"**The rule**: {RULE[0].lower()}{RULE[1:]}", 100, break_on_hyphens=False)
 
 
 def block_claims(where, paper):
@@ -785,6 +896,7 @@ def block_fedloe_dg(where, folder):
 def block_spawn(where, folder):
     """fedloe_spawn.py: branches after k epochs of every-epoch averaging; each cell held-out (in-domain)."""
     runs = [json.loads(f.read_text()) for f in sorted((RESULTS / folder).glob("seed*.json"))]
+    SOURCES.update((RESULTS / folder).glob("seed*.json"))
     hist = [next(iter(r["domains"].values()))["history"] for r in runs]
     at = lambda h, t: next(x for x in h if x["round"] == t)
     pair = lambda xs, ys: f"{ms([(0, 100 * x, '') for x in xs])} ({ms([(0, 100 * y, '') for y in ys])})"
@@ -807,6 +919,7 @@ def block_spawn(where, folder):
 def block_fig1(where, folder="mcmahan-fig1"):
     """McMahan et al.'s Figure 1: the better parent and the average at θ = ½, loss (accuracy)."""
     runs = json.loads((RESULTS / folder / "fig1.json").read_text())["runs"]
+    SOURCES.add(RESULTS / folder / "fig1.json")
     lines = ["| initialisation | better parent: lower loss (higher accuracy %) | average, θ = ½: loss (accuracy %) | "
              "average / better parent, per seed |", "|---|---|---|---|"]
     for init in ("different", "shared"):
@@ -838,6 +951,7 @@ def block_ptest(where, folder, central="", paper=""):
     (p_test 0.1 and the mean)."""
     rows = [[c.strip() for c in line.strip().strip("|").split("|")]
             for line in (RESULTS / folder / "ptest.md").read_text().splitlines() if line.startswith("|")]
+    SOURCES.update((RESULTS / folder).glob("*.json"))           # the runs that ptest.md scored
     head, body, seen = rows[0], [], {}
     for r in rows[2:]:
         if "(global ν)" in r[0]:       # ν does not depend on how θ_i is trained: drop θ_i's settings
@@ -851,6 +965,7 @@ def block_ptest(where, folder, central="", paper=""):
     if central:
         rs = [r for r in json.loads((RESULTS / "irm-central" / f"{central}.json").read_text())["runs"]
               if r["method"] == "irm"]
+        SOURCES.add(RESULTS / "irm-central" / f"{central}.json")
         cells = list(blank)
         cells[0] = ms([(0, 100 * r["test_acc"], "") for r in rs])
         cells[-2], cells[-1] = ms([(0, 100 * r["train_acc"], "") for r in rs]), len(rs)
@@ -869,6 +984,7 @@ def block_irm_central(where):
     published = {("colored", "irm"): "70.8 / 66.9", ("colored", "erm"): "— / 17.1"}
     for f in sorted((RESULTS / "irm-central").glob("*.json")):
         runs = json.loads(f.read_text())["runs"]
+        SOURCES.add(f)
         for m in sorted({r["method"] for r in runs}):
             rs = [r for r in runs if r["method"] == m]
             lines.append(f"| {f.stem} | {m} | {ms([(0, 100 * r['train_acc'], '') for r in rs])} | "
@@ -883,6 +999,7 @@ def block_beta(where, folder):
     rows = []
     for f in (RESULTS / folder).glob("*.json"):
         r = json.loads(f.read_text())
+        SOURCES.add(f)
         d = next(iter(r["domains"].values()))
         rows.append((r["args"]["beta"], 100 * d["test_acc"], 100 * d["global_test_acc"], r["seed"]))
     for beta, t, g, seed in sorted(rows):
@@ -897,6 +1014,7 @@ def block_speed_table(where, path):
 
 def gpu_rows():
     g = json.loads((RESULTS / "gpu" / "gpu_check.json").read_text())
+    SOURCES.add(RESULTS / "gpu" / "gpu_check.json")
     return g, [r for r in g["rows"] if not r["check"].startswith(("runs:", "repeat:"))]
 
 
@@ -921,6 +1039,7 @@ def block_speed_glance(where):
     find = lambda key: next(r for r in rows if r["check"].startswith(key))
     conv = find("harness / bare loop, images/s: ConvNet fp32")["check"].split("(")[1].split(" /")[0]
     sp = json.loads((RESULTS / "speed.json").read_text())
+    SOURCES.add(RESULTS / "speed.json")
     med = {k: float(np.median(v)) for k, v in sp["seconds"].items()}
     base = next(iter(med.values()))
     ratios = ", ".join(f"{k} {v / base:.2f}×" for k, v in list(med.items())[1:])
@@ -943,6 +1062,7 @@ def block_leaderboard(where):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import leaderboard
     text, _ = leaderboard.table(list(leaderboard.BENCHMARKS), RESULTS / "leaderboard", leaderboard.SEEDS)
+    SOURCES.update((RESULTS / "leaderboard").rglob("*.json"))
     return [text, "", "Test accuracy (%), mean ± std over seeds (their number); [paper N]: the paper's number; "
             "bold: beats every other federated row beyond two seed stds; —: not yet run. Where each cell comes "
             f"from and its settings: [benchmark/results/leaderboard/README.md]"
@@ -955,6 +1075,7 @@ def block_penalty_swap(where, name="penalty-swap/swap.json"):
     import contextlib
     import io
     import penalty_swap
+    SOURCES.add(RESULTS / name)
     with contextlib.redirect_stdout(io.StringIO()):
         return penalty_swap.report(RESULTS / name).splitlines()
 
@@ -962,7 +1083,8 @@ def block_penalty_swap(where, name="penalty-swap/swap.json"):
 BLOCKS = {  # kind -> (function, takes arguments)
     "folder": lambda where, f: report(RESULTS / f, where, figures=False, score=False)[:-1],
     "speed": lambda where, f: speed_report(RESULTS / f, where, figures=False)[:-1],
-    "glance": block_glance, "methods": block_methods, "claims": block_claims, "grid": block_grid,
+    "glance": block_glance, "methods": block_methods, "rule": block_rule, "quicklook": block_quicklook,
+    "claims": block_claims, "grid": block_grid,
     "exit": block_exit, "fedloe-k1": block_fedloe_k1, "fedloe-dg": block_fedloe_dg, "spawn": block_spawn,
     "fig1": block_fig1, "ptest": block_ptest, "irm-central": block_irm_central, "beta": block_beta,
     "speed-table": block_speed_table, "gpu-check": block_gpu_check, "speed-glance": block_speed_glance,
@@ -976,10 +1098,15 @@ def generated_files():
 
 
 def block_text(name, where):
+    """One block's text, with the provenance line of the results behind it (a folder's section and a
+    speed table write their own)."""
     kind, _, args = name.partition(":")
     if kind not in BLOCKS:
         sys.exit(f"report.py: error: unknown block '{name}' (kinds: {', '.join(BLOCKS)})")
-    return "\n".join(BLOCKS[kind](where, *args.split(":")) if args else BLOCKS[kind](where)) + "\n"
+    provenance_line([])                                       # forget the files read before this block
+    lines = BLOCKS[kind](where, *args.split(":")) if args else BLOCKS[kind](where)
+    line = provenance_line()
+    return "\n".join(lines + (["", line] if line else [])) + "\n"
 
 
 def regenerate(path):
