@@ -36,7 +36,8 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="run_local.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
     p.add_argument("--nodes", type=int, default=3, help="SuperNodes = clients (default 3)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=None, help="communication rounds (default 2; fedloe: from its "
+                                                            "stage flags after --)")
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--test-domain", default="0")
     p.add_argument("--seed", type=int, default=0)
@@ -50,14 +51,18 @@ def parse(argv):
 
 
 def method_argv(a):
-    return ["--dataset", a.dataset, "--clients", str(a.nodes), "--rounds", str(a.rounds), "--test-domain",
-            a.test_domain, "--seed", str(a.seed), "--out", a.out, "--eval-every", "1", *a.rest]
+    rounds = [] if a.method == "fedloe" else ["--rounds", str(a.rounds or 2), "--eval-every", "1"]
+    return ["--dataset", a.dataset, "--clients", str(a.nodes), *rounds, "--test-domain", a.test_domain,
+            "--seed", str(a.seed), "--out", a.out, *a.rest]
 
 
 def check(a):
     """Refuse what the run would refuse, before any process starts: the method, the nodes, the flags."""
     if a.method not in METHODS:
         raise Refused(f"unknown method {a.method!r}; choose from {', '.join(METHODS)}")
+    if a.method == "fedloe" and a.rounds is not None:
+        raise Refused("fedloe counts its rounds from its stages: give --stage1-comms, --stage1-epochs, "
+                      "--stage2-comms, --stage2-epochs after --, not --rounds")
     if a.nodes < 1:
         raise Refused(f"--nodes must be positive, got {a.nodes}")
     sys.path.insert(0, str(ROOT))
@@ -220,7 +225,8 @@ def main(argv=None):
         for t, r in sorted(per.items(), key=lambda kv: int(kv[0])):
             if int(t) > 0:
                 print(f"round {t}: {r['seconds']:.1f} s, {r['down'] / 2**20:.3f} MiB down, {r['up'] / 2**20:.3f} MiB up")
-    print(f"{a.rounds} round(s) in {seconds:.1f} s on {a.nodes} SuperNodes (start and stop included)")
+    n = sum(len(d["history"]) for d in res["domains"].values())
+    print(f"{n} evaluated round(s) in {seconds:.1f} s on {a.nodes} SuperNodes (start and stop included)")
     print(f"results: {a.out}")
     return 0
 

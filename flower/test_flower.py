@@ -110,6 +110,10 @@ def test_run_local_bad_node_count():
     refused(["--method", "fediir", "--nodes", "500"], "enough for at most 240 clients")
 
 
+def test_run_local_fedloe_rounds_from_its_stages():
+    refused(["--method", "fedloe", "--rounds", "2"], "fedloe counts its rounds from its stages")
+
+
 def test_run_local_port_in_use():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
