@@ -121,7 +121,30 @@ class Processes:
         self.procs.append((name, p))
         return p
 
+    def descendants(self):
+        """Every process below the ones started here (from /proc): Flower starts some in sessions of their own."""
+        parent = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        found, todo = set(), [p.pid for _, p in self.procs]
+        while todo:
+            pid = todo.pop()
+            kids = [c for c, pp in parent.items() if pp == pid and c not in found]
+            found.update(kids)
+            todo += kids
+        return found
+
     def stop(self):
+        below = self.descendants()
+        for pid in below:                # by id: the ServerApp / ClientApp processes, wherever their group
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         for _, p in reversed(self.procs):
             if p.poll() is None:
                 try:
@@ -140,6 +163,11 @@ class Processes:
             except (ProcessLookupError, PermissionError):
                 pass
             p.wait()
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def wait_port(port, proc, name, seconds=120):
