@@ -26,7 +26,11 @@ import io
 import json
 import math
 import os
+import platform
+import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -605,6 +609,18 @@ def group_means(v, group, k):
 
 # ------------------------------------------------------------------------------------- the CLI
 
+def finite(text):
+    """The type of every float flag: a finite number. nan and inf are refused when parsing, before
+    any work (an inf learning rate would train a model of NaNs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def make_parser(method, doc):
     """The common flags. Their help gives no default: show_defaults adds the one that applies to the
     method and dataset (most are resolved only after parsing, by `resolve`)."""
@@ -621,12 +637,12 @@ def make_parser(method, doc):
     a("--rounds", type=int, default=None, help="communication rounds T")
     a("--local-epochs", type=int, default=None, help="local epochs per round")
     a("--batch-size", type=int, default=None, help="local batch size")
-    a("--lr", type=float, default=None, help="local learning rate")
-    a("--momentum", type=float, default=None, help="local SGD momentum")
-    a("--weight-decay", type=float, default=None, help="local SGD weight decay")
-    a("--global-lr", type=float, default=None, help="server step size eta_g")
-    a("--alpha", type=float, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
-    a("--p-test", type=float, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
+    a("--lr", type=finite, default=None, help="local learning rate")
+    a("--momentum", type=finite, default=None, help="local SGD momentum")
+    a("--weight-decay", type=finite, default=None, help="local SGD weight decay")
+    a("--global-lr", type=finite, default=None, help="server step size eta_g")
+    a("--alpha", type=finite, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
+    a("--p-test", type=finite, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
     a("--no-rotation", action="store_true",
       help="rcmnist / rcfmnist: the same four clients and colour laws without the rotation by 90·i degrees")
     a("--select", default=None, choices=["val", "last"],
@@ -752,8 +768,10 @@ def resolve(args, method, defaults=None):
         raise UserError(f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}")
     if not 0 <= args.p_test <= 1:
         raise UserError(f"--p-test must be in [0, 1], got {args.p_test}")
-    if args.momentum < 0 or args.weight_decay < 0:
-        raise UserError("--momentum and --weight-decay must be >= 0")
+    if math.isfinite(args.momentum) and not 0 <= args.momentum < 1:   # inf: a method's marker (never a user's)
+        raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
+    if args.weight_decay < 0:
+        raise UserError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible")
     if args.device == "auto":
@@ -761,14 +779,26 @@ def resolve(args, method, defaults=None):
     if args.amp and args.device != "cuda":
         raise UserError("--amp needs a CUDA device")
     args.out = args.out or f"results/{method}-{args.dataset}-seed{args.seed}.json"
-    try:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        probe = Path(args.out).with_suffix(".probe")
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"cannot write --out {args.out}: {e.strerror or e}")
+    check_out(args.out)
     return args
+
+
+def check_out(out):
+    """Refuse, before any work, an --out that could not take the results or the checkpoint beside it:
+    a folder, a path under a file, a folder that cannot be written."""
+    out = Path(out)
+    for path in (out, out.with_suffix(".ckpt")):
+        if path.is_dir():
+            raise UserError(f"--out {out}: {path} is a folder; give a file name, e.g. {out / 'results.json'}")
+    above = next((q for q in out.parents if q.exists()), Path("."))
+    if not above.is_dir():
+        raise UserError(f"--out {out}: {above} is not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write --out {out}: {e.strerror or e}")
 
 
 def test_domains(args, ds):
@@ -908,6 +938,40 @@ def identity(args):
     return {k: v for k, v in vars(args).items() if k != "resume"}
 
 
+def device_name(device):
+    """The device by name: the GPU's, or the CPU model's (Linux: /proc/cpuinfo)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def provenance(method, argv, device):
+    """What a reader needs to redo a result: the versions, the device by name, the commit of this
+    checkout (and whether tracked files differ from it; none outside git) and the command line."""
+    here = Path(__file__).resolve().parent
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", str(here), *a], capture_output=True, text=True, timeout=10)
+        head = git("rev-parse", "HEAD")
+        commit = head.stdout.strip() if head.returncode == 0 else None
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    import numpy
+    return {"command": shlex.join(["python", f"{method}.py", *argv]), "commit": commit, "dirty": dirty,
+            "date": time.strftime("%Y-%m-%d"), "device": device_name(device), "torch": torch.__version__,
+            "numpy": numpy.__version__, "python": platform.python_version()}
+
+
+def size(path):
+    n = os.path.getsize(path)
+    return next(f"{n / 1024 ** k:.0f} {unit}" for k, unit in ((3, "GB"), (2, "MB"), (1, "kB"), (0, "bytes"))
+                if n >= 1024 ** k or k == 0)
+
+
 def seconds(s):
     s = int(s)
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -929,9 +993,10 @@ def set_deterministic(on=True):
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
+def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None):
     """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
-    args.eval_every rounds, model selection on validation accuracy; results and checkpoints."""
+    args.eval_every rounds, model selection on validation accuracy; results and checkpoints.
+    argv: the command line, recorded with the versions and the device (provenance)."""
     set_deterministic(not args.nondeterministic)      # before the model or anything else meets CUDA
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
@@ -941,7 +1006,8 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     device = torch.device(args.device)
     ckpt_path = str(Path(args.out).with_suffix(".ckpt"))
     results = {"method": method, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
-               "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None, "complete": False}
+               "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None, "complete": False,
+               "provenance": provenance(method, sys.argv[1:] if argv is None else argv, device)}
     blob = None
     if args.resume and os.path.exists(ckpt_path):
         blob = load_checkpoint(ckpt_path, args)
@@ -975,6 +1041,9 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global):
     write_json(args.out, with_mean(results))
     print_table(results)
     print(f"results: {args.out}")
+    if os.path.exists(ckpt_path):    # the only copy of the trained model: kept, and said what it costs
+        print(f"checkpoint: {ckpt_path} ({size(ckpt_path)}: the final model and the method's state; "
+              f"--resume continues from it; delete it if you do not need the model)")
     return results
 
 
@@ -1068,16 +1137,21 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         except NonFinite as e:          # a method's own check (FedLOE's φ)
             e.saved = e.saved or saved
             raise
-        ids, vals = list(out), torch.stack([out[c] for c in out]).cpu()   # one sync per round
+        ids, vals = list(out), torch.stack([out[c] for c in out])
+        vals = torch.cat([vals, all_finite(model, state).to(vals.dtype)[None]]).cpu()   # one sync per round
         bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
         if bad:
             c = fed.clients[bad[0]]
             raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
                             f"testing on {fed.name})", saved)
+        if not vals[-1]:                # the server's step or a server quantity: never written as a result
+            raise NonFinite(f"non-finite {', '.join(nonfinite(model, state))} after the server step of round {t} "
+                            f"(testing on {fed.name})", saved)
+        vals = vals[:-1]
         losses.append(vals.mean().item())
         if t % args.eval_every and t != args.rounds:
             rate = (time.perf_counter() - t0) / (t - start + 1)
-            status(f"round {t:4d}/{args.rounds} | loss {losses[-1]:.4f} | {rate:.2f} s/round | "
+            status(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {rate:.2f} s/round | "
                    f"ETA {seconds(rate * (args.rounds - t + remaining * args.rounds))}")
             continue
         val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
@@ -1087,13 +1161,13 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         now = spent + time.perf_counter() - t0
         row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now, **extra}
         history.append(row)
-        losses = []
+        since, losses = t - len(losses) + 1, []
         if best is None or val > best["val_acc"] or args.select == "last":
             best = dict(row, per_test=per)
         rate = (now - spent) / (t - start + 1)
         eta = rate * (args.rounds - t + remaining * args.rounds)
         more = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
-        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{more} | loss {row['loss']:.4f} | "
+        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{more} | mean loss (rounds {since}-{t}) {row['loss']:.4f} | "
               f"{rate:.2f} s/round | ETA {seconds(eta)}", flush=True)
         save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
                                     "round": t, "model": model.state_dict(), "state": state,
@@ -1111,6 +1185,28 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
 
 
 ROW_KEYS = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
+
+
+def tensors(obj, name):
+    """(name, tensor) for every floating tensor in a method's state (dicts and lists of tensors)."""
+    if torch.is_tensor(obj):
+        return [(name, obj)] if obj.is_floating_point() else []
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    return [pair for k, v in items for pair in tensors(v, f"{name}[{k!r}]")]
+
+
+def all_finite(model, state):
+    """One device flag (no host read): every floating tensor of the global model and of the method's
+    state (server quantities, client states) is finite."""
+    ts = [v for v in model.state_dict().values() if v.is_floating_point()] + [v for _, v in tensors(state, "state")]
+    return torch.stack([v.isfinite().all() for v in ts]).all()
+
+
+def nonfinite(model, state):
+    """The names of the non-finite tensors, model first (read only once all_finite said there are some)."""
+    named = [(f"model {k}", v) for k, v in model.state_dict().items() if v.is_floating_point()] + tensors(state, "state")
+    bad = [k for k, v in named if not bool(v.isfinite().all())]
+    return bad[:3] + [f"{len(bad) - 3} more"] * (len(bad) > 3)
 
 
 class NonFinite(Exception):
@@ -1141,6 +1237,9 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
     p = make_parser(method, doc)
     if add_args:
         add_args(p)
+    for act in p._actions:          # the method's own float flags: finite too
+        if act.type is float:
+            act.type = finite
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "-h" or a.startswith("--hel") and "--help".startswith(a) for a in argv):
         show_defaults(p, method, defaults, dataset_in(argv), check)
@@ -1150,7 +1249,7 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
         if check:
             check(args)
         check_parallel(args, method, parallel_clients)
-        return run(method, args, round_fn, init_state, evaluate_fn)
+        return run(method, args, round_fn, init_state, evaluate_fn, argv)
     except UserError as e:
         print(f"{method}.py: error: {e}", file=sys.stderr)
         sys.exit(2)

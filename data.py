@@ -53,10 +53,30 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def why(e):
-    """An exception as one short line (torchvision's download errors span several)."""
+def why(e, limit=120):
+    """An exception as one short line (torchvision's download errors span several): its type, and its
+    text cut at a word boundary with an ellipsis; an exception without text (a failed assert inside
+    torchvision's readers) says so."""
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:200]}"
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " …"
+    return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__}, no message"
+
+
+def torchvision_set(kind, root, build, how):
+    """build() torchvision's dataset `kind` under root (download=True: read it, or fetch it when it is
+    missing). On failure: one short line that says what was looked for and what to do, and root left
+    as it was (no empty raw/ folders behind)."""
+    raw = Path(root) / kind / "raw"
+    had = sorted(p.name for p in raw.iterdir()) if raw.is_dir() else []
+    try:
+        with as_it_was_on_failure(root):
+            return build()
+    except Exception as e:  # torchvision raises RuntimeError / URLError offline, AssertionError on a bad file
+        if had:
+            raise UserError(f"{kind} under {root} could not be read ({why(e, 80)}); {raw} holds "
+                            f"{', '.join(had[:4])}{' …' * (len(had) > 4)}: delete what is not {kind}'s and {how}") from None
+        raise UserError(f"no {kind} under {root}, and downloading it failed ({why(e, 80)}); {how}") from None
 
 
 @dataclass
@@ -90,12 +110,9 @@ def mnist_arrays(root=None, kind="MNIST", test=True):
             x, y = torch.from_numpy(f["images"]), torch.from_numpy(f["labels"]).long()
         return x, y, f"embedded MNIST subset ({len(y):,} real digits, assets/mnist5k.npz)"
     import torchvision.datasets as tvd
-    try:
-        parts = [getattr(tvd, kind)(root, train=t, download=True) for t in ((True, False) if test else (True,))]
-    except Exception as e:  # torchvision raises RuntimeError / URLError when offline
-        how = f"python data.py --download mnist --data-root {root}" if kind == "MNIST" else "network access"
-        raise UserError(f"could not read or download {kind} under {root} ({why(e)}); put torchvision's {kind}/raw files "
-                        f"there or get them with {how}")
+    how = f"get it with python data.py --download {dict(MNIST='mnist', FashionMNIST='fmnist')[kind]} --data-root {root}"
+    parts = torchvision_set(kind, root, lambda: [getattr(tvd, kind)(root, train=t, download=True)
+                                                 for t in ((True, False) if test else (True,))], how)
     x = torch.cat([p.data for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
     return x, y, f"torchvision {kind} under {root} ({len(y):,} images, {'train+test pooled' if test else 'train set'})"
@@ -285,10 +302,8 @@ def cifar_arrays(root, name):
         raise UserError(f"{name} is not embedded: pass --data-root DIR (torchvision downloads it there)")
     import torchvision.datasets as tvd
     cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
-    try:
-        parts = [cls(root, train=t, download=True) for t in (True, False)]
-    except Exception as e:
-        raise UserError(f"could not read or download {name} under {root} ({why(e)})")
+    parts = torchvision_set(cls.__name__, root, lambda: [cls(root, train=t, download=True) for t in (True, False)],
+                            f"try again with network access (python data.py --download {name} --data-root {root})")
     x = torch.cat([torch.from_numpy(p.data).permute(0, 3, 1, 2) for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
     return x, y, f"torchvision {name} under {root} ({len(y):,} images, train+test pooled)"
@@ -300,10 +315,9 @@ def emnist_arrays(root):
     if root is None:
         raise UserError("emnist is not embedded: pass --data-root DIR (torchvision downloads it there)")
     import torchvision.datasets as tvd
-    try:
-        parts = [tvd.EMNIST(root, split="mnist", train=t, download=True) for t in (True, False)]
-    except Exception as e:
-        raise UserError(f"could not read or download EMNIST under {root} ({why(e)})")
+    parts = torchvision_set("EMNIST", root, lambda: [tvd.EMNIST(root, split="mnist", train=t, download=True)
+                                                     for t in (True, False)],
+                            f"try again with network access (python data.py --download emnist --data-root {root})")
     x = torch.cat([p.data.transpose(1, 2) for p in parts]).unsqueeze(1)
     y = torch.cat([p.targets for p in parts]).long()
     return x, y, f"torchvision EMNIST (mnist split) under {root} ({len(y):,} images, train+test pooled)"

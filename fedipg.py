@@ -98,6 +98,8 @@ gradient descent, to rounding: FedSGD).
     python fedipg.py --dataset stained --stain bg                 # Table III (MLP, 5 clients x 2,000)
     python fedipg.py --clients 20 --test-domain 75 --aberrant rotate:180 --exit auto   # Section VI-A
 """
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -105,6 +107,7 @@ import torch.nn.functional as F
 import common
 from data import rotate
 
+BY_STEP = math.inf   # default of --momentum and --local-epochs: set by --local-step in check()
 LAMBDA = {"rmnist": 1e-3, "stained": 1e-3, "synthetic": 1e-3, "pacs": 1e-4, "vlcs": 1e-4, "officehome": 1e-4}
 AFFINE = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.BatchNorm2d)   # outputs affine in their own parameters
 CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)
@@ -577,9 +580,23 @@ def add_args(p):
     p.add_argument("--exit-clients", default="", help="clients that exit from the start, e.g. 3,7")
     p.add_argument("--aberrant", default=None, help="slow:K, unreliable:P or rotate:DEG (Section VI-A)")
     p.add_argument("--aberrant-client", type=int, default=0, help="which client is aberrant")
+    rmnist = dict(momentum=0.9, local_epochs=1)
+    for act in p._actions:
+        if act.dest in rmnist:
+            act.help += f" (--local-step sgd only; default there: the dataset's, {rmnist[act.dest]} for rmnist)"
+    p.set_defaults(momentum=BY_STEP, local_epochs=BY_STEP)
 
 
 def check(args):
+    if args.local_step == "paper":
+        given = [f for f, v in (("--momentum", args.momentum), ("--local-epochs", args.local_epochs)) if v != BY_STEP]
+        if given:
+            raise common.UserError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --local-step sgd only: the paper's step (Eq. 2) "
+                                   f"is one plain gradient step on the client's whole split")
+        args.momentum, args.local_epochs = 0.0, 1      # what that step does
+    for k in ("momentum", "local_epochs"):      # --local-step sgd: the dataset's, as for every method
+        if getattr(args, k) == BY_STEP:
+            setattr(args, k, next(t[k] for t, _ in common.default_tables(args.dataset) if k in t))
     if args.lam is None:
         args.lam = LAMBDA.get(args.dataset, 1e-3)
     if args.sample is None:

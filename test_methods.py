@@ -5,6 +5,7 @@ run the scripts as subprocesses to check what a user sees (one line on stderr, t
 """
 import argparse
 import copy
+import importlib
 import inspect
 import io
 import json
@@ -62,6 +63,7 @@ def strip_times(results):
             row.pop("seconds")
     r["args"].pop("out", None)
     r["args"].pop("resume", None)
+    r.pop("provenance", None)              # its command names --out and --resume
     return r
 
 
@@ -423,12 +425,206 @@ def test_global_pooling_is_a_plain_mean_in_every_model():
     (["--rounds", "0"], "--rounds must be positive, got 0"),
     (["--lr", "-1"], "--lr must be positive, got -1.0"),
     (["--batch-size", "0"], "--batch-size must be positive, got 0"),
-    (["--out", "/dev/null/r.json"], "cannot write --out /dev/null/r.json"),
+    (["--out", "/dev/null/r.json"], "--out /dev/null/r.json: /dev/null is not a folder"),
     (["--dataset", "mnist", "--test-domain", "0"], "--test-domain does not apply to mnist"),
     (["--amp", "--device", "cpu"], "--amp needs a CUDA device"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     assert message in fails(fedavg.main, argv, capsys)
+
+
+# Every float flag of every method: a finite number, refused at once otherwise (an inf learning rate
+# trains a model of NaNs, an inf server step writes one).
+METHODS = ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"]
+
+
+def method(name):
+    return importlib.import_module(name)
+
+
+def float_flags(name):
+    module = method(name)
+    p = common.make_parser(name, module.__doc__)
+    module.add_args(p)
+    return [a.option_strings[0] for a in p._actions if a.type in (float, common.finite)]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_float_flag_refuses_nan_inf_and_words_before_any_work(name, capsys, monkeypatch):
+    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded despite a bad flag"))
+    flags = float_flags(name)
+    assert {"--lr", "--momentum", "--weight-decay", "--global-lr", "--alpha", "--p-test"} <= set(flags)
+    for flag in flags:
+        for value, why in (("inf", "must be a finite number, got 'inf'"), ("-inf", "must be a finite number"),
+                           ("nan", "must be a finite number, got 'nan'"), ("1e999", "must be a finite number"),
+                           ("ten", "expects a number, got 'ten'")):
+            line = fails(method(name).main, [f"{flag}={value}"], capsys)
+            assert line == f"{name}.py: error: argument {flag}: {why}" or line.startswith(
+                f"{name}.py: error: argument {flag}: {why}"), (flag, value, line)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
+    (["--momentum", "-0.1"], "--momentum must be in [0, 1), got -0.1"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+])
+def test_float_flags_out_of_range_are_one_line(argv, message, capsys):
+    assert message in fails(fedavg.main, argv, capsys)
+
+
+def break_the_server(monkeypatch, where):
+    """Every round as the method computes it, then, after the server step of round 2, one entry of the
+    global model (where="model") or of the method's state set to inf, as a diverging server would."""
+    train_domain = common.train_domain
+
+    def patched(method, args, ds, fed, round_fn, init_state, *rest):
+        def round_then_break(t, model, fed, args, state, ctx):
+            out = round_fn(t, model, fed, args, state, ctx)
+            if t == 2 and where == "model":
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = math.inf
+            elif t == 2:
+                state["server_quantity"] = torch.tensor([1.0, math.nan])
+            return out
+        return train_domain(method, args, ds, fed, round_then_break, init_state, *rest)
+    monkeypatch.setattr(common, "train_domain", patched)
+
+
+TWO_ROUNDS = {"fedavg": [], "fediir": [], "fedomg": [], "perinvfl": [], "fedipg": [],
+              "fedloe": ["--clients", "4", "--stage1-epochs", "2", "--stage1-comms", "2", "--stage2-comms", "0"]}
+
+
+@pytest.mark.parametrize("where", ["model", "state"])
+@pytest.mark.parametrize("name", METHODS)
+def test_a_non_finite_model_or_server_quantity_is_never_written_as_a_result(name, where, tmp_path, monkeypatch,
+                                                                          capsys):
+    break_the_server(monkeypatch, where)
+    argv = ["--dataset", "synthetic", "--model", "cnn", "--test-domain", "0", "--out", str(tmp_path / "r.json")]
+    argv += TWO_ROUNDS[name] + (["--rounds", "3", "--eval-every", "1"] if name != "fedloe" else [])
+    line = fails(method(name).main, argv, capsys, code=1)
+    assert f"non-finite {'model ' if where == 'model' else 'state'}" in line and "after the server step of round 2" \
+        in line, line
+    assert "the last good checkpoint" in line and not (tmp_path / "r.json").exists()   # round 1's checkpoint only
+    blob = torch.load(tmp_path / "r.ckpt", weights_only=True)
+    assert blob["round"] == 1 and all(v.isfinite().all() for v in blob["model"].values() if v.is_floating_point())
+
+
+def test_a_finished_domain_stays_when_a_later_one_goes_non_finite(tmp_path, monkeypatch, capsys):
+    """Two held-out domains: the first finishes and is written, not marked complete; the second's
+    non-finite model is not."""
+    calls = []
+    train_domain = common.train_domain
+
+    def patched(method, args, ds, fed, round_fn, *rest):
+        calls.append(fed.name)
+        if len(calls) == 1:
+            return train_domain(method, args, ds, fed, round_fn, *rest)
+
+        def broken(t, model, *a):
+            out = round_fn(t, model, *a)
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = math.nan
+            return out
+        return train_domain(method, args, ds, fed, broken, *rest)
+    monkeypatch.setattr(common, "train_domain", patched)
+    argv = ["--dataset", "synthetic", "--model", "cnn", "--rounds", "2", "--out", str(tmp_path / "r.json")]
+    fails(fedavg.main, argv, capsys, code=1)
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["complete"] is False and list(res["domains"]) == calls[:1]
+
+
+def test_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded despite a bad --out"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "r.ckpt").mkdir()
+    for out, message in ((tmp_path / "folder", f"{tmp_path / 'folder'} is a folder; give a file name, e.g. "
+                                                f"{tmp_path / 'folder' / 'results.json'}"),
+                         (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is not a folder"),
+                         (tmp_path / "afile" / "deeper" / "x.json", f"{tmp_path / 'afile'} is not a folder"),
+                         (tmp_path / "r.json", f"{tmp_path / 'r.ckpt'} is a folder")):
+        line = fails(fedavg.main, ["--out", str(out)], capsys)
+        assert line == f"fedavg.py: error: --out {out}: {message}" or message in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder", "r.ckpt"]   # nothing written
+
+
+def test_fedipg_refuses_momentum_and_epochs_its_papers_step_would_ignore(tmp_path, capsys):
+    for argv, flags in ((["--momentum", "0.5"], "--momentum applies"), (["--local-epochs", "2"], "--local-epochs applies"),
+                        (["--momentum", "0", "--local-epochs", "1"], "--momentum and --local-epochs apply")):
+        line = fails(fedipg.main, QUICK + argv, capsys)
+        assert line == f"fedipg.py: error: {flags} to --local-step sgd only: the paper's step (Eq. 2) is one plain " \
+                       f"gradient step on the client's whole split"
+    paper = method_args(fedipg, "fedipg", [], tmp_path)
+    assert (paper.momentum, paper.local_epochs) == (0.0, 1)                      # recorded as what the step does
+    sgd = method_args(fedipg, "fedipg", ["--local-step", "sgd"], tmp_path)
+    assert (sgd.momentum, sgd.local_epochs) == (0.9, 1)                          # the dataset's, as before
+    fl = method_args(fedipg, "fedipg", ["--local-step", "sgd", "--dataset", "mnist", "--clients", "100"], tmp_path)
+    assert (fl.momentum, fl.local_epochs) == (0.0, 5)                            # FedOMG's FL table
+    assert (method_args(fedipg, "fedipg", ["--local-step", "sgd", "--momentum", "0.5"], tmp_path).momentum == 0.5)
+    with pytest.raises(SystemExit):
+        fedipg.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "local SGD momentum (--local-step sgd only; default there: the dataset's, 0.9 for rmnist)" in text
+
+
+def no_download(monkeypatch):
+    """torchvision's MNIST as offline: its download raises the long error of a dead mirror."""
+    import torchvision.datasets as tvd
+
+    def offline(self):
+        if self._check_exists():
+            return
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: Tried https://ossci-datasets.s3.amazonaws"
+                           ".com/mnist/, got: <urlopen error [Errno -2] Name or service not known> Tried http://yann."
+                           "lecun.com/exdb/mnist/, got: <urlopen error [Errno -2] Name or service not known>")
+    monkeypatch.setattr(tvd.MNIST, "download", offline)
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_a_data_root_without_mnist_is_one_short_line_and_left_as_it_was(made, tmp_path, monkeypatch, capsys):
+    no_download(monkeypatch)
+    root = tmp_path / "data"
+    if made:
+        root.mkdir()
+    line = fails(fedavg.main, ["--data-root", str(root), "--out", str(tmp_path / "r.json")], capsys)
+    assert line.startswith(f"fedavg.py: error: no MNIST under {root}, and downloading it failed (RuntimeError: Error "
+                           f"downloading train-images-idx3-ubyte.gz")
+    assert " …); get it with python data.py --download mnist --data-root " in line and len(line.replace(str(root), "ROOT")) < 250
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["data"] if made else [])
+    assert not made or not any(root.iterdir())                                 # no empty MNIST/raw/ behind
+
+
+def test_garbage_in_mnists_files_names_them(tmp_path, monkeypatch, capsys):
+    no_download(monkeypatch)
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in data.MNIST_MD5:
+        (raw / name).write_bytes(b"not MNIST" * 100)
+    line = fails(fedavg.main, ["--data-root", str(tmp_path), "--out", str(tmp_path / "r.json")], capsys)
+    assert line == f"fedavg.py: error: MNIST under {tmp_path} could not be read (AssertionError, no message); {raw} " \
+                   f"holds t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, train-images-idx3-ubyte, " \
+                   f"train-labels-idx1-ubyte: delete what is not MNIST's and get it with python data.py --download " \
+                   f"mnist --data-root {tmp_path}"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(data.MNIST_MD5)     # the user's files stay
+
+
+def test_results_say_where_they_came_from_and_the_last_line_where_the_checkpoint_is(tmp_path, capsys):
+    argv = QUICK + ["--model", "cnn", "--test-domain", "0", "--rounds", "1", "--eval-every", "1"]
+    res, out = run(fedavg.main, argv, tmp_path)
+    prov = res["provenance"]
+    assert prov["command"] == "python fedavg.py " + " ".join(argv + ["--out", out])
+    assert prov["torch"] == torch.__version__ and prov["numpy"] == np.__version__
+    assert prov["device"] == common.device_name(torch.device("cpu")) and prov["device"]
+    assert prov["python"] == sys.version.split()[0] and re.fullmatch(r"\d{4}-\d\d-\d\d", prov["date"])
+    if (HERE / ".git").exists():
+        head = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        assert prov["commit"] == head.strip() and isinstance(prov["dirty"], bool)
+    assert json.loads(Path(out).read_text())["provenance"] == prov
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    ckpt = out[:-5] + ".ckpt"
+    assert last.startswith(f"checkpoint: {ckpt} ({common.size(ckpt)}: the final model and the method's state; "
+                           f"--resume continues from it")
+    assert common.size(ckpt).endswith(" kB") or common.size(ckpt).endswith(" MB")
 
 
 def test_missing_pretrained_weights(monkeypatch, tmp_path, capsys):
@@ -4021,13 +4217,14 @@ def test_a_progress_line_every_round_on_a_terminal_only(tmp_path, monkeypatch, c
     run(fedavg.main, argv, tmp_path, "plain.json")
     plain = capsys.readouterr().out
     assert "\r" not in plain and "\x1b" not in plain                       # a log file gets the lines it had
-    assert re.search(r"\nround    5/5 \| val [\d.]+ \| test [\d.]+ \| loss [\d.]+ \| [\d.]+ s/round \| ETA 0m00s\n", plain)
+    assert re.search(r"\nround    5/5 \| val [\d.]+ \| test [\d.]+ \| mean loss \(rounds 1-5\) [\d.]+ \| [\d.]+ s/round \| "
+                     r"ETA 0m00s\n", plain)
     screen = Terminal()
     monkeypatch.setattr("sys.stdout", screen)
     run(fedavg.main, argv, tmp_path, "tty.json")
     text = screen.getvalue()
     for t in range(1, 5):                                                # rounds without evaluation: one line each
-        assert re.search(rf"\r\x1b\[Kround    {t}/5 \| loss [\d.]+ \| [\d.]+ s/round \| ETA \dm\d\ds", text)
+        assert re.search(rf"\r\x1b\[Kround    {t}/5 \| round loss [\d.]+ \| [\d.]+ s/round \| ETA \dm\d\ds", text)
     assert re.search(r"ETA \dm\d\ds\r\x1b\[Kround    5/5 \| val", text)   # the evaluation line erases it first
     assert text.replace("\r\x1b[K", "").count("\n") == plain.count("\n")  # no other line added
     assert json.loads((tmp_path / "tty.json").read_text())["domains"]["style0"]["test_acc"] == \
