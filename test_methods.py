@@ -5355,22 +5355,120 @@ def test_report_ptest_block_names_equal_rows_together(tmp_path, monkeypatch):
     assert labels == ["dual, theta kept, line 8 sgd", "dual (global ν) = dual, theta reset, line 8 sgd", "other"]
 
 
+def test_readme_states_the_verdict_rule_and_the_methods_table_shows_the_gains():
+    """The README's glance section prints report.RULE (the `rule` block), and every verdict of the
+    methods table stands beside its measured and published gain ("... vs ... (2 std ...)")."""
+    readme = (HERE / "README.md").read_text()
+    rule = readme.split("<!-- report:rule -->\n")[1].split("<!-- /report:rule -->")[0]
+    assert " ".join(rule.split()) == "**The rule**: " + bench_report.RULE[0].lower() + bench_report.RULE[1:]
+    methods = readme.split("<!-- report:methods -->\n")[1].split("<!-- /report:methods -->")[0]
+    verdicts = re.findall(r"— ([a-z ]+): ([+−][\d.]+)(?: vs ([+−][\d.]+))? \(2 std [\d.]+", methods)
+    assert len(verdicts) == len(bench_report.CLAIMS)
+    assert {w for w, *_ in verdicts} <= set(bench_report.WORDS)
+    assert "holds ×" not in readme and "within 2 std" not in readme
+
+
+def test_provenance_line(tmp_path, monkeypatch):
+    """report.provenance_line: the versions and the device of the results behind a table, grouped,
+    with the runs that record none counted apart; none recorded: one sentence saying so; a block's
+    text ends with the line of the files it read."""
+    new = {"torch": "2.15.0", "numpy": "2.4.6", "python": "3.11.7", "device": "AMD EPYC", "commit": None,
+           "dirty": None, "command": "python fedavg.py", "date": "2026-11-24"}
+    (tmp_path / "a.json").write_text(json.dumps({"method": "fedavg", "provenance": new}))
+    (tmp_path / "b.json").write_text(json.dumps({"method": "fedavg", "provenance": dict(new, date="2026-11-25")}))
+    (tmp_path / "old.json").write_text(json.dumps({"method": "fedavg"}))
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [{"seed": 0}, {"seed": 1}]}))
+    (tmp_path / "gpu.json").write_text(json.dumps({"device": "NVIDIA H100", "torch": "2.11.0", "started": "2026-11-22 18:00"}))
+    line = bench_report.provenance_line([tmp_path / n for n in ("a.json", "b.json", "old.json", "runs.json")])
+    assert line == ("Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (2 runs, 2026-11-24 to 2026-11-25); "
+                    "not recorded for the other 3 runs (made before 2026-11-24).")
+    assert bench_report.provenance_line([tmp_path / "old.json"]) == \
+        "Provenance: not recorded (the 1 run behind this table was made before 2026-11-24)."
+    assert bench_report.provenance_line([tmp_path / "gpu.json"]) == \
+        "Provenance: torch 2.11.0, NVIDIA H100 (1 run, 2026-11-22)."
+    assert bench_report.provenance_line([]) == ""
+    text = bench_report.block_text("irm-central", tmp_path)          # a committed table: its line last
+    assert text.endswith("\n\nProvenance: not recorded (the 18 runs behind this table were made before 2026-11-24).\n")
+
+
+def test_quicklook_block_from_its_committed_run(tmp_path, monkeypatch):
+    """The README's quick-look sentence comes from the committed run and its time.txt (the conditions
+    written before the run, then /usr/bin/time's line): the accuracies at the best-validation round,
+    CPU and wall time, the CPU and versions (the run's provenance where it records one, else
+    time.txt's)."""
+    monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
+    (tmp_path / "quicklook").mkdir()
+    run = {"seed": 0, "args": {"device": "cpu"}, "domains": {"0": {
+        "test_acc": 0.40771, "val_acc": 0.76104, "best_round": 20,
+        "history": [{"round": 10, "seconds": 100.0}, {"round": 20, "seconds": 230.0}]}}}
+    (tmp_path / "quicklook" / "fedavg-rmnist-seed0.json").write_text(json.dumps(run))
+    (tmp_path / "quicklook" / "time.txt").write_text(
+        "command: OMP_NUM_THREADS=1 python fedavg.py --rounds 20 --test-domain 0\n"
+        "torch 2.15.0+cu132, numpy 2.4.6, python 3.11.7\ndate: 2026-11-24\nload: the machine shared with other jobs\n"
+        "Model name:                              AMD EPYC\n"
+        "236.52user 3.10system 4:05.61elapsed 97%CPU (0avgtext+0avgdata 900000maxresident)k\n")
+    text = bench_report.block_text("quicklook", tmp_path)
+    assert "test accuracy 0.408 on the held-out 0° domain, validation 0.761 (round 20" in text
+    assert ("one thread of an AMD EPYC: 240 s of CPU time (237 s user, 3 s system), 4.1 minutes of wall clock "
+            "(the machine shared with other jobs)." in text)
+    assert text.endswith("\n\nProvenance: torch 2.15.0+cu132, numpy 2.4.6, AMD EPYC (time.txt, 2026-11-24).\n")
+    run["provenance"] = {"torch": "2.15.0", "numpy": "2.4.6", "device": "Intel Xeon", "date": "2026-11-25"}
+    (tmp_path / "quicklook" / "fedavg-rmnist-seed0.json").write_text(json.dumps(run))
+    text = bench_report.block_text("quicklook", tmp_path)
+    assert "one thread of an Intel Xeon" in text and "Provenance: torch 2.15.0, numpy 2.4.6, Intel Xeon (the run, 2026-11-25)." in text
+
+
+def test_readme_test_count():
+    """The README's "N tests" is the number of tests pytest collects from this file on a machine
+    without CUDA (every parametrisation; a GPU adds the `[cuda]` runs of the bit-exactness tests):
+    a count that cannot go stale unnoticed."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "test_methods.py"], cwd=HERE, capture_output=True, text=True, timeout=300)
+    ids = [line for line in p.stdout.splitlines() if line.startswith("test_methods.py::")]
+    assert p.returncode == 0 and ids, p.stdout[-2000:] + p.stderr[-2000:]
+    cpu = [i for i in ids if not re.search(r"[\[-]cuda[\]-]", i)]
+    tests = (HERE / "README.md").read_text().split("## Tests\n")[1].split("\n## ")[0]
+    stated = re.search(r"(\d+) tests", tests)
+    assert stated and int(stated[1]) == len(cpu), \
+        f"README.md's Tests section says {stated and stated[1]} tests, pytest collects {len(cpu)} (without CUDA)"
+
+
+def test_fediir_names_the_papers_authors():
+    """fediir.py's docstring and --help name the paper's five authors."""
+    first = " ".join(fediir.__doc__.strip().split("\n\n")[0].split())
+    assert "Yaming Guo, Kai Guo, Xiaofeng Cao, Tieru Wu, Yi Chang; ICML 2023" in first
+
+
 def test_verdict_rule_on_made_up_seeds(monkeypatch):
-    """The one rule: holds beyond 2·max(std), reversed beyond it the other way, else within 2 std;
-    one seed gives no verdict; the paper's own difference is shown beside."""
+    """The one rule (report.RULE): with d the gain in the paper's direction, s = 2·max(std) and D the
+    paper's own gain: reproduced when d > s and d ≥ D/2, smaller when d > s and d < D/2, not
+    reproduced when |d| ≤ s, reversed when d < −s; a paper without a number: direction holds when
+    d > s; one seed gives no verdict; the text shows d, D and s."""
     vals = {}
     monkeypatch.setattr(bench_report, "seed_values", lambda folder, label, metric="acc": vals[label])
-    c = bench_report.Claim("fediir", "Table 8", "c", "f", "m", "b", "84.0 / 77.9")
+    c = bench_report.Claim("fediir", "Table 8", "c", "f", "m", "b", "84.0 / 77.9")    # D = +6.1
     seeds = lambda *xs: [(k, x, "cuda") for k, x in enumerate(xs)]
-    vals.update(m=seeds(80.0, 82.0), b=seeds(77.0, 77.2))          # d = 3.9 > 2 · 1.414
-    assert bench_report.verdict(c)[:2] == ("holds", "holds (+3.9; 2 std 2.8; paper +6.1)")
-    vals.update(m=seeds(80.0, 84.0))                                # d = 4.9 < 2 · 2.828
-    assert bench_report.verdict(c)[0] == "within 2 std"
-    vals.update(m=seeds(70.0, 70.2))                                # d = −7.0
-    assert bench_report.verdict(c)[0] == "reversed"
-    assert bench_report.verdict(bench_report.Claim(**{**c.__dict__, "sign": -1}))[0] == "holds"
+    vals.update(m=seeds(80.0, 82.0), b=seeds(77.0, 77.2))          # d = 3.9 > s = 2.8, d ≥ 3.05
+    assert bench_report.verdict(c)[:2] == ("reproduced", "reproduced: +3.9 vs +6.1 (2 std 2.8)")
+    vals.update(m=seeds(79.9, 80.1), b=seeds(77.9, 78.1))          # d = 2.0 > s = 0.28, d < 3.05
+    assert bench_report.verdict(c)[:2] == ("smaller", "smaller: +2.0 vs +6.1 (2 std 0.3)")
+    vals.update(m=seeds(80.0, 84.0), b=seeds(77.0, 77.2))          # d = 4.9 ≤ s = 5.7
+    assert bench_report.verdict(c)[:2] == ("not reproduced", "not reproduced: +4.9 vs +6.1 (2 std 5.7)")
+    vals.update(m=seeds(70.0, 70.2))                                # d = −7.0 < −s
+    assert bench_report.verdict(c)[:2] == ("reversed", "reversed: −7.0 vs +6.1 (2 std 0.3)")
+    flipped = bench_report.Claim(**{**c.__dict__, "sign": -1})      # a loss: lower is the paper's direction
+    assert bench_report.verdict(flipped)[:2] == ("reproduced", "reproduced: +7.0 vs −6.1 (2 std 0.3)")
+    shape = bench_report.Claim(**{**c.__dict__, "published": "exit above kept"})   # no number: direction only
+    vals.update(m=seeds(80.0, 80.2))
+    assert bench_report.verdict(shape)[:2] == ("direction holds", "direction holds: +3.0 (2 std 0.3; direction only)")
+    vals.update(m=seeds(77.0, 77.4))
+    assert bench_report.verdict(shape)[0] == "not reproduced"
+    vals.update(m=seeds(70.0, 70.2))
+    assert bench_report.verdict(shape)[0] == "reversed"
     vals.update(m=seeds(80.0))
-    assert bench_report.verdict(c)[0] == "one seed"
+    assert bench_report.verdict(c)[:2] == ("one seed", "one seed: no verdict")
+    for word in bench_report.WORDS:                                 # the README's rule names every word
+        assert f"*{word}*" in bench_report.RULE
 
 
 def test_no_relative_link_or_image_points_nowhere():
