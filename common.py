@@ -752,6 +752,11 @@ def resolve(args, method, defaults=None):
     if args.dataset not in data.NAMES:
         raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
     fill_defaults(args, defaults)
+    for flag in ("data_root", "out"):
+        if getattr(args, flag) == "":
+            raise UserError(f"--{flag.replace('_', '-')} is empty: give a folder or file name, or leave the flag out")
+    if not 0 <= args.seed < 2 ** 31:     # it seeds torch's generators with seed * 104729 + a salt
+        raise UserError(f"--seed must be in [0, 2**31), got {args.seed}")
     if args.clients is not None and args.clients < 1:
         raise UserError(f"--clients must be positive, got {args.clients}")
     for k in ("rounds", "local_epochs", "batch_size", "eval_every"):

@@ -428,6 +428,10 @@ def test_global_pooling_is_a_plain_mean_in_every_model():
     (["--out", "/dev/null/r.json"], "--out /dev/null/r.json: /dev/null is not a folder"),
     (["--dataset", "mnist", "--test-domain", "0"], "--test-domain does not apply to mnist"),
     (["--amp", "--device", "cpu"], "--amp needs a CUDA device"),
+    (["--seed", "99999999999999999999"], "--seed must be in [0, 2**31), got 99999999999999999999"),
+    (["--seed", "-1"], "--seed must be in [0, 2**31), got -1"),
+    (["--data-root", ""], "--data-root is empty"),
+    (["--out", ""], "--out is empty"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     assert message in fails(fedavg.main, argv, capsys)
