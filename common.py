@@ -1193,10 +1193,12 @@ ROW_KEYS = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
 
 
 def tensors(obj, name):
-    """(name, tensor) for every floating tensor in a method's state (dicts and lists of tensors)."""
+    """(name, tensor) for every floating tensor in a method's state (dicts and lists of tensors). A key
+    that starts with "_" holds a diagnostic, not a server quantity (nan: not measured): left out."""
     if torch.is_tensor(obj):
         return [(name, obj)] if obj.is_floating_point() else []
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    items = [(k, v) for k, v in obj.items() if not str(k).startswith("_")] if isinstance(obj, dict) else \
+        enumerate(obj) if isinstance(obj, (list, tuple)) else []
     return [pair for k, v in items for pair in tensors(v, f"{name}[{k!r}]")]
 
 
@@ -1204,13 +1206,14 @@ def all_finite(model, state):
     """One device flag (no host read): every floating tensor of the global model and of the method's
     state (server quantities, client states) is finite."""
     ts = [v for v in model.state_dict().values() if v.is_floating_point()] + [v for _, v in tensors(state, "state")]
-    return torch.stack([v.isfinite().all() for v in ts]).all()
+    device = next(model.parameters()).device
+    return torch.stack([v.isfinite().all().to(device) for v in ts if v.device.type != "meta"]).all()
 
 
 def nonfinite(model, state):
     """The names of the non-finite tensors, model first (read only once all_finite said there are some)."""
     named = [(f"model {k}", v) for k, v in model.state_dict().items() if v.is_floating_point()] + tensors(state, "state")
-    bad = [k for k, v in named if not bool(v.isfinite().all())]
+    bad = [k for k, v in named if v.device.type != "meta" and not bool(v.isfinite().all())]
     return bad[:3] + [f"{len(bad) - 3} more"] * (len(bad) > 3)
 
 

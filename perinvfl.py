@@ -246,7 +246,7 @@ def init_state(model, fed, args, ctx):
             "opt_theta": [None] * N, "opt_lam": [None] * N,           # θ_i's optimiser state, its λ
             "server_opt": None,                                       # ν's Adam (line 10, FedOpt)
             "q": torch.full((N,), 1.0 / N, device=nu0.device),       # GroupDRO's q, uniform
-            "eq4": torch.full((2, N), float("nan"), device=nu0.device)}   # J_i(θ_i), J_i(ν): the check
+            "_eq4": torch.full((2, N), float("nan"), device=nu0.device)}   # J_i(θ_i), J_i(ν): the check
 
 
 def scored(t, args):
@@ -336,7 +336,7 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     theta_net = copy.deepcopy(model)                                 # holds θ_i while client i works
     deltas, risks = [], {}
     if scored(t, args):
-        state["eq4"].fill_(float("nan"))                             # (clients left out of the round: nan)
+        state["_eq4"].fill_(float("nan"))                             # (clients left out of the round: nan)
     ids = common.sample_clients(ctx, N, args.sample)
     ahead = line9_at_once(model, nu, [fed.clients[i] for i in ids], args, lam, ctx) \
         if args.parallel_clients == "on" else {}  # line 9 of every client at once (R = 1)
@@ -348,7 +348,7 @@ def perinvfl_round(t, model, fed, args, state, ctx):
         state["opt_lam"][i] = lam
         deltas.append(delta)                                         # Δ_i = ν_{i,R} − ν^t, uploaded
         if checks is not None:                                       # the check: J_i(θ_i) vs J_i(ν_{i,R−1})
-            state["eq4"][0, i], state["eq4"][1, i] = checks
+            state["_eq4"][0, i], state["_eq4"][1, i] = checks
     if args.opt == "adam":                                           # line 10 with Adam (FedOpt), α·γ
         nu_next, state["server_opt"] = server_adam(nu, deltas, args.global_lr, args.lr, state["server_opt"])
     else:
@@ -400,7 +400,7 @@ def evaluate(model, fed, args, state, ctx):
     extra = {"test_model": "nu" if lodo else "theta",
              "global_val_acc": nu_val, "global_test_acc": nu_test, "global_per_test": nu_per}
     if args.personalize != "ft":                                     # the end-of-round check (line 8)
-        j_theta, j_nu = state["eq4"]
+        j_theta, j_nu = state["_eq4"]
         took = j_nu.isfinite()                                       # (None: the client sat the round out)
         extra.update(eq4_holds=((j_theta <= j_nu) & took).sum().item() / max(took.sum().item(), 1),
                      **{k: [v if ok else None for v, ok in zip(j.tolist(), took.tolist())]

@@ -72,9 +72,11 @@ TARGETS = {"harness": (">=", 0.90), "fediir": ("<=", 1.25), "fedipg": ("<=", 2.0
 # ----------------------------------------------------------------------- the pure parts (tested on the CPU)
 
 def strip_seconds(results):
-    """The results JSON without what may differ between identical runs: wall-clock seconds and --out."""
+    """The results JSON without what may differ between identical runs: wall-clock seconds, --out and the
+    provenance (its command names --out)."""
     r = json.loads(json.dumps(results))
     r["args"].pop("out", None)
+    r.pop("provenance", None)
     for d in r["domains"].values():
         for row in d["history"]:
             row.pop("seconds", None)

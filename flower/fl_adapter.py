@@ -146,12 +146,12 @@ def serve(grid, method, argv, rounds, wait=600.0):
     link, run = Link(grid, wait), common.run
     link.method = method
 
-    def flower_run(name, args, round_fn, init_state, evaluate_fn):
+    def flower_run(name, args, round_fn, init_state, evaluate_fn, argv=None):
         if args.parallel_clients == "on":
             raise common.UserError("--parallel-clients on: on Flower every client trains on its own node; use off")
         link.args, link.out = json.dumps(vars(args)), args.out   # as common.run receives them; the nodes resolve the rest alike
         fn = lambda t, model, fed, a, state, ctx: rounds(link, t, model, fed, a, state, ctx)
-        return run(name, args, fn, init_state, evaluate_fn)
+        return run(name, args, fn, init_state, evaluate_fn, argv)
     common.run = flower_run
     try:
         return mod.main(argv), link

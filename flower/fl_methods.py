@@ -228,14 +228,14 @@ def perinvfl_round(link, t, model, fed, args, state, ctx):
     nu, N = common.get_flat(model), len(fed.clients)
     lam = args.lam if t > args.anneal else 1.0                               # IRM's penalty schedule
     if perinvfl.scored(t, args):
-        state["eq4"].fill_(float("nan"))
+        state["_eq4"].fill_(float("nan"))
     ids = common.sample_clients(ctx, N, args.sample)
     up = link.ask(t, "train.perinvfl", [(i, {"nu": nu, "lam": lam, "nq": N * state["q"][i],
                                               "score": perinvfl.scored(t, args)}) for i in ids], fed, ctx.gen)
     for i, r in zip(ids, up):
         state["theta"][i] = r["theta"]                                        # (the copy that is scored)
         if r["checks"] is not None:
-            state["eq4"][0, i], state["eq4"][1, i] = r["checks"]
+            state["_eq4"][0, i], state["_eq4"][1, i] = r["checks"]
     deltas, risks = [r["delta"] for r in up], {i: r["risk"] for i, r in zip(ids, up)}
     if args.opt == "adam":                                                    # line 10
         nu_next, state["server_opt"] = perinvfl.server_adam(nu, deltas, args.global_lr, args.lr, state["server_opt"])
