@@ -20,8 +20,6 @@ the last is reported. --stage2-comms 0: stage 1 only, the paper's "our FedAvg". 
 128, E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8, K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta
 lr 0.05), Figure 1a (20 clients), Appendix D.3 (ResNet-50); each default's source, the digits' and fixed
 clients' defaults, the readings and the results: docs/fedloe.md.
-
-    python fedloe.py --dataset pacs --data-root ./data --dg fish
 """
 import math
 
