@@ -172,9 +172,8 @@ def fedloe_round(link, t, model, fed, args, state, ctx):
         up = link.ask(t, "train.fedloe_head", [(c, {"theta": theta}) for c in range(P)], fed, ctx.gen)   # Eq. 10
         Ws, bs = torch.stack([r["W"] for r in up]).to(theta.device), torch.stack([r["b"] for r in up]).to(theta.device)
         preds = link.ask(t, "query.fedloe", [(c, {"theta": theta, "Ws": Ws, "bs": bs}) for c in range(P)], fed)
-        T = fedloe.tuning(torch.cat([r["Y"] for r in preds]).to(theta.device),
-                          torch.cat([r["y"] for r in preds]).to(theta.device), [len(r["y"]) for r in preds],
-                          [c.n for c in fed.clients])
+        T = fedloe.Tuning(torch.cat([r["Y"] for r in preds]).to(theta.device),
+                          torch.cat([r["y"] for r in preds]).to(theta.device), [len(r["y"]) for r in preds])
         phi = fedloe.solve_phi(T, args)                                                         # Eq. 11
         if not bool(torch.isfinite(phi).all()):
             raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
@@ -186,8 +185,6 @@ def fedloe_round(link, t, model, fed, args, state, ctx):
         state["phi"] = phi
         print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1 / P:.4f})",
               flush=True)
-    stage = "stage1" if t <= args.stage1_comms else "stage2"
-    state["bytes"][stage] = [a + b for a, b in zip(state["bytes"][stage], reversed(link.moved[t]))]   # measured
     return {c: r["loss"] for c, r in enumerate(up)}
 
 

@@ -110,7 +110,7 @@ def branch(model, fed, args, ctx):
 def spawn_round(t, model, fed, args, state, ctx):
     if t - 1 in args.spawn:                                            # the trunk has run k = t - 1 epochs
         state["branch"] = dict(k=t - 1, **branch(model, fed, args, ctx))
-    return fedloe.stage1_round(model, fed, args, state, ctx)
+    return fedloe.stage1_round(model, fed, args, ctx)
 
 
 def init_state(model, fed, args, ctx):

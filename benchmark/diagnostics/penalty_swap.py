@@ -22,7 +22,7 @@ seeds as perinvfl.py's. The penalties P_i, each the method file's own function:
             of the mean over all clients of ∇_ω R_i at the round's ν (fediir.classifier_grads,
             fediir.gbar_mean, full batch); g̃ is a constant in P_i. --ema 0: no EMA (g̃ = the mean).
     fedipg  FedIPG's Eq. 9, d² with d = ⟨∇R_i(ν), ν⟩ over every parameter (fedipg.risk_and_d, exact)
-    vrex    V-REx as fedloe.py's default `--dg-form feddg`: the variance of the per-example losses within
+    vrex    V-REx as fedloe.py's (its base code's): the variance of the per-example losses within
             the client (fedloe.rex_penalty on one client's logits); the mean over the clients of g_i
             makes it fedloe's mean over the clients
     none    ERM: no penalty term and no division in any round, the same l2 and Adam
@@ -95,8 +95,8 @@ def objective(name, model, x, y, aux=None):
         g = torch.autograd.grad(risk, list(model.classifier.parameters()), create_graph=True)   # ∇_ω R_i
         P = fediir.iir_penalty(g, aux)
     elif name == "vrex":                                       # the client's logits as one "head" of fedloe
-        T = fedloe.Tuning(logits[:, None, :], y, [len(y)], [len(y)])
-        P = fedloe.rex_penalty(torch.ones(1, dtype=logits.dtype, device=logits.device), T, "feddg")
+        T = fedloe.Tuning(logits[:, None, :], y, [len(y)])
+        P = fedloe.rex_penalty(torch.ones(1, dtype=logits.dtype, device=logits.device), T)
     else:
         P = None
     return loss, risk, P
