@@ -149,7 +149,7 @@ def tiny_args(**kw):
     a = dict(sample=2, batch_size=100, local_epochs=1, lr=0.5, momentum=0.0, weight_decay=0.0,
              global_lr=1.0, uniform_avg=False, size_avg=False, parallel_clients="off")
     a.update(kw)
-    return type("Args", (), a)
+    return types.SimpleNamespace(**a)
 
 
 def tiny_ctx():
@@ -1243,10 +1243,11 @@ def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
     ("perinvfl", ["--dataset", "rcmnist", "--lam", "-1"], "--lam must be >= 0, got -1.0"),
     ("perinvfl", ["--dataset", "rcmnist", "--S", "0"], "--S must be at least 1, got 0"),
     ("perinvfl", ["--dataset", "rcmnist", "--eta", "0"], "--eta must be positive, got 0.0"),
-    ("perinvfl", ["--dataset", "rcmnist", "--theta", "both"], "argument --theta: invalid choice: 'both'"),
-    ("perinvfl", ["--dataset", "rcmnist", "--personalize", "ft", "--ft-epochs", "0"], "--ft-epochs must be at least 1, got 0"),
+    ("perinvfl", ["--dataset", "rcmnist", "--momentum", "0.9"], "--momentum must be 0, got 0.9"),
+    ("perinvfl_variants", ["--dataset", "rcmnist", "--theta", "both"], "argument --theta: invalid choice: 'both'"),
+    ("perinvfl_variants", ["--dataset", "rcmnist", "--personalize", "ft", "--ft-epochs", "0"], "--ft-epochs must be at least 1, got 0"),
     ("fedavg", ["--dataset", "rmnist", "--no-rotation"], "--no-rotation applies to rcmnist and rcfmnist only, not rmnist"),
-    ("perinvfl", ["--dataset", "rcmnist", "--inv", "vrex"], "argument --inv: invalid choice: 'vrex'"),
+    ("perinvfl_variants", ["--dataset", "rcmnist", "--inv", "vrex"], "argument --inv: invalid choice: 'vrex'"),
     ("fedavg", ["--dataset", "rcmnist", "--p-test", "1.5"], "--p-test must be in [0, 1], got 1.5"),
     ("fedavg", ["--dataset", "rcmnist", "--clients", "5"], "--clients 5 does not match the 4 clients"),
     ("fedloe", ["--rounds", "5"], "fedloe sets the rounds and local epochs from --stage1-epochs"),
@@ -1286,7 +1287,7 @@ def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
      "--penalty tangent needs a chain of Conv2d, Linear, ReLU, GroupNorm, MaxPool2d, GlobalMean, Flatten"),
     ("fedipg", QUICK + ["--parallel-clients", "on"], "--parallel-clients on: fedipg trains with --local-step paper one "
                                                      "client after another"),
-    ("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--inv", "groupdro", "--parallel-clients", "on"],
+    ("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--inv", "groupdro", "--parallel-clients", "on"],
      "--parallel-clients on: perinvfl trains its clients one after another"),
     ("fedomg", ["--dataset", "pacs", "--parallel-clients", "on"], "--parallel-clients on: not for pacs"),
     ("fedavg", ["--parallel-clients", "yes"], "argument --parallel-clients: invalid choice: 'yes'"),
@@ -1297,6 +1298,8 @@ def test_method_flags_bad_input(module, argv, message, capsys):
 
 # ---------------------------------------------------------------------------------------- perinvfl
 import perinvfl  # noqa: E402
+sys.path.insert(0, str(HERE / "benchmark" / "diagnostics"))
+import perinvfl_variants as pv  # noqa: E402  (kept θ_i, Adam on line 8, IRM-L2, IRM-FT, GroupDRO, the Eq. 4 check)
 
 
 def irm_penalty_by_hand(z, y):
@@ -1327,7 +1330,7 @@ def pinv_args(**kw):
              personalize="dual", beta=0.0, lam=3.0, anneal=0, R=1, S=1, opt="sgd", eta_q=0.5, theta="reset",
              theta_opt="sgd", eta=None, eval_every=10 ** 6, rounds=10 ** 6, parallel_clients="off")   # (no end-of-round check)
     a.update(kw)
-    return type("Args", (), a)
+    return types.SimpleNamespace(**a)
 
 
 def pinv_loss_by_hand(theta, x, y, lam, wd, weight=1.0):
@@ -1346,7 +1349,7 @@ def grad_by_hand(theta, client, lam, wd, weight=1.0):
 
 def pinv_setup(**kw):
     model, fed, ctx, args = tiny_model(), tiny_federation(), tiny_ctx(), pinv_args(**kw)
-    state = perinvfl.init_state(model, fed, args, ctx)
+    state = pv.init_state(model, fed, args, ctx)                      # (perinvfl.py's state and the variants')
     return model, fed, ctx, args, state
 
 
@@ -1361,7 +1364,7 @@ def test_perinvfl_lines_8_to_10_against_a_hand_computation(dtype):
         nu = common.get_flat(model)
         theta0 = nu + 0.1 * torch.randn(len(nu), generator=torch.Generator().manual_seed(1))
         state["theta"] = [theta0.clone(), theta0.clone()]
-        perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+        pv.variant_round(1, model, fed, args, state, ctx)
         nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay) for c in fed.clients]
         assert nu.dtype == dtype
         assert torch.allclose(common.get_flat(model), nu - alpha * (nu - sum(nu_i) / 2), **TINY_TOL[dtype])
@@ -1385,7 +1388,7 @@ def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
     far = [common.get_flat(model) + 5.0, common.get_flat(model) - 5.0]
     state["theta"] = [f.clone() for f in far]
     nu = common.get_flat(model)
-    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    pv.variant_round(1, model, fed, args, state, ctx)
     for i, c in enumerate(fed.clients):
         assert (state["theta"][i] - nu).norm() < 0.05 * (far[i] - nu).norm()
 
@@ -1393,7 +1396,7 @@ def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
 def test_perinvfl_groupdro_updates_q_from_the_uploaded_risks():
     model, fed, ctx, args, state = pinv_setup(inv="groupdro")
     nu = common.get_flat(model)
-    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    pv.variant_round(1, model, fed, args, state, ctx)
     W, b = nu[:48].view(3, 16), nu[48:]
     risks = torch.stack([F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) for c in fed.clients])
     q = 0.5 * torch.exp(args.eta_q * risks)
@@ -1401,7 +1404,7 @@ def test_perinvfl_groupdro_updates_q_from_the_uploaded_risks():
     # and the next round's ν-step of client i is on N q_i R_i (no IRM term under GroupDRO)
     model2, fed, ctx, args, state2 = pinv_setup(inv="groupdro")
     state2["q"] = state["q"].clone()
-    perinvfl.perinvfl_round(1, model2, fed, args, state2, ctx)
+    pv.variant_round(1, model2, fed, args, state2, ctx)
     nu_i = []
     for i, c in enumerate(fed.clients):
         th = nu.clone().requires_grad_()
@@ -1415,13 +1418,13 @@ def test_perinvfl_ablations_l2_and_ft():
     model, fed, ctx, args, state = pinv_setup(personalize="ft", beta=5.0, S=2, ft_epochs=2, ft_batch=4)
     theta0 = [t.clone() for t in state["theta"]]
     nu = common.get_flat(model)
-    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    pv.variant_round(1, model, fed, args, state, ctx)
     assert all(torch.equal(a, b) for a, b in zip(state["theta"], theta0))   # ft: θ_i is made when scored
     net, c = tiny_model(), fed.clients[1]                 # ft: ν after 2 epochs of minibatch ERM, no β term
     common.set_flat(net, nu)
     gen = torch.Generator()
     gen.set_state(ctx.gen.get_state())                    # the minibatch order fine_tune will draw
-    got = perinvfl.fine_tune(net, c, args, ctx)
+    got = pv.fine_tune(net, c, args, ctx)
     th = nu.clone()
     for _ in range(2):
         perm = torch.randperm(c.n, generator=gen)
@@ -1436,7 +1439,7 @@ def test_perinvfl_ablations_l2_and_ft():
     theta0 = common.get_flat(model) + 0.3
     state["theta"] = [theta0.clone(), theta0.clone()]
     nu = common.get_flat(model)
-    perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
+    pv.variant_round(1, model, fed, args, state, ctx)
     for i, c in enumerate(fed.clients):                   # l2: ERM + β||θ − ν||², no IRM term
         t_ = theta0.clone().requires_grad_()
         W, b = t_[:48].view(3, 16), t_[48:]
@@ -1593,10 +1596,10 @@ def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch, device):
     assert r["best_round"] == 12 and len(r["per_client_test_acc"]) == 4 and len(r["global_per_test"]) == 4
     assert abs(sum(r["per_client_test_acc"].values()) / 4 - r["test_acc"]) < 1e-6   # equal test sets
     out2 = str(tmp_path / "resumed.json")
-    resumed = interrupted_then_resumed(perinvfl.main, argv + ["--inv", "groupdro"], out2, monkeypatch,
-                                       lambda b: b["round"] == 4)
-    straight, _ = run(perinvfl.main, argv + ["--inv", "groupdro"], tmp_path, "straight.json")
-    assert strip_times(resumed) == strip_times(straight)
+    for main, more in ((perinvfl.main, []), (pv.main, ["--inv", "groupdro"])):   # (GroupDRO's q resumes too)
+        resumed = interrupted_then_resumed(main, argv + more, out2, monkeypatch, lambda b: b["round"] == 4)
+        straight, _ = run(main, argv + more, tmp_path, "straight.json")
+        assert strip_times(resumed) == strip_times(straight)
 
 
 def write_fake_waterbird(root, n=48, per_place=40):
@@ -2451,7 +2454,8 @@ LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.solve_phi"]
 # CUDA its step functions also under the debug mode, not the whole round (once a round, its GroupDRO
 # update indexes q with a Python list: a copy to the device, which that mode reports).
 LOE_PINV = ["perinvfl.perinvfl_round", "perinvfl.batch", "perinvfl.inv_loss"]
-LOE_ROUND_ONLY = {"perinvfl.perinvfl_round"}
+LOE_PINV_VARIANT = ["perinvfl_variants.variant_round", "perinvfl.batch"]      # (benchmark/diagnostics)
+LOE_ROUND_ONLY = {"perinvfl.perinvfl_round", "perinvfl_variants.variant_round"}
 LOE_SYNC_CASES = [                 # method, argv, the functions that hold its per-step loops
     pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"], ["common.local_sgd"],
                  id="fedavg"),
@@ -2473,12 +2477,15 @@ LOE_SYNC_CASES = [                 # method, argv, the functions that hold its p
                  id="fedloe-fish"),
     pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2", "--R", "2"],
                  LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl"),
-    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--theta", "kept", "--theta-opt", "adam",
-                              "--anneal", "1"], LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl-kept-adam"),
-    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "l2", "--inv", "groupdro",
-                              "--opt", "sgd"], LOE_PINV + ["perinvfl.theta_loss"], id="perinvfl-l2-groupdro"),
-    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "ft", "--ft-batch", "256"],
-                 LOE_PINV + ["perinvfl.fine_tune"], id="perinvfl-ft"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "2", "--theta", "kept", "--theta-opt",
+                                       "adam", "--anneal", "1"],
+                 LOE_PINV_VARIANT + ["perinvfl.inv_loss", "perinvfl.theta_loss"], id="perinvfl-kept-adam"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "l2", "--inv",
+                                       "groupdro", "--opt", "sgd"], LOE_PINV_VARIANT + ["perinvfl.theta_loss"],
+                 id="perinvfl-l2-groupdro"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "ft", "--ft-batch",
+                                       "256"], LOE_PINV_VARIANT + ["perinvfl.inv_loss", "perinvfl_variants.fine_tune"],
+                 id="perinvfl-ft"),
     pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "tangent"], ["fedipg.paper_step"],
                  id="fedipg-tangent"),
     pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--penalty", "layers"], ["fedipg.paper_step"], id="fedipg-layers"),
@@ -3574,8 +3581,8 @@ def test_stage2_over_several_communications_by_hand():
     assert not torch.allclose(phi, torch.full((2,), 0.5), atol=1e-3)        # the server did move φ
 
 
-# ---- PerInvFL's Algorithm 1, line 8 (issue 28): which θ_i line 8 starts from (`--theta reset|kept`), its
-# PerInvFL's Algorithm 1, line 8 (issue 28): which θ_i line 8 starts from (`--theta reset|kept`), its
+# ---- PerInvFL's Algorithm 1, line 8: which θ_i line 8 starts from (`--theta reset|kept`, perinvfl_variants.py), its
+# PerInvFL's Algorithm 1, line 8: which θ_i line 8 starts from (`--theta reset|kept`, perinvfl_variants.py), its
 # optimiser's state across rounds and across the switch to the large λ, line 8 ending no worse than ν on
 # its own objective J_i (Eq. 4, as the file defines it), and R > 1 local steps of ν.
 
@@ -3611,7 +3618,7 @@ def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_
     state["theta"] = [nu0 + 3.0, nu0 - 3.0]
     for t in range(1, 6):
         nu = common.get_flat(model)
-        perinvfl.perinvfl_round(t, model, fed, args, state, ctx)
+        pv.variant_round(t, model, fed, args, state, ctx)
         lam = 50.0 if t > 2 else 1.0
         for i, c in enumerate(fed.clients):
             j_theta, j_nu = J_by_hand(state["theta"][i], nu, c, lam, args), J_by_hand(nu, nu, c, lam, args)
@@ -3639,7 +3646,7 @@ def test_theta_readings_and_r_above_one_against_a_hand_computation(reading, monk
     for t in (1, 2):
         nu, ends = common.get_flat(model), []
         starts.clear()
-        perinvfl.perinvfl_round(t, model, fed, args, state, ctx)
+        pv.variant_round(t, model, fed, args, state, ctx)
         for i, c in enumerate(fed.clients):
             th, nu_r = (nu.clone() if reading == "reset" else theta[i]), nu.clone()
             assert torch.equal(next(p for n, p in starts if n == c.n), th)   # line 8's θ_i^0 this round
@@ -3666,7 +3673,7 @@ def test_line8_adam_state_across_rounds_and_at_the_lambda_switch(reading):
     adam, prev = [None, None], [t.clone() for t in state["theta"]]
     for t in range(1, 5):
         nu = common.get_flat(model)
-        perinvfl.perinvfl_round(t, model, fed, args, state, ctx)
+        pv.variant_round(t, model, fed, args, state, ctx)
         lam = 50.0 if t > 2 else 1.0
         for i, c in enumerate(fed.clients):
             start = nu if reading == "reset" else prev[i]
@@ -3683,14 +3690,14 @@ def test_the_check_is_in_the_results_and_holds_under_the_default_reading(tmp_pat
     the same numbers (whatever they are)."""
     argv = ["--dataset", "rcmnist", "--rounds", "4", "--eval-every", "2", "--anneal", "2", "--lam", "100",
             "--lr", "2e-3"]
-    res, _ = run(perinvfl.main, argv, tmp_path)
+    res, _ = run(pv.main, argv, tmp_path)
     assert res["args"]["theta"] == "reset"
     hist = res["domains"]["clients"]["history"]
     assert [h["round"] for h in hist] == [2, 4]
     for h in hist:
         assert h["eq4_holds"] == 1.0 and all(a < b for a, b in zip(h["eq4_theta"], h["eq4_nu"])), h
         assert len(h["eq4_theta"]) == 4
-    kept, _ = run(perinvfl.main, argv + ["--theta", "kept"], tmp_path, "kept.json")
+    kept, _ = run(pv.main, argv + ["--theta", "kept"], tmp_path, "kept.json")
     last = kept["domains"]["clients"]["history"][-1]
     assert kept["args"]["theta"] == "kept" and len(last["eq4_nu"]) == 4 and 0 <= last["eq4_holds"] <= 1
     assert all(v > 0 for v in last["eq4_theta"] + last["eq4_nu"])
@@ -4394,7 +4401,6 @@ def test_perinvfl_lodo_scores_nu_on_the_held_out_domain(tmp_path):
     best = max(hist, key=lambda h: h["val_acc"])                               # the first of equals
     assert r["best_round"] == best["round"] and r["test_acc"] == best["test_acc"] == best["global_test_acc"]
     assert r["personal_val_acc"] == best["personal_val_acc"] and res["mean_test_acc"] == r["test_acc"]
-    assert len(r["eq4_theta"]) == 2 and r["eq4_holds"] in (0.0, 0.5, 1.0)
 
 
 def test_perinvfl_lodo_defaults_and_one_epoch_of_line_9(monkeypatch):
@@ -4407,8 +4413,7 @@ def test_perinvfl_lodo_defaults_and_one_epoch_of_line_9(monkeypatch):
     a = common.resolve(p.parse_args(["--dataset", "rmnist", "--out", "/tmp/perinvfl-lodo-defaults.json"]),
                        "perinvfl", perinvfl.DEFAULTS)
     assert (a.model, a.lr, a.batch_size, a.select, a.rounds, a.local_epochs) == ("convnet", 1e-2, 64, "val", 100, 1)
-    assert (a.R, a.S, a.opt, a.theta_opt, a.momentum, a.lam, a.anneal, a.beta, a.theta) == \
-        ("epoch", 1, "sgd", "sgd", 0.0, 1.0, 0, 1.0, "reset")
+    assert (a.R, a.S, a.opt, a.momentum, a.lam, a.anneal, a.beta) == ("epoch", 1, "sgd", 0.0, 1.0, 0, 1.0)
     rc = common.resolve(p.parse_args(["--dataset", "rcmnist", "--out", "/tmp/perinvfl-lodo-defaults.json"]),
                         "perinvfl", perinvfl.DEFAULTS)
     assert (rc.R, rc.opt, rc.lam, rc.anneal, rc.eta) == (1, "adam", 91257.186, 190, 0.1)
@@ -4445,6 +4450,7 @@ def test_rcmnist_ptest_rows_name_line_8s_reading():
     assert labels[0] == "perinvfl irm dual, theta reset, line 8 sgd"
     assert labels[-1] == "perinvfl irm dual, before issue 28"
     assert rcmnist_ptest.label({"method": "fedavg", "args": {}}) == "fedavg"
+    assert rcmnist_ptest.label({"method": "perinvfl", "args": {}}) == labels[0]   # perinvfl.py's run: its defaults
 
 
 # ---- Copy a method, not the project: each method's plain functions are lifted by their source into a
@@ -4867,15 +4873,20 @@ def test_fedloe_docs_loop_is_the_tested_loop():
     assert torch.equal(flat(model), expected) and torch.equal(ns["phi"], phi)
 
 
-# ---- PerInvFL copied: its plain functions (irm_penalty, l_inv, rescale, J_i, server_update, server_adam,
-# PerInvFL copied: its plain functions (irm_penalty, l_inv, rescale, J_i, server_update, server_adam,
-# q_update) lifted by their source into a torch-only namespace, driven for two rounds of Algorithm 1 by
+# ---- PerInvFL copied: its plain functions (risk_of_scale, irm_penalty, l_inv, rescale, J_i, server_update,
+# PerInvFL copied: its plain functions (risk_of_scale, irm_penalty, l_inv, rescale, J_i, server_update,
+# server_adam; GroupDRO's q_update from perinvfl_variants.py) lifted by their source into a torch-only namespace, driven for two rounds of Algorithm 1 by
 # a loop written here (the test's own model, three ragged clients of its own data, no common.py, no
 # data.py), and checked against perinvfl.perinvfl_round on the same data and minibatches: bit for bit
 # (torch.equal, CPU). The loop of docs/perinvfl.md's "Copy it" is run as printed and checked the same
 # way.
 
-PINV_PLAIN = ("irm_penalty", "l_inv", "rescale", "J_i", "server_update", "server_adam", "q_update")
+PINV_PLAIN = ("risk_of_scale", "irm_penalty", "l_inv", "rescale", "J_i", "server_update", "server_adam")
+
+
+def pinv_copied():
+    """perinvfl.py's plain functions and the variants' q_update, copied alone into one namespace."""
+    return types.SimpleNamespace(**vars(copied(perinvfl, *PINV_PLAIN)), **vars(copied(pv, "q_update")))
 
 
 def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta, alpha, momentum, R, S, B,
@@ -4902,8 +4913,8 @@ def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta
 
     for t in range(1, rounds + 1):
         lam_t = lam if t > anneal else 1.0
-        pen = None if groupdro else lam_t                          # L_INV's IRMv1 weight (GroupDRO: none)
-        pen8 = None if personalize == "l2" else pen                # IRM-L2: ERM + β||θ_i − ν||² on line 8
+        pen = 0.0 if groupdro else lam_t                           # L_INV's IRMv1 weight (GroupDRO: none)
+        pen8 = 0.0 if personalize == "l2" else pen                 # IRM-L2: ERM + β||θ_i − ν||² on line 8
         deltas, risks = [], {}
         for i in torch.randperm(N, generator=sampler)[:C].tolist():
             xi, yi = clients[i]
@@ -4917,16 +4928,21 @@ def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta
                 load(model, nu_ir)
                 for s in range(S):                                 # line 8
                     x, y = draw(xi, yi)
-                    loss = m.J_i(theta_net(x), y, list(theta_net.parameters()), nu_ir, pen8, wd, beta)
+                    own = dict(theta_net.named_parameters()), dict(theta_net.named_buffers())
+                    loss = m.J_i(theta_net, *own, x, y, nu_ir, pen8, wd, beta)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
                 x, y = draw(xi, yi)                                # line 9
-                params = list(model.parameters())
-                loss, risk = m.l_inv(model(x), y, params, pen, wd, N * q[i] if groupdro else None)
+                params = dict(model.named_parameters())
                 if r == 0:
-                    risks[i] = risk.detach()
-                g = torch.autograd.grad(loss / m.rescale(pen), params)
+                    with torch.no_grad():
+                        risks[i] = F.cross_entropy(model(x), y)
+                if groupdro:                                       # N q_i R_i + IRM's L2
+                    loss = N * q[i] * F.cross_entropy(model(x), y) + wd / 2 * sum(p.pow(2).sum() for p in params.values())
+                else:
+                    loss = m.l_inv(model, params, dict(model.named_buffers()), x, y, None, pen, wd) / m.rescale(pen)
+                g = torch.autograd.grad(loss, list(params.values()))
                 delta -= gamma * torch.cat([gi.reshape(-1) for gi in g])
             deltas.append(delta)                                   # Δ_i, uploaded
             theta[i], opt_state[i], opt_lam[i] = flat(theta_net), opt.state_dict(), lam_t
@@ -4942,11 +4958,11 @@ def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta
 
 CASES = {   # the loop's arguments, and the same as perinvfl.py's flags
     # IRM, θ_i reset, R = S = 2, minibatches, line 8 with momentum, the server's Adam, λ = 50 from round 2
-    "irm-reset-adam": (dict(lam=50.0, anneal=1, beta=0.5, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0, momentum=0.9,
+    "irm-reset-adam": (dict(lam=50.0, anneal=1, beta=0.5, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0, momentum=0.0,
                             R=2, S=2, B=4),
                        dict(inv="irm", personalize="dual", theta="reset", opt="adam", R=2, S=2)),
-    # GroupDRO, θ_i kept (its momentum carried into round 2), R = one epoch's steps, the plain average at α 0.5
-    "groupdro-kept-epoch": (dict(lam=3.0, anneal=0, beta=0.7, wd=0.01, gamma=0.1, eta=0.05, alpha=0.5, momentum=0.9,
+    # GroupDRO, θ_i kept (perinvfl_variants.py), R = one epoch's steps, the plain average at α 0.5
+    "groupdro-kept-epoch": (dict(lam=3.0, anneal=0, beta=0.7, wd=0.01, gamma=0.1, eta=0.05, alpha=0.5, momentum=0.0,
                                  R="epoch", S=1, B=4, reading="kept", adam=False, groupdro=True),
                             dict(inv="groupdro", personalize="dual", theta="kept", opt="sgd", R="epoch", S=1)),
     # IRM-L2 on line 8, IRM's rescaling at λ = 3 from round 1, full batch
@@ -4971,16 +4987,17 @@ def perinvfl_rounds(clients, T, kw):
     args = types.SimpleNamespace(**kw)
     ctx = common.Context(torch.device("cpu"), torch.Generator().manual_seed(1), torch.Generator().manual_seed(2),
                          common.make_prep("rmnist", "cpu"))
-    state = perinvfl.init_state(model, fed, args, ctx)
+    state = pv.init_state(model, fed, args, ctx)
+    own = (kw["inv"], kw["personalize"], kw["theta"]) == ("irm", "dual", "reset")   # perinvfl.py's, else a variant
     for t in range(1, T + 1):
-        perinvfl.perinvfl_round(t, model, fed, args, state, ctx)
+        (perinvfl.perinvfl_round if own else pv.variant_round)(t, model, fed, args, state, ctx)
     return flat(model), state
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_perinvfl_copied(case):
     """Two rounds: ν^2, every θ_i and q of the copied loop are those of perinvfl_round, bit for bit."""
-    m = copied(perinvfl, *PINV_PLAIN)
+    m = pinv_copied()
     clients = three_clients()
     loop, extra = CASES[case]
     nu, theta, q = copied_perinvfl_rounds(m, clients, 2, **loop)
@@ -5001,7 +5018,7 @@ def test_perinvfl_docs_loop_is_the_method():
     plain line-8 steps, the server's Adam, λ's switch), executed as printed with the copied functions
     and its client draw seeded like perinvfl_rounds' sampler: ν^2 and the θ_i are perinvfl_round's and
     the loop above's, bit for bit."""
-    m = copied(perinvfl, *PINV_PLAIN)
+    m = pinv_copied()
     clients = three_clients()
     page = (HERE / "docs" / "perinvfl.md").read_text()
     loop = [b for b in re.findall(r"```python\n(.*?)```", page.split("## Copy it", 1)[1], re.S) if "for t in" in b][0]
@@ -5999,11 +6016,11 @@ def test_fedavg_docs_loop_runs():
 
 # ------------------------------------------- PerInvFL's line 9 at once (--parallel-clients on)
 # Line 9's full-batch step of every sampled client at once through common.at_once with
-# perinvfl.l_inv_at (IRMv1's dummy-scale derivative a nested torch.func.grad); line 8 stays client by
+# perinvfl.l_inv, the sequential objective (IRMv1's dummy-scale derivative a nested torch.func.grad); line 8 stays client by
 # client. Measured on the CPU (torch float32): see the tolerances asserted below.
 
 PINV_PAR = ["--R", "1", "--batch-size", "100000", "--lam", "50", "--anneal", "1", "--beta", "0.5", "--S", "2",
-            "--theta", "kept", "--weight-decay", "1e-3"]
+            "--weight-decay", "1e-3"]
 
 
 def test_parallel_perinvfl_line_9_matches_sequential_across_the_lambda_switch(tmp_path, monkeypatch, dtype):
@@ -6050,7 +6067,6 @@ def test_parallel_perinvfl_run_matches_sequential_and_resumes(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("argv,reason", [
-    (["--inv", "groupdro", "--R", "1"], "under --inv groupdro"),
     ([], "unless --R 1"),
     (["--R", "1", "--batch-size", "8"], "takes line 9 at once at full batch only"),
 ])

@@ -2,7 +2,8 @@
 same common arguments, so that every method sees identical splits, seeds and model selection.
 
     python benchmark/run.py --dataset rmnist --clients 50 --seeds 0 1 2
-    python benchmark/run.py --dataset rcmnist --methods fedavg perinvfl "perinvfl-ft=perinvfl --personalize ft"
+    python benchmark/run.py --dataset rcmnist --methods fedavg perinvfl \
+        "perinvfl-ft=benchmark/diagnostics/perinvfl_variants --personalize ft"
     python benchmark/run.py --dataset rmnist --rounds 5 --jobs 2 -- --eval-every 1
 
 A method is a script name (fedavg, fediir, ...) or `label=script extra args` for a variant. Every
@@ -43,8 +44,9 @@ def variants(methods):
     for m in methods:
         label, _, spec = m.partition("=") if "=" in m else (m, "", m)
         script, *extra = shlex.split(spec)
-        if not (ROOT / f"{script}.py").is_file() or script not in ALL:
-            sys.exit(f"run.py: error: unknown method {script!r}; choose from {', '.join(ALL)}")
+        if not (ROOT / f"{script}.py").is_file() or not (script in ALL or script.startswith("benchmark/diagnostics/")):
+            sys.exit(f"run.py: error: unknown method {script!r}; choose from {', '.join(ALL)} "
+                     "(or a script under benchmark/diagnostics/, e.g. benchmark/diagnostics/perinvfl_variants)")
         out.append((label, script, extra))
     return out
 

@@ -217,43 +217,25 @@ HANDLERS.update({"train.fedloe": fedloe_train, "train.fedloe_head": fedloe_head,
 
 
 # -------------------------------------------------------------------------------------- PerInvFL
-# ν, q and line 10 on the server; θ_i and its optimiser in the node's state (Context.state), where
-# lines 5-9 run (perinvfl.client_update). θ_i goes up with each update only so that the server can
-# score the personalised models as perinvfl.evaluate does; the node trains from its own copy.
+# ν and line 10 on the server; lines 5-9 on the node (perinvfl.client_update, θ_i ← ν^t every round).
+# θ_i goes up with each update only so that the server can score the personalised models as
+# perinvfl.evaluate does.
 
 def perinvfl_round(link, t, model, fed, args, state, ctx):
-    nu, N = common.get_flat(model), len(fed.clients)
-    lam = args.lam if t > args.anneal else 1.0                               # IRM's penalty schedule
-    if perinvfl.scored(t, args):
-        state["_eq4"].fill_(float("nan"))
-    ids = common.sample_clients(ctx, N, args.sample)
-    up = link.ask(t, "train.perinvfl", [(i, {"nu": nu, "lam": lam, "nq": N * state["q"][i],
-                                              "score": perinvfl.scored(t, args)}) for i in ids], fed, ctx.gen)
+    nu, lam = common.get_flat(model), args.lam if t > args.anneal else 1.0   # IRM's penalty schedule
+    ids = common.sample_clients(ctx, len(fed.clients), args.sample)
+    up = link.ask(t, "train.perinvfl", [(i, {"nu": nu, "lam": lam}) for i in ids], fed, ctx.gen)
     for i, r in zip(ids, up):
         state["theta"][i] = r["theta"]                                        # (the copy that is scored)
-        if r["checks"] is not None:
-            state["_eq4"][0, i], state["_eq4"][1, i] = r["checks"]
-    deltas, risks = [r["delta"] for r in up], {i: r["risk"] for i, r in zip(ids, up)}
-    if args.opt == "adam":                                                    # line 10
-        nu_next, state["server_opt"] = perinvfl.server_adam(nu, deltas, args.global_lr, args.lr, state["server_opt"])
-    else:
-        nu_next = perinvfl.server_update(nu, deltas, args.global_lr)
-    common.set_flat(model, nu_next)
-    if args.inv == "groupdro":
-        state["q"] = perinvfl.q_update(state["q"], ids, torch.stack([risks[i] for i in ids]), args.eta_q)
-    return risks
+    common.set_flat(model, perinvfl.line10(nu, [r["delta"] for r in up], args, state))
+    return {i: r["risk"] for i, r in zip(ids, up)}
 
 
 def perinvfl_train(node, req, context):
-    args, lam, i = node.args, req["lam"], node.client.id
-    kept = load_state(context, node)                                          # θ_i, its optimiser, its λ
     theta_net = copy.deepcopy(node.model)                                    # holds θ_i while it works
-    saved = kept.get("opt") if kept.get("lam") == lam else None
-    delta, risk, checks, theta_i, opt = perinvfl.client_update(
-        node.model, theta_net, req["nu"], node.client, args, lam, req["nq"], kept.get("theta", node.init["theta"][i]),
-        saved, node.ctx, None, req["score"])
-    save_state(context, node, {"theta": theta_i, "opt": opt, "lam": lam})
-    return {"delta": delta, "risk": risk, "checks": checks, "theta": theta_i}
+    delta, risk, theta_i = perinvfl.client_update(node.model, theta_net, req["nu"], node.client, node.args,
+                                                  req["lam"], node.ctx)
+    return {"delta": delta, "risk": risk, "theta": theta_i}
 
 
 ROUNDS["perinvfl"], HANDLERS["train.perinvfl"] = perinvfl_round, perinvfl_train

@@ -33,9 +33,8 @@ ARGV = {
     # stage 1 (one communication), then two of stage 2: heads, predictions, Eq. 11 on the server
     "fedloe": ["--dataset", "synthetic", "--test-domain", "0", "--clients", "3", "--stage1-epochs", "1",
                "--stage1-comms", "1", "--stage2-epochs", "2", "--stage2-comms", "2"],
-    # θ_i kept on its node with its Adam state, GroupDRO's q on the server, R = S = 2
-    "perinvfl": BASE + ["--clients", "3", "--sample", "2", "--inv", "groupdro", "--theta", "kept", "--theta-opt",
-                        "adam", "--R", "2", "--S", "2", "--batch-size", "32"],
+    # R = S = 2 in minibatches: line 8 reads every ν_{i,r}; θ_i up to the server to be scored
+    "perinvfl": BASE + ["--clients", "3", "--sample", "2", "--R", "2", "--S", "2", "--batch-size", "32"],
     # the exit rule: a pre-training round with g_i up (Eq. 13), a slow client (stale w^{t-τ})
     "fedipg": BASE + ["--clients", "3", "--exit", "auto", "--exit-warmup", "1", "--aberrant", "slow:2"],
 }

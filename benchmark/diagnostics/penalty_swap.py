@@ -81,14 +81,15 @@ NU = ROOT / "benchmark/results/rcmnist-full-norot/perinvfl-seed{}.json"      # �
 # ---------------------------------------------------------------------------------- the penalties
 
 def objective(name, model, x, y, aux=None):
-    """Client i's L_INV without its invariance term, R_i + l2 ||ν||² (perinvfl.l_inv, lam None), R_i and
+    """Client i's L_INV without its invariance term, R_i + l2 ||ν||² (perinvfl.l_inv, lam 0), R_i and
     P_i (None for none) at the model's parameters, all with their graphs. aux: fediir's g̃."""
     params = list(model.parameters())
     if name == "fedipg":                  # risk_and_d's forward carries d beside the logits: no second one
         risk, d = fedipg.risk_and_d(model, x, y, *fedipg.penalty_layers(model, "auto", 1.0))
         return risk + WD / 2 * sum(p.pow(2).sum() for p in params), risk, d * d      # l_inv's l2; Eq. 9
     logits = model(x)
-    loss, risk = perinvfl.l_inv(logits, y, params, None, WD)
+    risk = torch.nn.functional.cross_entropy(logits, y)
+    loss = risk + WD / 2 * sum(p.pow(2).sum() for p in params)   # perinvfl.l_inv without its IRMv1 term
     if name == "irm":
         P = perinvfl.irm_penalty(logits, y)
     elif name == "fediir":
@@ -129,7 +130,7 @@ def swap_round(t, name, model, clients, state, args):
         loss, _, P = objective(name, model, x, y, state.get("g_tilde"))
         if w is not None:
             loss = loss + w * P
-        grad = torch.autograd.grad(loss / perinvfl.rescale(w), params)
+        grad = torch.autograd.grad(loss / perinvfl.rescale(w or 0.0), params)
         deltas.append(-LR * torch.cat([g.reshape(-1) for g in grad]))      # Δ_i = ν_{i,1} − ν^t
     nu, state["adam"] = perinvfl.server_adam(common.get_flat(model), deltas, 1.0, LR, state["adam"])
     common.set_flat(model, nu)
