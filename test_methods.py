@@ -3623,7 +3623,7 @@ def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_
         for i, c in enumerate(fed.clients):
             j_theta, j_nu = J_by_hand(state["theta"][i], nu, c, lam, args), J_by_hand(nu, nu, c, lam, args)
             assert j_theta < j_nu, (t, i, j_theta.item(), j_nu.item())
-            assert torch.allclose(state["_eq4"][:, i], torch.stack([j_theta, j_nu]), rtol=1e-5, atol=0), t
+            assert torch.allclose(state["eq4"][:, i], torch.stack([j_theta, j_nu]), rtol=1e-5, atol=0), t
 
 
 @pytest.mark.parametrize("reading", ["reset", "kept"])
@@ -3657,7 +3657,7 @@ def test_theta_readings_and_r_above_one_against_a_hand_computation(reading, monk
                 nu_r = nu_r - args.lr * grad_by_hand(nu_r, c, args.lam, args.weight_decay)
             assert torch.allclose(state["theta"][i], th, atol=1e-6), (t, i)
             want = torch.stack([J_by_hand(th, centre, c, args.lam, args), J_by_hand(centre, centre, c, args.lam, args)])
-            assert torch.allclose(state["_eq4"][:, i], want, rtol=1e-5), (t, i)
+            assert torch.allclose(state["eq4"][:, i], want, rtol=1e-5), (t, i)
             theta[i], ends = state["theta"][i].clone(), ends + [nu_r]
         assert torch.allclose(common.get_flat(model), sum(ends) / 2, atol=1e-6), t
 
