@@ -20,7 +20,7 @@ Steps 2 to 4 are plain functions of tensors and modules above the round function
 training loop (docs/fediir.md, "Copy it"): the client's classifier_grads (its upload for g_bar) and
 iir_objective (step 3); the server's gbar_mean, gbar_update (the EMA) and server_update (step 4).
 With --parallel-clients on (auto: on CUDA) step 3 trains the sampled clients at once (common.at_once)
-on iir_objective_at, the same objective written with torch.func (∇_ω R_c a nested torch.func.grad),
+on the same iir_objective (one function of the parameters, ∇_ω R_c a nested torch.func.grad),
 to float tolerance, not bit for bit (test_methods.py, test_parallel_*); the g_bar pass stays client by client.
 
 Where the paper and the official code differ, the numbers of the paper's tables come from the code,
@@ -114,33 +114,26 @@ def iir_penalty(g, g_tilde):
     return sum(((gi - gt) ** 2).sum() for gi, gt in zip(g, g_tilde))
 
 
-def iir_objective(featurizer, classifier, x, y, g_tilde, gamma):
+def iir_objective(featurizer, classifier, x, y, g_tilde, gamma, phi=None, omega=None, w=None):
     """Step 3, on client c, the local objective of one minibatch ζ = (x, y) (Algorithm 1, FedIIR's
     g_c line; the (FEDIIR) objective): R_c(θ; ζ) + γ ||∇_ω R_c(θ; ζ) − g̃||², in the code's form (for
-    the paper's γ/2, pass γ/2). ∇_ω R_c is kept in the graph (create_graph), so that the penalty's
-    gradient reaches both ω and φ (double backward). γ = 0: the plain cross-entropy (FedAvg's)."""
-    risk = F.cross_entropy(classifier(featurizer(x)), y)
-    if gamma == 0:
-        return risk
-    g = torch.autograd.grad(risk, list(classifier.parameters()), create_graph=True)
-    return risk + gamma * iir_penalty(g, g_tilde)
-
-
-def iir_objective_at(featurizer, classifier, phi, omega, x, y, w, g_tilde, gamma):
-    """iir_objective as a function of the parameters, for torch.func.vmap over clients (many clients
-    at once): φ and ω as dicts of tensors by the featurizer's and the classifier's own names
-    (parameters and buffers), w the per-example weights (1/b on a batch's b real examples, 0 on
-    padding), so that R_c = Σ_j w_j CE_j is the minibatch's mean as in iir_objective. ∇_ω R_c is a
-    nested torch.func.grad, which keeps its graph as create_graph does: the same objective, the same
-    gradient to rounding."""
+    the paper's γ/2, pass γ/2), as a function of the parameters: φ and ω dicts of tensors by the
+    featurizer's and the classifier's own names (parameters and buffers; None: the modules' own, the
+    client-by-client loop). ∇_ω R_c is a nested
+    torch.func.grad, kept in the graph, so that the penalty's gradient reaches both ω and φ (double
+    backward). w: per-example weights (1/b on a batch's b real examples, 0 on padding: the clients at
+    once, through vmap), or None: the minibatch's mean. γ = 0: the plain cross-entropy (FedAvg's)."""
+    own = lambda module: {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    phi, omega = own(featurizer) if phi is None else phi, own(classifier) if omega is None else omega
     z = torch.func.functional_call(featurizer, phi, (x,))
 
     def risk(omega):
-        return (F.cross_entropy(torch.func.functional_call(classifier, omega, (z,)), y, reduction="none") * w).sum()
+        out = torch.func.functional_call(classifier, omega, (z,))
+        return F.cross_entropy(out, y) if w is None else (F.cross_entropy(out, y, reduction="none") * w).sum()
     if gamma == 0:
         return risk(omega)
-    g = torch.func.grad(risk)(omega)                                    # ∇_ω R_c(θ; ζ), in the graph
-    return risk(omega) + gamma * iir_penalty([g[name] for name, _ in classifier.named_parameters()], g_tilde)
+    g, r = torch.func.grad_and_value(risk)(omega)                      # ∇_ω R_c(θ; ζ), in the graph
+    return r + gamma * iir_penalty([g[name] for name, _ in classifier.named_parameters()], g_tilde)
 
 
 def server_update(theta, thetas, p, global_lr=1.0):
@@ -189,13 +182,13 @@ def iir_loss(g_tilde, gamma):
 
 
 def iir_loss_at(g_tilde, gamma):
-    """iir_objective_at as common.at_once's objective(model, params, buffers, x, y, w): the model's
+    """iir_objective as common.at_once's objective(model, params, buffers, x, y, w): the model's
     dicts split into the featurizer's φ and the classifier's ω (--parallel-clients on)."""
     def objective(model, params, buffers, x, y, w):
         part = lambda prefix: {k[len(prefix):]: v for d in (params, buffers) for k, v in d.items()
                                if k.startswith(prefix)}
-        return iir_objective_at(model.featurizer, model.classifier, part("featurizer."), part("classifier."),
-                                x, y, w, g_tilde, gamma)
+        return iir_objective(model.featurizer, model.classifier, x, y, g_tilde, gamma,
+                             part("featurizer."), part("classifier."), w)
     return objective
 
 

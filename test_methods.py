@@ -942,6 +942,15 @@ def test_fediir_defaults_follow_table_3(tmp_path):
 
 import fedomg  # noqa: E402
 
+sys.path.insert(0, str(HERE / "benchmark" / "diagnostics"))
+import fedomg_readings as readings  # noqa: E402    Eq. 15–17 as printed, the exact solver, ...
+
+
+def with_solver(monkeypatch, solver):
+    """fedomg's Γ solver for the test: Table 4's ("sgd", fedomg.solve) or SLSQP ("exact")."""
+    if solver == "exact":
+        monkeypatch.setattr(fedomg, "solve", readings.solve_exact)
+
 
 def gram(U, kind, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -972,7 +981,7 @@ def brute_force(K, p, kappa, steps=400):
 @pytest.mark.parametrize("U,kind", [(2, "random"), (3, "random"), (3, "wide-range"), (2, "parallel"), (3, "client-like")])
 def test_fedomg_exact_solver_is_the_minimum(U, kind):
     K, p = gram(U, kind)
-    gamma = fedomg.solve_exact(K, p, 0.5)
+    gamma = readings.solve_exact(K, p, 0.5)
     assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12          # on the simplex
     exact = fedomg.objective(gamma, K, p, 0.5).item()
     assert exact <= brute_force(K, p, 0.5) + 1e-9
@@ -984,30 +993,31 @@ def test_fedomg_exact_solver_is_the_minimum(U, kind):
                                           (20, "random", 201), (3, "parallel", 21), (20, "parallel", 21)])
 def test_fedomg_sgd_solver_reaches_the_exact_objective(U, kind, evals):
     K, p = gram(U, kind, seed=U)
-    gamma = fedomg.solve_sgd(K, p, 0.5, evaluations=evals)
+    gamma = fedomg.solve(K, p, 0.5, evaluations=evals)
     assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12
     sgd = fedomg.objective(gamma, K, p, 0.5).item()
-    exact = fedomg.objective(fedomg.solve_exact(K, p, 0.5), K, p, 0.5).item()
+    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
     assert exact <= sgd + 1e-12 and (sgd - exact) / abs(exact) < 1e-3
 
 
 def test_fedomg_sgd_solver_falls_short_when_norms_span_orders_of_magnitude():
     """The documented limit of Table 4's solver: exact is far better here, never worse."""
     K, p = gram(10, "wide-range")
-    sgd = fedomg.objective(fedomg.solve_sgd(K, p, 0.5), K, p, 0.5).item()
-    exact = fedomg.objective(fedomg.solve_exact(K, p, 0.5), K, p, 0.5).item()
+    sgd = fedomg.objective(fedomg.solve(K, p, 0.5), K, p, 0.5).item()
+    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
     assert exact < sgd and (sgd - exact) / abs(exact) > 1e-3
 
 
 @pytest.mark.parametrize("solver", ["sgd", "exact"])
-def test_fedomg_steps_with_identical_updates(solver):
+def test_fedomg_steps_with_identical_updates(solver, monkeypatch):
+    with_solver(monkeypatch, solver)
     d = torch.randn(300, dtype=torch.float64)
     G, p = d.repeat(4, 1), torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     kappa = 0.5
-    assert torch.allclose(fedomg.paper_step(G, d.clone(), p, kappa, solver), (1 + kappa) * d, atol=1e-9)   # Γ𝐠 = d
+    assert torch.allclose(readings.paper_step(G, d.clone(), p, kappa), (1 + kappa) * d, atol=1e-9)   # Γ𝐠 = d
     k = d.norm() ** 2 / (d.norm() ** 2 + 1e-4)                 # K / s² = k 11ᵀ when every ĝ_u = d (w = 1)
     lam = kappa * (k + 1e-4).sqrt() / ((k + 1e-4).sqrt() + 1e-4)
-    code = fedomg.code_step(G, torch.ones(4, dtype=torch.float64), kappa, solver)
+    code = fedomg.code_step(G, torch.ones(4, dtype=torch.float64), kappa)
     assert torch.allclose(code, (1 + lam) / (1 + kappa ** 2) * d, atol=1e-9)
 
 
@@ -1018,33 +1028,35 @@ def test_fedomg_code_step_at_kappa_zero_is_fedavg_over_u():
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     assert torch.allclose(fedomg.code_step(G, p, 0.0), p @ G / 4, atol=1e-12)
     assert torch.allclose(fedomg.code_step(G, torch.ones(4, dtype=torch.float64), 0.0), G.mean(0), atol=1e-12)
-    assert torch.equal(fedomg.paper_step(G, p @ G, p, 0.0), p @ G)
+    assert torch.equal(readings.paper_step(G, p @ G, p, 0.0), p @ G)
 
 
 @pytest.mark.parametrize("solver", ["sgd", "exact"])
-def test_fedomg_steps_are_invariant_to_client_order(solver):
+def test_fedomg_steps_are_invariant_to_client_order(solver, monkeypatch):
+    with_solver(monkeypatch, solver)
     g = torch.Generator().manual_seed(3)
     G = torch.randn(1, 200, generator=g, dtype=torch.float64) + torch.randn(5, 200, generator=g, dtype=torch.float64)
     p = torch.tensor([0.1, 0.3, 0.2, 0.15, 0.25], dtype=torch.float64)
     perm = torch.tensor([3, 0, 4, 1, 2])
-    a = fedomg.paper_step(G, p @ G, p, 0.5, solver)
-    b = fedomg.paper_step(G[perm], p[perm] @ G[perm], p[perm], 0.5, solver)
+    a = readings.paper_step(G, p @ G, p, 0.5)
+    b = readings.paper_step(G[perm], p[perm] @ G[perm], p[perm], 0.5)
     assert torch.allclose(a, b, atol=1e-7)
     assert not torch.allclose(a, 1.5 * (p @ G), atol=1e-3)                 # κ does change the direction
-    c, d = fedomg.code_step(G, p, 0.5, solver), fedomg.code_step(G[perm], p[perm], 0.5, solver)
+    c, d = fedomg.code_step(G, p, 0.5), fedomg.code_step(G[perm], p[perm], 0.5)
     assert torch.allclose(c, d, atol=1e-7)
 
 
-def test_fedomg_step_matches_eq_16_computed_directly():
+def test_fedomg_step_matches_eq_16_computed_directly(monkeypatch):
+    with_solver(monkeypatch, "exact")
     g = torch.Generator().manual_seed(4)
     G = torch.randn(3, 50, generator=g, dtype=torch.float64)
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     g_FL = p @ G
     K = G @ G.T
-    Gamma = fedomg.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
+    Gamma = readings.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
     g_Gamma = Gamma @ G                                                      # without the Gram shortcut
     expected = g_FL + 0.5 * g_FL.norm() / g_Gamma.norm() * g_Gamma           # Eq. 16 as printed
-    assert torch.allclose(fedomg.paper_step(G, g_FL, p, 0.5, "exact"), expected, atol=1e-6)
+    assert torch.allclose(readings.paper_step(G, g_FL, p, 0.5), expected, atol=1e-6)
 
 
 def test_fedomg_gram_is_float64_from_float32_updates():
@@ -1116,9 +1128,10 @@ def omg_paper_step(D, p, kappa, solver):
 
 
 def omg_one_round(argv, tmp_path, monkeypatch, dataset="synthetic", sizes=(20, 45, 70)):
-    """One fedomg_round on 3 clients of uneven size, all sampled, η_g = 0.7; returns θ before, the
+    """One fedomg_round (the readings script's flags in argv) on 3 clients of uneven size, all sampled,
+    η_g = 0.7; returns θ before, the
     clients' θ_u and sizes N_u (in the order trained), the server's step, and the resolved args."""
-    args = method_args(fedomg, "fedomg", ["--dataset", dataset, "--clients", "3", "--sample", "3", "--alpha", "1",
+    args = method_args(readings, "fedomg", ["--dataset", dataset, "--clients", "3", "--sample", "3", "--alpha", "1",
                                           "--batch-size", "16", "--local-epochs", "1", "--global-lr", "0.7"] + argv,
                        tmp_path)
     ds = data.load(dataset, clients=3, alpha=1.0)
@@ -1139,9 +1152,9 @@ def omg_one_round(argv, tmp_path, monkeypatch, dataset="synthetic", sizes=(20, 4
     def kept(fn):
         return lambda *a, **k: steps.append(fn(*a, **k)) or steps[-1]
     monkeypatch.setattr(common, "train_clients", spy)
-    for name in ("code_step", "paper_step"):                        # their result, read as it is returned
-        monkeypatch.setattr(fedomg, name, kept(getattr(fedomg, name)))
-    fedomg.fedomg_round(1, model, fed, args, fedomg.init_state(model, fed, args, tiny_ctx()), tiny_ctx())
+    for module, name in ((fedomg, "code_step"), (readings, "paper_step")):   # their result, as it is returned
+        monkeypatch.setattr(module, name, kept(getattr(module, name)))
+    readings.readings_round(1, model, fed, args, fedomg.init_state(model, fed, args, tiny_ctx()), tiny_ctx())
     N = torch.tensor([n for n, _ in seen], dtype=torch.float64)
     assert sorted(N.tolist()) == sorted(sizes) and len(steps) == 1
     assert torch.equal(common.get_flat(model), theta + 0.7 * steps[0])   # Eq. 17: θ ← θ + η_g · step
@@ -1175,11 +1188,11 @@ def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path, device):
     argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7", "--device", device]
     a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
     paper = ["--server-rule", "paper", "--fresh-opt", "--lr-step", "1"]     # Eq. 16 as printed: Corollary 1
-    b, _ = run(fedomg.main, argv + paper + ["--kappa", "0"], tmp_path, "omg.json")
+    b, _ = run(readings.main, argv + paper + ["--kappa", "0"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
-    c, _ = run(fedomg.main, argv + paper + ["--kappa", "0.5"], tmp_path, "omg.json")
+    c, _ = run(readings.main, argv + paper + ["--kappa", "0.5"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
-    d, _ = run(fedomg.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
+    d, _ = run(readings.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] != strip_times(d)["domains"]           # the code's rule: g_FL / U
 
 
@@ -1188,7 +1201,7 @@ def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch, device)
     argv = QUICK + ["--clients", "3", "--sample", "2", "--test-domain", "0", "--rounds", "4", "--device", device]
     full, _ = run(fedomg.main, argv, tmp_path, "full.json")
     assert full["domains"]["style0"]["test_acc"] > 0.6
-    fresh, _ = run(fedomg.main, argv + ["--fresh-opt"], tmp_path, "fresh.json")
+    fresh, _ = run(readings.main, argv + ["--fresh-opt"], tmp_path, "fresh.json")
     assert strip_times(full)["domains"] != strip_times(fresh)["domains"]    # the kept momentum acts
 
     def momentum_saved(blob):
@@ -1200,7 +1213,7 @@ def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch, device)
 
 def test_fedomg_fl_setting_on_embedded_mnist(tmp_path):
     res, _ = run(fedomg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3", "--local-epochs", "2",
-                               "--lr", "0.05", "--alpha", "1", "--lr-step", "1"], tmp_path)
+                               "--lr", "0.05", "--alpha", "1"], tmp_path)
     assert res["args"]["global_lr"] == 1.0 and res["args"]["clients"] == 100 and res["args"]["sample"] == 20
     assert res["domains"]["clients"]["test_acc"] > 0.25
 
@@ -1220,10 +1233,10 @@ def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
     a = common.resolve(p.parse_args(["--dataset", "pacs", "--out", str(tmp_path / "r.json")]), "fedomg", fedomg.DEFAULTS)
     assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay, a.global_lr) == \
         ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 0.5)               # η_g: train_pacs_OMG.py (Table 4: 5e-2)
-    assert (a.kappa, a.server_rule, a.solver, a.solver_evals, a.lr_step) == (0.5, "code", "sgd", 21, 0.8)
-    for name, step in (("mnist", 1.0), ("cifar10", 1.0), ("rmnist", 0.8)):         # the FL code has no lr step
+    assert a.kappa == 0.5
+    for name, fl in (("mnist", True), ("cifar10", True), ("rmnist", False)):         # the FL code: no momentum
         a = common.resolve(p.parse_args(["--dataset", name, "--out", str(tmp_path / "r.json")]), "fedomg", fedomg.DEFAULTS)
-        assert (a.lr_step, a.momentum) == (step, 0.0 if step == 1.0 else 0.9)
+        assert a.momentum == (0.0 if fl else 0.9)
 
 
 @pytest.mark.parametrize("module,argv,message", [
@@ -1233,10 +1246,7 @@ def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
     ("fediir", ["--ema", "-0.1"], "--ema must be in [0, 1), got -0.1"),
     ("fediir", ["--gbar", "sometimes"], "argument --gbar: invalid choice: 'sometimes'"),
     ("fedomg", ["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5"),
-    ("fedomg", ["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
-    ("fedomg", ["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
-    ("fedomg", ["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
-    ("fedomg", ["--server-rule", "cagrad"], "argument --server-rule: invalid choice: 'cagrad'"),
+    ("fedomg", ["--server-rule", "paper"], "unrecognized arguments: --server-rule paper"),
     ("fedomg", ["--no-rescale"], "unrecognized arguments: --no-rescale"),
     ("perinvfl", ["--dataset", "rmnist", "--R", "0"], "--R must be at least 1 or 'epoch', got 0"),
     ("perinvfl", ["--dataset", "rcmnist", "--beta", "nan"], "argument --beta: must be a finite number, got 'nan'"),
@@ -3080,9 +3090,9 @@ def test_parallel_fedomg_keeps_each_clients_momentum(tmp_path, monkeypatch, dtyp
     (tolerance 1e-12: 380x). float32, measured at 1 / 2 threads: θ 7.2e-9 / 7.1e-9, update 1.6e-6 /
     1.5e-6, momentum 3.1e-7 / 3.1e-7, losses 8.6e-8 / 0; tolerances 1e-7 (14x), 2e-5 (12x), 1e-5 (32x),
     1e-5 (116x)."""
-    args = method_args(fedomg, "fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--rounds", "3",
-                                          "--weight-decay", "1e-2", "--lr-step", "0.5"], tmp_path)
-    out = both_ways(fedomg.fedomg_round, args, 3, monkeypatch, fedomg.init_state)
+    args = method_args(readings, "fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--rounds", "3",
+                                            "--weight-decay", "1e-2", "--lr-step", "0.5"], tmp_path)
+    out = both_ways(readings.readings_round, args, 3, monkeypatch, fedomg.init_state)
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-7, update=2e-5) if f32 else F64))
     seq, par = out["off"][2]["momentum"], out["on"][2]["momentum"]
@@ -3177,7 +3187,7 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     g_FL = p @ G
     for kappa in (0.0, 0.5, 1.0):
-        args = types.SimpleNamespace(global_lr=None, kappa=kappa, server_rule="code")
+        args = types.SimpleNamespace(global_lr=None, kappa=kappa)
         assert fedomg.eta_g(args, 4) == 4 * (1 + kappa ** 2)
         step = fedomg.eta_g(args, 4) * fedomg.code_step(G, p, kappa)
         if kappa == 0:
@@ -3185,8 +3195,10 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
         else:
             assert abs((step - g_FL).norm() / g_FL.norm() - kappa) < 1e-3          # κ||g_FL||, up to the ε's
             assert rel(step, g_FL) > 0.1                                           # κ does act
-    assert fedomg.eta_g(types.SimpleNamespace(global_lr=None, kappa=0.5, server_rule="paper"), 4) == 1.0
-    assert fedomg.eta_g(types.SimpleNamespace(global_lr=0.3, kappa=0.5, server_rule="code"), 4) == 0.3
+    paper = types.SimpleNamespace(global_lr=None, kappa=0.5, server_rule="paper", solver="sgd", solver_evals=21,
+                                  lr_step=None)
+    assert readings.swaps(paper)["eta_g"](paper, 4) == 1.0                      # Eq. 16's own scale
+    assert fedomg.eta_g(types.SimpleNamespace(global_lr=0.3, kappa=0.5), 4) == 0.3
 
 
 def test_fedomg_round_at_kappa_zero_steps_as_fedavg(tmp_path, dtype):
@@ -3195,10 +3207,10 @@ def test_fedomg_round_at_kappa_zero_steps_as_fedavg(tmp_path, dtype):
     rounding; with η_g = 1 (the old default) it moved 1/U of it. Relative differences (of θ^1 − θ^0, so
     with θ's cancellation); float64: 5.4e-16 and 1.3e-14 (tolerance 1e-12: 77x). float32, measured at
     1 / 2 threads: 2.5e-7 / 2.6e-7 and 7.3e-6 / 7.3e-6; tolerances 3e-6 (11x) and 1e-4 (14x)."""
-    argv = ["--clients", "3", "--sample", "3", "--batch-size", "16", "--fresh-opt", "--lr-step", "1", "--kappa", "0"]
+    argv = ["--clients", "3", "--sample", "3", "--batch-size", "16", "--kappa", "0"]   # round 1: no kept momentum
     args = method_args(fedomg, "fedomg", argv, tmp_path)
     fedomg.check(args, False)
-    assert args.global_lr is None and args.server_rule == "code"
+    assert args.global_lr is None
     ds = data.load("synthetic")
     moved = {}
     for name, module, a in (("avg", fedavg, method_args(fedavg, "fedavg", argv[:6], tmp_path)), ("omg", fedomg, args),
@@ -3234,13 +3246,14 @@ def test_fedomg_global_lr_by_hand_in_every_argparse_form(tmp_path):
 # ----------------------------------------------------------------------- the usage line, run as written
 
 def test_fedomg_bit_for_bit_usage_line_runs_against_fedavg(tmp_path):
-    """The docstring's `python fedomg.py ...  # = python fedavg.py ..., bit for bit`, both run as written."""
-    lines = [line.strip() for line in fedomg.__doc__.splitlines()]
+    """benchmark/diagnostics/fedomg_readings.py's `python ...fedomg_readings.py ...  # = python fedavg.py
+    ..., bit for bit`, both run as written."""
+    lines = [line.strip() for line in readings.__doc__.splitlines()]
     k = next(i for i, line in enumerate(lines) if line.startswith("# = python fedavg.py") and "bit for bit" in line)
     omg, avg = lines[k - 1], lines[k][len("# = "):].split(",")[0]
-    assert omg.startswith("python fedomg.py ") and avg.startswith("python fedavg.py ")
+    assert omg.startswith("python benchmark/diagnostics/fedomg_readings.py ") and avg.startswith("python fedavg.py ")
     a, _ = run(fedavg.main, avg.split()[2:], tmp_path, "avg.json")
-    b, _ = run(fedomg.main, omg.split()[2:], tmp_path, "omg.json")
+    b, _ = run(readings.main, omg.split()[2:], tmp_path, "omg.json")
     assert len(a["domains"]) == 3 and a["domains"]["style0"]["history"]
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
 
@@ -3270,7 +3283,6 @@ def test_fedomg_lr_step_is_the_dg_codes_steplr(E, R, tmp_path, monkeypatch):
     the lr of round t (1-based) is the scheduler's at its first epoch, (t − 1) E."""
     args = method_args(fedomg, "fedomg", ["--clients", "3", "--sample", "3", "--local-epochs", str(E), "--rounds", str(R)],
                        tmp_path)
-    assert args.lr_step == 0.8
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=int(0.8 * E * R), gamma=0.1)
     code = []
@@ -3282,8 +3294,17 @@ def test_fedomg_lr_step_is_the_dg_codes_steplr(E, R, tmp_path, monkeypatch):
         assert len(set(code[(t - 1) * E:t * E])) == 1                   # one lr within the round
         assert local_lr(args, t, tmp_path, monkeypatch) == pytest.approx(code[(t - 1) * E], rel=1e-12)
     assert local_lr(args, R, tmp_path, monkeypatch) == pytest.approx(0.1 * args.lr, rel=1e-12)
-    args.lr_step = 1.0                                                   # the FL datasets' default: never
+    args.dataset = "mnist"                                               # the FL code: never
     assert local_lr(args, R, tmp_path, monkeypatch) == args.lr
+
+
+@pytest.mark.parametrize("argv,message", [(["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
+                                          (["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
+                                          (["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
+                                          (["--server-rule", "cagrad"], "argument --server-rule: invalid choice: 'cagrad'"),
+                                          (["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5")])
+def test_fedomg_readings_flags_bad_input(argv, message, capsys):
+    assert message in fails(readings.main, argv, capsys)
 
 
 # ------------------------------------------------------------------------------------------ the solver
@@ -3308,26 +3329,27 @@ def test_fedomg_sgd_solver_keeps_the_best_iterate():
             opt.step()
     assert values[-1] - min(values) > 0.1                                 # the last is not the best
     for n in range(1, 22):
-        got = fedomg.objective(fedomg.solve_sgd(K, a, 0.5, evaluations=n), K, a, 0.5).item()
+        got = fedomg.objective(fedomg.solve(K, a, 0.5, evaluations=n), K, a, 0.5).item()
         assert got == pytest.approx(min(values[:n]), abs=1e-9)
 
 
 def test_fedomg_solver_accuracy_as_stated():
     """Table 4's solver against SLSQP on random Gram matrices (seeds 0–9, κ = 0.5), the relative
-    objective gap the docstring states; the U = 100 ranges are read from the docstring itself."""
+    objective gap benchmark/diagnostics/fedomg_readings.py's docstring states; the U = 100 ranges are
+    read from that docstring itself."""
     def gaps(U, kind, evaluations=21):
         out = []
         for seed in range(10):
             K, p = gram(U, kind, seed=seed)
-            sgd = fedomg.objective(fedomg.solve_sgd(K, p, 0.5, evaluations=evaluations), K, p, 0.5).item()
-            exact = fedomg.objective(fedomg.solve_exact(K, p, 0.5), K, p, 0.5).item()
+            sgd = fedomg.objective(fedomg.solve(K, p, 0.5, evaluations=evaluations), K, p, 0.5).item()
+            exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
             out.append((sgd - exact) / abs(exact))
         return np.array(out)
     assert gaps(10, "random").min() > -1e-9 and gaps(10, "random").max() < 1.8e-3
     g20 = gaps(20, "random")
     assert 2e-3 < g20.min() and g20.max() < 1.2e-2
     g100, c100 = gaps(100, "random"), gaps(100, "client-like")
-    doc = " ".join(fedomg.__doc__.split())
+    doc = " ".join(readings.__doc__.split())
     assert f"U = 100, {100 * g100.min():.0f}–{100 * g100.max():.0f}% ({100 * c100.min():.1f}–{100 * c100.max():.1f}%)" in doc
     assert 0.2 < g100.min() and g100.max() < 0.45                       # not the 3–15% once stated
 
@@ -4640,18 +4662,18 @@ def test_fediir_docs_loop_is_the_copied_loop():
     assert all(torch.equal(a, b) for a, b in zip(ns["g_tilde"], g_tilde))
 
 
-# ---- FedOMG copied: its server step (server_update on code_step / paper_step, the Gram matrix and the
-# FedOMG copied: its server step (server_update on code_step / paper_step, the Gram matrix and the
-# Γ solvers) lifted by source into a namespace holding torch alone, driven by the loop of
+# ---- FedOMG copied: its server step (server_update on updates and code_step, the Gram matrix, Eq. 15's
+# FedOMG copied: its server step (server_update on updates and code_step, the Gram matrix, Eq. 15's
+# objective and Table 4's solver) lifted by source into a namespace holding torch alone, driven by the loop of
 # docs/fedomg.md's "Copy it" (each client's SGD kept across rounds, as the official DG code; the DG
 # code's lr step), and checked against fedomg_round on the same data and minibatches.
 
-FUNCTIONS = ("gram", "solve_sgd", "solve_exact", "solve", "code_step", "paper_step", "server_update")
+FUNCTIONS = ("server_update", "updates", "code_step", "objective", "solve", "gram")
 R = 2                                           # rounds: the DG code's lr step (0.8 R) falls on round 2
 
 
-def own_rounds(m, clients, kappa, rule, weighted, eta_g, keep, rounds=R, lr=0.1, momentum=0.9, weight_decay=1e-2,
-               batch_size=4, epochs=2, seeds=(1, 2)):
+def own_rounds(m, clients, kappa, weighted, eta_g, keep, rounds=R, lr=0.1, momentum=0.9, weight_decay=1e-2,
+               batch_size=4, epochs=2, seeds=(1, 2), lr_step=0.8):
     """The loop of docs/fedomg.md, with the generators of test_copy (minibatch order, sampling; seeds
     None: torch's global one, as the docs' loop) and pixels / 255: each client trains its own SGD
     from θ (kept across rounds when `keep`), the server steps by server_update. eta_g(U): the
@@ -4661,7 +4683,7 @@ def own_rounds(m, clients, kappa, rule, weighted, eta_g, keep, rounds=R, lr=0.1,
     theta, opts = flat(model), {}
     for r in range(1, rounds + 1):
         S = torch.randperm(len(clients), generator=sampler).tolist()
-        lr_r = lr * (0.1 if r > 0.8 * rounds else 1.0)               # the DG code's StepLR
+        lr_r = lr * (0.1 if r > lr_step * rounds else 1.0)           # the DG code's StepLR (FL: 1, never)
 
         def trained(c):                                              # client c: E epochs of SGD from θ
             x, y = clients[c]
@@ -4679,29 +4701,32 @@ def own_rounds(m, clients, kappa, rule, weighted, eta_g, keep, rounds=R, lr=0.1,
                     opts[c].step()
             return flat(model)                                       # the upload θ_u
         N = [len(clients[c][1]) for c in S]
-        theta = m.server_update(theta, (trained(c) for c in S), N, eta_g(len(S)), kappa, rule, weighted)
+        theta = m.server_update(theta, (trained(c) for c in S), N, eta_g(len(S)), kappa, weighted)
     return theta
 
 
 def fedomg_rounds(clients, **kw):
-    """fedomg_round R times (test_copy's harness, with args.rounds = R for the lr step)."""
+    """fedomg_round R times (test_copy's harness, with args.rounds = R for the lr step); with
+    fresh_opt=True the readings script's round (a fresh client SGD every round)."""
+    fresh = kw.pop("fresh_opt", False)
+
     def round_fn(t, model, fed, args, state, ctx):
-        return fedomg.fedomg_round(t, model, fed, types.SimpleNamespace(**vars(args), rounds=R), state, ctx)
-    args = dict(kappa=0.5, server_rule="code", solver="sgd", solver_evals=21, fresh_opt=False, lr_step=0.8,
-                dataset="synthetic", global_lr=None, weight_decay=1e-2)
+        args = types.SimpleNamespace(**vars(args), rounds=R, server_rule="code", solver="sgd", solver_evals=21,
+                                     fresh_opt=fresh, lr_step=None)
+        return (readings.readings_round if fresh else fedomg.fedomg_round)(t, model, fed, args, state, ctx)
+    args = dict(kappa=0.5, dataset="synthetic", global_lr=None, weight_decay=1e-2)
     return method_rounds(round_fn, clients, R, state={"momentum": {}}, **{**args, **kw})
 
 
-@pytest.mark.parametrize("rule,kappa,fl,keep", [("code", 0.5, False, True),   # the defaults: η_g = U (1 + κ²)
-                                                ("code", 0.0, False, False),  # κ = 0: FedAvg's step, fresh SGD
-                                                ("code", 0.5, True, True),    # the FL code: w_u = 1, η_g = 1
-                                                ("paper", 0.5, False, False)])  # Eq. 15–17 as printed
-def test_fedomg_copied(rule, kappa, fl, keep):
+@pytest.mark.parametrize("kappa,fl,keep", [(0.5, False, True),     # the defaults: η_g = U (1 + κ²)
+                                           (0.0, False, False),    # κ = 0: FedAvg's step, fresh SGD
+                                           (0.5, True, True)])     # the FL code: w_u = 1, η_g = 1
+def test_fedomg_copied(kappa, fl, keep):
     m = copied(fedomg, *FUNCTIONS)
     clients = three_clients()
-    eta_g = (lambda U: 1.0) if fl or rule == "paper" else (lambda U: U * (1 + kappa ** 2))
-    theta = own_rounds(m, clients, kappa, rule, not fl, eta_g, keep)
-    expected = fedomg_rounds(clients, kappa=kappa, server_rule=rule, fresh_opt=not keep,
+    eta_g = (lambda U: 1.0) if fl else (lambda U: U * (1 + kappa ** 2))
+    theta = own_rounds(m, clients, kappa, not fl, eta_g, keep, lr_step=1.0 if fl else 0.8)
+    expected = fedomg_rounds(clients, kappa=kappa, fresh_opt=not keep,
                              **(dict(dataset="mnist", global_lr=1.0) if fl else {}))
     assert (theta - flat(own_model())).norm() > 1e-2 * flat(own_model()).norm()   # the rounds moved θ
     assert torch.equal(theta, expected), (theta - expected).abs().max()
@@ -4720,7 +4745,7 @@ def test_fedomg_copied_step_scale_is_in_the_signature():
         m.server_update(theta, thetas, N)
     assert torch.allclose(m.server_update(theta, thetas, N, 3.0, 0.0) - theta, g_FL, atol=1e-12)
     assert torch.allclose(m.server_update(theta, thetas, N, 1.0, 0.0) - theta, g_FL / 3, atol=1e-12)
-    assert torch.equal(m.server_update(theta, thetas, N, 1.0, 0.0, "paper"), theta + g_FL)
+    assert torch.equal(readings.paper_update(theta, thetas, N, 1.0, 0.0), theta + g_FL)   # Eq. 16 as printed
 
 
 def test_fedomg_docs_loop_is_the_tested_loop():
@@ -4737,7 +4762,7 @@ def test_fedomg_docs_loop_is_the_tested_loop():
     loop = blocks[1].replace("R, kappa, lr, E, B = 100,", "R, kappa, lr, E, B = 20,")
     assert loop != blocks[1]
     exec(loop, ns)
-    expected = own_rounds(m, clients, 0.5, "code", True, lambda U: U * 1.25, True, rounds=20, lr=1e-3,
+    expected = own_rounds(m, clients, 0.5, True, lambda U: U * 1.25, True, rounds=20, lr=1e-3,
                           weight_decay=5e-4, batch_size=16, epochs=5, seeds=None)
     assert torch.equal(flat(model), expected) and torch.equal(ns["theta"], expected)
 

@@ -88,13 +88,12 @@ HANDLERS.update({"query.fediir": fediir_query, "train.fediir": fediir_train})
 def fedomg_round(link, t, model, fed, args, state, ctx):
     theta = common.get_flat(model)
     S = common.sample_clients(ctx, len(fed.clients), args.sample)
-    lr = args.lr * (0.1 if t > args.lr_step * args.rounds else 1.0)           # the DG code's StepLR
-    keep = not args.fresh_opt and args.momentum > 0                            # momentum kept on the node
+    lr = fedomg.local_lr(t, args)                                              # the DG code's StepLR
+    keep = args.momentum > 0                                                   # momentum kept on the node
     up = link.ask(t, "train.fedomg", [(c, {"theta": theta, "lr": lr, "keep": keep}) for c in S], fed, ctx.gen)
     N = [float(fed.clients[c].n) for c in S]
     common.set_flat(model, fedomg.server_update(theta, [r["theta"] for r in up], N, fedomg.eta_g(args, len(S)),
-                                                args.kappa, args.server_rule, weighted=args.dataset not in common.data.FL,
-                                                solver=args.solver, evaluations=args.solver_evals))   # all at once
+                                                args.kappa, weighted=args.dataset not in common.data.FL))   # all at once
     return {c: r["loss"] for c, r in zip(S, up)}
 
 

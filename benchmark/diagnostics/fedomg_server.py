@@ -8,6 +8,7 @@ Eq. 16) for U = 3, 20 and 100 participating clients.
     python benchmark/diagnostics/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] [--rounds 2]
 """
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -19,6 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import data  # noqa: E402
 import fedomg  # noqa: E402
+import fedomg_readings as readings  # noqa: E402   --solver exact, --server-rule paper
+
+
+@contextlib.contextmanager
+def swapped(module, functions):
+    """module's functions replaced by `functions` ({name: function}) inside the block."""
+    saved = {name: getattr(module, name) for name in functions}
+    for name, fn in functions.items():
+        setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
 
 
 def main():
@@ -31,8 +46,8 @@ def main():
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     timed = []
-    name = "code_step" if a.server_rule == "code" else "paper_step"
-    step = getattr(fedomg, name)
+    module, name = (fedomg, "code_step") if a.server_rule == "code" else (readings, "paper_step")
+    step = getattr(module, name)
 
     def timed_step(*args, **kw):
         sync()
@@ -41,10 +56,11 @@ def main():
         sync()
         timed.append(time.perf_counter() - t)
         return out
-    setattr(fedomg, name, timed_step)
+    setattr(module, name, timed_step)
+    exact = {"solve": readings.solve_exact} if a.solver == "exact" else {}
 
-    parser = common.make_parser("fedomg", fedomg.__doc__)
-    fedomg.add_args(parser)
+    parser = common.make_parser("fedomg", readings.__doc__)
+    readings.add_args(parser)
     ds = data.load("rmnist")
     fed = common.federate(ds, 0, 100, 0, dev)
     print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, rule {a.server_rule}, {a.device}, "
@@ -61,7 +77,7 @@ def main():
         rounds, servers = [], []
         for r in range(a.rounds + 1):                       # round 0 warms up
             t = time.perf_counter()
-            fedomg.fedomg_round(r + 1, model, fed, args, state, ctx)
+            readings.readings_round(r + 1, model, fed, args, state, ctx)
             sync()
             if r:
                 rounds.append(time.perf_counter() - t)
@@ -75,7 +91,8 @@ def main():
         g_FL = G.mean(0)
         w = torch.full((U,), 1.0 / U)
         for _ in range(a.rounds + 1):
-            timed_step(G, w, 0.5, a.solver) if a.server_rule == "code" else timed_step(G, g_FL, w, 0.5, a.solver)
+            with swapped(fedomg, exact):
+                timed_step(G, w, 0.5) if a.server_rule == "code" else timed_step(G, g_FL, w, 0.5)
         print(f"U = {U:3d}: {statistics.median(timed[-a.rounds:]):.3f} s ({U * n * 4 / 2**30:.2f} GiB of updates held)")
         del G
 
