@@ -499,7 +499,7 @@ def weighted_cross_entropy(model, params, buffers, x, y, w):
     over the clients: Σ_j w_j CE(f(x_j), y_j), with w_j = 1 / (the batch's real examples) on those and 0
     on the padding, so that it is the mean over the real examples, the sequential minibatch's loss.
     Another method's objective has this signature and the same weighting, nested gradients of its own
-    written with torch.func (fediir.iir_objective_at)."""
+    written with torch.func (fediir.iir_objective, called at once through vmap)."""
     return (F.cross_entropy(torch.func.functional_call(model, (params, buffers), (x,)), y, reduction="none") * w).sum()
 
 
