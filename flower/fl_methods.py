@@ -112,34 +112,28 @@ ROUNDS["fedomg"], HANDLERS["train.fedomg"] = fedomg_round, fedomg_train
 
 
 # ---------------------------------------------------------------------------------------- FedIPG
-# The server keeps I_ID, the contributions and the aberrant client's timing (fedipg.arrivals: which
-# updates arrive this round and from which w^{t−τ_i}); the nodes take Eq. 9's step from the model sent.
+# The server keeps I_ID and the contributions (fedipg.arrivals: which updates arrive this round and from
+# which w^{t−τ_i}); the nodes take Eq. 9's step from the model sent, and send g_i in a warm-up round.
 
-def fedipg_round(link, t, model, fed, args, state, ctx):
-    exits = args.exit == "auto"
-    if exits and args.warmup == "pretraining" and t == 1:                  # Algorithm 1 line 1, before t = 1
+def fedipg_round(link, t, model, fed, args, state, ctx, warmup=None):
+    W = args.exit_warmup if args.exit == "auto" else 0
+    if warmup is None and W and args.warmup == "pretraining" and t == 1:    # Algorithm 1 line 1, before t = 1
         w_1 = common.get_flat(model)
-        for s in range(1, args.exit_warmup + 1):                            # (its messages: group -s)
-            fedipg_one(link, -s, model, fed, args, state, ctx, warmup=True, last=s == args.exit_warmup)
+        for s in range(1, W + 1):                                           # (its messages: group -s)
+            fedipg_round(link, -s, model, fed, args, state, ctx, warmup=True)
         common.set_flat(model, w_1)                                         # lines 2-4: w^1 to all
-        state.update(fedipg.aberrant_start(w_1, args))
-    warmup = exits and args.warmup == "rounds" and t <= args.exit_warmup
-    return fedipg_one(link, t, model, fed, args, state, ctx, warmup, last=t == args.exit_warmup)
-
-
-def fedipg_one(link, t, model, fed, args, state, ctx, warmup, last):
+    warmup = args.warmup == "rounds" and t <= W if warmup is None else warmup
     w_t = common.get_flat(model)
     ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]  # I_ID
-    C = len(ID) if warmup else min(args.sample, len(ID))
-    S = [ID[k] for k in common.sample_clients(ctx, len(ID), C)]            # step 1
-    arrived = fedipg.arrivals(abs(t), S, w_t, args, state, ctx)            # (i, w^{t−τ_i}, τ_i)
+    S = [ID[k] for k in common.sample_clients(ctx, len(ID), len(ID) if warmup else min(args.sample, len(ID)))]
+    arrived = fedipg.arrivals(abs(t), S, w_t, args, state, ctx, warmup)    # (i, w^{t−τ_i}, τ_i)
     up = link.ask(t, "train.fedipg", [(i, {"w": start, "warmup": warmup}) for i, start, _ in arrived], fed, ctx.gen)
     n = [float(fed.clients[i].n) for i, _, _ in arrived]
     common.set_flat(model, fedipg.aggregate(w_t, (r["delta"] for r in up), n, args.global_lr))   # Eq. 3
     if warmup:                                                              # Eq. 13 from the uploaded g_i
         fedipg.contributions(fed, args, state, [i for i, _, _ in arrived], [r["g"] for r in up],
                              [tau == 0 for _, _, tau in arrived])
-        if last:
+        if abs(t) == W:
             fedipg.decide_exits(fed, state)
     return {i: r["loss"] for (i, _, _), r in zip(arrived, up)} or {ID[0]: torch.zeros((), device=w_t.device)}
 

@@ -1,8 +1,8 @@
 """What a FedIPG round costs against a FedAvg round, and where the extra time goes.
 
 On the embedded RotatedMNIST (test domain 0), P clients with C sampled per round: a FedAvg round
-(fedavg.py) and FedIPG rounds with each way of computing the penalty (--penalty tangent, the
-default for this ConvNet; layers; params), all training the same sampled clients with the same
+(fedavg.py) and FedIPG rounds with each way of computing d = ⟨∇R, w⟩ (tangent, fedipg.py's for
+this ConvNet; torch.func.jvp, its form for models that are not a plain chain), all training the same sampled clients with the same
 model, batch size and optimiser, timed alternately in one process (this machine is shared and
 noisy); medians are compared. Then one batch of 64 is timed: a plain step (forward + backward), the
 tangent mode's two forward streams alone, and each penalised step; and the size of the penalty's
@@ -51,18 +51,17 @@ def step_parts(model, x, y, lam, repeat, clock):
     def step(mode):
         def f():
             model.zero_grad()
-            fedipg.ipg_loss(lam, mode)(model, x, y).backward()
+            fedipg.objective(model, *fedipg.own(model), x, y, None, lam, layers if mode == "tangent" else None).backward()
         return f
     risk = F.cross_entropy(model(x), y)
     g_R = torch.autograd.grad(risk, w)
     d = sum((g * p).sum() for g, p in zip(g_R, w))                 # ⟨∇R, w⟩ by its definition
-    g_P = [g - r for g, r in zip(torch.autograd.grad(fedipg.ipg_loss(lam)(model, x, y), w), g_R)]
+    g_P = [g - r for g, r in zip(torch.autograd.grad(fedipg.bound(lam)(model, *fedipg.own(model), x, y), w), g_R)]
     norm = lambda gs: sum((v ** 2).sum() for v in gs).sqrt().item()
     print(f"at the model after the timed rounds, on one batch: R = {risk.item():.4f}, d = <grad R, w> = {d.item():.4f}, "
           f"|grad(lam d^2)| / |grad R| = {norm(g_P) / norm(g_R):.2e}")
     variants = (("plain step", plain), ("tangent: the two forward streams", tangent_forward),
-                ("--penalty tangent step", step("tangent")), ("--penalty layers step", step("layers")),
-                ("--penalty params step", step("params")))
+                ("tangent step", step("tangent")), ("torch.func.jvp step", step("jvp")))
     for _, f in variants:                                       # warm-up
         f()
     return {k: median_time(f, repeat, clock) for k, f in variants}
@@ -73,10 +72,18 @@ def main():
     fedipg.check(args)
     args.uniform_avg = False
     state = fedipg.init_state(model, fed, args, ctx)
-    mode = {m: type("A", (), dict(vars(args), penalty=m)) for m in ("tangent", "layers", "params")}
+    chain = fedipg.chain
+
+    def ipg(form):                                  # a round with d by tangent, or by jvp (no chain)
+        def round_fn(r):
+            fedipg.chain = chain if form == "tangent" else (lambda model: None)
+            try:
+                return fedipg.fedipg_round(r, model, fed, args, state, ctx)
+            finally:
+                fedipg.chain = chain
+        return round_fn
     times = alternate({"FedAvg": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx),
-                       **{f"FedIPG --penalty {m}": (lambda r, m=m: fedipg.fedipg_round(r, model, fed, mode[m], state, ctx))
-                          for m in mode}}, ctx, a.rounds, a.clock)
+                       "FedIPG tangent": ipg("tangent"), "FedIPG torch.func.jvp": ipg("jvp")}, ctx, a.rounds, a.clock)
     base = statistics.median(times["FedAvg"])
     print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, λ {args.lam}, "
           f"{a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, medians of "

@@ -85,7 +85,7 @@ def objective(name, model, x, y, aux=None):
     P_i (None for none) at the model's parameters, all with their graphs. aux: fediir's g̃."""
     params = list(model.parameters())
     if name == "fedipg":                  # risk_and_d's forward carries d beside the logits: no second one
-        risk, d = fedipg.risk_and_d(model, x, y, *fedipg.penalty_layers(model, "auto", 1.0))
+        risk, d = fedipg.risk_and_d(model, x, y, None, fedipg.chain(model))
         return risk + WD / 2 * sum(p.pow(2).sum() for p in params), risk, d * d      # l_inv's l2; Eq. 9
     logits = model(x)
     risk = torch.nn.functional.cross_entropy(logits, y)

@@ -1,0 +1,119 @@
+"""FedIPG's Section VI-A (Figure 3): one aberrant client among the regular ones, with or without the
+exit strategy. fedipg.py's own round, through common.main, with fedipg.arrivals swapped for one that
+delays or drops the aberrant client's updates; every fedipg.py flag applies, and:
+
+  --aberrant KIND:VALUE on client --aberrant-client (default 0):
+    slow:K        its update takes K rounds: it receives w^t, its Δ is computed from w^t and arrives in
+                  round t + K − 1 (τ = K − 1); then it receives the model of the next round
+    unreliable:P  each round its download and its upload each succeed with probability P; it always
+                  trains from the last model it received, so its updates arrive late and stale
+    rotate:DEG    its images (training and validation) are turned by a further DEG degrees
+  slow and unreliable need every client in every round (--sample = --clients, Algorithm 1's "for all
+  clients"). After --exit auto's pre-training phase every client receives w^1 again (line 4): a slow
+  client's unfinished update is dropped. The results add aberrant_acc and regular_acc (validation
+  accuracy on the aberrant client / the others) to id_acc, ood_acc and the exited clients.
+
+    python benchmark/fedipg_aberrant.py --clients 20 --test-domain 75 --aberrant rotate:180 --exit auto
+    python benchmark/fedipg_aberrant.py --clients 20 --local-step sgd --aberrant slow:3 --exit-clients 0
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+import fedipg  # noqa: E402
+from data import rotate  # noqa: E402
+
+
+def arrivals(t, S, w_t, args, state, ctx, warmup):
+    """fedipg.arrivals with the slow or unreliable client: (i, w^{t−τ_i}, τ_i) for the updates that arrive."""
+    kind, value = args.aberrant
+    if t == 1 and not warmup:                          # round 1: every client has received w^1 (line 4)
+        state.update(start(w_t, args))
+    arrived = []
+    for i in S:
+        start_i, tau = w_t, 0
+        if i == args.aberrant_client and kind == "slow":
+            if state["since"] is None:                 # idle: receives w^t, starts
+                state["since"], state["received"] = t, w_t
+            if t - state["since"] < value - 1:
+                continue                               # still computing
+            start_i, tau, state["since"] = state["received"].to(w_t.device), t - state["since"], None  # τ = K − 1
+        elif i == args.aberrant_client and kind == "unreliable":
+            down, up = (torch.rand(2, generator=ctx.sampler) < value).tolist()
+            if down:
+                state["since"], state["received"] = t, w_t
+            if not up:
+                continue                               # upload lost
+            start_i, tau = state["received"].to(w_t.device), t - state["since"]   # (a resume loads it on the CPU)
+        arrived.append((i, start_i, tau))
+    return arrived
+
+
+def start(w, args):
+    """A slow or unreliable client's state once the server has sent w to all: received w, in round 1."""
+    kind = args.aberrant[0]
+    return {"since": 1 if kind == "unreliable" else None, "received": w if kind in ("slow", "unreliable") else None}
+
+
+def init_state(model, fed, args, ctx):
+    P, (kind, value) = len(fed.clients), args.aberrant
+    if not 0 <= args.aberrant_client < P:
+        raise common.UserError(f"client {args.aberrant_client} does not exist: there are {P} clients (0..{P - 1})")
+    if kind in ("slow", "unreliable") and args.sample != P:
+        raise common.UserError(f"--aberrant {kind} needs every client in every round: --sample {P} (got {args.sample})")
+    if kind == "rotate":                               # this client's images turn
+        c = fed.clients[args.aberrant_client]
+        c.x, c.val_x = (rotate(v.cpu(), value).to(v.device) for v in (c.x, c.val_x))
+        fed.val_x = torch.cat([c.val_x for c in fed.clients])
+    return {**fedipg.init_state(model, fed, args, ctx), **start(common.get_flat(model), args)}
+
+
+def evaluate(model, fed, args, state, ctx):
+    """fedipg.evaluate, and the validation accuracy on the aberrant client and on the others."""
+    val, test, per, *extra = fedipg.evaluate(model, fed, args, state, ctx)
+    hit = common.correct(model, fed.val_x, fed.val_y, ctx).float()
+    owner = torch.repeat_interleave(torch.arange(len(fed.clients)), torch.tensor([len(c.val_y) for c in fed.clients]))
+    mine = owner.to(hit.device) == args.aberrant_client
+    extra = extra[0] if extra else {"id_acc": val, "ood_acc": None, "exited": []}
+    return val, test, per, {**extra, "aberrant_acc": hit[mine].mean().item(), "regular_acc": hit[~mine].mean().item()}
+
+
+def add_args(p):
+    fedipg.add_args(p)
+    p.add_argument("--aberrant", required=True, help="slow:K, unreliable:P or rotate:DEG (Section VI-A)")
+    p.add_argument("--aberrant-client", type=int, default=0, help="which client is aberrant")
+
+
+def check(args):
+    fedipg.check(args)
+    if isinstance(args.aberrant, str):
+        kind, _, value = args.aberrant.partition(":")
+        try:
+            value = {"slow": int, "unreliable": float, "rotate": float}[kind](value)
+        except (KeyError, ValueError):
+            raise common.UserError(f"--aberrant takes slow:K, unreliable:P or rotate:DEG, got {args.aberrant!r}")
+        if (kind == "slow" and value < 1) or (kind == "unreliable" and not 0 < value <= 1):
+            raise common.UserError(f"--aberrant {args.aberrant}: K must be >= 1 and P in (0, 1]")
+        args.aberrant = [kind, value]
+
+
+def parallel_reason(args):
+    if args.aberrant[0] in ("slow", "unreliable"):
+        return f"--aberrant {args.aberrant[0]}: a stale client starts from an older model than the others"
+    return fedipg.parallel_reason(args)
+
+
+def main(argv=None):
+    plain, fedipg.arrivals = fedipg.arrivals, arrivals
+    try:
+        return common.main("fedipg", __doc__, fedipg.fedipg_round, argv, add_args, init_state=init_state,
+                           evaluate_fn=evaluate, check=check, parallel_clients=parallel_reason)
+    finally:
+        fedipg.arrivals = plain
+
+
+if __name__ == "__main__":
+    main()
