@@ -852,9 +852,10 @@ def test_fediir_penalty_gradient_matches_finite_differences():
 @on_every_device
 def test_fediir_with_gamma_zero_is_fedavg_bit_for_bit(tmp_path, device):
     argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--device", device]
-    for avg, iir in (([], ["--size-avg"]), (["--uniform-avg"], [])):   # FedIIR's default: 1/C (Algorithm 1)
+    import fediir_readings
+    for avg, main, iir in (([], fediir_readings.main, ["--size-avg"]), (["--uniform-avg"], fediir.main, [])):
         a, _ = run(fedavg.main, argv + avg + ["--parallel-clients", "off"], tmp_path, "avg.json")   # as FedIIR's
-        b, _ = run(fediir.main, argv + iir + ["--gamma", "0"], tmp_path, "iir.json")
+        b, _ = run(main, argv + iir + ["--gamma", "0"], tmp_path, "iir.json")      # fediir.py: 1/C (Algorithm 1)
         assert strip_times(a)["domains"] == strip_times(b)["domains"]
     c, _ = run(fediir.main, argv + ["--gamma", "0.5"], tmp_path, "iir.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]   # and the penalty does act
@@ -862,14 +863,16 @@ def test_fediir_with_gamma_zero_is_fedavg_bit_for_bit(tmp_path, device):
 
 def test_fediir_averages_the_sampled_clients_uniformly_by_default(dtype):
     """Algorithm 1 and the code: θ^t = θ^{t-1} + (1/C) Σ_c Δ_c, whatever the clients' sizes (6 and 10
-    here); --size-avg weights by size. γ = 0 and one full-batch step each: Δ_c is one SGD step.
+    here); the readings' --size-avg weights by size. γ = 0 and one full-batch step each: Δ_c is one SGD step.
     Tolerances as test_fedavg_round_is_weighted_mean_of_deltas's (float32 measured 1.5e-8)."""
+    import fediir_readings
     for size_avg, w in ((False, [0.5, 0.5]), (True, [6 / 16, 10 / 16])):
         model, fed = tiny_model(), tiny_federation()
         theta = common.get_flat(model)
         want = theta + sum(wc * (full_batch_step(model, c, 0.5) - theta) for wc, c in zip(w, fed.clients))
-        args = tiny_args(gamma=0.0, size_avg=size_avg, ema=0.95, half=False, gbar="batches")
-        fediir.fediir_round(1, model, fed, args, fediir.init_state(model, fed, args, tiny_ctx()), tiny_ctx())
+        args = tiny_args(gamma=0.0, size_avg=size_avg, ema=0.95, half=False, gbar="batches", gbar_inputs="augmented")
+        round_fn = fediir_readings.readings_round if size_avg else fediir.fediir_round
+        round_fn(1, model, fed, args, fediir.init_state(model, fed, args, tiny_ctx()), tiny_ctx())
         assert want.dtype == dtype and torch.allclose(common.get_flat(model), want, **TINY_TOL[dtype])
 
 
@@ -888,7 +891,7 @@ def test_heads_start_as_the_fedIIR_code():
 def test_fediir_global_gradient_is_the_mean_classifier_gradient(mode):
     ds = data.synthetic()
     fed = common.federate(ds, 0, 3, seed=0, device="cpu")
-    args = type("A", (), dict(model="smallconv", head="mlp", batch_size=50, gbar=mode, gbar_inputs="augmented"))
+    args = type("A", (), dict(model="smallconv", head="mlp"))
     torch.manual_seed(0)
     model = common.build_model(args, ds)
     ctx = tiny_ctx()
@@ -902,7 +905,7 @@ def test_fediir_global_gradient_is_the_mean_classifier_gradient(mode):
             F.cross_entropy(model(xb.float() / 255), yb).backward()
             per.append(torch.cat([p.grad.reshape(-1) for p in model.classifier.parameters()]))
     expected = torch.stack(per).mean(0)
-    got = torch.cat([g.reshape(-1) for g in fediir.global_gradient(model, fed, S, args, ctx)])
+    got = torch.cat([g.reshape(-1) for g in fediir.global_gradient(model, fed, S, ctx, 50 if mode == "batches" else None)])
     assert torch.allclose(got, expected, atol=1e-6)
     assert len(per) == (sum(math.ceil(fed.clients[c].n / 50) for c in S) if mode == "batches" else 2)
 
@@ -934,7 +937,7 @@ def test_fediir_learns_and_resumes(tmp_path, monkeypatch, device):
 
 def test_fediir_defaults_follow_table_3(tmp_path):
     res, _ = run(fediir.main, QUICK + ["--rounds", "1", "--test-domain", "0"], tmp_path)
-    assert res["args"]["gamma"] == 1e-2 and res["args"]["ema"] == 0.95 and res["args"]["gbar"] == "batches"
+    assert res["args"]["gamma"] == 1e-2 and res["args"]["ema"] == 0.95 and "gbar" not in res["args"]
     assert fediir.GAMMA == {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}
 
 
@@ -1244,7 +1247,7 @@ def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
     ("fediir", ["--gamma", "nan"], "argument --gamma: must be a finite number, got 'nan'"),
     ("fediir", ["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
     ("fediir", ["--ema", "-0.1"], "--ema must be in [0, 1), got -0.1"),
-    ("fediir", ["--gbar", "sometimes"], "argument --gbar: invalid choice: 'sometimes'"),
+    ("fediir", ["--gbar", "clients"], "unrecognized arguments: --gbar clients"),
     ("fedomg", ["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5"),
     ("fedomg", ["--server-rule", "paper"], "unrecognized arguments: --server-rule paper"),
     ("fedomg", ["--no-rescale"], "unrecognized arguments: --no-rescale"),
@@ -2465,8 +2468,8 @@ LOE_SYNC_CASES = [                 # method, argv, the functions that hold its p
     pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"], ["common.at_once"],
                  id="fedavg-parallel"),
     pytest.param("fediir", LOE_SYNTH + ["--rounds", "1"], ["common.local_sgd", "fediir.global_gradient"], id="fediir"),
-    pytest.param("fediir", LOE_SYNTH + ["--rounds", "1", "--gbar", "clients"],
-                 ["common.local_sgd", "fediir.global_gradient"], id="fediir-gbar-clients"),
+    pytest.param("fediir_readings", LOE_SYNTH + ["--rounds", "1", "--gbar", "clients"],
+                 ["common.local_sgd", "fediir.global_gradient"], id="fediir-readings-gbar-clients"),
     pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3", "--parallel-clients", "off"],
                  ["common.local_sgd"],
                  id="fedomg"),
@@ -3946,9 +3949,11 @@ def mean_batch_gradient(model, inputs, S, fed, batch_size):
 
 def test_fediir_gbar_sees_augmented_inputs_on_photos_by_default(tmp_path):
     """A PACS-like tree: by default g_bar is taken on the inputs the training loaders give (augmented,
-    from the minibatch stream), as the official code's mean_grad; --gbar-inputs plain on the images."""
-    p = common.make_parser("fediir", fediir.__doc__)
-    fediir.add_args(p)
+    from the minibatch stream), as the official code's mean_grad; the readings' --gbar-inputs plain on
+    the images."""
+    import fediir_readings
+    p = common.make_parser("fediir", fediir_readings.__doc__)
+    fediir_readings.add_args(p)
     assert p.parse_args([]).gbar_inputs == "augmented"
     fed, model, ctx = photo_setup(tmp_path)
     S, prep = [2, 0], common.make_prep("pacs", "cpu")
@@ -3958,9 +3963,8 @@ def test_fediir_gbar_sees_augmented_inputs_on_photos_by_default(tmp_path):
     assert not torch.allclose(augmented[0], plain[0], atol=1e-2)
     got = {}
     for how in ("augmented", "plain"):
-        args = type("A", (), dict(batch_size=4, gbar="batches", gbar_inputs=how))
         before = ctx.gen.get_state()
-        got[how] = torch.cat([g.reshape(-1) for g in fediir.global_gradient(model, fed, S, args, ctx)])
+        got[how] = torch.cat([g.reshape(-1) for g in fediir.global_gradient(model, fed, S, ctx, 4, how == "augmented")])
         assert torch.equal(ctx.gen.get_state(), before) == (how == "plain")   # only augmentation draws
     assert torch.allclose(got["augmented"], mean_batch_gradient(model, augmented, S, fed, 4), atol=1e-6)
     assert torch.allclose(got["plain"], mean_batch_gradient(model, plain, S, fed, 4), atol=1e-6)
@@ -3969,16 +3973,18 @@ def test_fediir_gbar_sees_augmented_inputs_on_photos_by_default(tmp_path):
 
 def test_fediir_gbar_inputs_change_nothing_on_the_digits(tmp_path):
     argv = QUICK + ["--rounds", "2", "--clients", "3", "--test-domain", "1"]
+    import fediir_readings
     a, _ = run(fediir.main, argv, tmp_path, "a.json")
-    b, _ = run(fediir.main, argv + ["--gbar-inputs", "plain"], tmp_path, "b.json")
+    b, _ = run(fediir_readings.main, argv + ["--gbar-inputs", "plain"], tmp_path, "b.json")
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
 
 
 def test_fediir_half_is_the_papers_gamma_over_2(tmp_path):
-    """--half: the local objective R + (γ/2)||∇_ω R − g̃||² (FedIIR's Eq.), i.e. a run with --gamma γ
-    --half is the run with --gamma γ/2, bit for bit, and not the run with γ."""
+    """The readings' --half: the local objective R + (γ/2)||∇_ω R − g̃||² (FedIIR's Eq.), i.e. a run
+    with --gamma γ --half is fediir.py's run with --gamma γ/2, bit for bit, and not the run with γ."""
+    import fediir_readings
     argv = QUICK + ["--rounds", "2", "--eval-every", "1", "--clients", "3", "--test-domain", "1"]
-    half, _ = run(fediir.main, argv + ["--gamma", "2", "--half"], tmp_path, "half.json")
+    half, _ = run(fediir_readings.main, argv + ["--gamma", "2", "--half"], tmp_path, "half.json")
     over2, _ = run(fediir.main, argv + ["--gamma", "1"], tmp_path, "over2.json")
     full, _ = run(fediir.main, argv + ["--gamma", "2"], tmp_path, "full.json")
     assert strip_times(half)["domains"] == strip_times(over2)["domains"]
@@ -4656,12 +4662,15 @@ def copied_fediir_rounds(m, clients, rounds, gamma, v, batch_size, full_batch_gb
 @pytest.mark.parametrize("gbar,size_avg,half", [("batches", False, False), ("clients", True, True)])
 def test_fediir_copied(gbar, size_avg, half):
     """Two rounds, γ = 0.5 (γ/2 with --half), v = 0.95, batch 4 over clients of 7, 12 and 9 (partial
-    batches): θ^2 and g̃^2 of the copied loop are those of fediir_round, bit for bit."""
+    batches): θ^2 and g̃^2 of the copied loop are those of fediir_round (the paper's readings: of
+    benchmark/diagnostics/fediir_readings.py's round), bit for bit."""
+    import fediir_readings
     m = copied(fediir, *PLAIN)
     clients = three_clients()
     theta, g_tilde = copied_fediir_rounds(m, clients, 2, 0.25 if half else 0.5, 0.95, 4, gbar == "clients", size_avg)
     state = {"g_tilde": [torch.zeros(3, 16), torch.zeros(3)]}                    # fediir.init_state's g̃^0
-    expected = method_rounds(fediir.fediir_round, clients, 2, state, gamma=0.5, ema=0.95, half=half, gbar=gbar,
+    round_fn = fediir_readings.readings_round if half else fediir.fediir_round
+    expected = method_rounds(round_fn, clients, 2, state, gamma=0.5, ema=0.95, half=half, gbar=gbar,
                              gbar_inputs="augmented", size_avg=size_avg)
     assert torch.equal(theta, expected), (theta - expected).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(g_tilde, state["g_tilde"]))

@@ -50,26 +50,23 @@ def fediir_round(link, t, model, fed, args, state, ctx):
     theta = common.get_flat(model)
     S = common.sample_clients(ctx, len(fed.clients), args.sample)
     if args.gamma > 0:                       # step 2: the classifier gradients up, g_bar and the EMA here
-        draws = args.gbar_inputs == "augmented" and args.dataset in common.PHOTOS    # augmented: the shared stream
+        draws = args.dataset in common.PHOTOS                          # augmented inputs: the shared stream
         up = link.ask(t, "query.fediir", [(c, {"theta": theta}) for c in S], fed, ctx.gen if draws else None)
         state["g_tilde"] = fediir.gbar_update(state["g_tilde"], fediir.gbar_mean(g for r in up for g in r["grads"]),
                                               args.ema)
-    gamma = args.gamma / 2 if args.half else args.gamma
-    up = link.ask(t, "train.fediir", [(c, {"theta": theta, "g_tilde": state["g_tilde"], "gamma": gamma}) for c in S],
-                  fed, ctx.gen)                                                # step 3, g̃ down with θ
-    p = [float(fed.clients[c].n) if args.size_avg else 1.0 for c in S]
-    common.set_flat(model, fediir.server_update(theta, (r["theta"] for r in up), p, args.global_lr))   # step 4
+    up = link.ask(t, "train.fediir", [(c, {"theta": theta, "g_tilde": state["g_tilde"], "gamma": args.gamma})
+                                      for c in S], fed, ctx.gen)              # step 3, g̃ down with θ
+    common.set_flat(model, fediir.server_update(theta, (r["theta"] for r in up), [1.0] * len(S), args.global_lr))
     return {c: r["loss"] for c, r in zip(S, up)}
 
 
 def fediir_query(node, req, context):
-    """Step 2 on the client: ∇_ω R_c at θ^{t-1}, one per minibatch (--gbar batches) or one (clients)."""
+    """Step 2 on the client: ∇_ω R_c at θ^{t-1}, one per minibatch, on augmented inputs (fediir.py's)."""
     theta_of(node, req)
     node.model.train()
-    args = node.args
-    z = fediir.client_features(node.model, node.client, node.ctx, args.gbar_inputs == "augmented")
-    b = args.batch_size if args.gbar == "batches" else None
-    return {"grads": [list(g) for g in fediir.classifier_grads(node.model.classifier, z, node.client.y, b)]}
+    z = fediir.client_features(node.model, node.client, node.ctx, True)
+    grads = fediir.classifier_grads(node.model.classifier, z, node.client.y, node.args.batch_size)
+    return {"grads": [list(g) for g in grads]}
 
 
 def fediir_train(node, req, context):
