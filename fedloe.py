@@ -14,12 +14,11 @@ Stage 2, Algorithm 1 (θ̂ frozen), K2 = --stage2-comms times:
               rex   V-REx, the variance of c's per-example losses, mean over the clients   [rex_penalty]
               fish  (no λ) φ̃ ← φ, an inner Adam step on R_c(φ̃) per client, φ += meta_lr (φ̃ − φ)  [fish_step]
     Eq. 12  ψ = Σ_c φ̂_c ψ̂_c, exact for linear heads                                              [ensemble]
-Eq. 11's terms are the base code's (IRM.step, VREx.irm_penalty, Fish.step: risks and penalties averaged
-over the clients, where Appendix C.1 prints p(c) and sums). A round is one communication, 1..K1 stage 1;
-the last is reported. --stage2-comms 0: stage 1 only, the paper's "our FedAvg". Defaults: Table 5 (batch
-128, E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8, K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta
-lr 0.05), Figure 1a (20 clients), Appendix D.3 (ResNet-50); each default's source, the digits' and fixed
-clients' defaults, the readings and the results: docs/fedloe.md.
+Eq. 11's terms are the base code's, averaged over the clients. A round is one communication (1..K1: stage 1);
+the last is reported; --stage2-comms 0: stage 1 only, the paper's "our FedAvg". Defaults: Table 5 (batch 128,
+E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8, K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05),
+Figure 1a (20 clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
+the paper-against-code discussion: docs/fedloe.md.
 """
 import math
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 import common
 import data
 
-EVERY = math.inf      # default of --sample: every client, set in check()
+EVERY = BY_STAGES = math.inf   # defaults of --sample (every client), --rounds and --local-epochs: set in check()
 PHOTO = dict(model="resnet50", head="linear")
 RC = dict(lr=1e-3, weight_decay=2.2e-3, batch_size=25000, clients=4, stage1_epochs=512, stage1_comms=16)
 FL = dict(lr=1e-3, batch_size=16, clients=100, stage1_epochs=96, stage1_comms=3)
@@ -39,7 +38,6 @@ DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5), "officeh
             "waterbird": dict(lr=5e-5, batch_size=32, clients=4, stage1_epochs=96, stage1_comms=3),
             "*": dict(batch_size=128, momentum=0.0, clients=20, sample=EVERY, eval_every=1, select="last",
                       stage1_epochs=256, stage1_comms=8)}
-BY_STAGES = math.inf  # default of --rounds and --local-epochs: set from the stage flags in check()
 
 
 # ---------------------------------------------------------------- the method as plain functions
@@ -100,9 +98,8 @@ def risks(phi, T):
 
 
 def irm_penalty(phi, T):
-    """IRMv1 as DomainBed's IRM._irm_penalty: per client, the derivative in w at w = 1 of the mean loss of w · Σφŷ
-    on its even rows times that on its odd rows (an unbiased estimate of the squared derivative; 0 for a single
-    row); the mean over the clients (src/client.py's penalty /= n_groups). One gradient call for all clients."""
+    """IRMv1 as DomainBed's IRM._irm_penalty: per client, ∂/∂w at w = 1 of the mean loss of w · Σφŷ on its even
+    rows times that on its odd rows (0 for a single row); the mean over the clients. One gradient call for all."""
     w = torch.ones(2 * T.P, dtype=T.Y.dtype, device=T.Y.device, requires_grad=True)  # w of (client, half)
     ell = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y, phi) * (T.halves @ w)[:, None], T.y, reduction="none")
     grad, = torch.autograd.grad(((ell @ T.halves) / T.halves.sum(0).clamp(min=1)).sum(), w, create_graph=True)
@@ -110,8 +107,7 @@ def irm_penalty(phi, T):
 
 
 def rex_penalty(phi, T):
-    """V-REx as src/client.py's VREx.irm_penalty (Appendix C.1's V_{p_c}[ℓ]): V_c, the population variance of
-    the per-example losses on client c's tuning split, every client at once; the mean over the clients."""
+    """V-REx as src/client.py's VREx.irm_penalty: the mean over the clients of the variance of their losses ℓ."""
     ell = sample_losses(phi, T)
     R = (ell @ T.member) / T.n_tune
     return ((((ell - T.member @ R) ** 2) @ T.member) / T.n_tune).mean()
@@ -172,12 +168,10 @@ def stage1_round(model, fed, args, ctx):
     return losses
 
 
-def solve_phi(T, args):
-    return fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps, args.meta_lr)
-
-
-def stage2_round(t, model, fed, args, state, ctx):
-    """One communication of Algorithm 1: Eq. 10 on every client, 2.2's predictions, Eq. 11 and 12 on the server."""
+def fedloe_round(t, model, fed, args, state, ctx):
+    """One communication: Eq. 4 (stage 1), or Algorithm 1's Eq. 10 on every client, 2.2, Eq. 11 and 12 on the server."""
+    if t <= args.stage1_comms:
+        return stage1_round(model, fed, args, ctx)                       # Eq. 4
     P, head, E = len(fed.clients), model.classifier, args.stage2_epochs // args.stage2_comms
     W0, b0 = head.weight.detach(), head.bias.detach()                    # the broadcast ψ
     for c in fed.clients:                 # θ̂ is frozen: one featurizer pass per client for all of stage 2
@@ -188,23 +182,15 @@ def stage2_round(t, model, fed, args, state, ctx):
     Ws, bs = torch.stack([W for W, _, _ in up]), torch.stack([b for _, b, _ in up])          # heads up, all down
     Y = torch.cat([head_predictions(c.z_tune, Ws, bs) for c in fed.clients])  # 2.2: ŷ_{c,c'} up
     T = Tuning(Y, torch.cat([c.tune_y for c in fed.clients]), [len(c.tune_y) for c in fed.clients])
-    phi = solve_phi(T, args)                                             # Eq. 11, on the server
+    phi = fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps, args.meta_lr)   # Eq. 11
     if not bool(torch.isfinite(phi).all()):                               # one host sync per round
         raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
                                f"{fed.name}); lower --dg-lambda or --stage2-lr")
     W, b = ensemble(phi, Ws, bs)                                         # Eq. 12: ψ = Σ_c φ_c ψ̂_c
-    with torch.no_grad():
-        head.weight.copy_(W)
-        head.bias.copy_(b)
+    head.load_state_dict({"weight": W, "bias": b})
     state["phi"] = phi
     print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1 / P:.4f})", flush=True)
     return {c: loss for c, (_, _, loss) in enumerate(up)}
-
-
-def fedloe_round(t, model, fed, args, state, ctx):
-    if t <= args.stage1_comms:
-        return stage1_round(model, fed, args, ctx)                       # Eq. 4
-    return stage2_round(t, model, fed, args, state, ctx)                 # Eq. 10, 11, 12
 
 
 def init_state(model, fed, args, ctx):
@@ -220,9 +206,7 @@ def split_appendix_d2(fed, seed, lodo=True):
         if c.n < 2:
             raise common.UserError(f"client {c.id} has {c.n} training example(s), too few for a train/tune split; "
                                    f"use fewer --clients")
-        perm = torch.randperm(c.n, generator=g).to(c.y.device)
-        k = max(1, int(0.1 * c.n))
-        c.tune_x, c.tune_y, c.x, c.y = c.x[perm[:k]], c.y[perm[:k]], c.x[perm[k:]], c.y[perm[k:]]
+        c.x, c.y, c.tune_x, c.tune_y = common.holdout(c.x, c.y, 0.1, g)   # at least one to tune on
         if lodo:
             h = len(c.val_y) // 2
             c.id_x, c.id_y, c.val_x, c.val_y = c.val_x[:h], c.val_y[:h], c.val_x[h:], c.val_y[h:]
@@ -244,8 +228,8 @@ def evaluate(model, fed, args, state, ctx):
     val, test, per = common.evaluate_global(model, fed, args, state, ctx)
     if args.dataset not in data.LODO:
         return val, test, per, {}
-    in_domain = common.correct(model, fed.id_x, fed.id_y, ctx).float().mean().item() if len(fed.id_y) else None
-    return val, test, per, {"in_domain_acc": in_domain}
+    return val, test, per, {"in_domain_acc": common.correct(model, fed.id_x, fed.id_y, ctx).float().mean().item()
+                            if len(fed.id_y) else None}
 
 
 def add_args(p):
@@ -264,30 +248,26 @@ def add_args(p):
 
 
 def check(args):
-    if args.rounds != BY_STAGES or args.local_epochs != BY_STAGES:
-        raise common.UserError("fedloe sets the rounds and local epochs from --stage1-epochs, --stage1-comms "
-                               "and --stage2-comms; drop --rounds / --local-epochs")
-    if args.head != "linear":
-        raise common.UserError("fedloe ensembles linear heads (Eq. 12 is exact only for them): use --head linear")
-    if args.sample not in (None, EVERY) and args.sample != args.clients:
-        raise common.UserError("fedloe uses every client at every communication (Eq. 4, Eq. 11): drop --sample")
-    if args.stage1_comms < 1 or args.stage1_epochs < 1 or args.stage1_epochs % args.stage1_comms:
-        raise common.UserError(f"--stage1-epochs ({args.stage1_epochs}) must be a positive multiple of "
-                               f"--stage1-comms ({args.stage1_comms}) >= 1")
-    if args.stage2_comms < 0 or args.stage2_epochs < 0 or (args.stage2_comms and args.stage2_epochs % args.stage2_comms):
-        raise common.UserError(f"--stage2-epochs ({args.stage2_epochs}) must be a multiple of --stage2-comms "
-                               f"({args.stage2_comms}), both >= 0")
-    if args.select == "val" and args.stage2_comms:   # the best validation round could be a stage-1 (FedAvg) one
-        raise common.UserError("fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration); "
-                               "--select val would pick among stage-1 rounds too: drop it")
-    positive = ("stage2_lr", "meta_lr")
-    for k in positive + ("stage2_wd", "dg_lambda", "server_steps"):
-        if not (getattr(args, k) > 0 if k in positive else getattr(args, k) >= 0):
-            raise common.UserError(f"--{k.replace('_', '-')} must be {'positive' if k in positive else '>= 0'}, "
-                                   f"got {getattr(args, k)}")
-    args.sample = args.clients
-    args.rounds = args.stage1_comms + args.stage2_comms
-    args.local_epochs = args.stage1_epochs // args.stage1_comms
+    e1, k1, e2, k2 = args.stage1_epochs, args.stage1_comms, args.stage2_epochs, args.stage2_comms
+    for bad, message in [      # in order: the first that holds is the error
+            (args.rounds != BY_STAGES or args.local_epochs != BY_STAGES, "fedloe sets the rounds and local epochs "
+             "from --stage1-epochs, --stage1-comms and --stage2-comms; drop --rounds / --local-epochs"),
+            (args.head != "linear", "fedloe ensembles linear heads (Eq. 12 is exact only for them): use --head linear"),
+            (args.sample not in (None, EVERY, args.clients),
+             "fedloe uses every client at every communication (Eq. 4, Eq. 11): drop --sample"),
+            (k1 < 1 or e1 < 1 or e1 % k1, f"--stage1-epochs ({e1}) must be a positive multiple of --stage1-comms "
+                                          f"({k1}) >= 1"),
+            (k2 < 0 or e2 < 0 or k2 and e2 % k2, f"--stage2-epochs ({e2}) must be a multiple of --stage2-comms ({k2}), "
+                                                 f"both >= 0"),
+            (args.select == "val" and k2, "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration); "
+                                          "--select val would pick among stage-1 rounds too: drop it"),
+            *((getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+              for k in ("stage2_lr", "meta_lr")),
+            *((getattr(args, k) < 0, f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k)}")
+              for k in ("stage2_wd", "dg_lambda", "server_steps"))]:
+        if bad:
+            raise common.UserError(message)
+    args.sample, args.rounds, args.local_epochs = args.clients, k1 + k2, e1 // k1
 
 
 def main(argv=None):

@@ -2173,7 +2173,7 @@ def loe_fish_by_hand(phi, T, weights, lr, wd, meta, steps=1, betas=(0.9, 0.999),
 
 
 def loe_fish_steps(phi, T, lr, wd, meta, steps):
-    """fedloe.fish_step `steps` times with one inner Adam, as solve_phi runs it."""
+    """fedloe.fish_step `steps` times with one inner Adam, as fit_phi runs it."""
     tilde = phi.clone().requires_grad_()
     inner = torch.optim.Adam([tilde], lr=lr, weight_decay=wd)
     for _ in range(steps):
@@ -2237,7 +2237,7 @@ def test_fedloe_server_lowers_the_eq_11_objective(dg):
     def objective(phi):
         pen = fedloe.irm_penalty(phi, T) if dg == "irm" else fedloe.rex_penalty(phi, T)
         return (fedloe.risks(phi, T).mean() + pen).item()
-    phi = fedloe.solve_phi(T, args)
+    phi = fit_phi_of(T, args)
     assert objective(phi) < objective(torch.full((2,), 0.5, dtype=torch.float64)) - 1e-3
 
 
@@ -2263,8 +2263,8 @@ def test_fedloe_stage1_with_one_communication_is_one_shot_averaging(dtype):
 def test_fedloe_stage2_with_uniform_phi_and_no_server_steps_is_the_plain_average():
     fed, model = tiny_federation((12, 20)), tiny_model()
     fedloe.split_appendix_d2(fed, 0)
-    args = tiny_args(stage2_lr=0.5, stage2_wd=5e-4, stage2_epochs=3, stage2_comms=1, server_steps=0, dg="irm",
-                     dg_lambda=100.0, meta_lr=0.05)
+    args = tiny_args(stage1_comms=2, stage2_lr=0.5, stage2_wd=5e-4, stage2_epochs=3, stage2_comms=1, server_steps=0,
+                     dg="irm", dg_lambda=100.0, meta_lr=0.05)
     heads = []
     for c in fed.clients:                                    # independently: 3 full-batch SGD steps on the head
         W, b = model.classifier.weight.detach().clone(), model.classifier.bias.detach().clone()
@@ -2274,7 +2274,7 @@ def test_fedloe_stage2_with_uniform_phi_and_no_server_steps_is_the_plain_average
             W, b = (W - 0.5 * (gW + 5e-4 * W)).detach(), (b - 0.5 * (gb + 5e-4 * b)).detach()
         heads.append((W, b))
     state = {}
-    fedloe.stage2_round(3, model, fed, args, state, tiny_ctx())
+    fedloe.fedloe_round(3, model, fed, args, state, tiny_ctx())
     assert torch.equal(state["phi"], torch.full((2,), 0.5))
     assert torch.allclose(model.classifier.weight, (heads[0][0] + heads[1][0]) / 2, atol=1e-6)
     assert torch.allclose(model.classifier.bias, (heads[0][1] + heads[1][1]) / 2, atol=1e-6)
@@ -2455,7 +2455,7 @@ def loe_one_hot(one_hot, guard):
 LOE_SYNTH = ["--dataset", "synthetic", "--test-domain", "1"]
 LOE_TINY = LOE_SYNTH + ["--clients", "4", "--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1",
                         "--stage2-comms", "1", "--server-steps", "3"]
-LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.solve_phi"]
+LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.fit_phi"]
 # PerInvFL's per-step loop is inline in its round: the round is checked by the dispatch mode, and on
 # CUDA its step functions also under the debug mode, not the whole round (once a round, its GroupDRO
 # update indexes q with a Python list: a copy to the device, which that mode reports).
@@ -3436,6 +3436,11 @@ def server_args(**kw):
     return argparse.Namespace(**a)
 
 
+def fit_phi_of(T, a):
+    """Eq. 11's fit_phi with the flags fedloe_round passes it."""
+    return fedloe.fit_phi(T, a.dg, a.dg_lambda, a.stage2_lr, a.stage2_wd, a.server_steps, a.meta_lr)
+
+
 def eq11_by_hand(phi, T, dg, lam):
     """Eq. 11's objective written per client with torch (differentiable), independently of fedloe: the mean
     of the risks plus λ times the mean of the clients' IRMv1 (DomainBed's, on their rows) or V-REx terms."""
@@ -3469,7 +3474,7 @@ def test_irm_penalty_is_averaged_over_the_clients():
     assert math.isclose(fedloe.irm_penalty(phi, T).item(), (d[0] + d[1]) / 2, abs_tol=1e-12)
     for dg in ("irm", "rex"):
         want = adam_on(lambda f: eq11_by_hand(f, T, dg, 100.0), 2, 0.05, 5e-4, 5)
-        assert torch.allclose(fedloe.solve_phi(T, server_args(dg=dg)), want, atol=1e-12), dg
+        assert torch.allclose(fit_phi_of(T, server_args(dg=dg)), want, atol=1e-12), dg
 
 
 # ---------------------------------------------------------------------------------------- Fish
@@ -3503,11 +3508,11 @@ def fish_by_hand(T, weights, lr, wd, meta, steps, keep=True, betas=(0.9, 0.999),
 
 
 def test_fish_keeps_the_inner_adam_state_across_server_steps():
-    """solve_phi's Fish against the hand-written loop with the inner Adam's state carried over the
+    """fit_phi's Fish against the hand-written loop with the inner Adam's state carried over the
     meta steps; the restarted Adam (the former code) ends elsewhere."""
     T, weights = tiny_predictions(), [1.0, 1.0]
     lr, wd, meta, steps = 0.1, 0.01, 0.5, 6
-    got = fedloe.solve_phi(T, server_args(dg="fish", stage2_lr=lr, stage2_wd=wd, meta_lr=meta, server_steps=steps))
+    got = fit_phi_of(T, server_args(dg="fish", stage2_lr=lr, stage2_wd=wd, meta_lr=meta, server_steps=steps))
     kept = fish_by_hand(T, weights, lr, wd, meta, steps)
     restarted = fish_by_hand(T, weights, lr, wd, meta, steps, keep=False)
     assert torch.allclose(got, torch.tensor(kept, dtype=torch.float64), atol=1e-12)
@@ -3594,14 +3599,15 @@ def test_stage2_over_several_communications_by_hand():
     fed, model = tiny_federation((40, 60)), tiny_model()
     fedloe.split_appendix_d2(fed, 0)
     lr, wd, lam, steps = 0.5, 0.05, 1.0, 4
-    args = tiny_args(batch_size=100, stage2_lr=lr, stage2_wd=wd, stage2_epochs=6, stage2_comms=3, server_steps=steps,
+    args = tiny_args(batch_size=100, stage1_comms=2, stage2_lr=lr, stage2_wd=wd, stage2_epochs=6, stage2_comms=3,
+                     server_steps=steps,
                      dg="rex", dg_lambda=lam, meta_lr=0.05)
     assert all(c.n < args.batch_size for c in fed.clients) and fed.clients[0].n != fed.clients[1].n
     state = {}
     W, b = model.classifier.weight.detach().clone(), model.classifier.bias.detach().clone()
     prep, ctx = (lambda x: x.float().flatten(1) / 255), tiny_ctx()
     for t in range(3):
-        fedloe.stage2_round(3 + t, model, fed, args, state, ctx)
+        fedloe.fedloe_round(3 + t, model, fed, args, state, ctx)
         heads = []
         for c in fed.clients:                                # 2.1: E2/K2 = 2 full-batch epochs from the broadcast ψ
             Wc, bc = W.clone(), b.clone()

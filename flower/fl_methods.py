@@ -164,7 +164,8 @@ def fedloe_round(link, t, model, fed, args, state, ctx):
         preds = link.ask(t, "query.fedloe", [(c, {"theta": theta, "Ws": Ws, "bs": bs}) for c in range(P)], fed)
         T = fedloe.Tuning(torch.cat([r["Y"] for r in preds]).to(theta.device),
                           torch.cat([r["y"] for r in preds]).to(theta.device), [len(r["y"]) for r in preds])
-        phi = fedloe.solve_phi(T, args)                                                         # Eq. 11
+        phi = fedloe.fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps,
+                             args.meta_lr)                                                      # Eq. 11
         if not bool(torch.isfinite(phi).all()):
             raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
                                    f"{fed.name}); lower --dg-lambda or --stage2-lr")
