@@ -4,7 +4,7 @@ the sampled clients at once (--parallel-clients on) gains over training them one
 
 Two settings. rmnist (default): RotatedMNIST (test domain 0), P = 50 clients with C = 5 sampled per
 round, one local epoch, each method with its own defaults for rmnist (FedIIR: Table 3's γ; FedOMG:
-its server step; FedIPG: λ 1e-3, --penalty auto). fl: FedOMG's FL setting, MNIST split over 100
+its server step; FedIPG: λ 1e-3, its tangent penalty). fl: FedOMG's FL setting, MNIST split over 100
 clients by Dirichlet(0.1) label skew, 20 sampled, 5 local epochs, batch 16, the small CNN, FedAvg
 and FedOMG. Every variant trains the same sampled clients with the same model, batch size and
 optimiser. The bare loop is what a researcher would write in a few lines (a fresh SGD per client);
