@@ -8,17 +8,15 @@ Stage 2, Algorithm 1 (θ̂ frozen), K2 = --stage2-comms times:
     Eq. 10  client c: E2/K2 epochs of SGD on its head from the broadcast ψ → ψ̂_c              [overfit_head]
     2.2     client c: every head's logits ŷ_{c,c'} on its tuning split (10%, D.2), with labels  [head_predictions]
     Eq. 11  server, each client an environment, φ from uniform:                                 [fit_phi]
-              φ̂ = argmin_φ (1/P) Σ_c R_c(Σ_c' φ_c' ŷ_c') + λ r,  r = --dg, by Adam:
-              irm   IRMv1, ∂R_c(w · Σφŷ)/∂w at w = 1 on c's even rows times on its odd rows
-                    (DomainBed's IRM._irm_penalty), mean over the clients                  [irm_penalty]
-              rex   V-REx, the variance of c's per-example losses, mean over the clients   [rex_penalty]
+              φ̂ = argmin_φ (1/P) Σ_c R_c(Σ_c' φ_c' ŷ_c') + λ r by Adam, r = --dg (the base code's terms):
+              irm   IRMv1, DomainBed's: ∂R_c(wΣφŷ)/∂w at w = 1 on c's even × on its odd rows  [irm_penalty]
+              rex   V-REx, the variance of c's losses (irm, rex: the mean over the clients)   [rex_penalty]
               fish  (no λ) φ̃ ← φ, an inner Adam step on R_c(φ̃) per client, φ += meta_lr (φ̃ − φ)
     Eq. 12  ψ = Σ_c φ̂_c ψ̂_c, exact for linear heads                                              [ensemble]
-Eq. 11's terms are the base code's, averaged over the clients. A round is one communication (1..K1: stage 1);
-the last is reported; --stage2-comms 0: stage 1 only, the paper's "our FedAvg". Defaults: Table 5 (batch 128,
-E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8, K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05),
-Figure 1a (20 clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
-the paper-against-code discussion: docs/fedloe.md.
+A round is one communication (1..K1: stage 1); the last is reported; --stage2-comms 0: stage 1 only, the
+paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8,
+K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05), Figure 1a (20 clients), Appendix D.3 (ResNet-50); the
+sources, other datasets' defaults, readings, results and the paper-against-code discussion: docs/fedloe.md.
 """
 import torch
 import torch.nn.functional as F
@@ -40,8 +38,8 @@ DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5), "officeh
 # ---------------------------------------------------------------- the method as plain functions
 
 def average(theta, thetas, n, global_lr=1.0):
-    """Eq. 4: θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c (at η_g = 1 the p(c)-weighted mean). theta: the broadcast
-    (θ, ψ), flat; thetas: the clients' trained ones (any iterable, read one at a time); n: the n_c."""
+    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c (η_g = 1: the p(c)-weighted mean); thetas:
+    any iterable, read one at a time."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
     for theta_c, n_c in zip(thetas, n):
         delta_sum += n_c * (theta_c - theta)
@@ -70,9 +68,8 @@ def head_predictions(z, Ws, bs):
 
 
 class Tuning:
-    """What the server holds in 2.2: Y [N, P, m], every head's predictions on the N tuning examples, client by
-    client, their labels y [N] and the clients' tuning sizes. `member` [N, P]: each row's client, one-hot (its
-    sums are products with it: reproducible on CUDA); `halves` [N, 2P]: each row's (client, even or odd row)."""
+    """2.2 on the server: the heads' predictions Y [N, P, m] on the N tuning examples, client by client, labels y [N];
+    one-hot `member` [N, P] (each row's client; sums as products: reproducible on CUDA), `halves` [N, 2P] (its half)."""
 
     def __init__(self, Y, y, n_tune):
         env = torch.cat([torch.full((k,), c, device=y.device) for c, k in enumerate(n_tune)])
@@ -83,14 +80,10 @@ class Tuning:
         self.rows = [slice(e - k, e) for k, e in zip(n_tune, torch.tensor(n_tune).cumsum(0).tolist())]
 
 
-def sample_losses(phi, T):
-    """ℓ(Σ_c' φ_c' ŷ_c', y) of every tuning example [N]."""
-    return F.cross_entropy(torch.einsum("nkm,k->nm", T.Y, phi), T.y, reduction="none")
-
-
 def risks(phi, T):
-    """R_c [P]: each client's risk of Σ_c' φ_c' ŷ_c' on its tuning split."""
-    return (sample_losses(phi, T) @ T.member) / T.n_tune
+    """R_c [P], each client's risk of Σ_c' φ_c' ŷ_c' on its tuning split, and the losses ℓ [N] of its examples."""
+    ell = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y, phi), T.y, reduction="none")
+    return (ell @ T.member) / T.n_tune, ell
 
 
 def irm_penalty(phi, T):
@@ -104,15 +97,13 @@ def irm_penalty(phi, T):
 
 def rex_penalty(phi, T):
     """V-REx as src/client.py's VREx.irm_penalty: the mean over the clients of the variance of their losses ℓ."""
-    ell = sample_losses(phi, T)
-    R = (ell @ T.member) / T.n_tune
+    R, ell = risks(phi, T)
     return ((((ell - T.member @ R) ** 2) @ T.member) / T.n_tune).mean()
 
 
 def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_lr=0.05):
-    """Eq. 11 on the server: the ensemble weights φ [P] from uniform; `steps` full-batch Adam steps on
-    (1/P) Σ_c R_c + λ r for r = "irm" or "rex", or `steps` Fish meta steps (r = "fish", DomainBed's): φ̃ ← φ,
-    one step of the inner Adam on R_c(φ̃) for each client c in turn, φ += meta_lr (φ̃ − φ)."""
+    """Eq. 11 on the server: the ensemble weights φ [P] from uniform by `steps` full-batch Adam steps on
+    (1/P) Σ_c R_c + λ r for r = "irm" or "rex", or by `steps` of DomainBed's Fish meta steps (r = "fish")."""
     phi = torch.full((T.P,), 1.0 / T.P, dtype=T.Y.dtype, device=T.Y.device)
     if r == "fish":
         tilde = phi.clone().requires_grad_()     # φ̃ and its inner Adam, state kept (DomainBed's create_clone)
@@ -124,12 +115,11 @@ def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_l
                 inner.zero_grad(set_to_none=True)
                 R_c.backward()
                 inner.step()
-            phi = phi + meta_lr * (tilde.detach() - phi)
+            phi = phi + meta_lr * (tilde.detach() - phi)                  # φ += meta_lr (φ̃ − φ)
         return phi
-    penalty = irm_penalty if r == "irm" else rex_penalty
     opt = torch.optim.Adam([phi.requires_grad_()], lr=lr, weight_decay=weight_decay)
     for _ in range(steps):
-        loss = risks(phi, T).mean() + lam * penalty(phi, T)               # Eq. 11
+        loss = risks(phi, T)[0].mean() + lam * (irm_penalty if r == "irm" else rex_penalty)(phi, T)   # Eq. 11
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -198,21 +188,19 @@ def init_state(model, fed, args, ctx):
     return {"phi": torch.zeros(0, device=ctx.device)}
 
 
-@torch.no_grad()
 def features(model, x, ctx, chunk=512):
     """g_θ̂(x) for a client's images: no graph (θ̂ is frozen), no augmentation."""
     model.eval()
-    with ctx.autocast():
+    with torch.no_grad(), ctx.autocast():
         return torch.cat([model.featurizer(ctx.prep(x[i:i + chunk])).float() for i in range(0, len(x), chunk)])
 
 
 def evaluate(model, fed, args, state, ctx):
     """common's scores (fixed clients: each client's own test set too); leave-one-domain-out: the in-domain test."""
     val, test, per = common.evaluate_global(model, fed, args, state, ctx)
-    if args.dataset not in data.LODO:
-        return val, test, per, {}
-    return val, test, per, {"in_domain_acc": common.correct(model, fed.id_x, fed.id_y, ctx).float().mean().item()
-                            if len(fed.id_y) else None}
+    lodo = args.dataset in data.LODO
+    acc = common.correct(model, fed.id_x, fed.id_y, ctx).float().mean().item() if lodo and len(fed.id_y) else None
+    return val, test, per, {"in_domain_acc": acc} if lodo else {}
 
 
 def add_args(p):
