@@ -8,34 +8,29 @@ Stage 2, Algorithm 1 (θ̂ frozen), K2 = --stage2-comms times:
     Eq. 10  client c: E2/K2 epochs of SGD on its head from the broadcast ψ → ψ̂_c              [overfit_head]
     2.2     client c: every head's logits ŷ_{c,c'} on its tuning split (10%, D.2), with labels  [head_predictions]
     Eq. 11  server, each client an environment, φ from uniform:                                 [fit_phi]
-              φ̂ = argmin_φ (1/P) Σ_c R_c(Σ_c' φ_c' ŷ_c') + λ r,  r = --dg, by Adam:
-              irm   IRMv1, ∂R_c(w · Σφŷ)/∂w at w = 1 on c's even rows times on its odd rows
-                    (DomainBed's IRM._irm_penalty), mean over the clients                  [irm_penalty]
-              rex   V-REx, the variance of c's per-example losses, mean over the clients   [rex_penalty]
-              fish  (no λ) φ̃ ← φ, an inner Adam step on R_c(φ̃) per client, φ += meta_lr (φ̃ − φ)  [fish_step]
+              φ̂ = argmin_φ (1/P) Σ_c R_c(Σ_c' φ_c' ŷ_c') + λ r by Adam, r = --dg (the base code's terms):
+              irm   IRMv1, DomainBed's: ∂R_c(wΣφŷ)/∂w at w = 1 on c's even × on its odd rows  [irm_penalty]
+              rex   V-REx, the variance of c's losses (irm, rex: the mean over the clients)   [rex_penalty]
+              fish  (no λ) φ̃ ← φ, an inner Adam step on R_c(φ̃) per client, φ += meta_lr (φ̃ − φ)
     Eq. 12  ψ = Σ_c φ̂_c ψ̂_c, exact for linear heads                                              [ensemble]
-Eq. 11's terms are the base code's, averaged over the clients. A round is one communication (1..K1: stage 1);
-the last is reported; --stage2-comms 0: stage 1 only, the paper's "our FedAvg". Defaults: Table 5 (batch 128,
-E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8, K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05),
-Figure 1a (20 clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
-the paper-against-code discussion: docs/fedloe.md.
+A round is one communication (1..K1: stage 1); the last is reported; --stage2-comms 0: stage 1 only, the
+paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8,
+K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05), Figure 1a (20 clients), Appendix D.3 (ResNet-50); the
+sources, other datasets' defaults, readings, results and the paper-against-code discussion: docs/fedloe.md.
 """
-import math
-
 import torch
 import torch.nn.functional as F
 
 import common
 import data
 
-EVERY = BY_STAGES = math.inf   # defaults of --sample (every client), --rounds and --local-epochs: set in check()
+EVERY = BY_STAGES = float("inf")   # defaults of --sample (every client), --rounds and --local-epochs: set in check()
 PHOTO = dict(model="resnet50", head="linear")
 RC = dict(lr=1e-3, weight_decay=2.2e-3, batch_size=25000, clients=4, stage1_epochs=512, stage1_comms=16)
 FL = dict(lr=1e-3, batch_size=16, clients=100, stage1_epochs=96, stage1_comms=3)
 DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5), "officehome": dict(PHOTO, lr=3e-5),
-            "rmnist": dict(lr=1e-3), "synthetic": dict(lr=1e-2),
-            "rcmnist": RC, "rcfmnist": RC, "mnist": FL, "emnist": FL, "cifar10": FL, "cifar100": FL,
-            "waterbird": dict(lr=5e-5, batch_size=32, clients=4, stage1_epochs=96, stage1_comms=3),
+            "rmnist": dict(lr=1e-3), "synthetic": dict(lr=1e-2), "rcmnist": RC, "rcfmnist": RC, "mnist": FL,
+            "emnist": FL, "cifar10": FL, "cifar100": FL, "waterbird": dict(FL, lr=5e-5, batch_size=32, clients=4),
             "*": dict(batch_size=128, momentum=0.0, clients=20, sample=EVERY, eval_every=1, select="last",
                       stage1_epochs=256, stage1_comms=8)}
 
@@ -43,8 +38,8 @@ DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5), "officeh
 # ---------------------------------------------------------------- the method as plain functions
 
 def average(theta, thetas, n, global_lr=1.0):
-    """Eq. 4: θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c (at η_g = 1 the p(c)-weighted mean). theta: the broadcast
-    (θ, ψ), flat; thetas: the clients' trained ones (any iterable, read one at a time); n: the n_c."""
+    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c (η_g = 1: the p(c)-weighted mean); thetas:
+    any iterable, read one at a time."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
     for theta_c, n_c in zip(thetas, n):
         delta_sum += n_c * (theta_c - theta)
@@ -54,17 +49,16 @@ def average(theta, thetas, n, global_lr=1.0):
 
 def overfit_head(W, b, z, y, batches, lr, momentum=0.0, weight_decay=0.0):
     """Eq. 10 on a client: from the broadcast ψ = (W [m, d], b [m]), one SGD step on the cross-entropy of its
-    features z [n, d] and labels y per index tensor of `batches`. Returns ψ̂_c = (W, b), its upload, and the mean loss."""
-    W, b = W.clone().requires_grad_(), b.clone().requires_grad_()
+    features z [n, d] and labels y per index tensor of `batches`. Returns ψ̂_c = (W, b), its upload; the mean loss."""
+    W, b = W.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     opt = torch.optim.SGD([W, b], lr=lr, momentum=momentum, weight_decay=weight_decay)
     total, steps = torch.zeros((), device=z.device), 0
-    for idx in batches:
+    for steps, idx in enumerate(batches, 1):
         loss = F.cross_entropy(F.linear(z[idx], W, b), y[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         total += loss.detach()
-        steps += 1
     return W.detach(), b.detach(), total / max(steps, 1)
 
 
@@ -74,27 +68,22 @@ def head_predictions(z, Ws, bs):
 
 
 class Tuning:
-    """What the server holds in 2.2: Y [N, P, m], every head's predictions on the N tuning examples, client by
-    client, their labels y [N] and the clients' tuning sizes. `member` [N, P]: each row's client, one-hot (its
-    sums are products with it: reproducible on CUDA); `halves` [N, 2P]: each row's (client, even or odd row)."""
+    """2.2 on the server: the heads' predictions Y [N, P, m] on the N tuning examples, client by client, labels y [N];
+    one-hot `member` [N, P] (each row's client; sums as products: reproducible on CUDA), `halves` [N, 2P] (its half)."""
 
     def __init__(self, Y, y, n_tune):
         env = torch.cat([torch.full((k,), c, device=y.device) for c, k in enumerate(n_tune)])
         odd = torch.cat([torch.arange(k, device=y.device) % 2 for k in n_tune])
         self.Y, self.y, self.P = Y, y, len(n_tune)
-        self.member, self.halves = (F.one_hot(i, k).to(Y.dtype) for i, k in ((env, self.P), (2 * env + odd, 2 * self.P)))
+        self.member, self.halves = (F.one_hot(i, k).to(Y.dtype) for i, k in ((env, self.P), (2*env + odd, 2*self.P)))
         self.n_tune = self.member.sum(0)
         self.rows = [slice(e - k, e) for k, e in zip(n_tune, torch.tensor(n_tune).cumsum(0).tolist())]
 
 
-def sample_losses(phi, T):
-    """ℓ(Σ_c' φ_c' ŷ_c', y) of every tuning example [N]."""
-    return F.cross_entropy(torch.einsum("nkm,k->nm", T.Y, phi), T.y, reduction="none")
-
-
 def risks(phi, T):
-    """R_c [P]: each client's risk of Σ_c' φ_c' ŷ_c' on its tuning split."""
-    return (sample_losses(phi, T) @ T.member) / T.n_tune
+    """R_c [P], each client's risk of Σ_c' φ_c' ŷ_c' on its tuning split, and the losses ℓ [N] of its examples."""
+    ell = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y, phi), T.y, reduction="none")
+    return (ell @ T.member) / T.n_tune, ell
 
 
 def irm_penalty(phi, T):
@@ -108,39 +97,29 @@ def irm_penalty(phi, T):
 
 def rex_penalty(phi, T):
     """V-REx as src/client.py's VREx.irm_penalty: the mean over the clients of the variance of their losses ℓ."""
-    ell = sample_losses(phi, T)
-    R = (ell @ T.member) / T.n_tune
+    R, ell = risks(phi, T)
     return ((((ell - T.member @ R) ** 2) @ T.member) / T.n_tune).mean()
 
 
-def fish_step(phi, T, meta_lr, tilde, inner):
-    """One Fish step (DomainBed's): φ̃ ← φ, one step of the inner Adam on R_c(φ̃) for each client c in turn,
-    then φ + meta_lr (φ̃ − φ). `inner` optimises `tilde` and keeps its state (DomainBed's create_clone)."""
-    with torch.no_grad():
-        tilde.copy_(phi)                                                  # φ̃ ← φ
-    for rows in T.rows:
-        R_c = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y[rows], tilde), T.y[rows])  # mean over client c's rows
-        inner.zero_grad(set_to_none=True)
-        R_c.backward()
-        inner.step()
-    return phi + meta_lr * (tilde.detach() - phi)
-
-
 def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_lr=0.05):
-    """Eq. 11 on the server: the ensemble weights φ [P] from uniform; `steps` full-batch Adam steps on
-    (1/P) Σ_c R_c + λ r for r = "irm" or "rex", or `steps` Fish meta steps (r = "fish")."""
+    """Eq. 11 on the server: the ensemble weights φ [P] from uniform by `steps` full-batch Adam steps on
+    (1/P) Σ_c R_c + λ r for r = "irm" or "rex", or by `steps` of DomainBed's Fish meta steps (r = "fish")."""
     phi = torch.full((T.P,), 1.0 / T.P, dtype=T.Y.dtype, device=T.Y.device)
     if r == "fish":
-        tilde = phi.clone().requires_grad_()                             # φ̃ and its Adam: one per communication
+        tilde = phi.clone().requires_grad_()     # φ̃ and its inner Adam, state kept (DomainBed's create_clone)
         inner = torch.optim.Adam([tilde], lr=lr, weight_decay=weight_decay)
         for _ in range(steps):
-            phi = fish_step(phi, T, meta_lr, tilde, inner)
+            tilde.detach().copy_(phi)                                     # φ̃ ← φ
+            for rows in T.rows:                                           # R_c(φ̃): the mean over c's rows
+                R_c = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y[rows], tilde), T.y[rows])
+                inner.zero_grad(set_to_none=True)
+                R_c.backward()
+                inner.step()
+            phi = phi + meta_lr * (tilde.detach() - phi)                  # φ += meta_lr (φ̃ − φ)
         return phi
-    penalty = irm_penalty if r == "irm" else rex_penalty
-    phi.requires_grad_()
-    opt = torch.optim.Adam([phi], lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.Adam([phi.requires_grad_()], lr=lr, weight_decay=weight_decay)
     for _ in range(steps):
-        loss = risks(phi, T).mean() + lam * penalty(phi, T)               # Eq. 11
+        loss = risks(phi, T)[0].mean() + lam * (irm_penalty if r == "irm" else rex_penalty)(phi, T)   # Eq. 11
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -173,35 +152,29 @@ def fedloe_round(t, model, fed, args, state, ctx):
     if t <= args.stage1_comms:
         return stage1_round(model, fed, args, ctx)                       # Eq. 4
     P, head, E = len(fed.clients), model.classifier, args.stage2_epochs // args.stage2_comms
-    W0, b0 = head.weight.detach(), head.bias.detach()                    # the broadcast ψ
     for c in fed.clients:                 # θ̂ is frozen: one featurizer pass per client for all of stage 2
         if not hasattr(c, "z"):
             c.z, c.z_tune = features(model, c.x, ctx), features(model, c.tune_x, ctx)
-    up = [overfit_head(W0, b0, c.z, c.y, common.batches(len(c.y), args.batch_size, E, ctx), args.stage2_lr,
-                       args.momentum, args.stage2_wd) for c in fed.clients]                  # Eq. 10, on the clients
+    up = [overfit_head(head.weight, head.bias, c.z, c.y, common.batches(len(c.y), args.batch_size, E, ctx),
+                       args.stage2_lr, args.momentum, args.stage2_wd) for c in fed.clients]  # Eq. 10 from ψ
     Ws, bs = torch.stack([W for W, _, _ in up]), torch.stack([b for _, b, _ in up])          # heads up, all down
     Y = torch.cat([head_predictions(c.z_tune, Ws, bs) for c in fed.clients])  # 2.2: ŷ_{c,c'} up
     T = Tuning(Y, torch.cat([c.tune_y for c in fed.clients]), [len(c.tune_y) for c in fed.clients])
-    phi = fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps, args.meta_lr)   # Eq. 11
+    phi = fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps, args.meta_lr)  # Eq. 11
     if not bool(torch.isfinite(phi).all()):                               # one host sync per round
         raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
                                f"{fed.name}); lower --dg-lambda or --stage2-lr")
     W, b = ensemble(phi, Ws, bs)                                         # Eq. 12: ψ = Σ_c φ_c ψ̂_c
     head.load_state_dict({"weight": W, "bias": b})
     state["phi"] = phi
-    print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1 / P:.4f})", flush=True)
+    print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1/P:.4f})", flush=True)
     return {c: loss for c, (_, _, loss) in enumerate(up)}
 
 
 def init_state(model, fed, args, ctx):
-    split_appendix_d2(fed, args.seed, lodo=args.dataset in data.LODO)
-    return {"phi": torch.zeros(0, device=ctx.device)}
-
-
-def split_appendix_d2(fed, seed, lodo=True):
-    """Each client's training split -> 90% train / 10% tune. lodo: each client's 10% hold-out -> half
-    validation (pooled: fed.val_x) and half in-domain test (pooled: fed.id_x). Seeded, in place."""
-    g = torch.Generator().manual_seed(seed)
+    """Appendix D.2, seeded, in place: each client's training split -> 90% train / 10% tune; leave-one-domain-out:
+    its 10% hold-out -> half validation (pooled: fed.val_x), half in-domain test (pooled: fed.id_x)."""
+    g, lodo = torch.Generator().manual_seed(args.seed), args.dataset in data.LODO
     for c in fed.clients:
         if c.n < 2:
             raise common.UserError(f"client {c.id} has {c.n} training example(s), too few for a train/tune split; "
@@ -210,26 +183,24 @@ def split_appendix_d2(fed, seed, lodo=True):
         if lodo:
             h = len(c.val_y) // 2
             c.id_x, c.id_y, c.val_x, c.val_y = c.val_x[:h], c.val_y[:h], c.val_x[h:], c.val_y[h:]
-    if lodo:
-        fed.val_x, fed.val_y = torch.cat([c.val_x for c in fed.clients]), torch.cat([c.val_y for c in fed.clients])
-        fed.id_x, fed.id_y = torch.cat([c.id_x for c in fed.clients]), torch.cat([c.id_y for c in fed.clients])
+    for k in ("val_x", "val_y", "id_x", "id_y") if lodo else ():          # pooled
+        setattr(fed, k, torch.cat([getattr(c, k) for c in fed.clients]))
+    return {"phi": torch.zeros(0, device=ctx.device)}
 
 
-@torch.no_grad()
 def features(model, x, ctx, chunk=512):
     """g_θ̂(x) for a client's images: no graph (θ̂ is frozen), no augmentation."""
     model.eval()
-    with ctx.autocast():
+    with torch.no_grad(), ctx.autocast():
         return torch.cat([model.featurizer(ctx.prep(x[i:i + chunk])).float() for i in range(0, len(x), chunk)])
 
 
 def evaluate(model, fed, args, state, ctx):
     """common's scores (fixed clients: each client's own test set too); leave-one-domain-out: the in-domain test."""
     val, test, per = common.evaluate_global(model, fed, args, state, ctx)
-    if args.dataset not in data.LODO:
-        return val, test, per, {}
-    return val, test, per, {"in_domain_acc": common.correct(model, fed.id_x, fed.id_y, ctx).float().mean().item()
-                            if len(fed.id_y) else None}
+    lodo = args.dataset in data.LODO
+    acc = common.correct(model, fed.id_x, fed.id_y, ctx).float().mean().item() if lodo and len(fed.id_y) else None
+    return val, test, per, {"in_domain_acc": acc} if lodo else {}
 
 
 def add_args(p):

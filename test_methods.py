@@ -2172,25 +2172,21 @@ def loe_fish_by_hand(phi, T, weights, lr, wd, meta, steps=1, betas=(0.9, 0.999),
     return phi
 
 
-def loe_fish_steps(phi, T, lr, wd, meta, steps):
-    """fedloe.fish_step `steps` times with one inner Adam, as fit_phi runs it."""
-    tilde = phi.clone().requires_grad_()
-    inner = torch.optim.Adam([tilde], lr=lr, weight_decay=wd)
-    for _ in range(steps):
-        phi = fedloe.fish_step(phi, T, meta, tilde, inner)
-    return phi
+def loe_split(fed, seed=0, dataset="synthetic"):
+    """fedloe.init_state's Appendix D.2 split (leave-one-domain-out unless `dataset` has fixed clients)."""
+    return fedloe.init_state(None, fed, types.SimpleNamespace(seed=seed, dataset=dataset), tiny_ctx())
 
 
 def test_fedloe_risks_and_fish_match_hand_computed_values():
     T = tiny_predictions()
     phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
     R, _, _ = by_hand(phi.tolist(), T.Y.tolist(), T.y.tolist(), LOE_ENV)
-    assert torch.allclose(fedloe.risks(phi, T), torch.tensor(R, dtype=torch.float64), atol=1e-12)
-    # Fish (DomainBed's): per meta step an Adam step on client 0's risk, one on client 1's at the moved point,
-    # the meta step; three meta steps, the inner Adam's state kept
+    assert torch.allclose(fedloe.risks(phi, T)[0], torch.tensor(R, dtype=torch.float64), atol=1e-12)
+    # Fish (DomainBed's), from uniform: per meta step an Adam step on client 0's risk, one on client 1's at the
+    # moved point, the meta step; three meta steps, the inner Adam's state kept
     lr, wd, meta = 0.4, 0.01, 0.3
-    got = loe_fish_steps(phi, T, lr, wd, meta, 3)
-    assert torch.allclose(got, torch.tensor(loe_fish_by_hand(phi.tolist(), T, [1, 1], lr, wd, meta, 3),
+    got = fedloe.fit_phi(T, "fish", lr=lr, weight_decay=wd, steps=3, meta_lr=meta)
+    assert torch.allclose(got, torch.tensor(loe_fish_by_hand([0.5, 0.5], T, [1, 1], lr, wd, meta, 3),
                                             dtype=torch.float64), atol=1e-12)
 
 
@@ -2236,7 +2232,7 @@ def test_fedloe_server_lowers_the_eq_11_objective(dg):
 
     def objective(phi):
         pen = fedloe.irm_penalty(phi, T) if dg == "irm" else fedloe.rex_penalty(phi, T)
-        return (fedloe.risks(phi, T).mean() + pen).item()
+        return (fedloe.risks(phi, T)[0].mean() + pen).item()
     phi = fit_phi_of(T, args)
     assert objective(phi) < objective(torch.full((2,), 0.5, dtype=torch.float64)) - 1e-3
 
@@ -2262,7 +2258,7 @@ def test_fedloe_stage1_with_one_communication_is_one_shot_averaging(dtype):
 
 def test_fedloe_stage2_with_uniform_phi_and_no_server_steps_is_the_plain_average():
     fed, model = tiny_federation((12, 20)), tiny_model()
-    fedloe.split_appendix_d2(fed, 0)
+    loe_split(fed)
     args = tiny_args(stage1_comms=2, stage2_lr=0.5, stage2_wd=5e-4, stage2_epochs=3, stage2_comms=1, server_steps=0,
                      dg="irm", dg_lambda=100.0, meta_lr=0.05)
     heads = []
@@ -2284,7 +2280,7 @@ def test_fedloe_split_follows_appendix_d2():
     ds = data.synthetic()
     fed = common.federate(ds, 0, 4, seed=0, device="cpu")
     before = [(rows(c.x), rows(c.val_x), c.n + len(c.val_y)) for c in fed.clients]
-    fedloe.split_appendix_d2(fed, 0)
+    loe_split(fed)
     for c, (train, hold, total) in zip(fed.clients, before):
         assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train   # 90 / 10
         assert not rows(c.x) & rows(c.tune_x)
@@ -3597,7 +3593,7 @@ def test_stage2_over_several_communications_by_hand():
     (weight decay) from the broadcast ψ, the server fits φ from uniform by Adam with the stage-2 weight
     decay on Eq. 11 (V-REx, the default form), and ψ = Σ φ_c ψ̂_c goes down; all by hand, round by round."""
     fed, model = tiny_federation((40, 60)), tiny_model()
-    fedloe.split_appendix_d2(fed, 0)
+    loe_split(fed)
     lr, wd, lam, steps = 0.5, 0.05, 1.0, 4
     args = tiny_args(batch_size=100, stage1_comms=2, stage2_lr=lr, stage2_wd=wd, stage2_epochs=6, stage2_comms=3,
                      server_steps=steps,
@@ -4308,7 +4304,7 @@ def test_fedloe_stage1_on_fixed_clients_is_fedavg_with_adam(tmp_path, monkeypatc
 
     def split(ds, seed, device, **kw):                        # FedAvg trains on FedLOE's training split
         fed = federate_fixed(ds, seed, device, **kw)
-        fedloe.split_appendix_d2(fed, seed, lodo=False)
+        loe_split(fed, seed, "rcmnist")
         return fed
 
     def with_adam(model, theta, clients, args, ctx, make_opt=None, **kw):
@@ -4368,7 +4364,7 @@ def test_fixed_clients_keep_their_validation_split_whole():
     fed = common.federate_fixed(ds, 0, "cpu")
     before = [(rows(c.x), rows(c.val_x)) for c in fed.clients]
     val_x = fed.val_x.clone()
-    fedloe.split_appendix_d2(fed, 0, lodo=False)
+    loe_split(fed, 0, "rcmnist")
     for c, (train, val) in zip(fed.clients, before):
         assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train
         assert not rows(c.x) & rows(c.tune_x) and rows(c.val_x) == val and not hasattr(c, "id_x")
@@ -4816,8 +4812,8 @@ def test_fedomg_docs_loop_is_the_tested_loop():
 # test's own with a trainable featurizer, three clients with their own tuning splits), and checked
 # against fedloe_round on the same data and minibatches: bit for bit on the CPU.
 
-LOE_FUNCTIONS = ("average", "overfit_head", "head_predictions", "Tuning", "sample_losses", "risks", "irm_penalty",
-                 "rex_penalty", "fish_step", "fit_phi", "ensemble")
+LOE_FUNCTIONS = ("average", "overfit_head", "head_predictions", "Tuning", "risks", "irm_penalty", "rex_penalty",
+                 "fit_phi", "ensemble")
 SIZES = (30, 40, 50)
 
 
