@@ -136,22 +136,31 @@ deploy = pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY") != "1",
                             reason="real SuperLink + SuperNodes (minutes): set FLOWER_DEPLOY=1")
 
 
+LOE_STAGES = ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1", "--stage2-comms", "1"]
+
+
 @pytest.mark.slow
 @deploy
-@pytest.mark.parametrize("method", ["fedavg", "fediir"])
+@pytest.mark.parametrize("method", [
+    "fedavg", "fediir",
+    *(pytest.param(m, marks=pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY_ALL") != "1",
+                                                reason="the other four methods: set FLOWER_DEPLOY_ALL=1 too"))
+      for m in ("fedomg", "fedloe", "perinvfl", "fedipg"))])
 def test_run_local_real_processes(method, tmp_path):
-    """One round on a SuperLink and 2 SuperNodes (127.0.0.1): the global model equals the in-process
-    run's bit for bit, and no process of the deployment is left running."""
+    """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes (127.0.0.1):
+    the global model equals the in-process run's bit for bit, and no process of the deployment is left
+    running. FedAvg and FedIIR with FLOWER_DEPLOY=1; all six with FLOWER_DEPLOY_ALL=1 as well."""
     before = flower_processes()
     out = tmp_path / "flower.json"
-    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--rounds", "1", "--out", str(out),
-                                    "--timeout", "500"], capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+    rounds = ["--"] + LOE_STAGES if method == "fedloe" else ["--rounds", "1"]
+    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--out", str(out), "--timeout", "500"] + rounds,
+                       capture_output=True, text=True, timeout=600, cwd=HERE.parent)
     assert r.returncode == 0, r.stderr
     assert f"results: {out}" in r.stdout
     assert flower_processes() <= before
     mod = importlib.import_module(method)
-    mod.main(["--dataset", "synthetic", "--clients", "2", "--rounds", "1", "--test-domain", "0", "--seed", "0",
-              "--eval-every", "1", "--out", str(tmp_path / "own.json")])
+    mod.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0", "--eval-every", "1",
+              "--out", str(tmp_path / "own.json")] + (LOE_STAGES if method == "fedloe" else ["--rounds", "1"]))
     own = torch.load(tmp_path / "own.ckpt", weights_only=True)
     real = torch.load(tmp_path / "flower.ckpt", weights_only=True)
     for k, v in own["model"].items():
