@@ -22,7 +22,6 @@ A method with phases (FedLOE's stage 2) counts every communication as a round an
 """
 import argparse
 import contextlib
-import io
 import json
 import math
 import os
@@ -49,26 +48,20 @@ from data import Parser, UserError
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # ------------------------------------------------------------------------------------ defaults
-# Per dataset: the model and FedIIR's Table 3 (lr / batch) for the DG benchmarks; FedOMG's Table 1
-# (small CNN, lr 0.005, batch 16, 5 local epochs, 100 clients, 20% participation) for label skew.
-COMMON_DEFAULTS = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
-                       eval_every=10, alpha=0.1, head="linear", select="val", p_test=0.1)
-_FL = dict(model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100, sample=20)
-# RC-MNIST (PerInvFL Table 6): IRM's ColoredMNIST MLP trained full batch (IRM's code), weight decay
-# 2.2e-3 = IRM's L2 1.1e-3·||w||²; the test context is out of distribution, the validation split is
-# not, so the last round is reported (IRM's protocol), never the best-validation one.
-_RC = dict(model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3, clients=4, sample=4,
+# One table per dataset (the sources: docs/protocol.md): FedIIR's Table 3 for the DG benchmarks, FedOMG's
+# Table 1 for label skew, PerInvFL's Table 6 with IRM's ColoredMNIST MLP (full batch, last round) for RC-MNIST.
+_ALL = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0, eval_every=10, alpha=0.1,
+            head="linear", select="val", p_test=0.1)
+_FL = dict(_ALL, model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100, sample=20)
+_RC = dict(_ALL, model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3, clients=4, sample=4,
            rounds=500, eval_every=50, select="last")
+_PHOTO = dict(_ALL, model="resnet18", lr=1e-3, batch_size=32, head="mlp")
 DATASET_DEFAULTS = {
-    "rmnist": dict(model="convnet", lr=1e-2, batch_size=64),
-    "vlcs": dict(model="resnet18", lr=1e-3, batch_size=32, head="mlp"),
-    "pacs": dict(model="resnet18", lr=2.5e-3, batch_size=32, head="mlp"),
-    "officehome": dict(model="resnet50", lr=1e-3, batch_size=32, head="mlp"),
-    "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
-    "stained": dict(model="mlp", lr=0.1, batch_size=64),  # FedIPG VI-C (lr: fedipg.py docstring)
-    "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
-    "rcmnist": _RC, "rcfmnist": _RC,
-    "waterbird": dict(model="resnet18", lr=1e-3, batch_size=32, clients=4, sample=4, select="last"),
+    "rmnist": dict(_ALL, model="convnet", lr=1e-2, batch_size=64), "vlcs": _PHOTO, "pacs": dict(_PHOTO, lr=2.5e-3),
+    "officehome": dict(_PHOTO, model="resnet50"), "synthetic": dict(_ALL, model="smallconv", lr=5e-2, batch_size=32),
+    "stained": dict(_ALL, model="mlp", lr=0.1, batch_size=64),  # FedIPG VI-C (lr: fedipg.py docstring)
+    "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL, "rcmnist": _RC, "rcfmnist": _RC,
+    "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
 }
 # Stained MNIST (FedIPG Section VI-C): clients P and examples per client by --stain, drawn from the
 # pooled training combinations (stained_clients)
@@ -610,8 +603,7 @@ def group_means(v, group, k):
 # ------------------------------------------------------------------------------------- the CLI
 
 def finite(text):
-    """The type of every float flag: a finite number. nan and inf are refused when parsing, before
-    any work (an inf learning rate would train a model of NaNs)."""
+    """The type of every float flag: a finite number (nan and inf are refused when parsing)."""
     try:
         value = float(text)
     except ValueError:
@@ -622,8 +614,7 @@ def finite(text):
 
 
 def make_parser(method, doc):
-    """The common flags. Their help gives no default: show_defaults adds the one that applies to the
-    method and dataset (most are resolved only after parsing, by `resolve`)."""
+    """The common flags; a default of None is filled per dataset by `resolve` (default_tables)."""
     p = Parser(prog=f"{method}.py", description=" ".join(doc.strip().split("\n\n")[0].split()))
     a = p.add_argument
     a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
@@ -662,82 +653,16 @@ def make_parser(method, doc):
       help="CUDA: let cuDNN and cuBLAS pick their fastest kernels; two runs then differ (README: GPU)")
     a("--parallel-clients", default="auto", choices=["auto", "on", "off"],
       help="train the sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
-    a("--out", default=None, help="results JSON; the checkpoint is <out>.ckpt")
+    a("--out", default=None, help="results JSON, default results/<method>-<dataset>-seed<seed>.json; "
+                                  "the checkpoint is <out>.ckpt")
     a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
     return p
-
-
-# Defaults decided in code (test_domains, stained_clients, resolve) rather than by a table: their help text
-LATER = {"clients": lambda ds, m: "5 / 5 / 20 for --stain fg / bg / both (FedIPG VI-C)" if ds == "stained"
-         else "one per training domain",
-         "sample": lambda ds, m: "every client" if ds == "stained" else "min(P, training domains)",
-         "client_size": lambda ds, m: "600 / 2000 / 2000 for --stain fg / bg / both, shrunk to fit the data",
-         "out": lambda ds, m: f"results/{m}-{ds}-seed<seed>.json"}
-
-
-def dataset_in(argv):
-    """The --dataset of a command line (the default one if absent or unknown), for --help."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--dataset", default="rmnist")
-    ds = pre.parse_known_args(argv)[0].dataset
-    return ds if ds in data.NAMES else "rmnist"
-
-
-def show_defaults(p, method, defaults, dataset, check=None):
-    """Append to every flag's help the default it takes for this method on `dataset`: from the
-    method's per-dataset table, its "*" row, DATASET_DEFAULTS or COMMON_DEFAULTS (resolve's order),
-    else the flag's own default, else what the method's check() or the code sets (probed on a copy
-    of the parsed defaults). Once per flag; none for switches, nor where the help already speaks of
-    its default (a method's own flags, resolved by its check())."""
-    probe, refused = None, None
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            probe = p.parse_args(["--dataset", dataset])
-            fill_defaults(probe, defaults)
-            probe.clients = PROBE if probe.clients is None else probe.clients
-            if check:
-                check(probe)
-    except UserError as e:
-        refused = str(e)
-    except (Exception, SystemExit):   # only the help text depends on it
-        probe = None
-    for act in p._actions:
-        if act.nargs == 0 or not act.option_strings or act.help in (None, argparse.SUPPRESS) \
-                or "default" in act.help.lower():
-            continue
-        value, per_dataset = act.default, False
-        if value is None:
-            value, per_dataset = next(((t[act.dest], per) for t, per in default_tables(dataset, defaults)
-                                       if act.dest in t), (None, False))
-        after = getattr(probe, act.dest, None) if probe is not None and not refused else None
-        unset = value is None or (isinstance(value, float) and not math.isfinite(value))
-        if unset and act.dest == "sample" and after is not None and after == probe.clients:
-            text = "every client (P)"
-        elif isinstance(value, float) and not math.isfinite(value):   # a method's marker: its check() sets it
-            text = f"{after}, " * (after is not None and math.isfinite(after)) + f"set from {method}'s own flags"
-        elif value is None and after is not None and after != PROBE:
-            text, per_dataset = f"{after}, set by {method}", True
-        elif value is None and act.dest in LATER:
-            text = LATER[act.dest](dataset, method)
-        elif value is None or value == "":
-            continue
-        else:
-            text = str(value)
-        where = f" for {dataset}" if per_dataset else ""
-        act.help += f" (default{where}: {text})".replace("%", "%%")
-    p.epilog = (f"Defaults as {method} resolves them for --dataset {dataset}; python {method}.py --dataset NAME "
-                f"--help shows those of NAME." + (f" Note: {method} refuses --dataset {dataset} ({refused})."
-                                                   if refused else ""))
-
-
-PROBE = 7919   # a stand-in --clients for show_defaults' probe: a method that sets --sample to it samples everyone
 
 
 def default_tables(dataset, defaults=None):
     """Where a flag left unset takes its value, first match wins: (table, is it per dataset)."""
     defaults = defaults or {}
-    return ((defaults.get(dataset, {}), True), (defaults.get("*", {}), False),
-            (DATASET_DEFAULTS.get(dataset, {}), True), (COMMON_DEFAULTS, False))
+    return ((defaults.get(dataset, {}), True), (defaults.get("*", {}), False), (DATASET_DEFAULTS.get(dataset, {}), True))
 
 
 def fill_defaults(args, defaults=None):
@@ -747,8 +672,28 @@ def fill_defaults(args, defaults=None):
                 setattr(args, k, v)
 
 
+def help_defaults(p, method, defaults, argv):
+    """Every flag's help ends with its default for the --dataset of argv, looked up in default_tables;
+    the flags whose help already speaks of its default are left as they are."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--dataset", default="rmnist")
+    dataset = pre.parse_known_args(argv)[0].dataset
+    dataset = dataset if dataset in data.NAMES else "rmnist"
+    for act in p._actions:
+        if act.nargs == 0 or not act.option_strings or not act.help or "default" in act.help.lower() or act.default == "":
+            continue
+        value, where = act.default, ""
+        if value is None:
+            value, where = next(((t[act.dest], f" for {dataset}") for t, _ in default_tables(dataset, defaults)
+                                 if act.dest in t), ("per dataset, see docs/protocol.md", ""))
+        if isinstance(value, float) and not math.isfinite(value):     # a method's marker: its check() sets it
+            value = f"set by {method} from its own flags"
+        act.help += f" (default{where}: {value})".replace("%", "%%")
+    p.epilog = f"Defaults for --dataset {dataset}; python {method}.py --dataset NAME --help shows those of NAME."
+
+
 def resolve(args, method, defaults=None):
-    """Fill the flags left unset: the method's per-dataset defaults, then common's, then checks."""
+    """Fill the flags left unset (default_tables), then refuse bad values before any work."""
     if args.dataset not in data.NAMES:
         raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
     fill_defaults(args, defaults)
@@ -759,15 +704,12 @@ def resolve(args, method, defaults=None):
         raise UserError(f"--seed must be in [0, 2**31), got {args.seed}")
     if args.clients is not None and args.clients < 1:
         raise UserError(f"--clients must be positive, got {args.clients}")
-    for k in ("rounds", "local_epochs", "batch_size", "eval_every"):
-        if getattr(args, k) <= 0:
-            raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-    for k in ("lr", "global_lr", "alpha"):
+    for k in ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr", "alpha"):
         if not getattr(args, k) > 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-    if getattr(args, "client_size", None) is not None and args.dataset != "stained":
+    if args.client_size is not None and args.dataset != "stained":
         raise UserError(f"--client-size applies to stained only, not {args.dataset}")
-    if getattr(args, "client_size", None) is not None and args.client_size <= 0:
+    if args.client_size is not None and args.client_size <= 0:
         raise UserError(f"--client-size must be positive, got {args.client_size}")
     if args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"):
         raise UserError(f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}")
@@ -985,28 +927,21 @@ def seconds(s):
 # --------------------------------------------------------------------------------- the skeleton
 
 def set_deterministic(on=True):
-    """Reproducible kernels on every device (the default), or CUDA's fastest (--nondeterministic).
-    On: cuDNN's deterministic algorithms without benchmarking, cuBLAS's fixed workspace (set at
-    import), and any op left without a deterministic kernel raises instead of varying silently.
-    CPU kernels are deterministic either way: the flag changes no CPU number (a test checks it)."""
+    """Reproducible kernels (the default) or CUDA's fastest (--nondeterministic); CPU numbers are the same
+    either way. Deterministic mode's NaN fill of new tensors is off: nothing here reads unwritten memory."""
     torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on
-    # Deterministic mode would also fill every new tensor with NaN, to expose reads of memory
-    # never written; this code reads none (the bit-exact tests would see it), and the fill is an
-    # extra kernel per allocation on the launch-bound small models.
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None):
-    """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
-    args.eval_every rounds, model selection on validation accuracy; results and checkpoints.
-    argv: the command line, recorded with the versions and the device (provenance)."""
+    """Load, then for every held-out domain: federate and train_domain; results JSON and checkpoint.
+    argv: the command line, recorded in the provenance."""
     set_deterministic(not args.nondeterministic)      # before the model or anything else meets CUDA
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
-    print(f"data: {ds.source}", flush=True)
-    print(f"data: {counts(ds)}", flush=True)
+    print(f"data: {ds.source}\ndata: {counts(ds)}", flush=True)
     todo = test_domains(args, ds)
     device = torch.device(args.device)
     ckpt_path = str(Path(args.out).with_suffix(".ckpt"))
@@ -1030,11 +965,10 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
         fed = federate_fixed(ds, args.seed, device) if test is None else \
             federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
         resume = blob if blob is not None and blob["domain"] == fed.name else None
-        remaining = len(todo) - k - 1
         try:
             with progress_line():
-                results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,
-                                                            evaluate_fn, resume, results, ckpt_path, remaining)
+                results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn,
+                                                            resume, results, ckpt_path, len(todo) - k - 1)
         except NonFinite as e:   # name only the files this run wrote (or resumed from), never an older run's
             kept = [f"the last good checkpoint ({ckpt_path})"] * (saved or e.saved) + \
                    [f"the results of the finished test domains ({args.out})"] * bool(results["domains"])
@@ -1060,54 +994,6 @@ def counts(ds):
     return f"{parts}, {ds.num_classes} classes, {images:,} images"
 
 
-class Progress:
-    """Stands in for stdout on a terminal: `show` writes one line that the next one overwrites (no
-    newline); anything else printed meanwhile erases it first and then appears as usual."""
-
-    def __init__(self, stream):
-        self.stream, self.shown = stream, False
-
-    def show(self, text):
-        self.stream.write("\r\x1b[K" + text)
-        self.stream.flush()
-        self.shown = True
-
-    def clear(self):
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
-
-    def write(self, text):
-        if text:
-            self.clear()
-        return self.stream.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-@contextlib.contextmanager
-def progress_line():
-    """A per-round progress line on a terminal (see `status`); stdout that is not a terminal (a log
-    file, a pipe) gets nothing of it, so logs keep one line per evaluation."""
-    if not getattr(sys.stdout, "isatty", lambda: False)():
-        yield
-        return
-    line = Progress(sys.stdout)
-    with contextlib.redirect_stdout(line):
-        try:
-            yield
-        finally:
-            line.clear()
-
-
-def status(text):
-    """Show `text` on the progress line, if there is one."""
-    if isinstance(sys.stdout, Progress):
-        sys.stdout.show(text)
-
-
 def with_mean(results):
     accs = [r["test_acc"] for r in results["domains"].values()]
     results["mean_test_acc"] = sum(accs) / len(accs)
@@ -1115,6 +1001,41 @@ def with_mean(results):
 
 
 def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining):
+    """T rounds on one federation: a round, every args.eval_every rounds an evaluation, the best kept, a checkpoint."""
+    model, state, ctx = start_domain(args, ds, fed, init_state)
+    start, history, best, spent = 1, [], None, 0.0
+    if resume is not None:
+        state, start, history, best, spent = restore(resume, model, ctx)
+    saved = resume is not None           # a checkpoint of this domain is on disk (for NonFinite's message)
+    pace = Pace(start, spent, args.rounds, remaining)
+    losses = []
+    for t in range(start, args.rounds + 1):
+        losses.append(checked_round(round_fn, t, model, fed, args, state, ctx, saved))
+        if t % args.eval_every and t != args.rounds:
+            status(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {pace(t)}")
+            continue
+        val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
+        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global model's)
+        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses),
+               "seconds": pace.seconds(ctx.device), **extra}
+        history.append(row)
+        if best is None or val > best["val_acc"] or args.select == "last":
+            best = dict(row, per_test=per)
+        shown = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
+        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{shown} | mean loss (rounds "
+              f"{t - len(losses) + 1}-{t}) {row['loss']:.4f} | {pace(t)}", flush=True)
+        losses = []
+        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
+                                    "round": t, "model": model.state_dict(), "state": state,
+                                    "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
+                                    "torch_rng": torch.get_rng_state(), "history": history, "best": best,
+                                    "seconds": row["seconds"]})
+        saved = True
+    return domain_result(ds, fed, history, best)
+
+
+def start_domain(args, ds, fed, init_state):
+    """The initial model (seeded), the method's state and the domain's random streams (fixed by the seed)."""
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     model = build_model(args, ds).to(device)
@@ -1124,62 +1045,59 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
     ctx = Context(device, torch.Generator(device).manual_seed(args.seed * 7919 + salt),
                   torch.Generator().manual_seed(args.seed * 104729 + salt), make_prep(args.dataset, device), args.amp)
     state = init_state(model, fed, args, ctx) if init_state else {}
-    start, history, best, spent = 1, [], None, 0.0
-    saved = resume is not None           # a checkpoint of this domain is on disk (for NonFinite's message)
-    if resume is not None:
-        model.load_state_dict(resume["model"])
-        state = to_device(resume["state"], device)   # checkpoints load on the CPU
-        ctx.gen.set_state(resume["gen"])
-        ctx.sampler.set_state(resume["sampler"])
-        torch.set_rng_state(resume["torch_rng"])
-        start, history, best, spent = resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
     print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
           f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
-    t0, losses = time.perf_counter(), []
-    for t in range(start, args.rounds + 1):
-        try:
-            out = round_fn(t, model, fed, args, state, ctx)
-        except NonFinite as e:          # a method's own check (FedLOE's φ)
-            e.saved = e.saved or saved
-            raise
-        ids, vals = list(out), torch.stack([out[c] for c in out])
-        vals = torch.cat([vals, all_finite(model, state).to(vals.dtype)[None]]).cpu()   # one sync per round
-        bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
-        if bad:
-            c = fed.clients[bad[0]]
-            raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
-                            f"testing on {fed.name})", saved)
-        if not vals[-1]:                # the server's step or a server quantity: never written as a result
-            raise NonFinite(f"non-finite {', '.join(nonfinite(model, state))} after the server step of round {t} "
-                            f"(testing on {fed.name})", saved)
-        vals = vals[:-1]
-        losses.append(vals.mean().item())
-        if t % args.eval_every and t != args.rounds:
-            rate = (time.perf_counter() - t0) / (t - start + 1)
-            status(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {rate:.2f} s/round | "
-                   f"ETA {seconds(rate * (args.rounds - t + remaining * args.rounds))}")
-            continue
-        val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
-        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global model's)
+    return model, state, ctx
+
+
+def restore(resume, model, ctx):
+    """A checkpoint's model and random streams back in place: (state, next round, history, best, seconds)."""
+    model.load_state_dict(resume["model"])
+    ctx.gen.set_state(resume["gen"])
+    ctx.sampler.set_state(resume["sampler"])
+    torch.set_rng_state(resume["torch_rng"])
+    state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
+    return state, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
+
+
+def checked_round(round_fn, t, model, fed, args, state, ctx, saved):
+    """Round t, then one host read: its clients' mean loss, or NonFinite naming the first non-finite
+    client loss, else the model's or the state's tensors that are not finite."""
+    try:
+        out = round_fn(t, model, fed, args, state, ctx)
+    except NonFinite as e:          # a method's own check (FedLOE's φ)
+        e.saved = e.saved or saved
+        raise
+    ids, vals = list(out), torch.stack([out[c] for c in out])
+    vals = torch.cat([vals, all_finite(model, state).to(vals.dtype)[None]]).cpu()   # one sync per round
+    bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
+    if bad:
+        c = fed.clients[bad[0]]
+        raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
+                        f"testing on {fed.name})", saved)
+    if not vals[-1]:                # the server's step or a server quantity: never written as a result
+        raise NonFinite(f"non-finite {', '.join(nonfinite(model, state))} after the server step of round {t} "
+                        f"(testing on {fed.name})", saved)
+    return vals[:-1].mean().item()
+
+
+class Pace:
+    """Seconds spent on a domain (counting those before a --resume), and the pace and ETA of a round."""
+
+    def __init__(self, start, spent, rounds, remaining):
+        self.start, self.spent, self.rounds, self.remaining, self.t0 = start, spent, rounds, remaining, time.perf_counter()
+
+    def seconds(self, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        now = spent + time.perf_counter() - t0
-        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now, **extra}
-        history.append(row)
-        since, losses = t - len(losses) + 1, []
-        if best is None or val > best["val_acc"] or args.select == "last":
-            best = dict(row, per_test=per)
-        rate = (now - spent) / (t - start + 1)
-        eta = rate * (args.rounds - t + remaining * args.rounds)
-        more = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
-        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{more} | mean loss (rounds {since}-{t}) {row['loss']:.4f} | "
-              f"{rate:.2f} s/round | ETA {seconds(eta)}", flush=True)
-        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
-                                    "round": t, "model": model.state_dict(), "state": state,
-                                    "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
-                                    "torch_rng": torch.get_rng_state(), "history": history, "best": best,
-                                    "seconds": now})
-        saved = True
+        return self.spent + time.perf_counter() - self.t0
+
+    def __call__(self, t):
+        rate = (time.perf_counter() - self.t0) / (t - self.start + 1)
+        return f"{rate:.2f} s/round | ETA {seconds(rate * (self.rounds - t + self.remaining * self.rounds))}"
+
+
+def domain_result(ds, fed, history, best):
     out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
            "train_examples": sum(c.n for c in fed.clients),
            "last_test_acc": history[-1]["test_acc"], "history": history,
@@ -1187,6 +1105,46 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
     if ds.protocol == "clients":
         out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
     return out
+
+
+class Progress:
+    """stdout on a terminal: `show` writes a line that the next one overwrites; other output erases it first."""
+
+    def __init__(self, stream):
+        self.stream, self.shown = stream, False
+
+    def show(self, text):
+        self.stream.write("\r\x1b[K" + text)
+        self.stream.flush()
+        self.shown = bool(text)
+
+    def write(self, text):
+        if text and self.shown:
+            self.show("")
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def progress_line():
+    """A progress line per round on a terminal (`status`); a log file or a pipe gets none of it."""
+    if not getattr(sys.stdout, "isatty", lambda: False)():
+        yield
+        return
+    line = Progress(sys.stdout)
+    with contextlib.redirect_stdout(line):
+        try:
+            yield
+        finally:
+            if line.shown:
+                line.show("")
+
+
+def status(text):
+    if isinstance(sys.stdout, Progress):
+        sys.stdout.show(text)
 
 
 ROW_KEYS = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
@@ -1250,7 +1208,7 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
             act.type = finite
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "-h" or a.startswith("--hel") and "--help".startswith(a) for a in argv):
-        show_defaults(p, method, defaults, dataset_in(argv), check)
+        help_defaults(p, method, defaults, argv)
     args = p.parse_args(argv)
     try:
         resolve(args, method, defaults)

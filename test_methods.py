@@ -4140,28 +4140,46 @@ def test_help_shows_the_methods_defaults_for_the_dataset_given(capsys):
     pacs = flag_blocks(help_text("fedomg", ["--dataset", "pacs"], capsys))
     assert pacs["--lr"].endswith("(default for pacs: 0.001)")               # FedOMG's, not FedIIR's 2.5e-3
     assert pacs["--local-epochs"].endswith("(default for pacs: 5)")
-    assert pacs["--global-lr"].endswith("(default for pacs: 0.5)") and pacs["--rounds"].endswith("(default: 100)")
+    assert pacs["--global-lr"].endswith("(default for pacs: 0.5)") and pacs["--rounds"].endswith("(default for pacs: 100)")
     rmnist = flag_blocks(help_text("fedomg", [], capsys))
-    assert rmnist["--lr"].endswith("(default for rmnist: 0.01)") and rmnist["--local-epochs"].endswith("(default: 1)")
-    assert "FedIIR Table 3" not in rmnist["--lr"]
+    assert rmnist["--lr"].endswith("(default for rmnist: 0.01)") and rmnist["--local-epochs"].endswith("(default for rmnist: 1)")
     assert rmnist["--seed"].startswith("--seed SEED seeds the data split") and rmnist["--seed"].endswith("(default: 0)")
     assert rmnist["--device"].endswith("auto: cuda if one is visible, else cpu (default: auto)")
-    assert rmnist["--out"].endswith("(default: results/fedomg-rmnist-seed<seed>.json)")
+    assert "default results/<method>-<dataset>-seed<seed>.json" in rmnist["--out"]
     loe = flag_blocks(help_text("fedloe", [], capsys))
-    assert loe["--rounds"].endswith("(default: 12, set from fedloe's own flags)")     # K1 + K2 = 8 + 4
-    assert loe["--sample"].endswith("(default: every client (P))") and loe["--clients"].endswith("(default: 20)")
-    assert flag_blocks(help_text("fedavg", [], capsys))["--sample"].endswith("(default: min(P, training domains))")
+    assert loe["--rounds"].endswith("(default: set by fedloe from its own flags)")
+    assert loe["--sample"].endswith("(default for rmnist: set by fedloe from its own flags)")
+    assert loe["--clients"].endswith("(default for rmnist: 20)")
+    assert flag_blocks(help_text("fedavg", [], capsys))["--sample"].endswith("(default: per dataset, see docs/protocol.md)")
     mnist = flag_blocks(help_text("fedavg", ["--dataset", "mnist"], capsys))
     assert mnist["--clients"].endswith("(default for mnist: 100)") and mnist["--sample"].endswith("(default for mnist: 20)")
 
 
-def test_help_says_when_the_method_refuses_the_dataset_shown(capsys):
-    def refuse(args):
-        raise common.UserError(f"toy runs no {args.dataset}")
-    with pytest.raises(SystemExit) as e, mock.patch.dict(os.environ, COLUMNS="2000"):
-        common.main("toy", fedavg.__doc__, fedavg.fedavg_round, ["--help"], fedavg.add_args, check=refuse)
-    assert e.value.code == 0
-    assert capsys.readouterr().out.endswith("Note: toy refuses --dataset rmnist (toy runs no rmnist).\n")
+@pytest.mark.parametrize("method,dataset", [("fedavg", "rmnist"), ("fedavg", "mnist"), ("fediir", "pacs"),
+                                            ("fedomg", "pacs"), ("fedomg", "rcmnist"), ("fedloe", "rmnist"),
+                                            ("fedloe", "officehome"), ("perinvfl", "rcmnist"), ("perinvfl", "synthetic"),
+                                            ("fedipg", "stained"), ("fedipg", "vlcs")])
+def test_help_shows_the_defaults_a_run_resolves(method, dataset, tmp_path, capsys):
+    """Every value --help gives as a default is the one the run takes: the flag's own, or the tables'
+    after resolve and the method's check()."""
+    blocks = flag_blocks(help_text(method, ["--dataset", dataset], capsys))
+    module = importlib.import_module(method)
+    p = common.make_parser(method, module.__doc__)
+    module.add_args(p)
+    args = common.resolve(p.parse_args(["--dataset", dataset, "--out", str(tmp_path / "r.json")]), method,
+                          getattr(module, "DEFAULTS", None))
+    if hasattr(module, "check"):
+        module.check(args)
+    shown = 0
+    for act in p._actions:
+        m = re.search(r"\(default(?: for (\w+))?: ([^()]*)\)$", blocks.get(act.option_strings[-1], "") if act.option_strings else "")
+        if not m or m.group(2).startswith(("set by", "per dataset")) or "default" in act.help.lower() \
+                or act.dest in ("dataset", "device", "parallel_clients"):   # the method's own words, or
+            continue                                   # given here, or resolved from other flags / the machine
+        assert m.group(1) in (None, dataset)
+        assert m.group(2) == str(getattr(args, act.dest)), (act.dest, m.group(2), getattr(args, act.dest))
+        shown += 1
+    assert shown >= 10
 
 
 def test_data_py_help_and_its_errors_are_one_line(tmp_path, capsys):
