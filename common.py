@@ -1,24 +1,9 @@
-"""What every method shares: models, federation, the communication-round skeleton, evaluation,
-model selection, logging, checkpoints and results. Nothing here knows about a specific method.
-
-A method file plugs in with plain functions:
-
-    round_fn(t, model, fed, args, state, ctx) -> {client id: mean local loss (device tensor)}
-        one communication round t = 1..T: sample clients, run their updates, apply the server rule,
-        and leave the new global model in `model`. Built from `sample_clients`, `local_sgd` (one
-        client) or `train_clients` (the sampled clients; at once with --parallel-clients on),
-        `get_flat` / `set_flat` below.
-    init_state(model, fed, args, ctx) -> dict
-        the method's state across rounds (FedIIR's global gradient, persistent client optimisers,
-        personalised models, ...): tensors, numbers, lists and dicts; checkpointed with the model.
-    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs[, extra])
-        optional; the default scores the global model. `extra`, a dict of further numbers, goes
-        into the history and the results (PerInvFL scores personalised models and the global one).
-
-A method with phases (FedLOE's stage 2) counts every communication as a round and switches on t.
-
-    main("fedavg", round_fn, add_args=..., defaults=...)   parses the CLI, loads the data, loops over
-    the held-out domains, logs, checkpoints, writes the results JSON, prints the table.
+"""What every method shares: models, federation, the round skeleton, evaluation, model selection, logging,
+checkpoints and results; nothing here knows about a specific method. A method file plugs in with
+main("name", doc, round_fn, ...), where round_fn(t, model, fed, args, state, ctx) runs one communication
+round and returns {client id: mean local loss}; optional init_state(model, fed, args, ctx) -> state and
+evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]).
+The contract in full: docs/protocol.md ("Adding a method").
 """
 import argparse
 import contextlib
@@ -66,7 +51,6 @@ DATASET_DEFAULTS = {
 # Stained MNIST (FedIPG Section VI-C): clients P and examples per client by --stain, drawn from the
 # pooled training combinations (stained_clients)
 STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}
-PHOTOS = ("pacs", "vlcs", "officehome", "waterbird")  # ImageNet-normalised, augmented like the FedIIR code
 
 # -------------------------------------------------------------------------------------- models
 
@@ -83,9 +67,7 @@ class Net(nn.Module):
 
 
 class GlobalMean(nn.Module):
-    """Global average pooling as a plain mean over height and width. torch computes AdaptiveAvgPool2d(1)
-    as this very mean (bit for bit on the CPU, measured), but through a special case inside it; its
-    own CUDA backward kernel has no deterministic version, and written out no dispatch can reach it."""
+    """Global average pooling written as a mean (AdaptiveAvgPool2d(1)'s numbers; a deterministic CUDA backward)."""
 
     def forward(self, x):
         return x.mean((2, 3), keepdim=True)
@@ -142,10 +124,8 @@ class ResNet(nn.Module):
 
 
 def build_model(args, ds):
-    """The model for `ds`: args.model picks the featurizer, args.head the classifier: 'linear', or
-    FedIIR's two-layer head d -> d/2 -> C (ReLU); either with Kaiming-normal weights on the FedIIR
-    code's models (ConvNet, ResNets); IRM's MLP is initialised as IRM's code (Xavier-uniform, zero
-    biases); the small CNN and the test model keep PyTorch's defaults."""
+    """The model for `ds`: featurizer args.model, classifier args.head (linear, or FedIIR's d -> d/2 -> C),
+    initialised as each source's code does (docs/protocol.md)."""
     x0 = ds.domains[0].x
     if args.model == "convnet":
         phi, d = conv_net(x0.shape[1])
@@ -187,68 +167,6 @@ def set_flat(model, vec):
         for p in model.parameters():
             p.copy_(vec[i:i + p.numel()].view_as(p))
             i += p.numel()
-
-
-# ------------------------------------------------------------------------- input preparation
-
-MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-
-
-YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])   # RGB -> YIQ
-YIQ_PAIR = (torch.linalg.inv(YIQ), YIQ)
-
-
-def augment(x, gen, yiq=YIQ_PAIR):
-    """The FedIIR code's training augmentation, batched on the device: RandomResizedCrop(scale
-    0.7-1, ratio 3/4-4/3) and horizontal flip as one affine warp, ColorJitter(0.3, 0.3, 0.3, 0.3),
-    RandomGrayscale(0.1). x: float [N, 3, H, W] in [0, 1]. Differences from torchvision: the crop
-    is taken from the cached 224px image (not the original), a crop that would leave the image is
-    clipped to it, jitter runs in a fixed order, and hue is a rotation in YIQ space.
-    yiq: (YIQ⁻¹, YIQ) on x's device; make_prep moves them there once, because a copy to the GPU or an
-    inverse on it inside a step would be a host synchronisation."""
-    n, dev = x.shape[0], x.device
-    u = lambda *s: torch.rand(*s, generator=gen, device=dev)
-    area = 0.7 + 0.3 * u(n)
-    ratio = torch.exp(math.log(3 / 4) + math.log(16 / 9) * u(n))
-    w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
-    flip = torch.where(u(n) < 0.5, -1.0, 1.0)
-    theta = torch.zeros(n, 2, 3, device=dev)
-    theta[:, 0, 0], theta[:, 1, 1] = w * flip, h
-    theta[:, 0, 2], theta[:, 1, 2] = (1 - w) * (2 * u(n) - 1), (1 - h) * (2 * u(n) - 1)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-    f = lambda: (0.7 + 0.6 * u(n, 1, 1, 1))
-    gray = lambda z: (0.299 * z[:, 0:1] + 0.587 * z[:, 1:2] + 0.114 * z[:, 2:3])
-    x = (x * f()).clamp(0, 1)                                                     # brightness
-    m = gray(x).mean((2, 3), keepdim=True)
-    x = ((x - m) * f() + m).clamp(0, 1)                                           # contrast
-    g = gray(x)
-    x = ((x - g) * f() + g).clamp(0, 1)                                           # saturation
-    a = 2 * math.pi * 0.3 * (2 * u(n) - 1)                                        # hue in [-0.3, 0.3] turns
-    to_rgb, to_yiq = yiq
-    rot = torch.zeros(n, 3, 3, device=dev)
-    rot[:, 0, 0], rot[:, 1, 1], rot[:, 2, 2] = 1, a.cos(), a.cos()
-    rot[:, 1, 2], rot[:, 2, 1] = -a.sin(), a.sin()
-    x = torch.einsum("ij,njk,kl,nlhw->nihw", to_rgb, rot, to_yiq, x).clamp(0, 1)
-    return torch.where(u(n, 1, 1, 1) < 0.1, gray(x).expand_as(x), x)             # grayscale
-
-
-def make_prep(dataset, device):
-    """uint8 batch -> model input. Digits: pixels / 255. Photos: augmentation when training, then
-    ImageNet mean/std (channels-last on CUDA for the ResNets)."""
-    mean, std, yiq = MEAN.to(device), STD.to(device), tuple(m.to(device) for m in YIQ_PAIR)
-
-    def prep(x, train=False, gen=None):
-        x = x.float().div_(255)
-        if dataset in PHOTOS:
-            if train:
-                x = augment(x, gen, yiq)
-            x = (x - mean) / std
-            if x.is_cuda:
-                x = x.contiguous(memory_format=torch.channels_last)
-        return x
-    return prep
 
 
 # --------------------------------------------------------------------------------- federation
@@ -300,13 +218,9 @@ def holdout(x, y, frac, g):
 
 
 def federate(ds, test, P, seed, device, val_frac=0.1, client_size=None):
-    """Leave-one-domain-out: domain `test` (index) is the test set; every other domain is shuffled
-    and cut into Algorithm 2's number of contiguous chunks (floor(n/k) each, the last takes the
-    rest), one client per chunk, so no client mixes domains. Each client holds out `val_frac` of its
-    data (seeded) for validation; pooled, that is 10% of every training domain as in the FedIIR code.
-    client_size (stained MNIST): the training domains are pooled and shuffled instead, and client j
-    takes examples j·n .. (j+1)·n − 1 of the pool (n = client_size): P disjoint seeded random
-    samples, each mixing the domains (its `domain` names those it holds)."""
+    """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into Algorithm 2's
+    clients (split_counts), each holding out `val_frac` for validation. client_size (stained): clients are
+    disjoint seeded samples of the pooled training domains instead (docs/protocol.md)."""
     g = torch.Generator().manual_seed(seed)
     train = [d for i, d in enumerate(ds.domains) if i != test]
     clients = []
@@ -362,7 +276,7 @@ class Context:
     device: torch.device
     gen: torch.Generator       # on the device: minibatch order and augmentation
     sampler: torch.Generator   # on the CPU: which clients take part in a round
-    prep: object               # uint8 batch -> model input, see make_prep
+    prep: object               # uint8 batch -> model input, see data.make_prep
     amp: bool = False
 
     def autocast(self):
@@ -393,9 +307,8 @@ def sgd(model, args):
 
 
 def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=None):
-    """`epochs` (default args.local_epochs) passes of minibatch steps on loss_fn(model, x, y) over
-    the client's training split. A fresh SGD unless `opt` is given. Returns the mean loss as a
-    device tensor (read once per round by the skeleton)."""
+    """`epochs` (default args.local_epochs) passes of minibatch steps on loss_fn over the client's split,
+    with a fresh SGD unless `opt` is given. Returns the mean loss as a device tensor."""
     model.train()
     opt = opt or sgd(model, args)
     total, steps = torch.zeros((), device=ctx.device), 0
@@ -415,16 +328,9 @@ def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=
 
 def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None, loss_fn=cross_entropy, epochs=None,
                   objective=None):
-    """Every client in `clients` trained from θ (a flat vector) as local_sgd trains one, with a fresh
-    optimiser make_opt(params) (default: SGD with args' lr, momentum and weight decay). `momentum`, if
-    given, is {client id: flat SGD momentum buffer}: a client's is loaded before its steps and replaced
-    after (kept client optimisers, FedOMG). Yields (θ_c, mean loss) client by client, in order.
-
-    One client after another through local_sgd, unless --parallel-clients is on: then all at once
-    (`at_once`), from the same minibatches; the numbers agree with the sequential ones to float
-    tolerance, not bit for bit (batched kernels sum in another order). There the loss is `objective`,
-    loss_fn written with torch.func (see weighted_cross_entropy, the default, for the plain
-    cross-entropy); a loss_fn other than cross_entropy without one is refused."""
+    """Each of `clients` trained from θ (flat) as local_sgd trains one, with make_opt(params) (default SGD);
+    `momentum`: {client id: flat momentum buffer}, loaded before and kept after. Yields (θ_c, mean loss) in
+    order; with --parallel-clients on, all at once (at_once) on `objective`, loss_fn's torch.func form."""
     make_opt = make_opt or (lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum,
                                                            weight_decay=args.weight_decay))
     if parallel(args):
@@ -445,35 +351,28 @@ def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None
 
 
 def parallel(args):
-    """--parallel-clients: 'auto' is on for CUDA, where the small models leave the GPU waiting on
-    kernel launches, and off on the CPU, where batching the clients gains nothing; off for the
-    ResNets, which fill a GPU one client at a time."""
+    """--parallel-clients: 'auto' is on for CUDA except for the photos and ResNets, off on the CPU."""
     return args.parallel_clients == "on" or (args.parallel_clients == "auto" and str(args.device).startswith("cuda")
-                                             and args.dataset not in PHOTOS and not args.model.startswith("resnet"))
+                                             and args.dataset not in data.PHOTOS and not args.model.startswith("resnet"))
 
 
 def check_parallel(args, method, supported):
-    """Refuse --parallel-clients on where it cannot apply; record what 'auto' chose. supported: a bool,
-    or a function of args giving None where the method's clients train at once with them, else the
-    reason they do not (a phrase, shown after the method's name)."""
+    """Refuse --parallel-clients on where it cannot apply and record what 'auto' chose. supported: a bool,
+    or a function of args giving None where it applies, else the reason (a phrase)."""
     reason = supported(args) if callable(supported) else None if supported else \
         "trains its clients one after another (its local loss is not written with torch.func)"
     supported = reason is None
     if args.parallel_clients == "on" and not supported:
         raise UserError(f"--parallel-clients on: {method} {reason}; use off")
-    if args.parallel_clients == "on" and args.dataset in PHOTOS:
+    if args.parallel_clients == "on" and args.dataset in data.PHOTOS:
         raise UserError(f"--parallel-clients on: not for {args.dataset} (its augmentation draws from the "
                         f"minibatch stream between batches, and a ResNet fills a GPU alone); use off")
     args.parallel_clients = "on" if supported and parallel(args) else "off"
 
 
 def minibatch_plan(clients, batch_size, epochs, ctx, order=None):
-    """The minibatches of every client as `batches` draws them, step by step: [K, C, B] indices
-    into the clients' pooled data (client c's examples at offset n_0 + ... + n_{c-1}), -1 where a
-    client's batch is partial or its passes are done (K: the most steps of any client). The
-    permutations come from ctx.gen in the sequential order, client by client, pass by pass; the
-    clients are stacked in `order` (default: theirs), a Python list, so that no index list is
-    copied to the device (a host synchronisation on CUDA)."""
+    """The minibatches of every client as `batches` draws them: [K, C, B] indices into the pooled data,
+    -1 for padding; clients stacked in `order` (a list: no host synchronisation)."""
     plans, start = [], 0
     for client in clients:
         nb = -(-client.n // batch_size)
@@ -487,26 +386,15 @@ def minibatch_plan(clients, batch_size, epochs, ctx, order=None):
 
 
 def weighted_cross_entropy(model, params, buffers, x, y, w):
-    """One client's minibatch loss as at_once takes it, a function of the client's own parameters and
-    buffers (dicts by model.named_parameters() / named_buffers() names) that torch.func.vmap batches
-    over the clients: Σ_j w_j CE(f(x_j), y_j), with w_j = 1 / (the batch's real examples) on those and 0
-    on the padding, so that it is the mean over the real examples, the sequential minibatch's loss.
-    Another method's objective has this signature and the same weighting, nested gradients of its own
-    written with torch.func (fediir.iir_objective, called at once through vmap)."""
+    """One client's minibatch loss as at_once takes it: Σ_j w_j CE(f(x_j), y_j) through functional_call, w_j =
+    1 / (real examples) and 0 on padding. A method's objective has this signature."""
     return (F.cross_entropy(torch.func.functional_call(model, (params, buffers), (x,)), y, reduction="none") * w).sum()
 
 
 def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=None, objective=weighted_cross_entropy):
-    """The clients' local updates at once: their parameters and buffers stacked along a new first
-    dimension (buffers are read, not returned: none of the models here updates one in training),
-    one call of vmap(grad(loss)) through functional_call per step for all of them, and one
-    optimiser over the stacked tensors, which is every client's own (SGD's and Adam's rules act
-    elementwise; Adam's shared step count is right for every client still training). Step k takes
-    the k-th minibatch of every client; a partial batch is padded and its loss is the mean over its
-    real examples (`objective`, weighted_cross_entropy's form, so weights them). The clients are
-    stacked longest first, so those still training are a prefix: the others drop out of the gradient
-    computation and are put back after every optimiser step (parameters and optimiser state), so they
-    never move again. Returns [(θ_c, mean loss)]."""
+    """The clients' local updates at once: parameters stacked on a new first dimension, vmap(grad(objective))
+    per step, one optimiser over the stack; clients stacked longest first, so those still training are a
+    prefix and the others are put back after every step. Returns [(θ_c, mean loss)] (docs/protocol.md)."""
     C, epochs = len(clients), epochs or args.local_epochs
     order = sorted(range(C), key=lambda i: -clients[i].n)               # longest first
     plan = minibatch_plan(clients, args.batch_size, epochs, ctx, order)  # drawn in the clients' order
@@ -593,9 +481,7 @@ def evaluate_global(model, fed, args, state, ctx):
 
 
 def group_means(v, group, k):
-    """The mean of v over each of the k groups (0 for an empty group). A product with the one-hot
-    membership matrix, reproducible in either mode; index_add_'s float sums on CUDA follow no fixed
-    order outside deterministic mode (--nondeterministic)."""
+    """The mean of v over each of the k groups (0 if empty), as a product with the one-hot membership."""
     member = F.one_hot(group, k).to(v.dtype)
     return (v @ member) / member.sum(0).clamp(min=1)
 
@@ -785,9 +671,7 @@ def test_domains(args, ds):
 
 
 def max_clients(sizes, P):
-    """The most clients, up to P, that Algorithm 2 (split_counts) can cut domains of these sizes into
-    with every chunk holding at least 2 examples (one to train on, one for validation): the split of
-    P + 1 clients is that of P plus one more cut, so the chunks only shrink as P grows."""
+    """The most clients, up to P, that Algorithm 2 can cut domains of these sizes into with >= 2 examples each."""
     k = [1] * len(sizes)
     if min(sizes) < 2:
         return 0
@@ -813,12 +697,8 @@ def enough_examples(args, ds, todo):
 
 
 def stained_clients(args, ds):
-    """Stained MNIST's clients (FedIPG Section VI-C): P clients of n examples each (validation
-    included), disjoint samples of the pooled training combinations (federate's client_size), so
-    that 5 clients can hold nine combinations. Defaults by --stain (STAINED): 5 x 600 (fg), 5 x 2000
-    (bg), 20 x 2000 (both). If P x n exceeds the pool (the smallest over the held-out choices), a
-    default n shrinks to pool // P (printed); a --client-size given by hand that does not fit is
-    refused. Every client takes part in every round unless --sample says otherwise (VI-C gives no C)."""
+    """Stained MNIST's clients (FedIPG VI-C): --clients x --client-size, defaults by --stain (STAINED), a default
+    size shrunk to fit the pool, every client sampled unless --sample says otherwise (docs/protocol.md)."""
     P0, n0 = STAINED[args.stain]
     args.clients = P0 if args.clients is None else args.clients
     args.sample = args.clients if args.sample is None else args.sample
@@ -1043,7 +923,7 @@ def start_domain(args, ds, fed, init_state):
         model = model.to(memory_format=torch.channels_last)
     salt = sum(map(ord, fed.name))  # a per-domain stream, fixed by the seed
     ctx = Context(device, torch.Generator(device).manual_seed(args.seed * 7919 + salt),
-                  torch.Generator().manual_seed(args.seed * 104729 + salt), make_prep(args.dataset, device), args.amp)
+                  torch.Generator().manual_seed(args.seed * 104729 + salt), data.make_prep(args.dataset, device), args.amp)
     state = init_state(model, fed, args, ctx) if init_state else {}
     print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
           f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
@@ -1197,9 +1077,8 @@ def print_table(results):
 
 def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_state=None,
          evaluate_fn=evaluate_global, check=None, parallel_clients=False):
-    """The entry point of every method script: bad input -> one line on stderr and exit 2.
-    parallel_clients: the method's clients train through train_clients (--parallel-clients applies);
-    or a function of the resolved args, check_parallel's `supported`."""
+    """The entry point of every method script: bad input -> one line on stderr and exit 2. parallel_clients:
+    a bool, or check_parallel's `supported` function."""
     p = make_parser(method, doc)
     if add_args:
         add_args(p)
