@@ -1,28 +1,12 @@
-"""What every method shares: models, federation, the communication-round skeleton, evaluation,
-model selection, logging, checkpoints and results. Nothing here knows about a specific method.
-
-A method file plugs in with plain functions:
-
-    round_fn(t, model, fed, args, state, ctx) -> {client id: mean local loss (device tensor)}
-        one communication round t = 1..T: sample clients, run their updates, apply the server rule,
-        and leave the new global model in `model`. Built from `sample_clients`, `local_sgd` (one
-        client) or `train_clients` (the sampled clients; at once with --parallel-clients on),
-        `get_flat` / `set_flat` below.
-    init_state(model, fed, args, ctx) -> dict
-        the method's state across rounds (FedIIR's global gradient, persistent client optimisers,
-        personalised models, ...): tensors, numbers, lists and dicts; checkpointed with the model.
-    evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per_test_set_accs[, extra])
-        optional; the default scores the global model. `extra`, a dict of further numbers, goes
-        into the history and the results (PerInvFL scores personalised models and the global one).
-
-A method with phases (FedLOE's stage 2) counts every communication as a round and switches on t.
-
-    main("fedavg", round_fn, add_args=..., defaults=...)   parses the CLI, loads the data, loops over
-    the held-out domains, logs, checkpoints, writes the results JSON, prints the table.
+"""What every method shares: models, federation, the round skeleton, evaluation, model selection, logging,
+checkpoints and results; nothing here knows about a specific method. A method file plugs in with
+main("name", doc, round_fn, ...), where round_fn(t, model, fed, args, state, ctx) runs one communication
+round and returns {client id: mean local loss}; optional init_state(model, fed, args, ctx) -> state and
+evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]).
+The contract in full: docs/protocol.md ("Adding a method").
 """
 import argparse
 import contextlib
-import io
 import json
 import math
 import os
@@ -49,31 +33,24 @@ from data import Parser, UserError
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # ------------------------------------------------------------------------------------ defaults
-# Per dataset: the model and FedIIR's Table 3 (lr / batch) for the DG benchmarks; FedOMG's Table 1
-# (small CNN, lr 0.005, batch 16, 5 local epochs, 100 clients, 20% participation) for label skew.
-COMMON_DEFAULTS = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
-                       eval_every=10, alpha=0.1, head="linear", select="val", p_test=0.1)
-_FL = dict(model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100, sample=20)
-# RC-MNIST (PerInvFL Table 6): IRM's ColoredMNIST MLP trained full batch (IRM's code), weight decay
-# 2.2e-3 = IRM's L2 1.1e-3·||w||²; the test context is out of distribution, the validation split is
-# not, so the last round is reported (IRM's protocol), never the best-validation one.
-_RC = dict(model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3, clients=4, sample=4,
+# One table per dataset (the sources: docs/protocol.md): FedIIR's Table 3 for the DG benchmarks, FedOMG's
+# Table 1 for label skew, PerInvFL's Table 6 with IRM's ColoredMNIST MLP (full batch, last round) for RC-MNIST.
+_ALL = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0, eval_every=10, alpha=0.1,
+            head="linear", select="val", p_test=0.1)
+_FL = dict(_ALL, model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100, sample=20)
+_RC = dict(_ALL, model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3, clients=4, sample=4,
            rounds=500, eval_every=50, select="last")
+_PHOTO = dict(_ALL, model="resnet18", lr=1e-3, batch_size=32, head="mlp")
 DATASET_DEFAULTS = {
-    "rmnist": dict(model="convnet", lr=1e-2, batch_size=64),
-    "vlcs": dict(model="resnet18", lr=1e-3, batch_size=32, head="mlp"),
-    "pacs": dict(model="resnet18", lr=2.5e-3, batch_size=32, head="mlp"),
-    "officehome": dict(model="resnet50", lr=1e-3, batch_size=32, head="mlp"),
-    "synthetic": dict(model="smallconv", lr=5e-2, batch_size=32),
-    "stained": dict(model="mlp", lr=0.1, batch_size=64),  # FedIPG VI-C (lr: fedipg.py docstring)
-    "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL,
-    "rcmnist": _RC, "rcfmnist": _RC,
-    "waterbird": dict(model="resnet18", lr=1e-3, batch_size=32, clients=4, sample=4, select="last"),
+    "rmnist": dict(_ALL, model="convnet", lr=1e-2, batch_size=64), "vlcs": _PHOTO, "pacs": dict(_PHOTO, lr=2.5e-3),
+    "officehome": dict(_PHOTO, model="resnet50"), "synthetic": dict(_ALL, model="smallconv", lr=5e-2, batch_size=32),
+    "stained": dict(_ALL, model="mlp", lr=0.1, batch_size=64),  # FedIPG VI-C (lr: fedipg.py docstring)
+    "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL, "rcmnist": _RC, "rcfmnist": _RC,
+    "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
 }
 # Stained MNIST (FedIPG Section VI-C): clients P and examples per client by --stain, drawn from the
 # pooled training combinations (stained_clients)
 STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}
-PHOTOS = ("pacs", "vlcs", "officehome", "waterbird")  # ImageNet-normalised, augmented like the FedIIR code
 
 # -------------------------------------------------------------------------------------- models
 
@@ -90,9 +67,7 @@ class Net(nn.Module):
 
 
 class GlobalMean(nn.Module):
-    """Global average pooling as a plain mean over height and width. torch computes AdaptiveAvgPool2d(1)
-    as this very mean (bit for bit on the CPU, measured), but through a special case inside it; its
-    own CUDA backward kernel has no deterministic version, and written out no dispatch can reach it."""
+    """Global average pooling written as a mean (AdaptiveAvgPool2d(1)'s numbers; a deterministic CUDA backward)."""
 
     def forward(self, x):
         return x.mean((2, 3), keepdim=True)
@@ -149,10 +124,8 @@ class ResNet(nn.Module):
 
 
 def build_model(args, ds):
-    """The model for `ds`: args.model picks the featurizer, args.head the classifier: 'linear', or
-    FedIIR's two-layer head d -> d/2 -> C (ReLU); either with Kaiming-normal weights on the FedIIR
-    code's models (ConvNet, ResNets); IRM's MLP is initialised as IRM's code (Xavier-uniform, zero
-    biases); the small CNN and the test model keep PyTorch's defaults."""
+    """The model for `ds`: featurizer args.model, classifier args.head (linear, or FedIIR's d -> d/2 -> C),
+    initialised as each source's code does (docs/protocol.md)."""
     x0 = ds.domains[0].x
     if args.model == "convnet":
         phi, d = conv_net(x0.shape[1])
@@ -194,68 +167,6 @@ def set_flat(model, vec):
         for p in model.parameters():
             p.copy_(vec[i:i + p.numel()].view_as(p))
             i += p.numel()
-
-
-# ------------------------------------------------------------------------- input preparation
-
-MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-
-
-YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])   # RGB -> YIQ
-YIQ_PAIR = (torch.linalg.inv(YIQ), YIQ)
-
-
-def augment(x, gen, yiq=YIQ_PAIR):
-    """The FedIIR code's training augmentation, batched on the device: RandomResizedCrop(scale
-    0.7-1, ratio 3/4-4/3) and horizontal flip as one affine warp, ColorJitter(0.3, 0.3, 0.3, 0.3),
-    RandomGrayscale(0.1). x: float [N, 3, H, W] in [0, 1]. Differences from torchvision: the crop
-    is taken from the cached 224px image (not the original), a crop that would leave the image is
-    clipped to it, jitter runs in a fixed order, and hue is a rotation in YIQ space.
-    yiq: (YIQ⁻¹, YIQ) on x's device; make_prep moves them there once, because a copy to the GPU or an
-    inverse on it inside a step would be a host synchronisation."""
-    n, dev = x.shape[0], x.device
-    u = lambda *s: torch.rand(*s, generator=gen, device=dev)
-    area = 0.7 + 0.3 * u(n)
-    ratio = torch.exp(math.log(3 / 4) + math.log(16 / 9) * u(n))
-    w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
-    flip = torch.where(u(n) < 0.5, -1.0, 1.0)
-    theta = torch.zeros(n, 2, 3, device=dev)
-    theta[:, 0, 0], theta[:, 1, 1] = w * flip, h
-    theta[:, 0, 2], theta[:, 1, 2] = (1 - w) * (2 * u(n) - 1), (1 - h) * (2 * u(n) - 1)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-    f = lambda: (0.7 + 0.6 * u(n, 1, 1, 1))
-    gray = lambda z: (0.299 * z[:, 0:1] + 0.587 * z[:, 1:2] + 0.114 * z[:, 2:3])
-    x = (x * f()).clamp(0, 1)                                                     # brightness
-    m = gray(x).mean((2, 3), keepdim=True)
-    x = ((x - m) * f() + m).clamp(0, 1)                                           # contrast
-    g = gray(x)
-    x = ((x - g) * f() + g).clamp(0, 1)                                           # saturation
-    a = 2 * math.pi * 0.3 * (2 * u(n) - 1)                                        # hue in [-0.3, 0.3] turns
-    to_rgb, to_yiq = yiq
-    rot = torch.zeros(n, 3, 3, device=dev)
-    rot[:, 0, 0], rot[:, 1, 1], rot[:, 2, 2] = 1, a.cos(), a.cos()
-    rot[:, 1, 2], rot[:, 2, 1] = -a.sin(), a.sin()
-    x = torch.einsum("ij,njk,kl,nlhw->nihw", to_rgb, rot, to_yiq, x).clamp(0, 1)
-    return torch.where(u(n, 1, 1, 1) < 0.1, gray(x).expand_as(x), x)             # grayscale
-
-
-def make_prep(dataset, device):
-    """uint8 batch -> model input. Digits: pixels / 255. Photos: augmentation when training, then
-    ImageNet mean/std (channels-last on CUDA for the ResNets)."""
-    mean, std, yiq = MEAN.to(device), STD.to(device), tuple(m.to(device) for m in YIQ_PAIR)
-
-    def prep(x, train=False, gen=None):
-        x = x.float().div_(255)
-        if dataset in PHOTOS:
-            if train:
-                x = augment(x, gen, yiq)
-            x = (x - mean) / std
-            if x.is_cuda:
-                x = x.contiguous(memory_format=torch.channels_last)
-        return x
-    return prep
 
 
 # --------------------------------------------------------------------------------- federation
@@ -307,13 +218,9 @@ def holdout(x, y, frac, g):
 
 
 def federate(ds, test, P, seed, device, val_frac=0.1, client_size=None):
-    """Leave-one-domain-out: domain `test` (index) is the test set; every other domain is shuffled
-    and cut into Algorithm 2's number of contiguous chunks (floor(n/k) each, the last takes the
-    rest), one client per chunk, so no client mixes domains. Each client holds out `val_frac` of its
-    data (seeded) for validation; pooled, that is 10% of every training domain as in the FedIIR code.
-    client_size (stained MNIST): the training domains are pooled and shuffled instead, and client j
-    takes examples j·n .. (j+1)·n − 1 of the pool (n = client_size): P disjoint seeded random
-    samples, each mixing the domains (its `domain` names those it holds)."""
+    """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into Algorithm 2's
+    clients (split_counts), each holding out `val_frac` for validation. client_size (stained): clients are
+    disjoint seeded samples of the pooled training domains instead (docs/protocol.md)."""
     g = torch.Generator().manual_seed(seed)
     train = [d for i, d in enumerate(ds.domains) if i != test]
     clients = []
@@ -369,7 +276,7 @@ class Context:
     device: torch.device
     gen: torch.Generator       # on the device: minibatch order and augmentation
     sampler: torch.Generator   # on the CPU: which clients take part in a round
-    prep: object               # uint8 batch -> model input, see make_prep
+    prep: object               # uint8 batch -> model input, see data.make_prep
     amp: bool = False
 
     def autocast(self):
@@ -400,9 +307,8 @@ def sgd(model, args):
 
 
 def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=None):
-    """`epochs` (default args.local_epochs) passes of minibatch steps on loss_fn(model, x, y) over
-    the client's training split. A fresh SGD unless `opt` is given. Returns the mean loss as a
-    device tensor (read once per round by the skeleton)."""
+    """`epochs` (default args.local_epochs) passes of minibatch steps on loss_fn over the client's split,
+    with a fresh SGD unless `opt` is given. Returns the mean loss as a device tensor."""
     model.train()
     opt = opt or sgd(model, args)
     total, steps = torch.zeros((), device=ctx.device), 0
@@ -422,16 +328,9 @@ def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=
 
 def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None, loss_fn=cross_entropy, epochs=None,
                   objective=None):
-    """Every client in `clients` trained from θ (a flat vector) as local_sgd trains one, with a fresh
-    optimiser make_opt(params) (default: SGD with args' lr, momentum and weight decay). `momentum`, if
-    given, is {client id: flat SGD momentum buffer}: a client's is loaded before its steps and replaced
-    after (kept client optimisers, FedOMG). Yields (θ_c, mean loss) client by client, in order.
-
-    One client after another through local_sgd, unless --parallel-clients is on: then all at once
-    (`at_once`), from the same minibatches; the numbers agree with the sequential ones to float
-    tolerance, not bit for bit (batched kernels sum in another order). There the loss is `objective`,
-    loss_fn written with torch.func (see weighted_cross_entropy, the default, for the plain
-    cross-entropy); a loss_fn other than cross_entropy without one is refused."""
+    """Each of `clients` trained from θ (flat) as local_sgd trains one, with make_opt(params) (default SGD);
+    `momentum`: {client id: flat momentum buffer}, loaded before and kept after. Yields (θ_c, mean loss) in
+    order; with --parallel-clients on, all at once (at_once) on `objective`, loss_fn's torch.func form."""
     make_opt = make_opt or (lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum,
                                                            weight_decay=args.weight_decay))
     if parallel(args):
@@ -452,35 +351,28 @@ def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None
 
 
 def parallel(args):
-    """--parallel-clients: 'auto' is on for CUDA, where the small models leave the GPU waiting on
-    kernel launches, and off on the CPU, where batching the clients gains nothing; off for the
-    ResNets, which fill a GPU one client at a time."""
+    """--parallel-clients: 'auto' is on for CUDA except for the photos and ResNets, off on the CPU."""
     return args.parallel_clients == "on" or (args.parallel_clients == "auto" and str(args.device).startswith("cuda")
-                                             and args.dataset not in PHOTOS and not args.model.startswith("resnet"))
+                                             and args.dataset not in data.PHOTOS and not args.model.startswith("resnet"))
 
 
 def check_parallel(args, method, supported):
-    """Refuse --parallel-clients on where it cannot apply; record what 'auto' chose. supported: a bool,
-    or a function of args giving None where the method's clients train at once with them, else the
-    reason they do not (a phrase, shown after the method's name)."""
+    """Refuse --parallel-clients on where it cannot apply and record what 'auto' chose. supported: a bool,
+    or a function of args giving None where it applies, else the reason (a phrase)."""
     reason = supported(args) if callable(supported) else None if supported else \
         "trains its clients one after another (its local loss is not written with torch.func)"
     supported = reason is None
     if args.parallel_clients == "on" and not supported:
         raise UserError(f"--parallel-clients on: {method} {reason}; use off")
-    if args.parallel_clients == "on" and args.dataset in PHOTOS:
+    if args.parallel_clients == "on" and args.dataset in data.PHOTOS:
         raise UserError(f"--parallel-clients on: not for {args.dataset} (its augmentation draws from the "
                         f"minibatch stream between batches, and a ResNet fills a GPU alone); use off")
     args.parallel_clients = "on" if supported and parallel(args) else "off"
 
 
 def minibatch_plan(clients, batch_size, epochs, ctx, order=None):
-    """The minibatches of every client as `batches` draws them, step by step: [K, C, B] indices
-    into the clients' pooled data (client c's examples at offset n_0 + ... + n_{c-1}), -1 where a
-    client's batch is partial or its passes are done (K: the most steps of any client). The
-    permutations come from ctx.gen in the sequential order, client by client, pass by pass; the
-    clients are stacked in `order` (default: theirs), a Python list, so that no index list is
-    copied to the device (a host synchronisation on CUDA)."""
+    """The minibatches of every client as `batches` draws them: [K, C, B] indices into the pooled data,
+    -1 for padding; clients stacked in `order` (a list: no host synchronisation)."""
     plans, start = [], 0
     for client in clients:
         nb = -(-client.n // batch_size)
@@ -494,26 +386,15 @@ def minibatch_plan(clients, batch_size, epochs, ctx, order=None):
 
 
 def weighted_cross_entropy(model, params, buffers, x, y, w):
-    """One client's minibatch loss as at_once takes it, a function of the client's own parameters and
-    buffers (dicts by model.named_parameters() / named_buffers() names) that torch.func.vmap batches
-    over the clients: Σ_j w_j CE(f(x_j), y_j), with w_j = 1 / (the batch's real examples) on those and 0
-    on the padding, so that it is the mean over the real examples, the sequential minibatch's loss.
-    Another method's objective has this signature and the same weighting, nested gradients of its own
-    written with torch.func (fediir.iir_objective, called at once through vmap)."""
+    """One client's minibatch loss as at_once takes it: Σ_j w_j CE(f(x_j), y_j) through functional_call, w_j =
+    1 / (real examples) and 0 on padding. A method's objective has this signature."""
     return (F.cross_entropy(torch.func.functional_call(model, (params, buffers), (x,)), y, reduction="none") * w).sum()
 
 
 def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=None, objective=weighted_cross_entropy):
-    """The clients' local updates at once: their parameters and buffers stacked along a new first
-    dimension (buffers are read, not returned: none of the models here updates one in training),
-    one call of vmap(grad(loss)) through functional_call per step for all of them, and one
-    optimiser over the stacked tensors, which is every client's own (SGD's and Adam's rules act
-    elementwise; Adam's shared step count is right for every client still training). Step k takes
-    the k-th minibatch of every client; a partial batch is padded and its loss is the mean over its
-    real examples (`objective`, weighted_cross_entropy's form, so weights them). The clients are
-    stacked longest first, so those still training are a prefix: the others drop out of the gradient
-    computation and are put back after every optimiser step (parameters and optimiser state), so they
-    never move again. Returns [(θ_c, mean loss)]."""
+    """The clients' local updates at once: parameters stacked on a new first dimension, vmap(grad(objective))
+    per step, one optimiser over the stack; clients stacked longest first, so those still training are a
+    prefix and the others are put back after every step. Returns [(θ_c, mean loss)] (docs/protocol.md)."""
     C, epochs = len(clients), epochs or args.local_epochs
     order = sorted(range(C), key=lambda i: -clients[i].n)               # longest first
     plan = minibatch_plan(clients, args.batch_size, epochs, ctx, order)  # drawn in the clients' order
@@ -600,9 +481,7 @@ def evaluate_global(model, fed, args, state, ctx):
 
 
 def group_means(v, group, k):
-    """The mean of v over each of the k groups (0 for an empty group). A product with the one-hot
-    membership matrix, reproducible in either mode; index_add_'s float sums on CUDA follow no fixed
-    order outside deterministic mode (--nondeterministic)."""
+    """The mean of v over each of the k groups (0 if empty), as a product with the one-hot membership."""
     member = F.one_hot(group, k).to(v.dtype)
     return (v @ member) / member.sum(0).clamp(min=1)
 
@@ -610,8 +489,7 @@ def group_means(v, group, k):
 # ------------------------------------------------------------------------------------- the CLI
 
 def finite(text):
-    """The type of every float flag: a finite number. nan and inf are refused when parsing, before
-    any work (an inf learning rate would train a model of NaNs)."""
+    """The type of every float flag: a finite number (nan and inf are refused when parsing)."""
     try:
         value = float(text)
     except ValueError:
@@ -622,8 +500,7 @@ def finite(text):
 
 
 def make_parser(method, doc):
-    """The common flags. Their help gives no default: show_defaults adds the one that applies to the
-    method and dataset (most are resolved only after parsing, by `resolve`)."""
+    """The common flags; a default of None is filled per dataset by `resolve` (default_tables)."""
     p = Parser(prog=f"{method}.py", description=" ".join(doc.strip().split("\n\n")[0].split()))
     a = p.add_argument
     a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
@@ -662,82 +539,16 @@ def make_parser(method, doc):
       help="CUDA: let cuDNN and cuBLAS pick their fastest kernels; two runs then differ (README: GPU)")
     a("--parallel-clients", default="auto", choices=["auto", "on", "off"],
       help="train the sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
-    a("--out", default=None, help="results JSON; the checkpoint is <out>.ckpt")
+    a("--out", default=None, help="results JSON, default results/<method>-<dataset>-seed<seed>.json; "
+                                  "the checkpoint is <out>.ckpt")
     a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
     return p
-
-
-# Defaults decided in code (test_domains, stained_clients, resolve) rather than by a table: their help text
-LATER = {"clients": lambda ds, m: "5 / 5 / 20 for --stain fg / bg / both (FedIPG VI-C)" if ds == "stained"
-         else "one per training domain",
-         "sample": lambda ds, m: "every client" if ds == "stained" else "min(P, training domains)",
-         "client_size": lambda ds, m: "600 / 2000 / 2000 for --stain fg / bg / both, shrunk to fit the data",
-         "out": lambda ds, m: f"results/{m}-{ds}-seed<seed>.json"}
-
-
-def dataset_in(argv):
-    """The --dataset of a command line (the default one if absent or unknown), for --help."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--dataset", default="rmnist")
-    ds = pre.parse_known_args(argv)[0].dataset
-    return ds if ds in data.NAMES else "rmnist"
-
-
-def show_defaults(p, method, defaults, dataset, check=None):
-    """Append to every flag's help the default it takes for this method on `dataset`: from the
-    method's per-dataset table, its "*" row, DATASET_DEFAULTS or COMMON_DEFAULTS (resolve's order),
-    else the flag's own default, else what the method's check() or the code sets (probed on a copy
-    of the parsed defaults). Once per flag; none for switches, nor where the help already speaks of
-    its default (a method's own flags, resolved by its check())."""
-    probe, refused = None, None
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            probe = p.parse_args(["--dataset", dataset])
-            fill_defaults(probe, defaults)
-            probe.clients = PROBE if probe.clients is None else probe.clients
-            if check:
-                check(probe)
-    except UserError as e:
-        refused = str(e)
-    except (Exception, SystemExit):   # only the help text depends on it
-        probe = None
-    for act in p._actions:
-        if act.nargs == 0 or not act.option_strings or act.help in (None, argparse.SUPPRESS) \
-                or "default" in act.help.lower():
-            continue
-        value, per_dataset = act.default, False
-        if value is None:
-            value, per_dataset = next(((t[act.dest], per) for t, per in default_tables(dataset, defaults)
-                                       if act.dest in t), (None, False))
-        after = getattr(probe, act.dest, None) if probe is not None and not refused else None
-        unset = value is None or (isinstance(value, float) and not math.isfinite(value))
-        if unset and act.dest == "sample" and after is not None and after == probe.clients:
-            text = "every client (P)"
-        elif isinstance(value, float) and not math.isfinite(value):   # a method's marker: its check() sets it
-            text = f"{after}, " * (after is not None and math.isfinite(after)) + f"set from {method}'s own flags"
-        elif value is None and after is not None and after != PROBE:
-            text, per_dataset = f"{after}, set by {method}", True
-        elif value is None and act.dest in LATER:
-            text = LATER[act.dest](dataset, method)
-        elif value is None or value == "":
-            continue
-        else:
-            text = str(value)
-        where = f" for {dataset}" if per_dataset else ""
-        act.help += f" (default{where}: {text})".replace("%", "%%")
-    p.epilog = (f"Defaults as {method} resolves them for --dataset {dataset}; python {method}.py --dataset NAME "
-                f"--help shows those of NAME." + (f" Note: {method} refuses --dataset {dataset} ({refused})."
-                                                   if refused else ""))
-
-
-PROBE = 7919   # a stand-in --clients for show_defaults' probe: a method that sets --sample to it samples everyone
 
 
 def default_tables(dataset, defaults=None):
     """Where a flag left unset takes its value, first match wins: (table, is it per dataset)."""
     defaults = defaults or {}
-    return ((defaults.get(dataset, {}), True), (defaults.get("*", {}), False),
-            (DATASET_DEFAULTS.get(dataset, {}), True), (COMMON_DEFAULTS, False))
+    return ((defaults.get(dataset, {}), True), (defaults.get("*", {}), False), (DATASET_DEFAULTS.get(dataset, {}), True))
 
 
 def fill_defaults(args, defaults=None):
@@ -747,8 +558,28 @@ def fill_defaults(args, defaults=None):
                 setattr(args, k, v)
 
 
+def help_defaults(p, method, defaults, argv):
+    """Every flag's help ends with its default for the --dataset of argv, looked up in default_tables;
+    the flags whose help already speaks of its default are left as they are."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--dataset", default="rmnist")
+    dataset = pre.parse_known_args(argv)[0].dataset
+    dataset = dataset if dataset in data.NAMES else "rmnist"
+    for act in p._actions:
+        if act.nargs == 0 or not act.option_strings or not act.help or "default" in act.help.lower() or act.default == "":
+            continue
+        value, where = act.default, ""
+        if value is None:
+            value, where = next(((t[act.dest], f" for {dataset}") for t, _ in default_tables(dataset, defaults)
+                                 if act.dest in t), ("per dataset, see docs/protocol.md", ""))
+        if isinstance(value, float) and not math.isfinite(value):     # a method's marker: its check() sets it
+            value = f"set by {method} from its own flags"
+        act.help += f" (default{where}: {value})".replace("%", "%%")
+    p.epilog = f"Defaults for --dataset {dataset}; python {method}.py --dataset NAME --help shows those of NAME."
+
+
 def resolve(args, method, defaults=None):
-    """Fill the flags left unset: the method's per-dataset defaults, then common's, then checks."""
+    """Fill the flags left unset (default_tables), then refuse bad values before any work."""
     if args.dataset not in data.NAMES:
         raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
     fill_defaults(args, defaults)
@@ -759,15 +590,12 @@ def resolve(args, method, defaults=None):
         raise UserError(f"--seed must be in [0, 2**31), got {args.seed}")
     if args.clients is not None and args.clients < 1:
         raise UserError(f"--clients must be positive, got {args.clients}")
-    for k in ("rounds", "local_epochs", "batch_size", "eval_every"):
-        if getattr(args, k) <= 0:
-            raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-    for k in ("lr", "global_lr", "alpha"):
+    for k in ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr", "alpha"):
         if not getattr(args, k) > 0:
             raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-    if getattr(args, "client_size", None) is not None and args.dataset != "stained":
+    if args.client_size is not None and args.dataset != "stained":
         raise UserError(f"--client-size applies to stained only, not {args.dataset}")
-    if getattr(args, "client_size", None) is not None and args.client_size <= 0:
+    if args.client_size is not None and args.client_size <= 0:
         raise UserError(f"--client-size must be positive, got {args.client_size}")
     if args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"):
         raise UserError(f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}")
@@ -843,9 +671,7 @@ def test_domains(args, ds):
 
 
 def max_clients(sizes, P):
-    """The most clients, up to P, that Algorithm 2 (split_counts) can cut domains of these sizes into
-    with every chunk holding at least 2 examples (one to train on, one for validation): the split of
-    P + 1 clients is that of P plus one more cut, so the chunks only shrink as P grows."""
+    """The most clients, up to P, that Algorithm 2 can cut domains of these sizes into with >= 2 examples each."""
     k = [1] * len(sizes)
     if min(sizes) < 2:
         return 0
@@ -871,12 +697,8 @@ def enough_examples(args, ds, todo):
 
 
 def stained_clients(args, ds):
-    """Stained MNIST's clients (FedIPG Section VI-C): P clients of n examples each (validation
-    included), disjoint samples of the pooled training combinations (federate's client_size), so
-    that 5 clients can hold nine combinations. Defaults by --stain (STAINED): 5 x 600 (fg), 5 x 2000
-    (bg), 20 x 2000 (both). If P x n exceeds the pool (the smallest over the held-out choices), a
-    default n shrinks to pool // P (printed); a --client-size given by hand that does not fit is
-    refused. Every client takes part in every round unless --sample says otherwise (VI-C gives no C)."""
+    """Stained MNIST's clients (FedIPG VI-C): --clients x --client-size, defaults by --stain (STAINED), a default
+    size shrunk to fit the pool, every client sampled unless --sample says otherwise (docs/protocol.md)."""
     P0, n0 = STAINED[args.stain]
     args.clients = P0 if args.clients is None else args.clients
     args.sample = args.clients if args.sample is None else args.sample
@@ -985,28 +807,21 @@ def seconds(s):
 # --------------------------------------------------------------------------------- the skeleton
 
 def set_deterministic(on=True):
-    """Reproducible kernels on every device (the default), or CUDA's fastest (--nondeterministic).
-    On: cuDNN's deterministic algorithms without benchmarking, cuBLAS's fixed workspace (set at
-    import), and any op left without a deterministic kernel raises instead of varying silently.
-    CPU kernels are deterministic either way: the flag changes no CPU number (a test checks it)."""
+    """Reproducible kernels (the default) or CUDA's fastest (--nondeterministic); CPU numbers are the same
+    either way. Deterministic mode's NaN fill of new tensors is off: nothing here reads unwritten memory."""
     torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on
-    # Deterministic mode would also fill every new tensor with NaN, to expose reads of memory
-    # never written; this code reads none (the bit-exact tests would see it), and the fill is an
-    # extra kernel per allocation on the launch-bound small models.
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None):
-    """Load, then for every held-out domain: federate, T rounds of round_fn, evaluation every
-    args.eval_every rounds, model selection on validation accuracy; results and checkpoints.
-    argv: the command line, recorded with the versions and the device (provenance)."""
+    """Load, then for every held-out domain: federate and train_domain; results JSON and checkpoint.
+    argv: the command line, recorded in the provenance."""
     set_deterministic(not args.nondeterministic)      # before the model or anything else meets CUDA
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
-    print(f"data: {ds.source}", flush=True)
-    print(f"data: {counts(ds)}", flush=True)
+    print(f"data: {ds.source}\ndata: {counts(ds)}", flush=True)
     todo = test_domains(args, ds)
     device = torch.device(args.device)
     ckpt_path = str(Path(args.out).with_suffix(".ckpt"))
@@ -1030,11 +845,10 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
         fed = federate_fixed(ds, args.seed, device) if test is None else \
             federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
         resume = blob if blob is not None and blob["domain"] == fed.name else None
-        remaining = len(todo) - k - 1
         try:
             with progress_line():
-                results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state,
-                                                            evaluate_fn, resume, results, ckpt_path, remaining)
+                results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn,
+                                                            resume, results, ckpt_path, len(todo) - k - 1)
         except NonFinite as e:   # name only the files this run wrote (or resumed from), never an older run's
             kept = [f"the last good checkpoint ({ckpt_path})"] * (saved or e.saved) + \
                    [f"the results of the finished test domains ({args.out})"] * bool(results["domains"])
@@ -1060,9 +874,121 @@ def counts(ds):
     return f"{parts}, {ds.num_classes} classes, {images:,} images"
 
 
+def with_mean(results):
+    accs = [r["test_acc"] for r in results["domains"].values()]
+    results["mean_test_acc"] = sum(accs) / len(accs)
+    return results
+
+
+def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining):
+    """T rounds on one federation: a round, every args.eval_every rounds an evaluation, the best kept, a checkpoint."""
+    model, state, ctx = start_domain(args, ds, fed, init_state)
+    start, history, best, spent = 1, [], None, 0.0
+    if resume is not None:
+        state, start, history, best, spent = restore(resume, model, ctx)
+    saved = resume is not None           # a checkpoint of this domain is on disk (for NonFinite's message)
+    pace = Pace(start, spent, args.rounds, remaining)
+    losses = []
+    for t in range(start, args.rounds + 1):
+        losses.append(checked_round(round_fn, t, model, fed, args, state, ctx, saved))
+        if t % args.eval_every and t != args.rounds:
+            status(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {pace(t)}")
+            continue
+        val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
+        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global model's)
+        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses),
+               "seconds": pace.seconds(ctx.device), **extra}
+        history.append(row)
+        if best is None or val > best["val_acc"] or args.select == "last":
+            best = dict(row, per_test=per)
+        shown = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
+        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{shown} | mean loss (rounds "
+              f"{t - len(losses) + 1}-{t}) {row['loss']:.4f} | {pace(t)}", flush=True)
+        losses = []
+        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
+                                    "round": t, "model": model.state_dict(), "state": state,
+                                    "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
+                                    "torch_rng": torch.get_rng_state(), "history": history, "best": best,
+                                    "seconds": row["seconds"]})
+        saved = True
+    return domain_result(ds, fed, history, best)
+
+
+def start_domain(args, ds, fed, init_state):
+    """The initial model (seeded), the method's state and the domain's random streams (fixed by the seed)."""
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    model = build_model(args, ds).to(device)
+    if args.model.startswith("resnet") and device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    salt = sum(map(ord, fed.name))  # a per-domain stream, fixed by the seed
+    ctx = Context(device, torch.Generator(device).manual_seed(args.seed * 7919 + salt),
+                  torch.Generator().manual_seed(args.seed * 104729 + salt), data.make_prep(args.dataset, device), args.amp)
+    state = init_state(model, fed, args, ctx) if init_state else {}
+    print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
+          f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
+    return model, state, ctx
+
+
+def restore(resume, model, ctx):
+    """A checkpoint's model and random streams back in place: (state, next round, history, best, seconds)."""
+    model.load_state_dict(resume["model"])
+    ctx.gen.set_state(resume["gen"])
+    ctx.sampler.set_state(resume["sampler"])
+    torch.set_rng_state(resume["torch_rng"])
+    state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
+    return state, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
+
+
+def checked_round(round_fn, t, model, fed, args, state, ctx, saved):
+    """Round t, then one host read: its clients' mean loss, or NonFinite naming the first non-finite
+    client loss, else the model's or the state's tensors that are not finite."""
+    try:
+        out = round_fn(t, model, fed, args, state, ctx)
+    except NonFinite as e:          # a method's own check (FedLOE's φ)
+        e.saved = e.saved or saved
+        raise
+    ids, vals = list(out), torch.stack([out[c] for c in out])
+    vals = torch.cat([vals, all_finite(model, state).to(vals.dtype)[None]]).cpu()   # one sync per round
+    bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
+    if bad:
+        c = fed.clients[bad[0]]
+        raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
+                        f"testing on {fed.name})", saved)
+    if not vals[-1]:                # the server's step or a server quantity: never written as a result
+        raise NonFinite(f"non-finite {', '.join(nonfinite(model, state))} after the server step of round {t} "
+                        f"(testing on {fed.name})", saved)
+    return vals[:-1].mean().item()
+
+
+class Pace:
+    """Seconds spent on a domain (counting those before a --resume), and the pace and ETA of a round."""
+
+    def __init__(self, start, spent, rounds, remaining):
+        self.start, self.spent, self.rounds, self.remaining, self.t0 = start, spent, rounds, remaining, time.perf_counter()
+
+    def seconds(self, device):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return self.spent + time.perf_counter() - self.t0
+
+    def __call__(self, t):
+        rate = (time.perf_counter() - self.t0) / (t - self.start + 1)
+        return f"{rate:.2f} s/round | ETA {seconds(rate * (self.rounds - t + self.remaining * self.rounds))}"
+
+
+def domain_result(ds, fed, history, best):
+    out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
+           "train_examples": sum(c.n for c in fed.clients),
+           "last_test_acc": history[-1]["test_acc"], "history": history,
+           **{k: v for k, v in best.items() if k not in ROW_KEYS}}   # a method's extra numbers
+    if ds.protocol == "clients":
+        out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
+    return out
+
+
 class Progress:
-    """Stands in for stdout on a terminal: `show` writes one line that the next one overwrites (no
-    newline); anything else printed meanwhile erases it first and then appears as usual."""
+    """stdout on a terminal: `show` writes a line that the next one overwrites; other output erases it first."""
 
     def __init__(self, stream):
         self.stream, self.shown = stream, False
@@ -1070,17 +996,11 @@ class Progress:
     def show(self, text):
         self.stream.write("\r\x1b[K" + text)
         self.stream.flush()
-        self.shown = True
-
-    def clear(self):
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
+        self.shown = bool(text)
 
     def write(self, text):
-        if text:
-            self.clear()
+        if text and self.shown:
+            self.show("")
         return self.stream.write(text)
 
     def __getattr__(self, name):
@@ -1089,8 +1009,7 @@ class Progress:
 
 @contextlib.contextmanager
 def progress_line():
-    """A per-round progress line on a terminal (see `status`); stdout that is not a terminal (a log
-    file, a pipe) gets nothing of it, so logs keep one line per evaluation."""
+    """A progress line per round on a terminal (`status`); a log file or a pipe gets none of it."""
     if not getattr(sys.stdout, "isatty", lambda: False)():
         yield
         return
@@ -1099,94 +1018,13 @@ def progress_line():
         try:
             yield
         finally:
-            line.clear()
+            if line.shown:
+                line.show("")
 
 
 def status(text):
-    """Show `text` on the progress line, if there is one."""
     if isinstance(sys.stdout, Progress):
         sys.stdout.show(text)
-
-
-def with_mean(results):
-    accs = [r["test_acc"] for r in results["domains"].values()]
-    results["mean_test_acc"] = sum(accs) / len(accs)
-    return results
-
-
-def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining):
-    device = torch.device(args.device)
-    torch.manual_seed(args.seed)
-    model = build_model(args, ds).to(device)
-    if args.model.startswith("resnet") and device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    salt = sum(map(ord, fed.name))  # a per-domain stream, fixed by the seed
-    ctx = Context(device, torch.Generator(device).manual_seed(args.seed * 7919 + salt),
-                  torch.Generator().manual_seed(args.seed * 104729 + salt), make_prep(args.dataset, device), args.amp)
-    state = init_state(model, fed, args, ctx) if init_state else {}
-    start, history, best, spent = 1, [], None, 0.0
-    saved = resume is not None           # a checkpoint of this domain is on disk (for NonFinite's message)
-    if resume is not None:
-        model.load_state_dict(resume["model"])
-        state = to_device(resume["state"], device)   # checkpoints load on the CPU
-        ctx.gen.set_state(resume["gen"])
-        ctx.sampler.set_state(resume["sampler"])
-        torch.set_rng_state(resume["torch_rng"])
-        start, history, best, spent = resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
-    print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
-          f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
-    t0, losses = time.perf_counter(), []
-    for t in range(start, args.rounds + 1):
-        try:
-            out = round_fn(t, model, fed, args, state, ctx)
-        except NonFinite as e:          # a method's own check (FedLOE's φ)
-            e.saved = e.saved or saved
-            raise
-        ids, vals = list(out), torch.stack([out[c] for c in out])
-        vals = torch.cat([vals, all_finite(model, state).to(vals.dtype)[None]]).cpu()   # one sync per round
-        bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
-        if bad:
-            c = fed.clients[bad[0]]
-            raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
-                            f"testing on {fed.name})", saved)
-        if not vals[-1]:                # the server's step or a server quantity: never written as a result
-            raise NonFinite(f"non-finite {', '.join(nonfinite(model, state))} after the server step of round {t} "
-                            f"(testing on {fed.name})", saved)
-        vals = vals[:-1]
-        losses.append(vals.mean().item())
-        if t % args.eval_every and t != args.rounds:
-            rate = (time.perf_counter() - t0) / (t - start + 1)
-            status(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {rate:.2f} s/round | "
-                   f"ETA {seconds(rate * (args.rounds - t + remaining * args.rounds))}")
-            continue
-        val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
-        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global model's)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        now = spent + time.perf_counter() - t0
-        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses), "seconds": now, **extra}
-        history.append(row)
-        since, losses = t - len(losses) + 1, []
-        if best is None or val > best["val_acc"] or args.select == "last":
-            best = dict(row, per_test=per)
-        rate = (now - spent) / (t - start + 1)
-        eta = rate * (args.rounds - t + remaining * args.rounds)
-        more = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
-        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{more} | mean loss (rounds {since}-{t}) {row['loss']:.4f} | "
-              f"{rate:.2f} s/round | ETA {seconds(eta)}", flush=True)
-        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
-                                    "round": t, "model": model.state_dict(), "state": state,
-                                    "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
-                                    "torch_rng": torch.get_rng_state(), "history": history, "best": best,
-                                    "seconds": now})
-        saved = True
-    out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
-           "train_examples": sum(c.n for c in fed.clients),
-           "last_test_acc": history[-1]["test_acc"], "history": history,
-           **{k: v for k, v in best.items() if k not in ROW_KEYS}}   # a method's extra numbers
-    if ds.protocol == "clients":
-        out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
-    return out
 
 
 ROW_KEYS = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
@@ -1239,9 +1077,8 @@ def print_table(results):
 
 def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_state=None,
          evaluate_fn=evaluate_global, check=None, parallel_clients=False):
-    """The entry point of every method script: bad input -> one line on stderr and exit 2.
-    parallel_clients: the method's clients train through train_clients (--parallel-clients applies);
-    or a function of the resolved args, check_parallel's `supported`."""
+    """The entry point of every method script: bad input -> one line on stderr and exit 2. parallel_clients:
+    a bool, or check_parallel's `supported` function."""
     p = make_parser(method, doc)
     if add_args:
         add_args(p)
@@ -1250,7 +1087,7 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
             act.type = finite
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "-h" or a.startswith("--hel") and "--help".startswith(a) for a in argv):
-        show_defaults(p, method, defaults, dataset_in(argv), check)
+        help_defaults(p, method, defaults, argv)
     args = p.parse_args(argv)
     try:
         resolve(args, method, defaults)

@@ -23,6 +23,7 @@ training resolution in ROOT/<Dataset>/.cache-<size>.pt.
 import argparse
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import torchvision.transforms.functional as TF
 from torchvision.transforms import InterpolationMode
 
@@ -682,6 +684,70 @@ def make_fake(name, root, per_class=1):
 
 
 # ----------------------------------------------------------------------------------- the entry
+
+# ------------------------------------------------------------------------- input preparation
+
+PHOTOS = ("pacs", "vlcs", "officehome", "waterbird")  # ImageNet-normalised, augmented like the FedIIR code
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])   # RGB -> YIQ
+YIQ_PAIR = (torch.linalg.inv(YIQ), YIQ)
+
+
+def augment(x, gen, yiq=YIQ_PAIR):
+    """The FedIIR code's training augmentation, batched on the device: RandomResizedCrop(scale
+    0.7-1, ratio 3/4-4/3) and horizontal flip as one affine warp, ColorJitter(0.3, 0.3, 0.3, 0.3),
+    RandomGrayscale(0.1). x: float [N, 3, H, W] in [0, 1]. Differences from torchvision: the crop
+    is taken from the cached 224px image (not the original), a crop that would leave the image is
+    clipped to it, jitter runs in a fixed order, and hue is a rotation in YIQ space.
+    yiq: (YIQ⁻¹, YIQ) on x's device; make_prep moves them there once, because a copy to the GPU or an
+    inverse on it inside a step would be a host synchronisation."""
+    n, dev = x.shape[0], x.device
+    u = lambda *s: torch.rand(*s, generator=gen, device=dev)
+    area = 0.7 + 0.3 * u(n)
+    ratio = torch.exp(math.log(3 / 4) + math.log(16 / 9) * u(n))
+    w, h = (area * ratio).sqrt().clamp(max=1), (area / ratio).sqrt().clamp(max=1)
+    flip = torch.where(u(n) < 0.5, -1.0, 1.0)
+    theta = torch.zeros(n, 2, 3, device=dev)
+    theta[:, 0, 0], theta[:, 1, 1] = w * flip, h
+    theta[:, 0, 2], theta[:, 1, 2] = (1 - w) * (2 * u(n) - 1), (1 - h) * (2 * u(n) - 1)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    f = lambda: (0.7 + 0.6 * u(n, 1, 1, 1))
+    gray = lambda z: (0.299 * z[:, 0:1] + 0.587 * z[:, 1:2] + 0.114 * z[:, 2:3])
+    x = (x * f()).clamp(0, 1)                                                     # brightness
+    m = gray(x).mean((2, 3), keepdim=True)
+    x = ((x - m) * f() + m).clamp(0, 1)                                           # contrast
+    g = gray(x)
+    x = ((x - g) * f() + g).clamp(0, 1)                                           # saturation
+    a = 2 * math.pi * 0.3 * (2 * u(n) - 1)                                        # hue in [-0.3, 0.3] turns
+    to_rgb, to_yiq = yiq
+    rot = torch.zeros(n, 3, 3, device=dev)
+    rot[:, 0, 0], rot[:, 1, 1], rot[:, 2, 2] = 1, a.cos(), a.cos()
+    rot[:, 1, 2], rot[:, 2, 1] = -a.sin(), a.sin()
+    x = torch.einsum("ij,njk,kl,nlhw->nihw", to_rgb, rot, to_yiq, x).clamp(0, 1)
+    return torch.where(u(n, 1, 1, 1) < 0.1, gray(x).expand_as(x), x)             # grayscale
+
+
+def make_prep(dataset, device):
+    """uint8 batch -> model input. Digits: pixels / 255. Photos: augmentation when training, then
+    ImageNet mean/std (channels-last on CUDA for the ResNets)."""
+    mean, std, yiq = MEAN.to(device), STD.to(device), tuple(m.to(device) for m in YIQ_PAIR)
+
+    def prep(x, train=False, gen=None):
+        x = x.float().div_(255)
+        if dataset in PHOTOS:
+            if train:
+                x = augment(x, gen, yiq)
+            x = (x - mean) / std
+            if x.is_cuda:
+                x = x.contiguous(memory_format=torch.channels_last)
+        return x
+    return prep
+
 
 LODO = ("rmnist", "pacs", "vlcs", "officehome", "synthetic", "stained")
 FL = ("mnist", "cifar10", "cifar100", "emnist")

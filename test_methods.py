@@ -154,7 +154,7 @@ def tiny_args(**kw):
 
 def tiny_ctx():
     return common.Context(torch.device("cpu"), torch.Generator().manual_seed(0), torch.Generator().manual_seed(0),
-                          common.make_prep("rmnist", "cpu"))
+                          data.make_prep("rmnist", "cpu"))
 
 
 def tiny_model():
@@ -393,11 +393,11 @@ def test_resnet_batchnorm_stays_in_eval_mode():
 
 def test_augment_is_seeded_and_keeps_shape_and_range():
     x = torch.rand(5, 3, 32, 32)
-    a = common.augment(x, torch.Generator().manual_seed(1))
-    b = common.augment(x, torch.Generator().manual_seed(1))
+    a = data.augment(x, torch.Generator().manual_seed(1))
+    b = data.augment(x, torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and a.shape == x.shape and a.min() >= 0 and a.max() <= 1
-    assert not torch.allclose(a, common.augment(x, torch.Generator().manual_seed(2)))
-    gray = common.augment(torch.rand(5, 1, 32, 32).expand(5, 3, 32, 32), torch.Generator().manual_seed(1))
+    assert not torch.allclose(a, data.augment(x, torch.Generator().manual_seed(2)))
+    gray = data.augment(torch.rand(5, 1, 32, 32).expand(5, 3, 32, 32), torch.Generator().manual_seed(1))
     assert torch.allclose(gray, gray[:, :1].expand_as(gray), atol=1e-5)   # a hue rotation (YIQ) keeps greys grey
 
 
@@ -2992,13 +2992,13 @@ def float64(monkeypatch):
     buffers and the methods' zeros/ones are float64) and the inputs' uint8 -> float made in float64.
     Reported losses still pass through common's float32 running sums (loss.float()): they agree to
     float32 rounding only, the parameters to float64 rounding."""
-    prep = common.make_prep
+    prep = data.make_prep
 
     def make_prep(dataset, device):       # the digits' x / 255 in float64; the photos' prep, then cast
-        if dataset in common.PHOTOS:
+        if dataset in data.PHOTOS:
             return lambda x, **k: prep(dataset, device)(x, **k).double()
         return lambda x, train=False, gen=None: x.double() / 255
-    monkeypatch.setattr(common, "make_prep", make_prep)
+    monkeypatch.setattr(data, "make_prep", make_prep)
     monkeypatch.setattr(fediir, "client_features", client_features_in_the_models_dtype)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -3042,7 +3042,7 @@ def both_ways(round_fn, args, rounds, monkeypatch, init_state=lambda *a: {}, fed
         model = common.build_model(args, data.synthetic())
         theta0 = common.get_flat(model)
         ctx = common.Context(torch.device("cpu"), torch.Generator().manual_seed(1), torch.Generator().manual_seed(2),
-                             common.make_prep("synthetic", "cpu"))
+                             data.make_prep("synthetic", "cpu"))
         state = init_state(model, fed, args, ctx)
         with monkeypatch.context() as m:
             if mode == "on":
@@ -3933,7 +3933,7 @@ def photo_setup(tmp_path):
     torch.manual_seed(0)
     model = common.build_model(type("A", (), dict(model="smallconv", head="linear")), ds)
     ctx = common.Context(torch.device("cpu"), torch.Generator().manual_seed(5), torch.Generator().manual_seed(0),
-                         common.make_prep("pacs", "cpu"))
+                         data.make_prep("pacs", "cpu"))
     return fed, model, ctx
 
 
@@ -3958,7 +3958,7 @@ def test_fediir_gbar_sees_augmented_inputs_on_photos_by_default(tmp_path):
     fediir_readings.add_args(p)
     assert p.parse_args([]).gbar_inputs == "augmented"
     fed, model, ctx = photo_setup(tmp_path)
-    S, prep = [2, 0], common.make_prep("pacs", "cpu")
+    S, prep = [2, 0], data.make_prep("pacs", "cpu")
     replay = torch.Generator().manual_seed(5)                                  # ctx.gen's draws, redone
     augmented = [prep(fed.clients[c].x, train=True, gen=replay) for c in S]
     plain = [prep(fed.clients[c].x) for c in S]
@@ -4136,28 +4136,46 @@ def test_help_shows_the_methods_defaults_for_the_dataset_given(capsys):
     pacs = flag_blocks(help_text("fedomg", ["--dataset", "pacs"], capsys))
     assert pacs["--lr"].endswith("(default for pacs: 0.001)")               # FedOMG's, not FedIIR's 2.5e-3
     assert pacs["--local-epochs"].endswith("(default for pacs: 5)")
-    assert pacs["--global-lr"].endswith("(default for pacs: 0.5)") and pacs["--rounds"].endswith("(default: 100)")
+    assert pacs["--global-lr"].endswith("(default for pacs: 0.5)") and pacs["--rounds"].endswith("(default for pacs: 100)")
     rmnist = flag_blocks(help_text("fedomg", [], capsys))
-    assert rmnist["--lr"].endswith("(default for rmnist: 0.01)") and rmnist["--local-epochs"].endswith("(default: 1)")
-    assert "FedIIR Table 3" not in rmnist["--lr"]
+    assert rmnist["--lr"].endswith("(default for rmnist: 0.01)") and rmnist["--local-epochs"].endswith("(default for rmnist: 1)")
     assert rmnist["--seed"].startswith("--seed SEED seeds the data split") and rmnist["--seed"].endswith("(default: 0)")
     assert rmnist["--device"].endswith("auto: cuda if one is visible, else cpu (default: auto)")
-    assert rmnist["--out"].endswith("(default: results/fedomg-rmnist-seed<seed>.json)")
+    assert "default results/<method>-<dataset>-seed<seed>.json" in rmnist["--out"]
     loe = flag_blocks(help_text("fedloe", [], capsys))
-    assert loe["--rounds"].endswith("(default: 12, set from fedloe's own flags)")     # K1 + K2 = 8 + 4
-    assert loe["--sample"].endswith("(default: every client (P))") and loe["--clients"].endswith("(default: 20)")
-    assert flag_blocks(help_text("fedavg", [], capsys))["--sample"].endswith("(default: min(P, training domains))")
+    assert loe["--rounds"].endswith("(default: set by fedloe from its own flags)")
+    assert loe["--sample"].endswith("(default for rmnist: set by fedloe from its own flags)")
+    assert loe["--clients"].endswith("(default for rmnist: 20)")
+    assert flag_blocks(help_text("fedavg", [], capsys))["--sample"].endswith("(default: per dataset, see docs/protocol.md)")
     mnist = flag_blocks(help_text("fedavg", ["--dataset", "mnist"], capsys))
     assert mnist["--clients"].endswith("(default for mnist: 100)") and mnist["--sample"].endswith("(default for mnist: 20)")
 
 
-def test_help_says_when_the_method_refuses_the_dataset_shown(capsys):
-    def refuse(args):
-        raise common.UserError(f"toy runs no {args.dataset}")
-    with pytest.raises(SystemExit) as e, mock.patch.dict(os.environ, COLUMNS="2000"):
-        common.main("toy", fedavg.__doc__, fedavg.fedavg_round, ["--help"], fedavg.add_args, check=refuse)
-    assert e.value.code == 0
-    assert capsys.readouterr().out.endswith("Note: toy refuses --dataset rmnist (toy runs no rmnist).\n")
+@pytest.mark.parametrize("method,dataset", [("fedavg", "rmnist"), ("fedavg", "mnist"), ("fediir", "pacs"),
+                                            ("fedomg", "pacs"), ("fedomg", "rcmnist"), ("fedloe", "rmnist"),
+                                            ("fedloe", "officehome"), ("perinvfl", "rcmnist"), ("perinvfl", "synthetic"),
+                                            ("fedipg", "stained"), ("fedipg", "vlcs")])
+def test_help_shows_the_defaults_a_run_resolves(method, dataset, tmp_path, capsys):
+    """Every value --help gives as a default is the one the run takes: the flag's own, or the tables'
+    after resolve and the method's check()."""
+    blocks = flag_blocks(help_text(method, ["--dataset", dataset], capsys))
+    module = importlib.import_module(method)
+    p = common.make_parser(method, module.__doc__)
+    module.add_args(p)
+    args = common.resolve(p.parse_args(["--dataset", dataset, "--out", str(tmp_path / "r.json")]), method,
+                          getattr(module, "DEFAULTS", None))
+    if hasattr(module, "check"):
+        module.check(args)
+    shown = 0
+    for act in p._actions:
+        m = re.search(r"\(default(?: for (\w+))?: ([^()]*)\)$", blocks.get(act.option_strings[-1], "") if act.option_strings else "")
+        if not m or m.group(2).startswith(("set by", "per dataset")) or "default" in act.help.lower() \
+                or act.dest in ("dataset", "device", "parallel_clients"):   # the method's own words, or
+            continue                                   # given here, or resolved from other flags / the machine
+        assert m.group(1) in (None, dataset)
+        assert m.group(2) == str(getattr(args, act.dest)), (act.dest, m.group(2), getattr(args, act.dest))
+        shown += 1
+    assert shown >= 10
 
 
 def test_data_py_help_and_its_errors_are_one_line(tmp_path, capsys):
@@ -4282,7 +4300,7 @@ def scored_by_hand(ds, model_kind, state_dict):
     model = common.build_model(types.SimpleNamespace(model=model_kind, head="linear", no_pretrained=True), ds)
     model.load_state_dict(state_dict)
     model.eval()
-    prep = common.make_prep(ds.name, "cpu")
+    prep = data.make_prep(ds.name, "cpu")
     with torch.no_grad():
         per = {d.name: (model(prep(d.x_test)).argmax(1) == d.y_test).float().mean().item() for d in ds.domains}
         fed = common.federate_fixed(ds, 0, "cpu")
@@ -4593,7 +4611,7 @@ def method_rounds(round_fn, clients, rounds, state=None, **kw):
     model, fed = own_model(), as_federation(clients)
     args = types.SimpleNamespace(**dict(ARGS, **kw))
     ctx = common.Context(torch.device("cpu"), torch.Generator().manual_seed(1), torch.Generator().manual_seed(2),
-                         common.make_prep("rmnist", "cpu"))
+                         data.make_prep("rmnist", "cpu"))
     for t in range(1, rounds + 1):
         round_fn(t, model, fed, args, state if state is not None else {}, ctx)
     return flat(model)
@@ -4894,7 +4912,7 @@ def fedloe_rounds(clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, steps, m
                                  stage2_epochs=E2, stage2_lr=lr2, stage2_wd=wd2, dg=r, dg_lambda=lam,
                                  meta_lr=meta_lr, server_steps=steps, rounds=K1 + K2)
     ctx = common.Context(torch.device("cpu"), torch.Generator().manual_seed(1), torch.Generator().manual_seed(2),
-                         common.make_prep("rmnist", "cpu"))
+                         data.make_prep("rmnist", "cpu"))
     model, state = tiny(), {}
     for t in range(1, K1 + K2 + 1):
         fedloe.fedloe_round(t, model, fed, args, state, ctx)
@@ -5049,7 +5067,7 @@ def perinvfl_rounds(clients, T, kw):
     model, fed = own_model(), as_federation(clients)
     args = types.SimpleNamespace(**kw)
     ctx = common.Context(torch.device("cpu"), torch.Generator().manual_seed(1), torch.Generator().manual_seed(2),
-                         common.make_prep("rmnist", "cpu"))
+                         data.make_prep("rmnist", "cpu"))
     state = pv.init_state(model, fed, args, ctx)
     own = (kw["inv"], kw["personalize"], kw["theta"]) == ("irm", "dual", "reset")   # perinvfl.py's, else a variant
     for t in range(1, T + 1):

@@ -282,7 +282,7 @@ def setting(module, name, argv, device, tmp):
     if args.model.startswith("resnet") and dev.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                         common.make_prep(args.dataset, dev), args.amp)
+                         data.make_prep(args.dataset, dev), args.amp)
     return args, fed, model, ctx
 
 

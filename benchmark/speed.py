@@ -96,7 +96,7 @@ def setup(method, doc, add_args=None, own_args=None):
     torch.manual_seed(0)
     model = common.build_model(args, ds).to(dev)
     ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                         common.make_prep(a.dataset, dev))
+                         data.make_prep(a.dataset, dev))
     a.source = ds.source
     return a, args, fed, model, ctx
 

@@ -179,7 +179,7 @@ class Node:
         with torch.random.fork_rng(devices=[]):            # the server's initial model, as train_domain
             torch.manual_seed(args.seed)
             self.model = common.build_model(args, ds).to(device)
-        self.ctx = common.Context(device, torch.Generator(device), torch.Generator(), common.make_prep(args.dataset, device),
+        self.ctx = common.Context(device, torch.Generator(device), torch.Generator(), data.make_prep(args.dataset, device),
                                   args.amp)
         mod = importlib.import_module(method)
         # the method's own start on this federation (FedLOE's tune split, FedIPG's rotated client, PerInvFL's θ_i^0)

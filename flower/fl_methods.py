@@ -50,7 +50,7 @@ def fediir_round(link, t, model, fed, args, state, ctx):
     theta = common.get_flat(model)
     S = common.sample_clients(ctx, len(fed.clients), args.sample)
     if args.gamma > 0:                       # step 2: the classifier gradients up, g_bar and the EMA here
-        draws = args.dataset in common.PHOTOS                          # augmented inputs: the shared stream
+        draws = args.dataset in common.data.PHOTOS                          # augmented inputs: the shared stream
         up = link.ask(t, "query.fediir", [(c, {"theta": theta}) for c in S], fed, ctx.gen if draws else None)
         state["g_tilde"] = fediir.gbar_update(state["g_tilde"], fediir.gbar_mean(g for r in up for g in r["grads"]),
                                               args.ema)

@@ -72,7 +72,7 @@ def main():
         torch.manual_seed(0)
         model = common.build_model(args, ds).to(dev)
         ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                             common.make_prep("rmnist", dev))
+                             data.make_prep("rmnist", dev))
         state = fedomg.init_state(model, fed, args, ctx)
         rounds, servers = [], []
         for r in range(a.rounds + 1):                       # round 0 warms up

@@ -157,7 +157,7 @@ def train(name, seed, args, log=print):
     fed = common.federate_fixed(ds, seed, device)
     torch.manual_seed(seed)
     model = common.build_model(argparse.Namespace(model="mlp", head="linear", no_pretrained=True), ds).to(device)
-    ctx = common.Context(device, torch.Generator(device), torch.Generator(), common.make_prep("rcmnist", device))
+    ctx = common.Context(device, torch.Generator(device), torch.Generator(), data.make_prep("rcmnist", device))
     clients = [(ctx.prep(c.x), c.y) for c in fed.clients]
     state = {"adam": None, "g_tilde": [torch.zeros_like(p) for p in model.classifier.parameters()]}
     history, t0 = [], time.perf_counter()
