@@ -22,12 +22,8 @@ ConvNets; measured faster than torch.func.jvp), torch.func.jvp along w for other
 Defaults: λ 1e-3, the middle of Figure 4's range (1e-4, 1e-2), 1e-4 for the ResNet datasets (its low
 end, as advised); chosen, the paper silent (docs/fedipg.md, with every reading and measurement):
 η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP, lr 0.1.
-
-    python fedipg.py                                  # Table II: RotatedMNIST-5, the paper's step
-    python fedipg.py --local-step sgd                 # E epochs of SGD (the committed runs)
-    python fedipg.py --clients 50 --sample 5          # RotatedMNIST-50, 5 sampled as FedIIR
-    python fedipg.py --dataset stained --stain bg --exit auto   # Table III, with the exit strategy
 """
+import argparse
 import math
 
 import torch
@@ -40,8 +36,6 @@ BY_STEP = math.inf   # default of --momentum and --local-epochs: set by --local-
 LAMBDA = {"rmnist": 1e-3, "stained": 1e-3, "synthetic": 1e-3, "pacs": 1e-4, "vlcs": 1e-4, "officehome": 1e-4}
 CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)
 
-
-# ----------------------------------------------------------------------- one round (Algorithm 1)
 
 def fedipg_round(t, model, fed, args, state, ctx, warmup=None):
     """Steps 0-4 of the docstring at round t; warmup: a round of estimates for the exit rule."""
@@ -58,25 +52,21 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None):
     clients, g, losses = [fed.clients[i] for i, _, _ in arrived], [], {}
     for (_, start, _), c in zip(arrived, clients if warmup else []):        # g_i = ∇R_i(w^{t−τ_i}) (Eq. 13)
         common.set_flat(model, start)
-        g.append(risk_gradient(model, c, ctx, args.batch_size))
+        g.append(client_gradient(model, in_chunks(c, args.batch_size, ctx), c.n, ctx.autocast))   # unaugmented
 
     def deltas():                                                           # step 2: Δ_i on f_i (Eq. 9)
         if args.parallel_clients == "on":                                   # at once (--local-step sgd, from w^t)
-            for (i, _, _), (w_i, loss) in zip(arrived, common.train_clients(model, w_t, clients, args, ctx,
-                                                                            objective=bound(args.lam))):
-                losses[i] = loss
+            trained = common.train_clients(model, w_t, clients, args, ctx, objective=bound(args.lam))
+            for (i, _, _), (w_i, losses[i]) in zip(arrived, trained):
                 yield w_i - w_t
             return
         for (i, start, _), c in zip(arrived, clients):
             common.set_flat(model, start)                                   # w_i ← w^{t−τ_i}
             losses[i] = local_step(model, c, args, ctx)                     # Eq. 2, or SGD
             yield common.get_flat(model) - start
-    n = [float(c.n) for c in clients]
-    common.set_flat(model, aggregate(w_t, deltas(), n, args.global_lr))    # step 3 (Eq. 3)
+    common.set_flat(model, aggregate(w_t, deltas(), [float(c.n) for c in clients], args.global_lr))  # step 3 (Eq. 3)
     if warmup:                                                              # step 4 (Eq. 13), exits after the last
-        contributions(fed, args, state, [i for i, _, _ in arrived], g, [tau == 0 for _, _, tau in arrived])
-        if t == W:
-            decide_exits(fed, state)
+        exit_strategy(fed, args, state, [i for i, _, _ in arrived], g, [tau == 0 for _, _, tau in arrived], t == W)
     return losses or {ID[0]: torch.zeros((), device=w_t.device)}           # nothing arrived: loss 0
 
 
@@ -86,17 +76,17 @@ def local_step(model, client, args, ctx):
         return gradient_step(model, in_chunks(client, args.batch_size, ctx, train=True), client.n, args.lr,
                              args.lam, args.weight_decay, chain(model), ctx.autocast)
     f = bound(args.lam)
-    return common.local_sgd(model, client, args, ctx, lambda m, x, y: f(m, *own(m), x, y))
+    return common.local_sgd(model, client, args, ctx, lambda m, x, y: f(m, dict(m.named_parameters()),
+                                                                        dict(m.named_buffers()), x, y))
 
 
 def arrivals(t, S, w_t, args, state, ctx, warmup):
-    """The clients of S whose update arrives in round t, as (i, w^{t−τ_i}, τ_i): here every one, fresh.
-    benchmark/fedipg_aberrant.py swaps in a slow or unreliable client's (Section VI-A)."""
+    """The updates of S that arrive in round t, as (i, w^{t−τ_i}, τ_i): here every one, fresh
+    (benchmark/fedipg_aberrant.py swaps in its slow or unreliable client's, Section VI-A)."""
     return [(i, w_t, 0) for i in S]
 
 
-# ------------------------------------------------------------------- the method as plain functions
-# Functions of modules, tensors and numbers that need torch alone (docs/fedipg.md: Copy it).
+# ---------------------------------- the method as plain functions: torch alone (docs/fedipg.md: Copy it)
 
 def risk(z, y, w=None):
     """The batch's mean cross-entropy, or Σ_j w_j CE_j with common.at_once's per-example weights w."""
@@ -116,9 +106,8 @@ def risk_and_d(model, x, y, w=None, layers=None):
 
 
 class Call(torch.nn.Module):
-    """fn() as the forward of a module holding `model`: torch.func.functional_call(Call(model, fn), ...)
-    runs fn with a client's parameters in the model's layers."""
-
+    """fn() as the forward of a module holding `model`: functional_call(Call(model, fn), ...) runs fn
+    with a client's parameters in the model's layers."""
     def __init__(self, model, fn):
         super().__init__()
         self.model, self.fn = model, fn
@@ -237,17 +226,12 @@ def client_contributions(g, n, fresh, n_all, lr, L):
     K = (G @ G.T).double().cpu()                                            # ⟨g_i, g_j⟩
     n = torch.tensor(n, dtype=torch.float64)
     p = n * torch.tensor(fresh, dtype=torch.float64)                        # p_j = n_j for fresh j
-    Kp, pKp, P = K @ p, p @ K @ p, p.sum()
-    C = []
-    for k in range(len(n)):
-        P_i = P - p[k]                                                      # the other fresh clients
-        if P_i <= 0:
-            C.append(None)
-            continue
-        dot = (Kp[k] - p[k] * K[k, k]) / P_i                                # ⟨∇R(w^t), g_i⟩
-        norm2 = (pKp - 2 * p[k] * Kp[k] + p[k] ** 2 * K[k, k]) / P_i ** 2   # ||∇R(w^t)||²
-        C.append((lr * (n[k] / n_all) * (dot - L / 2 * K[k, k]) / norm2).item())   # Eq. 13
-    return C
+    Kp, pKp, k = K @ p, p @ K @ p, K.diagonal()
+    P_i = p.sum() - p                                                       # the other fresh clients
+    dot = (Kp - p * k) / P_i                                                # ⟨∇R(w^t), g_i⟩
+    norm2 = (pKp - 2 * p * Kp + p ** 2 * k) / P_i ** 2                      # ||∇R(w^t)||²
+    C = lr * (n / n_all) * (dot - L / 2 * k) / norm2                        # Eq. 13
+    return [c.item() if P > 0 else None for c, P in zip(C, P_i)]
 
 
 def exit_rule(C, I_ID):
@@ -256,18 +240,13 @@ def exit_rule(C, I_ID):
     return [i for i in I_ID if mean.get(i, 0.0) <= 0], mean
 
 
-# ------------------------------------------------- the plain functions on this project's clients
+# ------------------------------------------------------ the plain functions on this project's clients
 
 def chain(model):
     """The model as a list of layers if it is a plain chain of the layers `tangent` knows, else None."""
     parts = [model.featurizer, model.classifier] if isinstance(model, common.Net) else [model]
     layers = [m for part in parts for m in (part if isinstance(part, nn.Sequential) else [part])]
     return layers if all(type(m) in CHAIN and getattr(m, "affine", True) for m in layers) else None
-
-
-def own(model):
-    """The model's own parameters and buffers, as objective takes a client's."""
-    return dict(model.named_parameters()), dict(model.named_buffers())
 
 
 def bound(lam):
@@ -279,26 +258,19 @@ def in_chunks(client, batch_size, ctx, train=False):
     """The client's whole split in order, in chunks of batch_size, as model inputs (for training as
     common.local_sgd prepares them: augmented on the photo datasets)."""
     for s in range(0, client.n, batch_size):
-        x = client.x[s:s + batch_size]
-        yield ctx.prep(x, train=True, gen=ctx.gen) if train else ctx.prep(x), client.y[s:s + batch_size]
+        yield ctx.prep(client.x[s:s + batch_size], train=train, gen=ctx.gen if train else None), client.y[s:s + batch_size]
 
 
-def risk_gradient(model, client, ctx, batch_size):
-    """g_i at the model's parameters over the client's training split, unaugmented (Eq. 13)."""
-    return client_gradient(model, in_chunks(client, batch_size, ctx), client.n, ctx.autocast)
-
-
-def contributions(fed, args, state, ids, g, fresh):
-    """C_i^t of Eq. 13 for the arrived clients ids, appended to state["contrib"]."""
+def exit_strategy(fed, args, state, ids, g, fresh, last):
+    """Eq. 13's C_i^t for the arrived clients ids into state["contrib"]; after the last warm-up round,
+    Section IV's exit rule: the clients it names join I_OOD (state["exited"])."""
     C = client_contributions(g, [float(fed.clients[i].n) for i in ids], fresh, sum(c.n for c in fed.clients),
                              args.lr, args.exit_L)
     for i, C_i in zip(ids, C):
         if C_i is not None:
             state["contrib"].setdefault(i, []).append(C_i)
-
-
-def decide_exits(fed, state):
-    """The exit rule after the last warm-up round: the exited clients join I_OOD."""
+    if not last:
+        return
     ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]
     out, mean = exit_rule(state["contrib"], ID)
     if len(out) == len(ID):
@@ -310,25 +282,21 @@ def decide_exits(fed, state):
 
 def init_state(model, fed, args, ctx):
     P = len(fed.clients)
-    for i in args.exit_clients:
-        if not 0 <= i < P:
-            raise common.UserError(f"client {i} does not exist: there are {P} clients (0..{P - 1})")
-    if len(args.exit_clients) >= P:
-        raise common.UserError("--exit-clients names every client: nobody is left to train")
+    bad = [i for i in args.exit_clients if not 0 <= i < P]
+    if bad or len(args.exit_clients) >= P:
+        raise common.UserError(f"client {bad[0]} does not exist: there are {P} clients (0..{P - 1})" if bad else
+                               "--exit-clients names every client: nobody is left to train")
     return {"exited": list(args.exit_clients), "contrib": {}}             # I_OOD, C_i^t per client
 
 
 def evaluate(model, fed, args, state, ctx):
-    """As common.evaluate_global, model selection on I_ID; with exits, also id_acc / ood_acc
-    (validation accuracy on I_ID / I_OOD) and the exited clients."""
-    hit = common.correct(model, fed.val_x, fed.val_y, ctx).float()
-    owner = torch.repeat_interleave(torch.arange(len(fed.clients)),
-                                    torch.tensor([len(c.val_y) for c in fed.clients])).to(hit.device)
-    ood = torch.isin(owner, torch.tensor(state["exited"], dtype=torch.long, device=hit.device))
-    val = hit[~ood].mean() if state["exited"] else hit.mean()
-    test = common.correct(model, fed.test_x, fed.test_y, ctx).float()
-    out = val.item(), test.mean().item(), common.group_means(test, fed.test_group, len(fed.test_names)).tolist()
-    extra = {"id_acc": val.item(), "ood_acc": hit[ood].mean().item() if ood.any() else None, "exited": list(state["exited"])}
+    """common.evaluate_global with model selection on I_ID; with exits, also the validation accuracy
+    on I_ID / I_OOD (id_acc / ood_acc) and the exited clients."""
+    hit, test = (common.correct(model, x, y, ctx).float() for x, y in ((fed.val_x, fed.val_y), (fed.test_x, fed.test_y)))
+    owner = torch.repeat_interleave(torch.arange(len(fed.clients)), torch.tensor([len(c.val_y) for c in fed.clients]))
+    ood = torch.isin(owner.to(hit.device), torch.tensor(state["exited"], dtype=torch.long, device=hit.device))
+    out = hit[~ood].mean().item(), test.mean().item(), common.group_means(test, fed.test_group, len(fed.test_names)).tolist()
+    extra = {"id_acc": out[0], "ood_acc": hit[ood].mean().item() if ood.any() else None, "exited": list(state["exited"])}
     return out if args.exit == "off" and not args.exit_clients else (*out, extra)
 
 
@@ -337,32 +305,28 @@ def evaluate(model, fed, args, state, ctx):
 def add_args(p):
     p.add_argument("--lam", type=float, default=None, help="penalty weight λ (default: 1e-3; 1e-4 for ResNets)")
     p.add_argument("--local-step", default="paper", choices=["paper", "sgd"],
-                   help="paper: one gradient step w - lr * grad f_i(w) on the client's whole split per round "
-                        "(Eq. 2; --local-epochs and --momentum do not apply); sgd: --local-epochs of minibatch SGD "
-                        "with --momentum on f_i (the committed runs)")
+                   help="paper: one step w - lr * grad f_i(w) on the whole split (Eq. 2); sgd: --local-epochs of "
+                        "minibatch SGD with --momentum (the committed runs)")
     p.add_argument("--exit", default="off", choices=["off", "auto"], help="the exit strategy (Section IV)")
     p.add_argument("--exit-warmup", type=int, default=5, help="rounds of contribution estimates before exits")
     p.add_argument("--warmup", default="pretraining", choices=["pretraining", "rounds"],
-                   help="pretraining: the warm-up runs before round 1, outside the T rounds, which start again "
-                        "from w^1 (Algorithm 1); rounds: it is rounds 1..W of T and its model is kept")
+                   help="the warm-up runs before round 1 (Algorithm 1), or is rounds 1..W (docs/fedipg.md)")
     p.add_argument("--exit-L", type=float, default=0.5, help="smoothness L of Eq. 13 (dimensionless here)")
-    p.add_argument("--exit-clients", default="", help="clients that exit from the start, e.g. 3,7")
-    for act in p._actions:
-        if act.dest in ("momentum", "local_epochs"):
-            act.help += f" (--local-step sgd only; default there: the dataset's, {dict(momentum=0.9, local_epochs=1)[act.dest]} for rmnist)"
+    p.add_argument("--exit-clients", default="", type=client_list, help="clients that exit from the start, e.g. 3,7")
+    for act in (a for a in p._actions if a.dest in ("momentum", "local_epochs")):
+        act.help += f" (--local-step sgd only; default there: the dataset's, {act.dest == 'momentum' and 0.9 or 1} for rmnist)"
     p.set_defaults(momentum=BY_STEP, local_epochs=BY_STEP)
 
 
 def check(args):
-    if args.local_step == "paper":
-        given = [f for f, v in (("--momentum", args.momentum), ("--local-epochs", args.local_epochs)) if v != BY_STEP]
-        if given:
-            raise common.UserError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --local-step sgd only: the paper's step (Eq. 2) "
-                                   f"is one plain gradient step on the client's whole split")
-        args.momentum, args.local_epochs = 0.0, 1      # what that step does
-    for k in ("momentum", "local_epochs"):      # --local-step sgd: the dataset's, as for every method
+    given = [f"--{k.replace('_', '-')}" for k in ("momentum", "local_epochs") if getattr(args, k) != BY_STEP]
+    if args.local_step == "paper" and given:
+        raise common.UserError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --local-step sgd "
+                               "only: the paper's step (Eq. 2) is one plain gradient step on the client's whole split")
+    for k, paper in (("momentum", 0.0), ("local_epochs", 1)):     # sgd: the dataset's, as for every method
         if getattr(args, k) == BY_STEP:
-            setattr(args, k, next(t[k] for t, _ in common.default_tables(args.dataset) if k in t))
+            setattr(args, k, paper if args.local_step == "paper" else
+                    next(t[k] for t, _ in common.default_tables(args.dataset) if k in t))
     args.lam = LAMBDA.get(args.dataset, 1e-3) if args.lam is None else args.lam
     args.sample = args.clients if args.sample is None else args.sample   # Eq. 3: every client of I_ID
     for bad, message in ((not args.lam >= 0, f"--lam must be >= 0, got {args.lam}"),
@@ -372,18 +336,19 @@ def check(args):
                          (not args.exit_L > 0, f"--exit-L must be positive, got {args.exit_L}")):
         if bad:
             raise common.UserError(message)
+
+
+def client_list(text):
     try:
-        args.exit_clients = sorted({int(i) for i in args.exit_clients.split(",") if i.strip()}) \
-            if isinstance(args.exit_clients, str) else args.exit_clients
+        return sorted({int(i) for i in text.split(",") if i.strip()})
     except ValueError:
-        raise common.UserError(f"--exit-clients takes client numbers like 3,7, got {args.exit_clients!r}")
+        raise argparse.ArgumentTypeError(f"--exit-clients takes client numbers like 3,7, got {text!r}")
 
 
 def parallel_reason(args):
     """common.check_parallel's `supported`: None where the clients can train at once, else why not."""
-    return None if args.local_step == "sgd" else (
-        "trains with --local-step paper one client after another (one full-batch step each, in chunks, not "
-        "minibatch SGD: use --local-step sgd for clients at once)")
+    return None if args.local_step == "sgd" else "trains with --local-step paper one client after another " \
+        "(one full-batch step each, in chunks, not minibatch SGD: use --local-step sgd for clients at once)"
 
 
 def main(argv=None):

@@ -2543,7 +2543,7 @@ def tiny_chain64():
 def ipg_loss(lam, mode="auto"):
     """f_i of Eq. 9 on a batch through fedipg.objective with the model's own parameters: d by `tangent`
     along the model's chain (auto, where it is one), or by torch.func.jvp (mode jvp)."""
-    return lambda model, x, y: fedipg.objective(model, *fedipg.own(model), x, y, None, lam,
+    return lambda model, x, y: fedipg.objective(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y, None, lam,
                                                 None if mode == "jvp" else fedipg.chain(model))
 
 
@@ -2597,7 +2597,7 @@ def test_fedipg_tangent_penalty_equals_the_jvp_one(arch):
     x, y = torch.rand(5, 3, 16, 16, generator=g, dtype=torch.float64), torch.randint(4, (5,), generator=g)
     w = list(model.parameters())
     lt, lp = ipg_loss(0.5, "tangent")(model, x, y), ipg_loss(0.5, "jvp")(model, x, y)
-    assert torch.allclose(lt, lp, rtol=1e-12) and torch.equal(lt, fedipg.bound(0.5)(model, *fedipg.own(model), x, y))
+    assert torch.allclose(lt, lp, rtol=1e-12) and torch.equal(lt, fedipg.bound(0.5)(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y))
     gt, gp = torch.autograd.grad(lt, w), torch.autograd.grad(lp, w)
     assert all(torch.allclose(u, v, rtol=1e-9, atol=1e-12 * v.abs().max()) for u, v in zip(gt, gp))
     plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
@@ -2730,7 +2730,7 @@ def test_fedipg_contribution_is_eq_13():
     fed = tiny_federation((6, 10, 4, 8))
     g = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 1.0]), torch.tensor([0.5, 2.0])]
     state = {"contrib": {}}
-    fedipg.contributions(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2, 3], g, [True, True, False, True])
+    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2, 3], g, [True, True, False, True], False)
     n, fresh = (6, 10, 4, 8), (0, 1, 3)
     for i in range(4):
         others = [j for j in fresh if j != i]                                     # fresh, and not i itself
@@ -2738,14 +2738,14 @@ def test_fedipg_contribution_is_eq_13():
         expected = 0.1 * n[i] / 28 * (grad_R @ g[i] - 0.25 * g[i] @ g[i]) / (grad_R @ grad_R)
         assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)   # a float32 Gram
     state = {"contrib": {}}                                                       # 0: no other fresh client
-    fedipg.contributions(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 2], g[:1] + g[2:3], [True, False])
+    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 2], g[:1] + g[2:3], [True, False], False)
     assert list(state["contrib"]) == [2]
 
 
-def test_fedipg_risk_gradient_is_the_full_batch_gradient():
+def test_fedipg_client_gradient_is_the_full_batch_gradient():
     fed, model = tiny_federation((7, 10)), tiny_model()
     client = fed.clients[1]
-    g = fedipg.risk_gradient(model, client, tiny_ctx(), batch_size=3)         # four chunks, the last of 1
+    g = fedipg.client_gradient(model, fedipg.in_chunks(client, 3, tiny_ctx()), client.n)   # four chunks, the last of 1
     m = copy.deepcopy(model)
     loss = F.cross_entropy(m(client.x.float() / 255), client.y)
     expected = torch.cat([v.reshape(-1) for v in torch.autograd.grad(loss, list(m.parameters()))])

@@ -128,10 +128,8 @@ def fedipg_round(link, t, model, fed, args, state, ctx, warmup=None):
     n = [float(fed.clients[i].n) for i, _, _ in arrived]
     common.set_flat(model, fedipg.aggregate(w_t, (r["delta"] for r in up), n, args.global_lr))   # Eq. 3
     if warmup:                                                              # Eq. 13 from the uploaded g_i
-        fedipg.contributions(fed, args, state, [i for i, _, _ in arrived], [r["g"] for r in up],
-                             [tau == 0 for _, _, tau in arrived])
-        if abs(t) == W:
-            fedipg.decide_exits(fed, state)
+        fedipg.exit_strategy(fed, args, state, [i for i, _, _ in arrived], [r["g"] for r in up],
+                             [tau == 0 for _, _, tau in arrived], abs(t) == W)
     return {i: r["loss"] for (i, _, _), r in zip(arrived, up)} or {ID[0]: torch.zeros((), device=w_t.device)}
 
 
@@ -139,7 +137,8 @@ def fedipg_train(node, req, context):
     """Step 2 on the client: g_i = ∇R_i(w) in a warm-up round, then the local step on f_i (Eq. 9) from w."""
     model, start = node.model, req["w"]
     common.set_flat(model, start)
-    g = fedipg.risk_gradient(model, node.client, node.ctx, node.args.batch_size) if req["warmup"] else None
+    g = fedipg.client_gradient(model, fedipg.in_chunks(node.client, node.args.batch_size, node.ctx), node.client.n,
+                               node.ctx.autocast) if req["warmup"] else None
     loss = fedipg.local_step(model, node.client, node.args, node.ctx)
     return {"delta": common.get_flat(model) - start, "loss": loss, "g": g}
 
