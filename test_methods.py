@@ -3174,8 +3174,8 @@ def test_parallel_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, 
     assert auto["args"]["parallel_clients"] == {"cpu": "off", "cuda": "on"}[device]   # what auto chose
 
 
-# ---- FedOMG after the second audit: the server step size η_g (the DG scripts' default, the per-round
-# FedOMG after the second audit: the server step size η_g (the DG scripts' default, the per-round
+# ---- FedOMG: the server step size η_g (the DG scripts' default, the per-round
+# FedOMG: the server step size η_g (the DG scripts' default, the per-round
 # rule where no code gives one, --global-lr by hand), the bit-for-bit usage line, the DG code's lr
 # step, the solver's keep-the-best rule and its measured accuracy.
 
@@ -3768,8 +3768,8 @@ def test_one_environments_irmv1_penalty_is_its_head_gradient_against_the_head():
     assert inner.abs() > 1e-3 and torch.allclose(perinvfl.irm_penalty(net(x), y), inner.pow(2), rtol=1e-10)
 
 
-# ---- FedIPG and FedIIR against their sources (issue 28): FedIPG's local step as Eq. 2 (one gradient step
-# FedIPG and FedIIR against their sources (issue 28): FedIPG's local step as Eq. 2 (one gradient step
+# ---- FedIPG and FedIIR against their sources: FedIPG's local step as Eq. 2 (one gradient step
+# FedIPG and FedIIR against their sources: FedIPG's local step as Eq. 2 (one gradient step
 # on f_i of Eq. 9 over the client's whole split) and its warm-up as Algorithm 1's pre-training phase
 # (before round 1, outside the T rounds, then w^1 again); FedIIR's g_bar over augmented inputs on the
 # photo datasets, as the official code's training loaders, and its --half. Each computed value is
@@ -4420,12 +4420,12 @@ def test_fixed_client_defaults_follow_fedavgs_default_run(tmp_path):
         assert loe.sample == loe.clients and loe.local_epochs == 32
 
 
-# ---- PerInvFL on leave-one-domain-out datasets (issue 29, section 1): the held-out domain has no client,
-# PerInvFL on leave-one-domain-out datasets (issue 29, section 1): the held-out domain has no client,
+# ---- PerInvFL on leave-one-domain-out datasets: the held-out domain has no client,
+# PerInvFL on leave-one-domain-out datasets: the held-out domain has no client,
 # so the global invariant model ν is scored there and is the run's test accuracy (`test_model` "nu"),
 # selected on ν's pooled validation accuracy; the personalised θ_i are scored on their own clients'
 # validation splits; the defaults there; the refusal that remains is one line. And the row label of
-# benchmark/diagnostics/rcmnist_ptest.py, which names line 8's reading (issue 28).
+# benchmark/diagnostics/rcmnist_ptest.py, which names line 8's reading.
 
 PINV_LODO = ["--dataset", "synthetic", "--test-domain", "1", "--rounds", "3", "--eval-every", "1"]
 
@@ -5119,8 +5119,8 @@ def test_perinvfl_docs_loop_is_the_method():
     assert torch.equal(ns["nu"], nu)
 
 
-# ---- Copy FedIPG, not the project (issue 30): its plain functions, lifted by their source into a namespace
-# Copy FedIPG, not the project (issue 30): its plain functions, lifted by their source into a namespace
+# ---- Copy FedIPG, not the project: its plain functions, lifted by their source into a namespace
+# Copy FedIPG, not the project: its plain functions, lifted by their source into a namespace
 # that holds torch alone, driven by the loop of docs/fedipg.md ("Copy it") written here — the pre-training
 # phase with g_i, Eq. 13 and the exit rule, then rounds of Eq. 2 on f_i (Eq. 9) and Eq. 3 — against
 # fedipg.py's own round on the same three clients.
@@ -5888,8 +5888,8 @@ def test_official_fediir_warns_once_when_the_clone_is_not_at_the_pinned_commit(f
     assert capsys.readouterr().err == "" and res["args"]["commit"] == head
 
 
-# ---- benchmark/diagnostics/penalty_swap.py (issue 29, section 3): every penalty in ν's federated optimisation.
-# benchmark/diagnostics/penalty_swap.py (issue 29, section 3): every penalty in ν's federated optimisation.
+# ---- benchmark/diagnostics/penalty_swap.py: every penalty in ν's federated optimisation.
+# benchmark/diagnostics/penalty_swap.py: every penalty in ν's federated optimisation.
 # Its irm run is perinvfl.py's ν round for round; each penalty is the method's own, checked at a fixed ν
 # against a computation by hand; the results file is resumable; bad input is one line.
 
