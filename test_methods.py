@@ -1308,10 +1308,14 @@ sys.path.insert(0, str(HERE / "benchmark" / "diagnostics"))
 import perinvfl_variants as pv  # noqa: E402  (kept θ_i, Adam on line 8, IRM-L2, IRM-FT, GroupDRO, the Eq. 4 check)
 
 
+def irm_derivative_by_hand(z, y):
+    """d/dw CE(w·z, y) at w = 1 = mean_i (softmax(z_i)·z_i − z_{i,y_i}): IRMv1's derivative, from its formula."""
+    return ((z.softmax(1) * z).sum(1) - z.gather(1, y[:, None])[:, 0]).mean()
+
+
 def irm_penalty_by_hand(z, y):
-    """d/dw CE(w·z, y) at w = 1 is mean_i (softmax(z_i)·z_i − z_{i,y_i}); IRMv1 squares it."""
-    d = (z.softmax(1) * z).sum(1) - z.gather(1, y[:, None])[:, 0]
-    return d.mean().pow(2)
+    """IRMv1 as PerInvFL's code computes it: the derivative over the batch, squared."""
+    return irm_derivative_by_hand(z, y).pow(2)
 
 
 def test_irm_penalty_and_its_gradient_match_a_hand_computation():
@@ -2138,38 +2142,18 @@ LOE_ENV = [0, 0, 1, 1, 1]   # the client of each row of tiny_predictions
 
 
 def by_hand(phi, Y, y, env):
-    """Per client: risk R_c, IRMv1's dR_c(w·s)/dw at 1 = mean(Σ_j p_j s_j − s_y), and ∇_φ R_c, in plain floats."""
-    R, dw, gphi, n = [0.0, 0.0], [0.0, 0.0], [[0.0, 0.0], [0.0, 0.0]], [0, 0]
+    """Per client: risk R_c and ∇_φ R_c, in plain floats."""
+    R, gphi, n = [0.0, 0.0], [[0.0, 0.0], [0.0, 0.0]], [0, 0]
     for i in range(len(y)):
         s = [sum(phi[k] * Y[i][k][j] for k in range(2)) for j in range(2)]
         e = [math.exp(v) for v in s]
         p = [v / sum(e) for v in e]
         c, yi = env[i], y[i]
         R[c] += -math.log(p[yi])
-        dw[c] += sum(p[j] * s[j] for j in range(2)) - s[yi]
         for k in range(2):
             gphi[c][k] += sum(p[j] * Y[i][k][j] for j in range(2)) - Y[i][k][yi]
         n[c] += 1
-    return [R[c] / n[c] for c in range(2)], [dw[c] / n[c] for c in range(2)], [[g / n[c] for g in gphi[c]] for c in range(2)]
-
-
-def loe_fish_by_hand(phi, T, weights, lr, wd, meta, steps=1, betas=(0.9, 0.999), eps=1e-8):
-    """`steps` Fish steps in plain floats: from φ̃ = φ, an Adam step on weights[c]·R_c (+ weight decay) for
-    client 0, then client 1 at the moved point, then the meta step; the Adam's moments and step count
-    carry over from one meta step to the next (DomainBed's Fish)."""
-    (b1, b2), m, v, step = betas, [0.0, 0.0], [0.0, 0.0], 0
-    for _ in range(steps):
-        tilde = list(phi)
-        for c in (0, 1):
-            step += 1
-            g = by_hand(tilde, T.Y.tolist(), T.y.tolist(), LOE_ENV)[2][c]
-            g = [weights[c] * g[k] + wd * tilde[k] for k in range(2)]
-            m = [b1 * m[k] + (1 - b1) * g[k] for k in range(2)]
-            v = [b2 * v[k] + (1 - b2) * g[k] ** 2 for k in range(2)]
-            tilde = [tilde[k] - lr * (m[k] / (1 - b1 ** step)) / (math.sqrt(v[k] / (1 - b2 ** step)) + eps)
-                     for k in range(2)]
-        phi = [phi[k] + meta * (tilde[k] - phi[k]) for k in range(2)]
-    return phi
+    return [R[c] / n[c] for c in range(2)], [[g / n[c] for g in gphi[c]] for c in range(2)]
 
 
 def loe_split(fed, seed=0, dataset="synthetic"):
@@ -2180,14 +2164,13 @@ def loe_split(fed, seed=0, dataset="synthetic"):
 def test_fedloe_risks_and_fish_match_hand_computed_values():
     T = tiny_predictions()
     phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
-    R, _, _ = by_hand(phi.tolist(), T.Y.tolist(), T.y.tolist(), LOE_ENV)
+    R, _ = by_hand(phi.tolist(), T.Y.tolist(), T.y.tolist(), LOE_ENV)
     assert torch.allclose(fedloe.risks(phi, T)[0], torch.tensor(R, dtype=torch.float64), atol=1e-12)
     # Fish (DomainBed's), from uniform: per meta step an Adam step on client 0's risk, one on client 1's at the
     # moved point, the meta step; three meta steps, the inner Adam's state kept
     lr, wd, meta = 0.4, 0.01, 0.3
     got = fedloe.fit_phi(T, "fish", lr=lr, weight_decay=wd, steps=3, meta_lr=meta)
-    assert torch.allclose(got, torch.tensor(loe_fish_by_hand([0.5, 0.5], T, [1, 1], lr, wd, meta, 3),
-                                            dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(got, torch.tensor(fish_by_hand(T, [1, 1], lr, wd, meta, 3), dtype=torch.float64), atol=1e-12)
 
 
 def domainbed_irm_penalty(logits, y):
@@ -3414,16 +3397,13 @@ def test_rex_penalty_is_the_base_codes_within_client_variance():
 
 
 def irm_halves_by_hand(phi, T):
-    """Per client, ∂R(w·Σφŷ)/∂w at w = 1 on its even rows times on its odd rows, in plain floats: each
-    derivative the mean over the half's rows of Σ_j p_j s_j − s_y."""
-    Y, y, d, n = T.Y.tolist(), T.y.tolist(), [[0.0, 0.0], [0.0, 0.0]], [[0, 0], [0, 0]]
-    for i, c in enumerate(LOE_ENV):
-        half = (i - LOE_ENV.index(c)) % 2                     # the row's position within its client
-        s = [sum(phi[k] * Y[i][k][j] for k in range(2)) for j in range(2)]
-        e = [math.exp(v) for v in s]
-        d[c][half] += sum(e[j] / sum(e) * s[j] for j in range(2)) - s[y[i]]
-        n[c][half] += 1
-    return [d[c][0] / n[c][0] * d[c][1] / n[c][1] for c in (0, 1)]
+    """Per client, IRMv1's derivative at w = 1 on its logits Σφŷ over its even rows times over its odd rows."""
+    out = []
+    for c in (0, 1):
+        rows = [i for i, e in enumerate(LOE_ENV) if e == c]
+        s, y = torch.einsum("nkm,k->nm", T.Y[rows], torch.tensor(phi, dtype=T.Y.dtype)), T.y[rows]
+        out.append((irm_derivative_by_hand(s[0::2], y[0::2]) * irm_derivative_by_hand(s[1::2], y[1::2])).item())
+    return out
 
 
 def server_args(**kw):
@@ -3487,14 +3467,7 @@ def fish_by_hand(T, weights, lr, wd, meta, steps, keep=True, betas=(0.9, 0.999),
         tilde = list(phi)
         for c in (0, 1):
             t += 1
-            rows = [i for i, e in enumerate(LOE_ENV) if e == c]
-            Y, y = T.Y.tolist(), T.y.tolist()
-            g = [0.0, 0.0]
-            for i in rows:                                   # ∇_φ̃ of client c's mean loss
-                s = [sum(tilde[k] * Y[i][k][j] for k in range(2)) for j in range(2)]
-                e = [math.exp(u) for u in s]
-                for k in range(2):
-                    g[k] += (sum(e[j] / sum(e) * Y[i][k][j] for j in range(2)) - Y[i][k][y[i]]) / len(rows)
+            g = by_hand(tilde, T.Y.tolist(), T.y.tolist(), LOE_ENV)[1][c]       # ∇_φ̃ of client c's mean loss
             g = [weights[c] * g[k] + wd * tilde[k] for k in range(2)]
             m = [b1 * m[k] + (1 - b1) * g[k] for k in range(2)]
             v = [b2 * v[k] + (1 - b2) * g[k] ** 2 for k in range(2)]
@@ -3520,12 +3493,6 @@ def test_fish_keeps_the_inner_adam_state_across_server_steps():
 LODO = ("pacs", "vlcs", "officehome", "rmnist", "synthetic")
 RC, FL = ("rcmnist", "rcfmnist"), ("mnist", "emnist", "cifar10", "cifar100")     # fixed clients, with waterbird
 DATASETS = LODO + RC + FL + ("waterbird",)
-
-
-def by(lodo, rc, fl, waterbird):
-    """A default per dataset: leave-one-domain-out (a value, or a dict), RC-MNIST / RC-FMNIST, label skew, waterbird."""
-    return {**(lodo if isinstance(lodo, dict) else dict.fromkeys(LODO, lodo)), **dict.fromkeys(RC, rc),
-            **dict.fromkeys(FL, fl), "waterbird": waterbird}
 
 
 def loe_value(cell):
@@ -4279,7 +4246,7 @@ def test_a_progress_line_every_round_on_a_terminal_only(tmp_path, monkeypatch, c
 # environments of Eq. 11, scored on the clients' own test sets as FedAvg is. Stage 1 is checked against
 # FedAvg run with Adam, bit for bit; the final scores against the final model evaluated here.
 
-RC = ["--dataset", "rcmnist", "--eval-every", "1"]
+RC_ARGV = ["--dataset", "rcmnist", "--eval-every", "1"]
 TINY = ["--stage1-epochs", "2", "--stage1-comms", "1", "--stage2-epochs", "2", "--stage2-comms", "2",
         "--server-steps", "3"]
 
@@ -4312,7 +4279,7 @@ def test_fedloe_stage1_on_fixed_clients_is_fedavg_with_adam(tmp_path, monkeypatc
     """--stage2-comms 0, one local epoch per communication: FedAvg with every client in every round
     (in their order), a fresh Adam per client and round, on the same 90% of each client's training split,
     gives the same history, per-client test accuracies and model, bit for bit."""
-    argv = RC + ["--batch-size", "512", "--parallel-clients", "off"]
+    argv = RC_ARGV + ["--batch-size", "512", "--parallel-clients", "off"]
     blobs = keep_checkpoints(monkeypatch)
     loe, _ = run(fedloe.main, argv + ["--stage1-epochs", "3", "--stage1-comms", "3", "--stage2-comms", "0"],
                  tmp_path, "loe.json")
@@ -4345,7 +4312,7 @@ def test_fedloe_both_stages_on_rcmnist_scored_on_the_clients_test_sets(tmp_path,
     leaves the featurizer; the last round's scores are the final model's on each client's own test set
     and on the whole validation hold-out (not halved: no held-out domain), computed here."""
     blobs = keep_checkpoints(monkeypatch)
-    r, _ = run(fedloe.main, RC + TINY + ["--dg", "fish"], tmp_path)
+    r, _ = run(fedloe.main, RC_ARGV + TINY + ["--dg", "fish"], tmp_path)
     assert list(r["domains"]) == ["clients"] and r["protocol"] == "clients"
     d = r["domains"]["clients"]
     assert [h["round"] for h in d["history"]] == [1, 2, 3] and d["best_round"] == 3
@@ -4395,7 +4362,7 @@ def test_fixed_client_refusals_are_one_line(tmp_path, capsys):
     out = ["--out", str(tmp_path / "x.json")]
     assert "fedloe uses every client" in fails(fedloe.main, ["--dataset", "mnist", "--sample", "20"] + out, capsys)
     assert "too few for a train/tune split" in fails(fedloe.main, ["--dataset", "mnist"] + out, capsys)
-    assert "leave-one-domain-out datasets only, not rcmnist" in fails(fedloe_spawn.main, RC + out, capsys)
+    assert "leave-one-domain-out datasets only, not rcmnist" in fails(fedloe_spawn.main, RC_ARGV + out, capsys)
 
 
 def fixed_resolved(module, name, defaults, tmp_path):
