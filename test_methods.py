@@ -2187,7 +2187,7 @@ def domainbed_irm_penalty(logits, y):
 def test_fedloe_irm_penalty_is_domainbeds_two_halves():
     """IRMv1 as the base code computes it: DomainBed's formula on each client's logits Σφŷ (its even and odd
     tuning rows), the mean over the clients; made-up logits in float64, three clients of 5, 6 and 7 rows.
-    The square of the derivative over a client's whole split (the former form) is 1e-3 or more away."""
+    The square of the derivative over a client's whole split (another reading) is 1e-3 or more away."""
     g = torch.Generator().manual_seed(0)
     sizes = [5, 6, 7]
     Y = 3 * torch.randn(sum(sizes), 3, 4, generator=g, dtype=torch.float64)
@@ -2858,7 +2858,7 @@ def test_stained_every_held_out_pair_was_seen_in_training_whatever_the_seed():
     assert all(len(p) == 10 and sorted(dict(p)) == list(range(10)) for p in pairs)   # one colour per digit
     assert all(len(set(dict(p).values())) == 10 for p in pairs)           # ... and a different one for each
     assert stain_unseen_held_out_pairs(pairs) == [set()] * 10
-    # the checker sees the old construction, colour (y + k) mod 10: every held-out pair is unseen
+    # the checker sees a cyclic construction, colour (y + k) mod 10: every held-out pair is unseen
     cyclic = [{(y, (y + k) % 10) for y in range(10)} for k in range(10)]
     assert stain_unseen_held_out_pairs(cyclic) == cyclic
 
@@ -3210,7 +3210,7 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
 def test_fedomg_round_at_kappa_zero_steps_as_fedavg(tmp_path, dtype):
     """One round on 3 clients of uneven size with the default code rule and the η_g rule, κ = 0: θ
     moves by FedAvg's data-weighted step (fedavg_round from the same θ and minibatches) to float
-    rounding; with η_g = 1 (the old default) it moved 1/U of it. Relative differences (of θ^1 − θ^0, so
+    rounding; with η_g = 1 it would move 1/U of it. Relative differences (of θ^1 − θ^0, so
     with θ's cancellation); float64: 5.4e-16 and 1.3e-14 (tolerance 1e-12: 77x). float32, measured at
     1 / 2 threads: 2.5e-7 / 2.6e-7 and 7.3e-6 / 7.3e-6; tolerances 3e-6 (11x) and 1e-4 (14x)."""
     argv = ["--clients", "3", "--sample", "3", "--batch-size", "16", "--kappa", "0"]   # round 1: no kept momentum
@@ -3478,7 +3478,7 @@ def fish_by_hand(T, weights, lr, wd, meta, steps, keep=True, betas=(0.9, 0.999),
 
 def test_fish_keeps_the_inner_adam_state_across_server_steps():
     """fit_phi's Fish against the hand-written loop with the inner Adam's state carried over the
-    meta steps; the restarted Adam (the former code) ends elsewhere."""
+    meta steps; an Adam restarted every meta step ends elsewhere."""
     T, weights = tiny_predictions(), [1.0, 1.0]
     lr, wd, meta, steps = 0.1, 0.01, 0.5, 6
     got = fit_phi_of(T, server_args(dg="fish", stage2_lr=lr, stage2_wd=wd, meta_lr=meta, server_steps=steps))
@@ -4471,9 +4471,9 @@ def test_perinvfl_lodo_defaults_and_one_epoch_of_line_9(monkeypatch):
         assert drawn.count(c.id) == (2 + 1) * 2 * math.ceil(c.n / 4), (c.n, drawn.count(c.id))
 
 
-def test_perinvfl_refusal_that_remains_on_lodo_is_one_line(capsys):
-    """Leave one domain out is no longer refused; what still is (the clients one after another) is one
-    line with its reason."""
+def test_perinvfl_refusal_on_lodo_is_one_line(capsys):
+    """On leave-one-domain-out, --parallel-clients on (PerInvFL trains its clients one after another there) is
+    refused in one line with its reason."""
     line = fails(perinvfl.main, PINV_LODO + ["--parallel-clients", "on"], capsys)
     assert "--parallel-clients on: perinvfl trains its clients one after another" in line
     assert "fixed-clients dataset" not in line
