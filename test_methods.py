@@ -4151,7 +4151,7 @@ def test_dataset_defaults_take_the_methods_row_then_its_star_row_then_the_datase
     omg = common.dataset_defaults("pacs", fedomg.DEFAULTS)
     assert (omg["lr"], omg["local_epochs"], omg["global_lr"], omg["rounds"]) == (1e-3, 5, 0.5, 100)   # pacs': 100
     loe = common.dataset_defaults("officehome", fedloe.DEFAULTS)
-    assert (loe["lr"], loe["clients"], loe["batch_size"], loe["rounds"]) == (3e-5, 20, 128, 100)   # row, "*", "*", dataset
+    assert (loe["lr"], loe["clients"], loe["batch_size"], loe["rounds"]) == (3e-5, 20, 128, 100)
     assert common.dataset_defaults("mnist") == common.DATASET_DEFAULTS["mnist"]
     assert common.default_tables("rmnist")[0][0]["momentum"] == 0.9                 # the form fedipg.py's check() reads
 
