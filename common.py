@@ -1,11 +1,10 @@
-"""What every method shares: models, federation, the round skeleton, evaluation, model selection, logging,
-checkpoints and results; nothing here knows about a specific method. A method file plugs in with
-main("name", doc, round_fn, ...), where round_fn(t, model, fed, args, state, ctx) runs one communication
-round and returns {client id: mean local loss}; optional init_state(model, fed, args, ctx) -> state and
-evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]).
-The contract in full: docs/protocol.md ("Adding a method").
+"""What every method shares: models, local training (client by client or at once), the round skeleton,
+evaluation, model selection, logging, checkpoints and results (the clients: data.federate); nothing here
+knows about a specific method. A method file plugs in with main("name", doc, round_fn, ...), where
+round_fn(t, model, fed, args, state, ctx) runs one communication round and returns {client id: mean local
+loss}; optional init_state(model, fed, args, ctx) -> state and evaluate_fn(model, fed, args, state, ctx) ->
+(val_acc, test_acc, per-test-set accs[, extra]). The contract in full: docs/protocol.md ("Adding a method").
 """
-import argparse
 import contextlib
 import functools
 import json
@@ -26,8 +25,7 @@ import torch.nn.functional as F
 import torch.utils.deterministic
 
 import data
-from data import (Client, Federation, Parser, UserError, federate, federate_fixed, finite,  # also read as common.X
-                  holdout, split_counts, test_domains)
+from data import Parser, UserError, finite
 
 # cuBLAS reproduces its matrix products only with a fixed workspace, and it reads this setting once,
 # when CUDA starts: so it is set here, at import, before anything touches the GPU (a value the user
@@ -557,7 +555,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
     print(f"data: {ds.source}\ndata: {data.counts(ds)}", flush=True)
-    todo = test_domains(args, ds)
+    todo = data.test_domains(args, ds)
     device, ckpt_path = torch.device(args.device), str(Path(args.out).with_suffix(".ckpt"))
     results = {"method": method, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
                "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None, "complete": False,
@@ -574,8 +572,8 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
     for k, test in enumerate(todo):
         if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
             continue                                            # finished before a --resume
-        fed = federate_fixed(ds, args.seed, device) if test is None else \
-            federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
+        fed = data.federate_fixed(ds, args.seed, device) if test is None else \
+            data.federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
         resume = blob if blob is not None and blob["domain"] == fed.name else None
         try:
             with Progress():
