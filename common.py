@@ -1,12 +1,12 @@
-"""What every method shares: models, federation, the round skeleton, evaluation, model selection, logging,
-checkpoints and results; nothing here knows about a specific method. A method file plugs in with
-main("name", doc, round_fn, ...), where round_fn(t, model, fed, args, state, ctx) runs one communication
-round and returns {client id: mean local loss}; optional init_state(model, fed, args, ctx) -> state and
-evaluate_fn(model, fed, args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]).
-The contract in full: docs/protocol.md ("Adding a method").
+"""What every method shares: models, local training (client by client or at once), the round skeleton,
+evaluation, model selection, logging, checkpoints and results (the clients: data.federate); nothing here
+knows about a specific method. A method file plugs in with main("name", doc, round_fn, ...), where
+round_fn(t, model, fed, args, state, ctx) runs one communication round and returns {client id: mean local
+loss}; optional init_state(model, fed, args, ctx) -> state and evaluate_fn(model, fed, args, state, ctx) ->
+(val_acc, test_acc, per-test-set accs[, extra]). The contract in full: docs/protocol.md ("Adding a method").
 """
-import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils.deterministic
 
 import data
-from data import Parser, UserError
+from data import Parser, UserError, finite
 
 # cuBLAS reproduces its matrix products only with a fixed workspace, and it reads this setting once,
 # when CUDA starts: so it is set here, at import, before anything touches the GPU (a value the user
@@ -48,9 +48,6 @@ DATASET_DEFAULTS = {
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL, "rcmnist": _RC, "rcfmnist": _RC,
     "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
 }
-# Stained MNIST (FedIPG Section VI-C): clients P and examples per client by --stain, drawn from the
-# pooled training combinations (stained_clients)
-STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}
 
 # -------------------------------------------------------------------------------------- models
 
@@ -126,32 +123,20 @@ class ResNet(nn.Module):
 def build_model(args, ds):
     """The model for `ds`: featurizer args.model, classifier args.head (linear, or FedIIR's d -> d/2 -> C),
     initialised as each source's code does (docs/protocol.md)."""
-    x0 = ds.domains[0].x
-    if args.model == "convnet":
-        phi, d = conv_net(x0.shape[1])
-    elif args.model == "smallconv":
-        phi, d = conv_net(x0.shape[1], width=8)
-    elif args.model == "cnn":
-        phi, d = small_cnn(x0.shape[1], x0.shape[-1])
-    elif args.model == "mlp":
-        phi, d = mlp(x0[0].numel())
-    else:
-        phi = ResNet(18 if args.model == "resnet18" else 50, not args.no_pretrained)
-        d = 512 if args.model == "resnet18" else 2048
-    C = ds.num_classes
+    x0, C = ds.domains[0].x, ds.num_classes
+    phi, d = {"convnet": lambda: conv_net(x0.shape[1]), "smallconv": lambda: conv_net(x0.shape[1], width=8),
+              "cnn": lambda: small_cnn(x0.shape[1], x0.shape[-1]), "mlp": lambda: mlp(x0[0].numel()),
+              "resnet18": lambda: (ResNet(18, not args.no_pretrained), 512),
+              "resnet50": lambda: (ResNet(50, not args.no_pretrained), 2048)}[args.model]()
     omega = nn.Linear(d, C) if args.head == "linear" else \
         nn.Sequential(nn.Linear(d, d // 2), nn.ReLU(), nn.Linear(d // 2, C))
-    if args.model in ("convnet", "resnet18", "resnet50"):   # the FedIIR code's models: Kaiming-normal
-        # weights, PyTorch's default biases (IRM's MLP: below; the others keep PyTorch's defaults)
-        for m in omega.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.kaiming_normal_(m.weight)
     net = Net(phi, omega)
-    if args.model == "mlp":   # IRM's ColoredMNIST code, for which its warm-up and penalty weight were tuned
-        for m in net.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
+    for m in (net if args.model == "mlp" else omega).modules():       # the others keep PyTorch's defaults
+        if isinstance(m, nn.Linear) and args.model in ("convnet", "resnet18", "resnet50"):
+            nn.init.kaiming_normal_(m.weight)   # the FedIIR code's models: the head's weights (PyTorch's biases)
+        elif isinstance(m, nn.Linear) and args.model == "mlp":   # IRM's ColoredMNIST code, for which its
+            nn.init.xavier_uniform_(m.weight)                    # warm-up and penalty weight were tuned
+            nn.init.zeros_(m.bias)
     return net
 
 
@@ -162,111 +147,9 @@ def get_flat(model):
 
 
 def set_flat(model, vec):
-    i = 0
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(vec[i:i + p.numel()].view_as(p))
-            i += p.numel()
-
-
-# --------------------------------------------------------------------------------- federation
-
-@dataclass
-class Client:
-    id: int
-    domain: str
-    x: torch.Tensor          # training split (uint8 images, on the device)
-    y: torch.Tensor
-    val_x: torch.Tensor      # this client's validation hold-out
-    val_y: torch.Tensor
-    test_x: torch.Tensor | None = None   # fixed-clients protocol: the client's own test set
-    test_y: torch.Tensor | None = None
-
-    @property
-    def n(self):
-        return len(self.y)
-
-
-@dataclass
-class Federation:
-    name: str                # results key: the held-out domain, or "clients"
-    clients: list
-    val_x: torch.Tensor      # pooled validation split of all clients (model selection)
-    val_y: torch.Tensor
-    test_x: torch.Tensor     # pooled test set(s)
-    test_y: torch.Tensor
-    test_group: torch.Tensor  # index into test_names for every test example
-    test_names: list
-
-
-def split_counts(sizes, P):
-    """FedIIR's Algorithm 2: one client per domain, then each further client goes to the domain with
-    the most examples per client so far (ties: the first such domain)."""
-    k = [1] * len(sizes)
-    for _ in range(P - len(sizes)):
-        m = max(range(len(sizes)), key=lambda i: sizes[i] / k[i])
-        k[m] += 1
-    return k
-
-
-def holdout(x, y, frac, g):
-    """Shuffle, then the first `frac` of the examples is validation (at least one, but never the
-    last training example), the rest train."""
-    perm = torch.randperm(len(y), generator=g)
-    nv = min(len(y) - 1, max(1, int(frac * len(y))))
-    return x[perm[nv:]], y[perm[nv:]], x[perm[:nv]], y[perm[:nv]]
-
-
-def federate(ds, test, P, seed, device, val_frac=0.1, client_size=None):
-    """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into Algorithm 2's
-    clients (split_counts), each holding out `val_frac` for validation. client_size (stained): clients are
-    disjoint seeded samples of the pooled training domains instead (docs/protocol.md)."""
-    g = torch.Generator().manual_seed(seed)
-    train = [d for i, d in enumerate(ds.domains) if i != test]
-    clients = []
-    if client_size is not None:
-        origin = torch.cat([torch.full((len(d.y),), i) for i, d in enumerate(train)])
-        if P * client_size > len(origin):
-            raise UserError(f"{P} clients x {client_size} examples exceed the {len(origin):,} of the training domains")
-        X, Y = torch.cat([d.x for d in train]), torch.cat([d.y for d in train])
-        perm = torch.randperm(len(origin), generator=g)
-        for j in range(P):
-            idx = perm[j * client_size:(j + 1) * client_size]
-            x, y, vx, vy = holdout(X[idx], Y[idx], val_frac, g)
-            name = "+".join(train[i].name for i in origin[idx].unique().tolist())
-            clients.append(Client(len(clients), name, x, y, vx, vy))
-        t = ds.domains[test]
-        return _finish(t.name, clients, [(t.name, t.x, t.y)], device)
-    for d, k in zip(train, split_counts([len(d.y) for d in train], P)):
-        perm = torch.randperm(len(d.y), generator=g)
-        size = len(perm) // k
-        for j in range(k):
-            idx = perm[j * size:(j + 1) * size if j < k - 1 else len(perm)]
-            x, y, vx, vy = holdout(d.x[idx], d.y[idx], val_frac, g)
-            clients.append(Client(len(clients), d.name, x, y, vx, vy))
-    t = ds.domains[test]
-    return _finish(t.name, clients, [(t.name, t.x, t.y)], device)
-
-
-def federate_fixed(ds, seed, device, val_frac=0.1):
-    """Fixed clients: every Domain of `ds` is a client with its own test set."""
-    g = torch.Generator().manual_seed(seed)
-    clients = []
-    for d in ds.domains:
-        x, y, vx, vy = holdout(d.x, d.y, val_frac, g)
-        clients.append(Client(len(clients), d.name, x, y, vx, vy, d.x_test, d.y_test))
-    return _finish("clients", clients, [(d.name, d.x_test, d.y_test) for d in ds.domains], device)
-
-
-def _finish(name, clients, tests, device):
-    for c in clients:
-        for f in ("x", "y", "val_x", "val_y", "test_x", "test_y"):
-            if getattr(c, f) is not None:
-                setattr(c, f, getattr(c, f).to(device))
-    group = torch.cat([torch.full((len(y),), i) for i, (_, _, y) in enumerate(tests)])
-    return Federation(name, clients, torch.cat([c.val_x for c in clients]), torch.cat([c.val_y for c in clients]),
-                      torch.cat([x for _, x, _ in tests]).to(device), torch.cat([y for _, _, y in tests]).to(device),
-                      group.to(device), [n for n, _, _ in tests])
+        for p, v in zip(model.parameters(), vec.split([p.numel() for p in model.parameters()])):
+            p.copy_(v.view_as(p))
 
 
 # ------------------------------------------------------------------------------ local training
@@ -301,16 +184,15 @@ def cross_entropy(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-def sgd(model, args):
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                           weight_decay=args.weight_decay)
+def sgd(params, args):
+    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
 
 def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=None):
     """`epochs` (default args.local_epochs) passes of minibatch steps on loss_fn over the client's split,
     with a fresh SGD unless `opt` is given. Returns the mean loss as a device tensor."""
     model.train()
-    opt = opt or sgd(model, args)
+    opt = opt or sgd(model.parameters(), args)
     total, steps = torch.zeros((), device=ctx.device), 0
     for idx in batches(client.n, args.batch_size, epochs or args.local_epochs, ctx):
         x, y = ctx.prep(client.x[idx], train=True, gen=ctx.gen), client.y[idx]
@@ -331,8 +213,7 @@ def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None
     """Each of `clients` trained from θ (flat) as local_sgd trains one, with make_opt(params) (default SGD);
     `momentum`: {client id: flat momentum buffer}, loaded before and kept after. Yields (θ_c, mean loss) in
     order; with --parallel-clients on, all at once (at_once) on `objective`, loss_fn's torch.func form."""
-    make_opt = make_opt or (lambda params: torch.optim.SGD(params, lr=args.lr, momentum=args.momentum,
-                                                           weight_decay=args.weight_decay))
+    make_opt = make_opt or (lambda params: sgd(params, args))
     if parallel(args):
         if loss_fn is not cross_entropy and objective is None:
             raise UserError("--parallel-clients on: this local loss has no torch.func form; use off")
@@ -342,11 +223,14 @@ def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None
     for client in clients:
         set_flat(model, theta)
         opt = make_opt(model.parameters())
-        if momentum is not None and client.id in momentum:
-            set_momentum(opt, momentum[client.id])
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if momentum is not None and client.id in momentum:      # the client's kept SGD momentum (flat)
+            for p, m in zip(params, momentum[client.id].split([p.numel() for p in params])):
+                opt.state[p]["momentum_buffer"] = m.view_as(p).clone()
         loss = local_sgd(model, client, args, ctx, loss_fn, opt, epochs)
-        if momentum is not None:
-            momentum[client.id] = get_momentum(opt)
+        if momentum is not None:                                # zeros where SGD has none yet
+            momentum[client.id] = torch.cat([opt.state[p].get("momentum_buffer", torch.zeros_like(p)).reshape(-1)
+                                             for p in params])
         yield get_flat(model), loss     # lazily: one client's parameters in memory at a time
 
 
@@ -413,10 +297,7 @@ def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=No
         kept = torch.stack([momentum.get(c.id, torch.zeros_like(theta)) for c in clients])
         for p, m in zip(params.values(), kept.split(sizes, 1)):
             opt.state[p]["momentum_buffer"] = m.reshape(p.shape).clone()
-
-    def loss(p, b, x, y, w):
-        return objective(model, p, b, x, y, w)
-    grad_and_loss = torch.func.vmap(torch.func.grad_and_value(loss))
+    grad_and_loss = torch.func.vmap(torch.func.grad_and_value(functools.partial(objective, model)))
     model.train()
     total = torch.zeros(C, device=ctx.device)
     for k in range(plan.shape[0]):
@@ -445,31 +326,15 @@ def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=No
     return [(thetas[j], total[j] / steps[j]) for j in (order.index(i) for i in range(C))]   # the callers' order
 
 
-def get_momentum(opt):
-    """An SGD optimiser's momentum buffers as one flat vector (zeros where it has none yet)."""
-    ps = [p for g in opt.param_groups for p in g["params"]]
-    return torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) if "momentum_buffer" in opt.state[p]
-                      else torch.zeros_like(p).reshape(-1) for p in ps])
-
-
-def set_momentum(opt, flat):
-    i = 0
-    for p in (p for g in opt.param_groups for p in g["params"]):
-        opt.state[p]["momentum_buffer"] = flat[i:i + p.numel()].view_as(p).clone()
-        i += p.numel()
-
-
 # ---------------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
 def correct(model, x, y, ctx, batch_size=512):
     """Per-example correctness (bool tensor on the device) of model on uint8 images x."""
     model.eval()
-    out = []
-    for i in range(0, len(y), batch_size):
-        with ctx.autocast():
-            out.append(model(ctx.prep(x[i:i + batch_size])).argmax(1) == y[i:i + batch_size])
-    return torch.cat(out)
+    with ctx.autocast():
+        return torch.cat([model(ctx.prep(x[i:i + batch_size])).argmax(1) == y[i:i + batch_size]
+                          for i in range(0, len(y), batch_size)])
 
 
 def evaluate_global(model, fed, args, state, ctx):
@@ -488,29 +353,12 @@ def group_means(v, group, k):
 
 # ------------------------------------------------------------------------------------- the CLI
 
-def finite(text):
-    """The type of every float flag: a finite number (nan and inf are refused when parsing)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
-
-
 def make_parser(method, doc):
-    """The common flags; a default of None is filled per dataset by `resolve` (default_tables)."""
+    """The common flags: the dataset's and its protocol's (data.add_args), then training's; a default of None is
+    filled per dataset by `resolve` (dataset_defaults)."""
     p = Parser(prog=f"{method}.py", description=" ".join(doc.strip().split("\n\n")[0].split()))
+    data.add_args(p)
     a = p.add_argument
-    a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
-    a("--data-root", default=None, help="dataset folder; none: the MNIST family reads the embedded 5,000 digits "
-                                        "(the others need one: python data.py --help)")
-    a("--test-domain", default="all", help="held-out domain: 'all' (each in turn), a name or an index")
-    a("--clients", type=int, default=None, help="number of clients P")
-    a("--client-size", type=int, default=None,
-      help="stained only: examples per client, drawn from the pooled training combinations")
-    a("--sample", type=int, default=None, help="clients per round C")
     a("--rounds", type=int, default=None, help="communication rounds T")
     a("--local-epochs", type=int, default=None, help="local epochs per round")
     a("--batch-size", type=int, default=None, help="local batch size")
@@ -518,21 +366,14 @@ def make_parser(method, doc):
     a("--momentum", type=finite, default=None, help="local SGD momentum")
     a("--weight-decay", type=finite, default=None, help="local SGD weight decay")
     a("--global-lr", type=finite, default=None, help="server step size eta_g")
-    a("--alpha", type=finite, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
-    a("--p-test", type=finite, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
-    a("--no-rotation", action="store_true",
-      help="rcmnist / rcfmnist: the same four clients and colour laws without the rotation by 90·i degrees")
-    a("--select", default=None, choices=["val", "last"],
-      help="report the round with the best validation accuracy, or the last")
-    a("--stain", default="fg", choices=["fg", "bg", "both"], help="stained MNIST: foreground, background or both")
+    a("--select", default=None, choices=["val", "last"], help="report the best validation round, or the last")
     a("--model", default=None, choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"],
       help="featurizer")
     a("--head", default=None, choices=["linear", "mlp"], help="classifier")
     a("--no-pretrained", action="store_true",
       help="ResNets from random weights: no ImageNet download (needed offline; the accuracies are then far lower)")
     a("--eval-every", type=int, default=None, help="evaluate (and checkpoint) every this many rounds")
-    a("--seed", type=int, default=0, help="seeds the data split, the initialisation, the client sampling and the "
-                                          "minibatch order")
+    a("--seed", type=int, default=0, help="seeds the data split, the initialisation, the client sampling, the batches")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if one is visible, else cpu")
     a("--amp", action="store_true", help="bf16 autocast (CUDA only)")
     a("--nondeterministic", action="store_true",
@@ -545,72 +386,57 @@ def make_parser(method, doc):
     return p
 
 
-def default_tables(dataset, defaults=None):
-    """Where a flag left unset takes its value, first match wins: (table, is it per dataset)."""
+def dataset_defaults(dataset, defaults=None):
+    """The values of the flags a command line leaves unset: the method's own for this dataset (defaults[dataset]),
+    else the method's for every dataset (defaults["*"]), else the dataset's (DATASET_DEFAULTS)."""
     defaults = defaults or {}
-    return ((defaults.get(dataset, {}), True), (defaults.get("*", {}), False), (DATASET_DEFAULTS.get(dataset, {}), True))
+    return {**DATASET_DEFAULTS.get(dataset, {}), **defaults.get("*", {}), **defaults.get(dataset, {})}
 
 
-def fill_defaults(args, defaults=None):
-    for table, _ in default_tables(args.dataset, defaults):
-        for k, v in table.items():
-            if getattr(args, k, None) is None:
-                setattr(args, k, v)
+def default_tables(dataset):
+    """The dataset's table, in the form fedipg.py's check() reads (kept for it)."""
+    return [(DATASET_DEFAULTS[dataset], True)]
 
 
-def help_defaults(p, method, defaults, argv):
-    """Every flag's help ends with its default for the --dataset of argv, looked up in default_tables;
-    the flags whose help already speaks of its default are left as they are."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--dataset", default="rmnist")
-    dataset = pre.parse_known_args(argv)[0].dataset
-    dataset = dataset if dataset in data.NAMES else "rmnist"
+def help_defaults(p, method, defaults=None):
+    """Every flag's help ends with its default: the flag's own, or the one rmnist (the default --dataset) takes
+    from the tables (docs/protocol.md gives every dataset's), unless it speaks of its default already. The
+    method's own float flags become `finite` too."""
+    table = dataset_defaults("rmnist", defaults)
     for act in p._actions:
+        act.type = finite if act.type is float else act.type
         if act.nargs == 0 or not act.option_strings or not act.help or "default" in act.help.lower() or act.default == "":
             continue
-        value, where = act.default, ""
-        if value is None:
-            value, where = next(((t[act.dest], f" for {dataset}") for t, _ in default_tables(dataset, defaults)
-                                 if act.dest in t), ("per dataset, see docs/protocol.md", ""))
+        value, where = (act.default, "") if act.default is not None else (table[act.dest], " for rmnist") \
+            if act.dest in table else ("per dataset, see docs/protocol.md", "")
         if isinstance(value, float) and not math.isfinite(value):     # a method's marker: its check() sets it
             value = f"set by {method} from its own flags"
         act.help += f" (default{where}: {value})".replace("%", "%%")
-    p.epilog = f"Defaults for --dataset {dataset}; python {method}.py --dataset NAME --help shows those of NAME."
+    p.epilog = "Defaults for --dataset rmnist; those of every dataset: docs/protocol.md and the method's page in docs/."
 
 
 def resolve(args, method, defaults=None):
-    """Fill the flags left unset (default_tables), then refuse bad values before any work."""
+    """Fill the flags left unset (dataset_defaults), then refuse bad values before any work."""
     if args.dataset not in data.NAMES:
         raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
-    fill_defaults(args, defaults)
-    for flag in ("data_root", "out"):
-        if getattr(args, flag) == "":
-            raise UserError(f"--{flag.replace('_', '-')} is empty: give a folder or file name, or leave the flag out")
-    if not 0 <= args.seed < 2 ** 31:     # it seeds torch's generators with seed * 104729 + a salt
-        raise UserError(f"--seed must be in [0, 2**31), got {args.seed}")
-    if args.clients is not None and args.clients < 1:
-        raise UserError(f"--clients must be positive, got {args.clients}")
-    for k in ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr", "alpha"):
-        if not getattr(args, k) > 0:
-            raise UserError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-    if args.client_size is not None and args.dataset != "stained":
-        raise UserError(f"--client-size applies to stained only, not {args.dataset}")
-    if args.client_size is not None and args.client_size <= 0:
-        raise UserError(f"--client-size must be positive, got {args.client_size}")
-    if args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"):
-        raise UserError(f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}")
-    if not 0 <= args.p_test <= 1:
-        raise UserError(f"--p-test must be in [0, 1], got {args.p_test}")
-    if math.isfinite(args.momentum) and not 0 <= args.momentum < 1:   # inf: a method's marker (never a user's)
-        raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
-    if args.weight_decay < 0:
-        raise UserError(f"--weight-decay must be >= 0, got {args.weight_decay}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is visible")
+    for k, v in dataset_defaults(args.dataset, defaults).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    data.check_args(args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.amp and args.device != "cuda":
-        raise UserError("--amp needs a CUDA device")
+    for bad, message in [   # in order: the first that holds is the error
+            (args.out == "", "--out is empty: give a folder or file name, or leave the flag out"),
+            (not 0 <= args.seed < 2 ** 31, f"--seed must be in [0, 2**31), got {args.seed}"),   # x 104729 + a salt
+            *[(not getattr(args, k) > 0, f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+              for k in ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr")],
+            (math.isfinite(args.momentum) and not 0 <= args.momentum < 1,     # inf: a method's marker, never a user's
+             f"--momentum must be in [0, 1), got {args.momentum}"),
+            (args.weight_decay < 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+            (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is visible"),
+            (args.amp and args.device != "cuda", "--amp needs a CUDA device")]:
+        if bad:
+            raise UserError(message)
     args.out = args.out or f"results/{method}-{args.dataset}-seed{args.seed}.json"
     check_out(args.out)
     return args
@@ -634,105 +460,17 @@ def check_out(out):
         raise UserError(f"cannot write --out {out}: {e.strerror or e}")
 
 
-def test_domains(args, ds):
-    """Indices of the domains to hold out, from --test-domain (and the clients/sample checks)."""
-    M = len(ds.domains)
-    if ds.protocol == "clients":
-        if args.test_domain != "all":
-            raise UserError(f"--test-domain does not apply to {ds.name}: its clients have their own test sets")
-        if args.clients != M:
-            raise UserError(f"--clients {args.clients} does not match the {M} clients of the split")
-        todo, n_train = [None], M
-    else:
-        names = [d.name for d in ds.domains]
-        if args.test_domain == "all":
-            todo = list(range(M))
-        elif args.test_domain in names:
-            todo = [names.index(args.test_domain)]
-        elif args.test_domain.lstrip("-").isdigit() and 0 <= int(args.test_domain) < M:
-            todo = [int(args.test_domain)]
-        else:
-            raise UserError(f"unknown test domain {args.test_domain!r} for {ds.name}; choose 'all', "
-                            f"one of {', '.join(names)} or an index 0..{M - 1}")
-        n_train = M - 1
-    if args.dataset == "stained":
-        stained_clients(args, ds)
-        return todo
-    args.clients = n_train if args.clients is None else args.clients
-    args.sample = min(args.clients, n_train) if args.sample is None else args.sample
-    if args.clients < n_train:
-        raise UserError(f"--clients {args.clients} is below the {n_train} training domains (a client "
-                        f"never mixes domains)")
-    if not 1 <= args.sample <= args.clients:
-        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
-    if ds.protocol == "lodo":
-        enough_examples(args, ds, todo)
-    return todo
-
-
-def max_clients(sizes, P):
-    """The most clients, up to P, that Algorithm 2 can cut domains of these sizes into with >= 2 examples each."""
-    k = [1] * len(sizes)
-    if min(sizes) < 2:
-        return 0
-    for n in range(len(sizes), P):
-        m = max(range(len(sizes)), key=lambda i: sizes[i] / k[i])
-        if sizes[m] // (k[m] + 1) < 2:
-            return n
-        k[m] += 1
-    return P
-
-
-def enough_examples(args, ds, todo):
-    """Refuse, before any split, a --clients that leaves a client without a training and a validation
-    example (federate: Algorithm 2's chunks of floor(n / k)), for every held-out domain to be run."""
-    sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
-    top = {test: max_clients(n, min(args.clients, sum(n) // 2 + 1)) for test, n in sizes.items()}
-    test = min(todo, key=top.get)                                       # the held-out domain that allows fewest
-    if args.clients > top[test]:
-        raise UserError(f"--clients {args.clients} leaves clients without a training and a validation example: "
-                        f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of {ds.name} "
-                        f"hold {sum(sizes[test]):,} examples, enough for at most {top[test]:,} clients (Algorithm 2 "
-                        f"cuts each domain into equal chunks of at least 2)")
-
-
-def stained_clients(args, ds):
-    """Stained MNIST's clients (FedIPG VI-C): --clients x --client-size, defaults by --stain (STAINED), a default
-    size shrunk to fit the pool, every client sampled unless --sample says otherwise (docs/protocol.md)."""
-    P0, n0 = STAINED[args.stain]
-    args.clients = P0 if args.clients is None else args.clients
-    args.sample = args.clients if args.sample is None else args.sample
-    pool = sum(len(d.y) for d in ds.domains) - max(len(d.y) for d in ds.domains)
-    if args.clients < 1:
-        raise UserError(f"--clients must be positive, got {args.clients}")
-    if args.client_size is None:
-        args.client_size = min(n0, pool // args.clients)
-        if args.client_size < n0:
-            print(f"note: stained {args.stain}: {args.clients} clients x {n0:,} examples exceed the {pool:,} of the "
-                  f"nine training combinations; each client gets {pool:,} // {args.clients} = {args.client_size:,}")
-    elif args.clients * args.client_size > pool:
-        raise UserError(f"--client-size {args.client_size} x --clients {args.clients} exceeds the {pool:,} examples "
-                        f"of the nine training combinations (at most {pool // args.clients:,} per client)")
-    if args.client_size < 2:
-        raise UserError(f"{args.clients} clients leave {args.client_size} example(s) each: too few for a "
-                        f"training and a validation split; use fewer --clients")
-    if not 1 <= args.sample <= args.clients:
-        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
-
-
 # ------------------------------------------------------------------- results and checkpoints
 
 def write_json(path, obj):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    os.replace(f"{path}.tmp", path)
 
 
 def save_checkpoint(path, blob):
-    tmp = f"{path}.tmp"
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    torch.save(blob, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
 
 
 def load_checkpoint(path, args):
@@ -799,11 +537,6 @@ def size(path):
                 if n >= 1024 ** k or k == 0)
 
 
-def seconds(s):
-    s = int(s)
-    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 # --------------------------------------------------------------------------------- the skeleton
 
 def set_deterministic(on=True):
@@ -821,16 +554,14 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
     set_deterministic(not args.nondeterministic)      # before the model or anything else meets CUDA
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
-    print(f"data: {ds.source}\ndata: {counts(ds)}", flush=True)
-    todo = test_domains(args, ds)
-    device = torch.device(args.device)
-    ckpt_path = str(Path(args.out).with_suffix(".ckpt"))
+    print(f"data: {ds.source}\ndata: {data.counts(ds)}", flush=True)
+    todo = data.test_domains(args, ds)
+    device, ckpt_path = torch.device(args.device), str(Path(args.out).with_suffix(".ckpt"))
     results = {"method": method, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
                "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None, "complete": False,
                "provenance": provenance(method, sys.argv[1:] if argv is None else argv, device)}
-    blob = None
-    if args.resume and os.path.exists(ckpt_path):
-        blob = load_checkpoint(ckpt_path, args)
+    blob = load_checkpoint(ckpt_path, args) if args.resume and os.path.exists(ckpt_path) else None
+    if blob is not None:
         results["domains"] = blob["finished"]
         print(f"resuming from {ckpt_path}: {len(blob['finished'])} domain(s) done, "
               f"'{blob['domain']}' at round {blob['round']}")
@@ -838,23 +569,22 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
         print(f"note: no checkpoint at {ckpt_path}; starting from the beginning")
     print(f"{method} on {args.dataset}: {args.clients} clients, {args.sample} per round, {args.rounds} rounds, "
           f"{args.local_epochs} local epoch(s), lr {args.lr}, batch {args.batch_size}, device {device}")
-    saved = blob is not None             # a checkpoint of this run (or of the one resumed) is on disk
     for k, test in enumerate(todo):
         if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
             continue                                            # finished before a --resume
-        fed = federate_fixed(ds, args.seed, device) if test is None else \
-            federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
+        fed = data.federate_fixed(ds, args.seed, device) if test is None else \
+            data.federate(ds, test, args.clients, args.seed, device, client_size=getattr(args, "client_size", None))
         resume = blob if blob is not None and blob["domain"] == fed.name else None
         try:
-            with progress_line():
+            with Progress():
                 results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn,
                                                             resume, results, ckpt_path, len(todo) - k - 1)
         except NonFinite as e:   # name only the files this run wrote (or resumed from), never an older run's
-            kept = [f"the last good checkpoint ({ckpt_path})"] * (saved or e.saved) + \
-                   [f"the results of the finished test domains ({args.out})"] * bool(results["domains"])
+            done = bool(results["domains"])                     # finished here, or before the --resume
+            kept = [f"the last good checkpoint ({ckpt_path})"] * (blob is not None or done or e.saved) + \
+                   [f"the results of the finished test domains ({args.out})"] * done
             raise NonFinite(f"{e}; stopped; " + (" and ".join(kept) + " are kept" if kept else
                                                   "nothing of this run was saved")) from None
-        saved = True
         write_json(args.out, with_mean(results))
     results["complete"] = True                                  # every held-out domain is done
     write_json(args.out, with_mean(results))
@@ -866,14 +596,6 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
     return results
 
 
-def counts(ds):
-    """One line: how many domains (or clients), classes and images a dataset holds."""
-    images = sum(len(d.y) + (0 if d.y_test is None else len(d.y_test)) for d in ds.domains)
-    parts = f"{len(ds.domains)} domains ({', '.join(d.name for d in ds.domains)})" if ds.protocol == "lodo" \
-        else f"{len(ds.domains)} clients"
-    return f"{parts}, {ds.num_classes} classes, {images:,} images"
-
-
 def with_mean(results):
     accs = [r["test_acc"] for r in results["domains"].values()]
     results["mean_test_acc"] = sum(accs) / len(accs)
@@ -882,17 +604,13 @@ def with_mean(results):
 
 def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining):
     """T rounds on one federation: a round, every args.eval_every rounds an evaluation, the best kept, a checkpoint."""
-    model, state, ctx = start_domain(args, ds, fed, init_state)
-    start, history, best, spent = 1, [], None, 0.0
-    if resume is not None:
-        state, start, history, best, spent = restore(resume, model, ctx)
-    saved = resume is not None           # a checkpoint of this domain is on disk (for NonFinite's message)
-    pace = Pace(start, spent, args.rounds, remaining)
-    losses = []
-    for t in range(start, args.rounds + 1):
-        losses.append(checked_round(round_fn, t, model, fed, args, state, ctx, saved))
+    model, state, ctx, start, history, best, spent = start_domain(args, ds, fed, init_state, resume)
+    pace, losses = Pace(start, spent, args.rounds, remaining), []
+    for t in range(start, args.rounds + 1):   # history: a checkpoint of this domain is on disk (for NonFinite)
+        losses.append(checked_round(round_fn, t, model, fed, args, state, ctx, saved=bool(history)))
         if t % args.eval_every and t != args.rounds:
-            status(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {pace(t)}")
+            if isinstance(sys.stdout, Progress):                # a terminal: a line that the next one overwrites
+                sys.stdout.show(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {pace(t)}")
             continue
         val, test, per, *more = evaluate_fn(model, fed, args, state, ctx)
         extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global model's)
@@ -910,12 +628,12 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
                                     "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
                                     "torch_rng": torch.get_rng_state(), "history": history, "best": best,
                                     "seconds": row["seconds"]})
-        saved = True
     return domain_result(ds, fed, history, best)
 
 
-def start_domain(args, ds, fed, init_state):
-    """The initial model (seeded), the method's state and the domain's random streams (fixed by the seed)."""
+def start_domain(args, ds, fed, init_state, resume=None):
+    """The initial model (seeded), the method's state and the domain's random streams (fixed by the seed), then
+    a checkpoint's (resume): (model, state, ctx, next round, history, best, seconds spent)."""
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     model = build_model(args, ds).to(device)
@@ -927,17 +645,14 @@ def start_domain(args, ds, fed, init_state):
     state = init_state(model, fed, args, ctx) if init_state else {}
     print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
           f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
-    return model, state, ctx
-
-
-def restore(resume, model, ctx):
-    """A checkpoint's model and random streams back in place: (state, next round, history, best, seconds)."""
+    if resume is None:
+        return model, state, ctx, 1, [], None, 0.0
     model.load_state_dict(resume["model"])
     ctx.gen.set_state(resume["gen"])
     ctx.sampler.set_state(resume["sampler"])
     torch.set_rng_state(resume["torch_rng"])
     state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
-    return state, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
+    return model, state, ctx, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
 
 
 def checked_round(round_fn, t, model, fed, args, state, ctx, saved):
@@ -948,17 +663,41 @@ def checked_round(round_fn, t, model, fed, args, state, ctx, saved):
     except NonFinite as e:          # a method's own check (FedLOE's φ)
         e.saved = e.saved or saved
         raise
-    ids, vals = list(out), torch.stack([out[c] for c in out])
-    vals = torch.cat([vals, all_finite(model, state).to(vals.dtype)[None]]).cpu()   # one sync per round
+    ids, vals, named = list(out), torch.stack([out[c] for c in out]), tensors(model, state)
+    ok = torch.stack([v.isfinite().all().to(vals.device) for _, v in named]).all()      # one flag, no host read
+    vals = torch.cat([vals, ok.to(vals.dtype)[None]]).cpu()                          # one sync per round
     bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
     if bad:
         c = fed.clients[bad[0]]
         raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain {c.domain}, "
                         f"testing on {fed.name})", saved)
     if not vals[-1]:                # the server's step or a server quantity: never written as a result
-        raise NonFinite(f"non-finite {', '.join(nonfinite(model, state))} after the server step of round {t} "
-                        f"(testing on {fed.name})", saved)
+        bad = [k for k, v in named if not bool(v.isfinite().all())]
+        raise NonFinite(f"non-finite {', '.join(bad[:3] + [f'{len(bad) - 3} more'] * (len(bad) > 3))} after the "
+                        f"server step of round {t} (testing on {fed.name})", saved)
     return vals[:-1].mean().item()
+
+
+def tensors(model, state):
+    """(name, tensor) for every floating tensor of the global model and of the method's state (server quantities,
+    client states: tensors in dicts and lists), model first. A state key that starts with "_" holds a
+    diagnostic, not a server quantity (nan: not measured): left out."""
+    def walk(obj, name):
+        if torch.is_tensor(obj):
+            return [(name, obj)] if obj.is_floating_point() else []
+        items = [(k, v) for k, v in obj.items() if not str(k).startswith("_")] if isinstance(obj, dict) else \
+            enumerate(obj) if isinstance(obj, (list, tuple)) else []
+        return [pair for k, v in items for pair in walk(v, f"{name}[{k!r}]")]
+    named = [(f"model {k}", v) for k, v in model.state_dict().items() if v.is_floating_point()] + walk(state, "state")
+    return [(k, v) for k, v in named if v.device.type != "meta"]
+
+
+class NonFinite(Exception):
+    """A non-finite loss or server quantity: exit 1. `saved`: a checkpoint of this run is on disk."""
+
+    def __init__(self, message, saved=False):
+        super().__init__(message)
+        self.saved = saved
 
 
 class Pace:
@@ -974,24 +713,36 @@ class Pace:
 
     def __call__(self, t):
         rate = (time.perf_counter() - self.t0) / (t - self.start + 1)
-        return f"{rate:.2f} s/round | ETA {seconds(rate * (self.rounds - t + self.remaining * self.rounds))}"
+        s = int(rate * (self.rounds - t + self.remaining * self.rounds))        # the ETA in seconds
+        eta = f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+        return f"{rate:.2f} s/round | ETA {eta}"
 
 
 def domain_result(ds, fed, history, best):
     out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
-           "train_examples": sum(c.n for c in fed.clients),
-           "last_test_acc": history[-1]["test_acc"], "history": history,
-           **{k: v for k, v in best.items() if k not in ROW_KEYS}}   # a method's extra numbers
+           "train_examples": sum(c.n for c in fed.clients), "last_test_acc": history[-1]["test_acc"],
+           "history": history, **{k: v for k, v in best.items()        # and a method's extra numbers
+                                  if k not in ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")}}
     if ds.protocol == "clients":
         out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
     return out
 
 
 class Progress:
-    """stdout on a terminal: `show` writes a line that the next one overwrites; other output erases it first."""
+    """On a terminal, stdout while a domain trains (with Progress(): ...): `show` writes a line that the next
+    one overwrites; other output erases it first. A log file or a pipe gets none of it."""
 
-    def __init__(self, stream):
-        self.stream, self.shown = stream, False
+    def __init__(self):
+        self.stream, self.shown = sys.stdout, False
+
+    def __enter__(self):
+        if getattr(self.stream, "isatty", lambda: False)():
+            sys.stdout = self
+
+    def __exit__(self, *exc):
+        if self.shown:
+            self.show("")
+        sys.stdout = self.stream
 
     def show(self, text):
         self.stream.write("\r\x1b[K" + text)
@@ -1005,62 +756,6 @@ class Progress:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
-
-
-@contextlib.contextmanager
-def progress_line():
-    """A progress line per round on a terminal (`status`); a log file or a pipe gets none of it."""
-    if not getattr(sys.stdout, "isatty", lambda: False)():
-        yield
-        return
-    line = Progress(sys.stdout)
-    with contextlib.redirect_stdout(line):
-        try:
-            yield
-        finally:
-            if line.shown:
-                line.show("")
-
-
-def status(text):
-    if isinstance(sys.stdout, Progress):
-        sys.stdout.show(text)
-
-
-ROW_KEYS = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
-
-
-def tensors(obj, name):
-    """(name, tensor) for every floating tensor in a method's state (dicts and lists of tensors). A key
-    that starts with "_" holds a diagnostic, not a server quantity (nan: not measured): left out."""
-    if torch.is_tensor(obj):
-        return [(name, obj)] if obj.is_floating_point() else []
-    items = [(k, v) for k, v in obj.items() if not str(k).startswith("_")] if isinstance(obj, dict) else \
-        enumerate(obj) if isinstance(obj, (list, tuple)) else []
-    return [pair for k, v in items for pair in tensors(v, f"{name}[{k!r}]")]
-
-
-def all_finite(model, state):
-    """One device flag (no host read): every floating tensor of the global model and of the method's
-    state (server quantities, client states) is finite."""
-    ts = [v for v in model.state_dict().values() if v.is_floating_point()] + [v for _, v in tensors(state, "state")]
-    device = next(model.parameters()).device
-    return torch.stack([v.isfinite().all().to(device) for v in ts if v.device.type != "meta"]).all()
-
-
-def nonfinite(model, state):
-    """The names of the non-finite tensors, model first (read only once all_finite said there are some)."""
-    named = [(f"model {k}", v) for k, v in model.state_dict().items() if v.is_floating_point()] + tensors(state, "state")
-    bad = [k for k, v in named if v.device.type != "meta" and not bool(v.isfinite().all())]
-    return bad[:3] + [f"{len(bad) - 3} more"] * (len(bad) > 3)
-
-
-class NonFinite(Exception):
-    """A non-finite loss or server quantity: exit 1. `saved`: a checkpoint of this run is on disk."""
-
-    def __init__(self, message, saved=False):
-        super().__init__(message)
-        self.saved = saved
 
 
 def print_table(results):
@@ -1077,17 +772,13 @@ def print_table(results):
 
 def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_state=None,
          evaluate_fn=evaluate_global, check=None, parallel_clients=False):
-    """The entry point of every method script: bad input -> one line on stderr and exit 2. parallel_clients:
-    a bool, or check_parallel's `supported` function."""
+    """The entry point of every method script: bad input -> one line on stderr and exit 2, a non-finite loss or
+    server quantity -> exit 1. parallel_clients: a bool, or check_parallel's `supported` function."""
     p = make_parser(method, doc)
     if add_args:
         add_args(p)
-    for act in p._actions:          # the method's own float flags: finite too
-        if act.type is float:
-            act.type = finite
+    help_defaults(p, method, defaults)
     argv = sys.argv[1:] if argv is None else argv
-    if any(a == "-h" or a.startswith("--hel") and "--help".startswith(a) for a in argv):
-        help_defaults(p, method, defaults, argv)
     args = p.parse_args(argv)
     try:
         resolve(args, method, defaults)
@@ -1095,12 +786,9 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
             check(args)
         check_parallel(args, method, parallel_clients)
         return run(method, args, round_fn, init_state, evaluate_fn, argv)
-    except UserError as e:
+    except (UserError, NonFinite) as e:
         print(f"{method}.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NonFinite as e:
-        print(f"{method}.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(1 if isinstance(e, NonFinite) else 2)
     except KeyboardInterrupt:
         print(f"\n{method}.py: interrupted; continue with the same arguments and --resume", file=sys.stderr)
         sys.exit(130)

@@ -1,8 +1,9 @@
 """Datasets as per-domain tensors.
 
 `load(name, root, seed, ...)` returns a `Dataset`: a list of `Domain`s, each holding its images as a
-uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. Nothing here knows about clients,
-models or methods; common.py turns domains into clients.
+uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. `federate` / `federate_fixed` turn
+its domains into clients by the protocols below; `add_args` and `check_args` are the dataset's and the
+protocol's flags of every method's command line. Nothing here knows about models or methods.
 
 Two protocols (docs/protocol.md):
 - "lodo"    leave-one-domain-out: rmnist, pacs, vlcs, officehome, synthetic. One domain is held out
@@ -53,6 +54,17 @@ class UserError(Exception):
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not usage + message
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def finite(text):
+    """The type of every float flag: a finite number (nan and inf are refused when parsing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def why(e, limit=120):
@@ -617,7 +629,7 @@ def stained(root=None, seed=0, stain="fg"):
     pooled digits are shuffled (by `seed`) and dealt into 10 equal domains (k::10, as rmnist deals
     6); the label is the digit, without label noise; the colour is a deterministic function of
     (digit, k); images are 14x14 (every second pixel, as IRM's ColoredMNIST, whose MLP the model
-    is); the palette above. Clients (common.stained_clients) draw from the nine pooled."""
+    is); the palette above. Clients (stained_clients) draw from the nine pooled."""
     if stain not in ("fg", "bg", "both"):
         raise UserError(f"--stain must be fg, bg or both, got {stain!r}")
     M = stain_mappings()
@@ -632,6 +644,34 @@ def stained(root=None, seed=0, stain="fg"):
         domains.append(Domain(f"c{k}", img.round().to(torch.uint8), lab))
     return Dataset("stained", domains, 10, "lodo", f"{source}; stained ({stain}), 10 colour-digit combinations "
                    f"(seeded mappings, STAIN_SEED {STAIN_SEED})")
+
+
+STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}   # Section VI-C: clients P, examples per client
+
+
+def stained_clients(args, ds):
+    """Stained MNIST's clients (Section VI-C): --clients x --client-size, defaults by --stain (STAINED), drawn
+    from the nine pooled training combinations; a default size shrinks to fit the pool (a note says so), every
+    client is sampled unless --sample says otherwise (docs/protocol.md)."""
+    P0, n0 = STAINED[args.stain]
+    args.clients = P0 if args.clients is None else args.clients
+    args.sample = args.clients if args.sample is None else args.sample
+    pool = sum(len(d.y) for d in ds.domains) - max(len(d.y) for d in ds.domains)
+    if args.clients < 1:
+        raise UserError(f"--clients must be positive, got {args.clients}")
+    if args.client_size is None:
+        args.client_size = min(n0, pool // args.clients)
+        if args.client_size < n0:
+            print(f"note: stained {args.stain}: {args.clients} clients x {n0:,} examples exceed the {pool:,} of the "
+                  f"nine training combinations; each client gets {pool:,} // {args.clients} = {args.client_size:,}")
+    elif args.clients * args.client_size > pool:
+        raise UserError(f"--client-size {args.client_size} x --clients {args.clients} exceeds the {pool:,} examples "
+                        f"of the nine training combinations (at most {pool // args.clients:,} per client)")
+    if args.client_size < 2:
+        raise UserError(f"{args.clients} clients leave {args.client_size} example(s) each: too few for a "
+                        f"training and a validation split; use fewer --clients")
+    if not 1 <= args.sample <= args.clients:
+        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
 
 
 def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "photo", "sketch"),
@@ -772,6 +812,186 @@ def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, 
     if name in FIXED:
         return rcmnist(root, seed, p_test, "MNIST" if name == "rcmnist" else "FashionMNIST", rotation)
     raise UserError(f"unknown dataset {name!r}; choose from {', '.join(NAMES)}")
+
+
+def counts(ds):
+    """One line: how many domains (or clients), classes and images a dataset holds."""
+    images = sum(len(d.y) + (0 if d.y_test is None else len(d.y_test)) for d in ds.domains)
+    parts = f"{len(ds.domains)} domains ({', '.join(d.name for d in ds.domains)})" if ds.protocol == "lodo" \
+        else f"{len(ds.domains)} clients"
+    return f"{parts}, {ds.num_classes} classes, {images:,} images"
+
+
+# ------------------------------------------------------------ clients: the protocols' federation
+# How a dataset becomes clients (docs/protocol.md): leave-one-domain-out by FedIIR's Algorithm 2 (stained:
+# pooled samples, stained_clients), or the fixed clients; each holds out a validation split.
+
+@dataclass
+class Client:
+    id: int
+    domain: str
+    x: torch.Tensor          # training split (uint8 images, on the device)
+    y: torch.Tensor
+    val_x: torch.Tensor      # this client's validation hold-out
+    val_y: torch.Tensor
+    test_x: torch.Tensor | None = None   # fixed-clients protocol: the client's own test set
+    test_y: torch.Tensor | None = None
+
+    @property
+    def n(self):
+        return len(self.y)
+
+
+@dataclass
+class Federation:
+    name: str                # results key: the held-out domain, or "clients"
+    clients: list
+    val_x: torch.Tensor      # pooled validation split of all clients (model selection)
+    val_y: torch.Tensor
+    test_x: torch.Tensor     # pooled test set(s)
+    test_y: torch.Tensor
+    test_group: torch.Tensor  # index into test_names for every test example
+    test_names: list
+
+
+def split_counts(sizes, P, least=0):
+    """FedIIR's Algorithm 2: one client per domain, then each further client goes to the domain with
+    the most examples per client so far (ties: the first such domain); it stops before a chunk of floor(n / k)
+    examples would fall below `least`."""
+    k = [1] * len(sizes)
+    for _ in range(P - len(sizes)):
+        m = max(range(len(sizes)), key=lambda i: sizes[i] / k[i])
+        if sizes[m] // (k[m] + 1) < least:
+            break
+        k[m] += 1
+    return k
+
+
+def holdout(x, y, frac, g):
+    """Shuffle, then the first `frac` of the examples is validation (at least one, but never the
+    last training example), the rest train."""
+    perm = torch.randperm(len(y), generator=g)
+    nv = min(len(y) - 1, max(1, int(frac * len(y))))
+    return x[perm[nv:]], y[perm[nv:]], x[perm[:nv]], y[perm[:nv]]
+
+
+def federate(ds, test, P, seed, device, val_frac=0.1, client_size=None):
+    """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into Algorithm 2's
+    clients (split_counts), each holding out `val_frac` for validation. client_size (stained): clients are
+    disjoint seeded samples of the pooled training domains instead (docs/protocol.md)."""
+    g = torch.Generator().manual_seed(seed)
+    train, t = [d for i, d in enumerate(ds.domains) if i != test], ds.domains[test]
+    clients = []
+    if client_size is not None:
+        origin = torch.cat([torch.full((len(d.y),), i) for i, d in enumerate(train)])
+        if P * client_size > len(origin):
+            raise UserError(f"{P} clients x {client_size} examples exceed the {len(origin):,} of the training domains")
+        X, Y = torch.cat([d.x for d in train]), torch.cat([d.y for d in train])
+        perm = torch.randperm(len(origin), generator=g)
+        for j in range(P):
+            idx = perm[j * client_size:(j + 1) * client_size]
+            name = "+".join(train[i].name for i in origin[idx].unique().tolist())
+            clients.append(Client(len(clients), name, *(t.to(device) for t in holdout(X[idx], Y[idx], val_frac, g))))
+    else:
+        for d, k in zip(train, split_counts([len(d.y) for d in train], P)):
+            perm = torch.randperm(len(d.y), generator=g)
+            size = len(perm) // k
+            for j in range(k):
+                idx = perm[j * size:(j + 1) * size if j < k - 1 else len(perm)]
+                split = holdout(d.x[idx], d.y[idx], val_frac, g)
+                clients.append(Client(len(clients), d.name, *(t.to(device) for t in split)))
+    return _finish(t.name, clients, [(t.name, t.x, t.y)], device)
+
+
+def federate_fixed(ds, seed, device, val_frac=0.1):
+    """Fixed clients: every Domain of `ds` is a client with its own test set."""
+    g = torch.Generator().manual_seed(seed)
+    clients = [Client(i, d.name, *(t.to(device) for t in (*holdout(d.x, d.y, val_frac, g), d.x_test, d.y_test)))
+               for i, d in enumerate(ds.domains)]
+    return _finish("clients", clients, [(d.name, d.x_test, d.y_test) for d in ds.domains], device)
+
+
+def _finish(name, clients, tests, device):
+    """The Federation of clients (on the device): their pooled validation splits, the pooled test sets."""
+    group = torch.cat([torch.full((len(y),), i) for i, (_, _, y) in enumerate(tests)])
+    return Federation(name, clients, torch.cat([c.val_x for c in clients]), torch.cat([c.val_y for c in clients]),
+                      torch.cat([x for _, x, _ in tests]).to(device), torch.cat([y for _, _, y in tests]).to(device),
+                      group.to(device), [n for n, _, _ in tests])
+
+
+def add_args(p):
+    """The dataset's and its protocol's flags of every method's command line (common.make_parser); checked by
+    check_args and test_domains once common.resolve has filled the defaults."""
+    a = p.add_argument
+    a("--dataset", default="rmnist", help=f"one of {', '.join(NAMES)}")
+    a("--data-root", default=None, help="dataset folder; none: the MNIST family reads the embedded 5,000 digits "
+                                        "(the others need one: python data.py --help)")
+    a("--test-domain", default="all", help="held-out domain: 'all' (each in turn), a name or an index")
+    a("--clients", type=int, default=None, help="number of clients P")
+    a("--client-size", type=int, default=None, help="stained only: examples per client, from the pooled combinations")
+    a("--sample", type=int, default=None, help="clients per round C")
+    a("--alpha", type=finite, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
+    a("--p-test", type=finite, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
+    a("--no-rotation", action="store_true",
+      help="rcmnist / rcfmnist: the same four clients and colour laws without the rotation by 90·i degrees")
+    a("--stain", default="fg", choices=["fg", "bg", "both"], help="stained MNIST: foreground, background or both")
+
+
+def check_args(args):
+    """Refuse, before any work, a value of add_args' flags that no dataset could take, or one given to a dataset
+    it does not apply to (the counts of clients: test_domains, once the data is loaded)."""
+    for bad, message in [   # in order: the first that holds is the error
+            (args.data_root == "", "--data-root is empty: give a folder or file name, or leave the flag out"),
+            *[(getattr(args, k) is not None and not getattr(args, k) > 0, f"--{k.replace('_', '-')} must be positive, "
+               f"got {getattr(args, k)}") for k in ("clients", "client_size", "alpha")],   # None: filled later
+            (args.client_size is not None and args.dataset != "stained",
+             f"--client-size applies to stained only, not {args.dataset}"),
+            (args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"),
+             f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}"),
+            (not 0 <= args.p_test <= 1, f"--p-test must be in [0, 1], got {args.p_test}")]:
+        if bad:
+            raise UserError(message)
+
+
+def test_domains(args, ds):
+    """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once --clients and
+    --sample are filled and checked; a --clients that leaves a client without a training and a validation
+    example (federate: Algorithm 2's chunks of floor(n / k)) is refused for every held-out domain to be run."""
+    M, names, pick = len(ds.domains), [d.name for d in ds.domains], args.test_domain
+    if ds.protocol == "clients":
+        if pick != "all":
+            raise UserError(f"--test-domain does not apply to {ds.name}: its clients have their own test sets")
+        if args.clients != M:
+            raise UserError(f"--clients {args.clients} does not match the {M} clients of the split")
+        todo, n_train = [None], M
+    else:
+        todo = list(range(M)) if pick == "all" else [names.index(pick)] if pick in names else \
+            [int(pick)] if pick.lstrip("-").isdigit() and 0 <= int(pick) < M else None
+        if todo is None:
+            raise UserError(f"unknown test domain {pick!r} for {ds.name}; choose 'all', "
+                            f"one of {', '.join(names)} or an index 0..{M - 1}")
+        n_train = M - 1
+    if args.dataset == "stained":
+        stained_clients(args, ds)
+        return todo
+    args.clients = n_train if args.clients is None else args.clients
+    args.sample = min(args.clients, n_train) if args.sample is None else args.sample
+    if args.clients < n_train:
+        raise UserError(f"--clients {args.clients} is below the {n_train} training domains (a client "
+                        f"never mixes domains)")
+    if not 1 <= args.sample <= args.clients:
+        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
+    if ds.protocol == "lodo":       # the most clients of >= 2 examples each, testing on each domain to be run
+        sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
+        top = {test: sum(split_counts(n, min(args.clients, sum(n) // 2 + 1), least=2)) if min(n) >= 2 else 0
+               for test, n in sizes.items()}
+        test = min(todo, key=top.get)                                   # the held-out domain that allows fewest
+        if args.clients > top[test]:
+            raise UserError(f"--clients {args.clients} leaves clients without a training and a validation example: "
+                            f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of {ds.name} "
+                            f"hold {sum(sizes[test]):,} examples, enough for at most {top[test]:,} clients "
+                            f"(Algorithm 2 cuts each domain into equal chunks of at least 2)")
+    return todo
 
 
 def main(argv=None):

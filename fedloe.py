@@ -179,7 +179,7 @@ def init_state(model, fed, args, ctx):
         if c.n < 2:
             raise common.UserError(f"client {c.id} has {c.n} training example(s), too few for a train/tune split; "
                                    f"use fewer --clients")
-        c.x, c.y, c.tune_x, c.tune_y = common.holdout(c.x, c.y, 0.1, g)   # at least one to tune on
+        c.x, c.y, c.tune_x, c.tune_y = data.holdout(c.x, c.y, 0.1, g)   # at least one to tune on
         if lodo:
             h = len(c.val_y) // 2
             c.id_x, c.id_y, c.val_x, c.val_y = c.val_x[:h], c.val_y[:h], c.val_x[h:], c.val_y[h:]

@@ -93,16 +93,16 @@ def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
 # ---------------------------------------------------------------------------------- splits
 
 def test_algorithm2_counts():
-    assert common.split_counts([100, 50, 30], 3) == [1, 1, 1]
+    assert data.split_counts([100, 50, 30], 3) == [1, 1, 1]
     # 100/1 -> dom0; (50, 50, 30): tie, first -> dom0; (33.3, 50, 30) -> dom1
-    assert common.split_counts([100, 50, 30], 6) == [3, 2, 1]
-    assert common.split_counts([834, 834, 834, 833, 833], 50) == [10] * 5
-    assert sum(common.split_counts([7, 900, 15], 40)) == 40
+    assert data.split_counts([100, 50, 30], 6) == [3, 2, 1]
+    assert data.split_counts([834, 834, 834, 833, 833], 50) == [10] * 5
+    assert sum(data.split_counts([7, 900, 15], 40)) == 40
 
 
 def test_federation_rmnist_50_clients():
     ds = data.load("rmnist")
-    fed = common.federate(ds, 0, 50, seed=1, device="cpu")
+    fed = data.federate(ds, 0, 50, seed=1, device="cpu")
     assert len(fed.clients) == 50 and fed.name == "0"
     by_domain = {d.name: rows(d.x) for d in ds.domains}
     test_rows = by_domain["0"]
@@ -139,10 +139,10 @@ def test_rmnist_domains_are_rotations():
 
 def tiny_federation(n=(6, 10)):
     g = torch.Generator().manual_seed(0)
-    clients = [common.Client(i, "d", (torch.rand(k, 1, 4, 4, generator=g) * 255).to(torch.uint8),
+    clients = [data.Client(i, "d", (torch.rand(k, 1, 4, 4, generator=g) * 255).to(torch.uint8),
                              torch.randint(3, (k,), generator=g), torch.zeros(1, 1, 4, 4, dtype=torch.uint8),
                              torch.zeros(1, dtype=torch.long)) for i, k in enumerate(n)]
-    return common.Federation("d", clients, None, None, None, None, None, [])
+    return data.Federation("d", clients, None, None, None, None, None, [])
 
 
 def tiny_args(**kw):
@@ -310,7 +310,7 @@ def test_label_skew_clients_have_disjoint_train_and_test():
     assert all(len(d.y) >= 1 and len(d.y_test) >= 1 for d in ds.domains)
     d = max(ds.domains, key=lambda d: len(d.y))
     assert not rows(d.x) & rows(d.x_test)
-    fed = common.federate_fixed(ds, 0, "cpu")                           # the 10% validation hold-out
+    fed = data.federate_fixed(ds, 0, "cpu")                           # the 10% validation hold-out
     assert all(c.n >= 1 and len(c.val_y) >= 1 for c in fed.clients)     # leaves every client data
     assert len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0] == "client0"
 
@@ -890,7 +890,7 @@ def test_heads_start_as_the_fedIIR_code():
 @pytest.mark.parametrize("mode", ["batches", "clients"])
 def test_fediir_global_gradient_is_the_mean_classifier_gradient(mode):
     ds = data.synthetic()
-    fed = common.federate(ds, 0, 3, seed=0, device="cpu")
+    fed = data.federate(ds, 0, 3, seed=0, device="cpu")
     args = type("A", (), dict(model="smallconv", head="mlp"))
     torch.manual_seed(0)
     model = common.build_model(args, ds)
@@ -1138,7 +1138,7 @@ def omg_one_round(argv, tmp_path, monkeypatch, dataset="synthetic", sizes=(20, 4
                                           "--batch-size", "16", "--local-epochs", "1", "--global-lr", "0.7"] + argv,
                        tmp_path)
     ds = data.load(dataset, clients=3, alpha=1.0)
-    fed = common.federate_fixed(ds, 0, "cpu") if dataset in data.FL else common.federate(ds, 0, 3, 0, "cpu")
+    fed = data.federate_fixed(ds, 0, "cpu") if dataset in data.FL else data.federate(ds, 0, 3, 0, "cpu")
     for c, n in zip(fed.clients, sizes):
         c.x, c.y = c.x[:n], c.y[:n]
     torch.manual_seed(0)
@@ -1500,8 +1500,8 @@ def spurious_colour_federation(n=1000, p_train=(0.9, 0.8), p_test=0.1, seed=0):
     clients = []
     for i, p in enumerate(p_train):
         (x, y), (xt, yt) = context(p), context(p_test)
-        clients.append(common.Client(i, f"p{p}", x, y, x[:1], y[:1], xt, yt))
-    return common.Federation("clients", clients, None, None, None, None, None, [])
+        clients.append(data.Client(i, f"p{p}", x, y, x[:1], y[:1], xt, yt))
+    return data.Federation("clients", clients, None, None, None, None, None, [])
 
 
 def spurious_colour_model():
@@ -2261,7 +2261,7 @@ def test_fedloe_stage2_with_uniform_phi_and_no_server_steps_is_the_plain_average
 
 def test_fedloe_split_follows_appendix_d2():
     ds = data.synthetic()
-    fed = common.federate(ds, 0, 4, seed=0, device="cpu")
+    fed = data.federate(ds, 0, 4, seed=0, device="cpu")
     before = [(rows(c.x), rows(c.val_x), c.n + len(c.val_y)) for c in fed.clients]
     loe_split(fed)
     for c, (train, hold, total) in zip(fed.clients, before):
@@ -2687,7 +2687,7 @@ def test_fedipg_aberrant_unreliable_client_uploads_from_its_last_download(monkey
 
 def planted_federation():
     """Six synthetic clients; client 3's labels are permuted, so its gradient fights the others'."""
-    fed = common.federate(data.synthetic(), 0, 6, seed=0, device="cpu")
+    fed = data.federate(data.synthetic(), 0, 6, seed=0, device="cpu")
     fed.clients[3].y = (fed.clients[3].y + 1) % 4
     return fed
 
@@ -2874,7 +2874,7 @@ def test_stained_clients_pool_the_training_combinations():
     x = torch.zeros(500, 1, 2, 2, dtype=torch.uint8)
     x[:, 0, 0, 0], x[:, 0, 0, 1] = (ids // 256).to(torch.uint8), (ids % 256).to(torch.uint8)
     ds = data.Dataset("stained", [data.Domain(f"c{k}", x[k::10], ids[k::10] % 10) for k in range(10)], 10, "lodo", "ids")
-    fed = common.federate(ds, 3, 4, seed=0, device="cpu", client_size=80)
+    fed = data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80)
     ident = lambda z: (z[:, 0, 0, 0].long() * 256 + z[:, 0, 0, 1].long()).tolist()
     seen = []
     for c in fed.clients:
@@ -2887,10 +2887,10 @@ def test_stained_clients_pool_the_training_combinations():
         seen += mine
     assert len(seen) == len(set(seen)) == 320                               # disjoint, without repeats
     assert ident(fed.test_x) == ids[3::10].tolist()
-    assert common.federate(ds, 3, 4, seed=0, device="cpu", client_size=80).clients[2].y.tolist() == fed.clients[2].y.tolist()
-    assert common.federate(ds, 3, 4, seed=1, device="cpu", client_size=80).clients[2].y.tolist() != fed.clients[2].y.tolist()
+    assert data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80).clients[2].y.tolist() == fed.clients[2].y.tolist()
+    assert data.federate(ds, 3, 4, seed=1, device="cpu", client_size=80).clients[2].y.tolist() != fed.clients[2].y.tolist()
     with pytest.raises(data.UserError, match="4 clients x 113 examples exceed the 450"):
-        common.federate(ds, 3, 4, seed=0, device="cpu", client_size=113)
+        data.federate(ds, 3, 4, seed=0, device="cpu", client_size=113)
 
 
 def test_stained_client_sizes_by_stain_shrink_to_the_embedded_digits(tmp_path, capsys):
@@ -2903,13 +2903,13 @@ def test_stained_client_sizes_by_stain_shrink_to_the_embedded_digits(tmp_path, c
             (["--stain", "both"], (20, 20, 225), "each client gets 4,500 // 20 = 225"),
             (["--stain", "both", "--clients", "3", "--sample", "2", "--client-size", "1500"], (3, 2, 1500), None)):
         args = stain_args(argv, tmp_path)
-        assert common.test_domains(args, ds) == list(range(10))
+        assert data.test_domains(args, ds) == list(range(10))
         assert (args.clients, args.sample, args.client_size) == expected
         out = capsys.readouterr().out
         assert (note in out) if note else out == ""
     args = stain_args(["--stain", "bg"], tmp_path)
-    common.test_domains(args, ds)
-    fed = common.federate(ds, 0, args.clients, args.seed, "cpu", client_size=args.client_size)
+    data.test_domains(args, ds)
+    fed = data.federate(ds, 0, args.clients, args.seed, "cpu", client_size=args.client_size)
     assert [c.n + len(c.val_y) for c in fed.clients] == [900] * 5
     for c in fed.clients:                                # no single combination explains a client's colours
         colour, y = stain_colour_index(torch.cat([c.x, c.val_x])), torch.cat([c.y, c.val_y])
@@ -2997,7 +2997,7 @@ def dtype(request):
 
 def ragged_federation(sizes=(20, 45, 70, 108, 33)):
     """Synthetic clients cut to uneven sizes: different step counts and partial last batches."""
-    fed = common.federate(data.synthetic(), 0, len(sizes), seed=0, device="cpu")
+    fed = data.federate(data.synthetic(), 0, len(sizes), seed=0, device="cpu")
     for c, n in zip(fed.clients, sizes):
         c.x, c.y = c.x[:n], c.y[:n]
     assert [c.n for c in fed.clients] == list(sizes)
@@ -3221,7 +3221,7 @@ def test_fedomg_round_at_kappa_zero_steps_as_fedavg(tmp_path, dtype):
     moved = {}
     for name, module, a in (("avg", fedavg, method_args(fedavg, "fedavg", argv[:6], tmp_path)), ("omg", fedomg, args),
                             ("omg, η_g = 1", fedomg, types.SimpleNamespace(**{**vars(args), "global_lr": 1.0}))):
-        fed = common.federate(ds, 0, 3, 0, "cpu")
+        fed = data.federate(ds, 0, 3, 0, "cpu")
         for c, n in zip(fed.clients, (20, 45, 70)):
             c.x, c.y = c.x[:n], c.y[:n]
         torch.manual_seed(0)
@@ -3276,7 +3276,7 @@ def local_lr(args, t, tmp_path, monkeypatch):
         raise Seen(make_opt([torch.zeros(1, requires_grad=True)]).param_groups[0]["lr"])
     monkeypatch.setattr(common, "train_clients", spy)
     ds = data.load("synthetic")
-    fed = common.federate(ds, 0, 3, 0, "cpu")
+    fed = data.federate(ds, 0, 3, 0, "cpu")
     model = common.build_model(args, ds)
     with pytest.raises(Seen) as e:
         fedomg.fedomg_round(t, model, fed, args, fedomg.init_state(model, fed, args, tiny_ctx()), tiny_ctx())
@@ -3896,7 +3896,7 @@ def test_fedipg_resumes_after_the_pretraining_phase(tmp_path, monkeypatch, capsy
 def photo_setup(tmp_path):
     data.make_fake_tree(tmp_path, per_class=2)
     ds = data.load("pacs", str(tmp_path), size=32)
-    fed = common.federate(ds, 3, 3, seed=0, device="cpu")
+    fed = data.federate(ds, 3, 3, seed=0, device="cpu")
     torch.manual_seed(0)
     model = common.build_model(type("A", (), dict(model="smallconv", head="linear")), ds)
     ctx = common.Context(torch.device("cpu"), torch.Generator().manual_seed(5), torch.Generator().manual_seed(0),
@@ -4096,14 +4096,11 @@ def test_help_gives_each_default_once(method, dataset, capsys):
         assert flag == "-h" or len(help_) > len(flag) + 12, f"{flag} has no help"
     title = "".join(MAINS[method].__globals__["__doc__"].strip().split("\n\n")[0].split())
     assert "".join(text.split()).count(title) == 1                          # the whole first paragraph
-    assert f"for --dataset {dataset};" in " ".join(text.split())
+    assert "Defaults for --dataset rmnist; those of every dataset: docs/protocol.md" in " ".join(text.split())
+    assert text == help_text(method, [], capsys)          # no probe of the command line: --dataset changes nothing
 
 
-def test_help_shows_the_methods_defaults_for_the_dataset_given(capsys):
-    pacs = flag_blocks(help_text("fedomg", ["--dataset", "pacs"], capsys))
-    assert pacs["--lr"].endswith("(default for pacs: 0.001)")               # FedOMG's, not FedIIR's 2.5e-3
-    assert pacs["--local-epochs"].endswith("(default for pacs: 5)")
-    assert pacs["--global-lr"].endswith("(default for pacs: 0.5)") and pacs["--rounds"].endswith("(default for pacs: 100)")
+def test_help_shows_rmnists_defaults_the_methods_own_first(capsys):
     rmnist = flag_blocks(help_text("fedomg", [], capsys))
     assert rmnist["--lr"].endswith("(default for rmnist: 0.01)") and rmnist["--local-epochs"].endswith("(default for rmnist: 1)")
     assert rmnist["--seed"].startswith("--seed SEED seeds the data split") and rmnist["--seed"].endswith("(default: 0)")
@@ -4113,19 +4110,25 @@ def test_help_shows_the_methods_defaults_for_the_dataset_given(capsys):
     assert loe["--rounds"].endswith("(default: set by fedloe from its own flags)")
     assert loe["--sample"].endswith("(default for rmnist: set by fedloe from its own flags)")
     assert loe["--clients"].endswith("(default for rmnist: 20)")
+    assert loe["--lr"].endswith("(default for rmnist: 0.001)")                # FedLOE's own, not rmnist's 0.01
     assert flag_blocks(help_text("fedavg", [], capsys))["--sample"].endswith("(default: per dataset, see docs/protocol.md)")
-    mnist = flag_blocks(help_text("fedavg", ["--dataset", "mnist"], capsys))
-    assert mnist["--clients"].endswith("(default for mnist: 100)") and mnist["--sample"].endswith("(default for mnist: 20)")
 
 
-@pytest.mark.parametrize("method,dataset", [("fedavg", "rmnist"), ("fedavg", "mnist"), ("fediir", "pacs"),
-                                            ("fedomg", "pacs"), ("fedomg", "rcmnist"), ("fedloe", "rmnist"),
-                                            ("fedloe", "officehome"), ("perinvfl", "rcmnist"), ("perinvfl", "synthetic"),
-                                            ("fedipg", "stained"), ("fedipg", "vlcs")])
-def test_help_shows_the_defaults_a_run_resolves(method, dataset, tmp_path, capsys):
-    """Every value --help gives as a default is the one the run takes: the flag's own, or the tables'
-    after resolve and the method's check()."""
-    blocks = flag_blocks(help_text(method, ["--dataset", dataset], capsys))
+def test_dataset_defaults_take_the_methods_row_then_its_star_row_then_the_datasets():
+    omg = common.dataset_defaults("pacs", fedomg.DEFAULTS)
+    assert (omg["lr"], omg["local_epochs"], omg["global_lr"], omg["rounds"]) == (1e-3, 5, 0.5, 100)   # pacs': 100
+    loe = common.dataset_defaults("officehome", fedloe.DEFAULTS)
+    assert (loe["lr"], loe["clients"], loe["batch_size"], loe["rounds"]) == (3e-5, 20, 128, 100)
+    assert common.dataset_defaults("mnist") == common.DATASET_DEFAULTS["mnist"]
+    assert common.default_tables("rmnist")[0][0]["momentum"] == 0.9                 # the form fedipg.py's check() reads
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"])
+def test_help_shows_the_defaults_a_run_resolves(method, tmp_path, capsys):
+    """Every value --help gives as a default is the one a run on rmnist (the default --dataset) takes: the
+    flag's own, or the tables' after resolve and the method's check()."""
+    dataset = "rmnist"
+    blocks = flag_blocks(help_text(method, [], capsys))
     module = importlib.import_module(method)
     p = common.make_parser(method, module.__doc__)
     module.add_args(p)
@@ -4263,14 +4266,14 @@ def keep_checkpoints(monkeypatch):
 
 def scored_by_hand(ds, model_kind, state_dict):
     """The final model's accuracy on each client's own test set and on the whole validation hold-out
-    of common.federate_fixed (seed 0), computed here."""
+    of data.federate_fixed (seed 0), computed here."""
     model = common.build_model(types.SimpleNamespace(model=model_kind, head="linear", no_pretrained=True), ds)
     model.load_state_dict(state_dict)
     model.eval()
     prep = data.make_prep(ds.name, "cpu")
     with torch.no_grad():
         per = {d.name: (model(prep(d.x_test)).argmax(1) == d.y_test).float().mean().item() for d in ds.domains}
-        fed = common.federate_fixed(ds, 0, "cpu")
+        fed = data.federate_fixed(ds, 0, "cpu")
         val = (model(prep(fed.val_x)).argmax(1) == fed.val_y).float().mean().item()
     return per, val
 
@@ -4285,7 +4288,7 @@ def test_fedloe_stage1_on_fixed_clients_is_fedavg_with_adam(tmp_path, monkeypatc
                  tmp_path, "loe.json")
     theta_loe = blobs[3]["model"]
     blobs.clear()
-    federate_fixed, train_clients = common.federate_fixed, common.train_clients
+    federate_fixed, train_clients = data.federate_fixed, common.train_clients
 
     def split(ds, seed, device, **kw):                        # FedAvg trains on FedLOE's training split
         fed = federate_fixed(ds, seed, device, **kw)
@@ -4295,7 +4298,7 @@ def test_fedloe_stage1_on_fixed_clients_is_fedavg_with_adam(tmp_path, monkeypatc
     def with_adam(model, theta, clients, args, ctx, make_opt=None, **kw):
         adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay)
         return train_clients(model, theta, clients, args, ctx, adam, **kw)
-    monkeypatch.setattr(common, "federate_fixed", split)
+    monkeypatch.setattr(data, "federate_fixed", split)
     monkeypatch.setattr(common, "train_clients", with_adam)
     monkeypatch.setattr(common, "sample_clients", lambda ctx, P, C: list(range(C)))
     avg, _ = run(fedavg.main, argv + ["--rounds", "3", "--local-epochs", "1", "--sample", "4", "--lr", "1e-3",
@@ -4346,7 +4349,7 @@ def test_fixed_clients_keep_their_validation_split_whole():
     """The 10% tuning split of each client's training split (Appendix D.2) on fixed clients; the
     validation hold-out is neither halved nor moved."""
     ds = data.load("rcmnist", None, 0)
-    fed = common.federate_fixed(ds, 0, "cpu")
+    fed = data.federate_fixed(ds, 0, "cpu")
     before = [(rows(c.x), rows(c.val_x)) for c in fed.clients]
     val_x = fed.val_x.clone()
     loe_split(fed, 0, "rcmnist")
@@ -4418,7 +4421,7 @@ def test_perinvfl_lodo_scores_nu_on_the_held_out_domain(tmp_path):
 
     args = types.SimpleNamespace(**res["args"])
     ds = data.load("synthetic", None, args.seed)
-    fed = common.federate(ds, 1, args.clients, args.seed, "cpu")
+    fed = data.federate(ds, 1, args.clients, args.seed, "cpu")
     blob = torch.load(out.replace(".json", ".ckpt"), map_location="cpu", weights_only=True)
     assert blob["round"] == 3
     model = common.build_model(args, ds)
@@ -4529,8 +4532,8 @@ def three_clients(seed=0, sizes=(7, 12, 9), shape=(1, 4, 4), classes=3):
 
 def as_federation(clients):
     """The same clients for the method file's own round."""
-    cs = [common.Client(i, "d", x, y, x[:1], y[:1]) for i, (x, y) in enumerate(clients)]
-    return common.Federation("d", cs, None, None, None, None, None, [])
+    cs = [data.Client(i, "d", x, y, x[:1], y[:1]) for i, (x, y) in enumerate(clients)]
+    return data.Federation("d", cs, None, None, None, None, None, [])
 
 
 def own_model(seed=0):

@@ -274,9 +274,9 @@ def setting(module, name, argv, device, tmp):
     test domain it names, the model (seed 0) and a context, on `device`."""
     args = resolved(module, name, argv, device, tmp)
     ds = data.load(args.dataset, args.data_root, args.seed)
-    test = common.test_domains(args, ds)[0]
+    test = data.test_domains(args, ds)[0]
     dev = torch.device(device)
-    fed = common.federate(ds, test, args.clients, args.seed, dev)
+    fed = data.federate(ds, test, args.clients, args.seed, dev)
     torch.manual_seed(0)
     model = common.build_model(args, ds).to(dev)
     if args.model.startswith("resnet") and dev.type == "cuda":

@@ -92,7 +92,7 @@ def setup(method, doc, add_args=None, own_args=None):
     a.clients, a.sample = args.clients, args.sample
     ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
     dev = torch.device(a.device)
-    fed = common.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else common.federate_fixed(ds, 0, dev)
+    fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else data.federate_fixed(ds, 0, dev)
     torch.manual_seed(0)
     model = common.build_model(args, ds).to(dev)
     ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),

@@ -170,11 +170,11 @@ class Node:
         with contextlib.redirect_stdout(io.StringIO()):   # (the loader's notes are the server's to print)
             ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                            p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
-            common.test_domains(args, ds)       # as common.run: resolves --clients, --sample, --client-size
+            data.test_domains(args, ds)       # as common.run: resolves --clients, --sample, --client-size
         device = torch.device(args.device)
         names = [d.name for d in ds.domains]
-        self.fed = common.federate_fixed(ds, args.seed, device) if domain == "clients" else \
-            common.federate(ds, names.index(domain), args.clients, args.seed, device,
+        self.fed = data.federate_fixed(ds, args.seed, device) if domain == "clients" else \
+            data.federate(ds, names.index(domain), args.clients, args.seed, device,
                             client_size=getattr(args, "client_size", None))
         with torch.random.fork_rng(devices=[]):            # the server's initial model, as train_domain
             torch.manual_seed(args.seed)

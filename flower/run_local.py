@@ -77,7 +77,7 @@ def check(a):
     def dry(method, args, *rest):   # common.run up to the split of the first held-out domain
         ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                        p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
-        common.test_domains(args, ds)
+        data.test_domains(args, ds)
         raise Resolved(args.clients)
     run, common.run, said = common.run, dry, io.StringIO()
     try:

@@ -62,7 +62,7 @@ def main():
     parser = common.make_parser("fedomg", readings.__doc__)
     readings.add_args(parser)
     ds = data.load("rmnist")
-    fed = common.federate(ds, 0, 100, 0, dev)
+    fed = data.federate(ds, 0, 100, 0, dev)
     print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, rule {a.server_rule}, {a.device}, "
           f"medians of {a.rounds} rounds")
     for U in (3, 20, 100):

@@ -31,7 +31,7 @@ method's own λ (FedIIR γ 1e-2, FedIPG λ 1e-3, FedLOE λ 100, applied there to
 
 Scoring, as fedavg.py scores rcmnist: ν after the last round on the clients' own test sets (p_test
 0.1), pooled; train accuracy on the clients' training splits, pooled (each client's 10% validation
-hold-out is in neither: common.federate_fixed, as for ν). The history, at rounds 0, 50, ..., the
+hold-out is in neither: data.federate_fixed, as for ν). The history, at rounds 0, 50, ..., the
 last: train and test accuracy, the mean over the clients of R_i and of P_i at that ν (fediir: with
 the g̃ its last round aligned to, 0 at round 0).
 
@@ -154,7 +154,7 @@ def train(name, seed, args, log=print):
     """One run: the data, split and initial ν exactly as perinvfl.py builds them for this seed."""
     device = torch.device(args.device)
     ds = data.load("rcmnist", args.data_root, seed, p_test=0.1, rotation=False)
-    fed = common.federate_fixed(ds, seed, device)
+    fed = data.federate_fixed(ds, seed, device)
     torch.manual_seed(seed)
     model = common.build_model(argparse.Namespace(model="mlp", head="linear", no_pretrained=True), ds).to(device)
     ctx = common.Context(device, torch.Generator(device), torch.Generator(), data.make_prep("rcmnist", device))

@@ -57,7 +57,7 @@ def score(path):
     rows, train = defaultdict(list), {}
     for p in P_TEST:
         ds = data.load(args.dataset, args.data_root, args.seed, p_test=p, rotation=not getattr(args, "no_rotation", False))
-        fed, model = common.federate_fixed(ds, args.seed, "cpu"), common.build_model(args, ds)
+        fed, model = data.federate_fixed(ds, args.seed, "cpu"), common.build_model(args, ds)
         for row, put in load.items():
             rows[row].append(accuracy(model, put, fed, ctx, "test"))
             if p == P_TEST[0]:            # the training contexts are the same for every p_test
