@@ -1283,13 +1283,8 @@ def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
     ("fedloe", ["--clients", "2000"], "too few for a train/tune split; use fewer --clients"),
     ("fedipg", ["--lam", "-1"], "--lam must be >= 0, got -1.0"),
     ("fedipg", ["--exit", "auto", "--exit-warmup", "0"], "--exit-warmup must be at least 1, got 0"),
-    ("fedipg", ["--exit", "auto", "--warmup", "rounds", "--rounds", "4", "--exit-warmup", "5"],
-     "--warmup rounds: --exit-warmup must be between 1 and --rounds (4), got 5"),
     ("fedipg", ["--exit-L", "0"], "--exit-L must be positive, got 0.0"),
-    ("fedipg", ["--exit-clients", "a,b"], "--exit-clients takes client numbers like 3,7, got 'a,b'"),
     ("fedipg", ["--exit", "sometimes"], "argument --exit: invalid choice: 'sometimes'"),
-    ("fedipg", QUICK + ["--exit-clients", "9"], "client 9 does not exist: there are 2 clients"),
-    ("fedipg", QUICK + ["--exit-clients", "0,1"], "--exit-clients names every client"),
     ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
     ("fedipg", QUICK + ["--parallel-clients", "on"], "--parallel-clients on: fedipg trains with --local-step paper one "
                                                      "client after another"),
@@ -2526,8 +2521,7 @@ def tiny_chain64():
 def ipg_loss(lam, mode="auto"):
     """f_i of Eq. 9 on a batch through fedipg.objective with the model's own parameters: d by `tangent`
     along the model's chain (auto, where it is one), or by torch.func.jvp (mode jvp)."""
-    return lambda model, x, y: fedipg.objective(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y, None, lam,
-                                                None if mode == "jvp" else fedipg.chain(model))
+    return lambda model, x, y: fedipg.objective(model, x, y, None, lam, None if mode == "jvp" else fedipg.chain(model))
 
 
 @pytest.mark.parametrize("mode,net", [("jvp", "mlp"), ("tangent", "chain"), ("jvp", "chain")])
@@ -2580,7 +2574,9 @@ def test_fedipg_tangent_penalty_equals_the_jvp_one(arch):
     x, y = torch.rand(5, 3, 16, 16, generator=g, dtype=torch.float64), torch.randint(4, (5,), generator=g)
     w = list(model.parameters())
     lt, lp = ipg_loss(0.5, "tangent")(model, x, y), ipg_loss(0.5, "jvp")(model, x, y)
-    assert torch.allclose(lt, lp, rtol=1e-12) and torch.equal(lt, fedipg.bound(0.5)(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y))
+    given = {**dict(model.named_parameters()), **dict(model.named_buffers())}      # as common.at_once passes them
+    assert torch.allclose(lt, lp, rtol=1e-12)
+    assert torch.equal(lt, fedipg.objective(model, x, y, None, 0.5, fedipg.chain(model), given))
     gt, gp = torch.autograd.grad(lt, w), torch.autograd.grad(lp, w)
     assert all(torch.allclose(u, v, rtol=1e-9, atol=1e-12 * v.abs().max()) for u, v in zip(gt, gp))
     plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
@@ -2622,7 +2618,7 @@ def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path, device):
 
 def ipg_args(**kw):
     return tiny_args(**dict(dict(lam=0.0, exit="off", exit_warmup=3, exit_L=0.5, exit_clients=[],
-                                 aberrant=None, aberrant_client=0, local_step="sgd", warmup="rounds"), **kw))
+                                 aberrant=None, aberrant_client=0, local_step="sgd", warmup="pretraining"), **kw))
 
 
 def recording_local_sgd(log):
@@ -2699,14 +2695,14 @@ def test_fedipg_exit_ranks_a_planted_aberrant_client_worst_and_removes_it(capsys
     model = common.build_model(args, data.synthetic())
     args = ipg_args(sample=2, lr=0.05, momentum=0.9, batch_size=32, exit="auto", exit_warmup=3, lam=1e-3)
     state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx()
-    for t in range(1, 5):
-        losses = fedipg.fedipg_round(t, model, fed, args, state, ctx)
+    for t in range(1, 5):                                               # rounds 1-3: the warm-up
+        losses = fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=t <= 3)
         assert len(losses) == (6 if t <= 3 else 2)                      # warm-up: every client takes part
     mean = {i: sum(v) / len(v) for i, v in state["contrib"].items()}
     assert len(state["contrib"][0]) == 3 and min(mean, key=mean.get) == 3
     assert state["exited"] == [3] and "exiting: [3]" in capsys.readouterr().out
     for t in range(5, 9):
-        assert 3 not in fedipg.fedipg_round(t, model, fed, args, state, ctx)   # never aggregated again
+        assert 3 not in fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=False)   # never aggregated again
 
 
 def test_fedipg_contribution_is_eq_13():
@@ -2728,7 +2724,7 @@ def test_fedipg_contribution_is_eq_13():
 def test_fedipg_client_gradient_is_the_full_batch_gradient():
     fed, model = tiny_federation((7, 10)), tiny_model()
     client = fed.clients[1]
-    g = fedipg.client_gradient(model, fedipg.in_chunks(client, 3, tiny_ctx()), client.n)   # four chunks, the last of 1
+    g = fedipg.full_gradient(model, fedipg.in_chunks(client, 3, tiny_ctx()), client.n)[0]   # four chunks, the last of 1
     m = copy.deepcopy(model)
     loss = F.cross_entropy(m(client.x.float() / 255), client.y)
     expected = torch.cat([v.reshape(-1) for v in torch.autograd.grad(loss, list(m.parameters()))])
@@ -2741,7 +2737,7 @@ def ipg_warmup_round(**kw):
     model = tiny_model()
     args = ipg_args(sample=4, exit="auto", exit_warmup=2, lr=0.3, **kw)
     state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx()
-    fedipg.fedipg_round(1, model, fed, args, state, ctx)
+    fedipg.fedipg_round(1, model, fed, args, state, ctx, warmup=True)
     return state["contrib"], common.get_flat(model)
 
 
@@ -2763,7 +2759,7 @@ def test_fedipg_estimates_leave_training_unchanged():
         args = ipg_args(sample=6, exit=how, exit_warmup=3, lr=0.05, momentum=0.9, batch_size=32, lam=1e-3)
         state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx()
         for t in (1, 2, 3):
-            fedipg.fedipg_round(t, model, fed, args, state, ctx)
+            fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=how == "auto")
         outs.append(common.get_flat(model))
     assert len(state["contrib"][0]) == 3 and torch.equal(*outs)
 
@@ -2787,6 +2783,11 @@ def test_fedipg_every_in_distribution_client_takes_part_by_default(tmp_path, cap
     (QUICK + ["--aberrant", "rotate:90", "--aberrant-client", "9"], "client 9 does not exist: there are 2 clients"),
     (QUICK + ["--aberrant", "slow:2", "--local-step", "sgd", "--parallel-clients", "on"],
      "--aberrant slow: a stale client starts from an older model than the others"),
+    (["--exit", "auto", "--warmup", "rounds", "--rounds", "4", "--exit-warmup", "5"],
+     "--warmup rounds: --exit-warmup must be between 1 and --rounds (4), got 5"),
+    (["--exit-clients", "a,b"], "--exit-clients takes client numbers like 3,7, got 'a,b'"),
+    (QUICK + ["--exit-clients", "9"], "client 9 does not exist: there are 2 clients"),
+    (QUICK + ["--exit-clients", "0,1"], "--exit-clients names every client"),
 ])
 def test_fedipg_aberrant_bad_input(argv, message, capsys):
     assert message in fails(fedipg_aberrant.main, argv, capsys)
@@ -3799,7 +3800,7 @@ def test_fedipg_defaults_to_the_papers_step_and_warm_up_and_that_step_is_fedsgd(
     a, _ = run(fedavg.main, argv + ["--batch-size", "1000", "--momentum", "0", "--parallel-clients", "off"],
                tmp_path, "avg.json")
     b, _ = run(fedipg.main, argv + ["--lam", "0"], tmp_path, "ipg.json")
-    assert (b["args"]["local_step"], b["args"]["warmup"]) == ("paper", "pretraining")
+    assert b["args"]["local_step"] == "paper" and "warmup" not in b["args"]   # the warm-up: Algorithm 1's alone
     ha, hb = a["domains"]["style1"]["history"], b["domains"]["style1"]["history"]
     assert [r["val_acc"] for r in ha] == [r["val_acc"] for r in hb]
     assert all(abs(u["loss"] - v["loss"]) < 1e-5 for u, v in zip(ha, hb))
@@ -3831,14 +3832,14 @@ def test_fedipg_pretraining_runs_before_round_1_and_round_1_starts_from_w1(monke
     assert all(len(state["contrib"][i]) == W for i in range(6))            # W estimates each, all before round 1
     assert len(calls) == W * 6 + 5                                         # W pre-training rounds, then round 1
     pretrained = smallconv()                                               # what keeping the warm model would give
-    keep = ipg_args(sample=6, lr=0.05, exit="auto", exit_warmup=W, lam=1e-3, local_step="paper", warmup="rounds")
+    keep = ipg_args(sample=6, lr=0.05, exit="auto", exit_warmup=W, lam=1e-3, local_step="paper")
     s_keep, ctx = fedipg.init_state(pretrained, fed, keep, None), tiny_ctx()
-    for t in range(1, W + 2):
-        fedipg.fedipg_round(t, pretrained, fed, keep, s_keep, ctx)
+    for t in range(1, W + 2):                                              # rounds 1..W the warm-up, model kept
+        fedipg.fedipg_round(t, pretrained, fed, keep, s_keep, ctx, warmup=t <= W)
     monkeypatch.undo()
     ref = smallconv()                                                      # one round from w^1 without client 3
-    plain = ipg_args(sample=6, lr=0.05, exit="off", exit_clients=[3], lam=1e-3, local_step="paper")
-    fedipg.fedipg_round(1, ref, fed, plain, fedipg.init_state(ref, fed, plain, None), tiny_ctx())
+    plain = ipg_args(sample=6, lr=0.05, exit="off", lam=1e-3, local_step="paper")
+    fedipg.fedipg_round(1, ref, fed, plain, {"exited": [3], "contrib": {}}, tiny_ctx())
     got, want = common.get_flat(model), common.get_flat(ref)
     assert torch.allclose(got, want, atol=1e-6)                            # (client order: rounding only)
     assert (got - common.get_flat(pretrained)).abs().max() > 1e-3          # not the warmed-up model
@@ -5095,8 +5096,7 @@ def test_perinvfl_docs_loop_is_the_method():
 # phase with g_i, Eq. 13 and the exit rule, then rounds of Eq. 2 on f_i (Eq. 9) and Eq. 3 — against
 # fedipg.py's own round on the same three clients.
 
-IPG_FUNCTIONS = ("tangent", "risk", "risk_and_d", "Call", "objective", "full_gradient", "gradient_step",
-                 "client_gradient", "aggregate", "client_contributions", "exit_rule")
+IPG_FUNCTIONS = ("tangent", "risk_and_d", "objective", "full_gradient", "aggregate", "client_contributions")
 W, T, LAM = 2, 2, 0.5
 
 
@@ -5123,20 +5123,21 @@ def copied_loop(m, clients, local_step, penalty, L):
                 x, y = clients[i]
                 load(model, w)
                 if t <= 0:
-                    g.append(m.client_gradient(model, chunks(x, y, b), n[i]))            # g_i, for Eq. 13
+                    g.append(m.full_gradient(model, chunks(x, y, b), n[i])[0].float())   # g_i, for Eq. 13
                 if local_step == "paper":
-                    m.gradient_step(model, chunks(x, y, b), n[i], lr, LAM, layers=layers)  # Eq. 2 on f_i (Eq. 9)
+                    grad, _ = m.full_gradient(model, chunks(x, y, b), n[i], LAM, layers)   # ∇f_i (Eq. 9)
+                    load(model, w - lr * grad)                                          # Eq. 2
                 else:
                     own_local_sgd(model, x, y, gen, lr, ARGS["momentum"], b, ARGS["local_epochs"],
-                                  lambda mod, xb, yb: m.objective(mod, dict(mod.named_parameters()),
-                                                                  dict(mod.named_buffers()), xb, yb, None, LAM, layers))
+                                  lambda mod, xb, yb: m.objective(mod, xb, yb, None, LAM, layers))
                 yield flat(model) - w                                                   # Δ_i
         load(model, m.aggregate(w, deltas(), [n[i] for i in S]))                        # Eq. 3
         if t <= 0:
             for i, c in zip(S, m.client_contributions(g, [n[i] for i in S], [True] * len(S), sum(n), lr, L)):
                 C.setdefault(i, []).append(c)                                           # Eq. 13
-        if t == 0:
-            out, _ = m.exit_rule(C, I_ID)
+        if t == 0:                                                                      # Section IV's exits
+            mean = {i: sum(v) / len(v) for i, v in C.items()}
+            out = [i for i in I_ID if mean.get(i, 0.0) <= 0]
             I_ID = [i for i in I_ID if i not in out]
             load(model, w1)                                                             # w^1 to all
     return flat(model), I_ID, C
@@ -5155,7 +5156,7 @@ def test_fedipg_copied(local_step, penalty, L, monkeypatch):
     if penalty == "jvp":
         monkeypatch.setattr(fedipg, "chain", lambda model: None)
     expected = method_rounds(fedipg.fedipg_round, clients, T, state, lam=LAM, exit="auto", exit_warmup=W, exit_L=L,
-                             exit_clients=[], local_step=local_step, warmup="pretraining")
+                             local_step=local_step)
     assert 0 < len(I_ID) < 3 and state["exited"] == [i for i in range(3) if i not in I_ID]
     assert C == state["contrib"] and all(len(c) == W for c in C.values())
     assert torch.equal(w, expected), (w - expected).abs().max()
@@ -5224,9 +5225,9 @@ def test_parallel_fedipg_warmup_estimates_match_sequential(tmp_path, monkeypatch
     float64: max |Δθ| 9.0e-17 (tolerance 1e-13). float32, measured at 1 / 2 threads: 2.9e-7 / 2.7e-7,
     tolerance 5e-6 (17x). The contributions (warm-up round 1, at w^1 before any training) agreed
     exactly in both; held to 1e-6 relative."""
-    args = method_args(fedipg, "fedipg", SGD + IPG + ["--sample", "5", "--exit", "auto", "--warmup", "rounds",
-                                                        "--exit-warmup", "1"], tmp_path)
-    out = both_ways(fedipg.fedipg_round, args, 2, monkeypatch, fedipg.init_state)
+    args = method_args(fedipg_aberrant, "fedipg", SGD + IPG + ["--sample", "5", "--exit", "auto", "--warmup", "rounds",
+                                                                 "--exit-warmup", "1"], tmp_path)
+    out = both_ways(fedipg_aberrant.fedipg_round, args, 2, monkeypatch, fedipg_aberrant.init_state)
     f32 = dtype == torch.float32
     assert max_abs(out) < (5e-6 if f32 else 1e-13)
     seq, par = out["off"][2]["contrib"], out["on"][2]["contrib"]

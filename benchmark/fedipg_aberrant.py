@@ -2,7 +2,7 @@
 exit strategy. fedipg.py's own round, through common.main, with fedipg.arrivals swapped for one that
 delays or drops the aberrant client's updates; every fedipg.py flag applies, and:
 
-  --aberrant KIND:VALUE on client --aberrant-client (default 0):
+  --aberrant KIND:VALUE on client --aberrant-client (default 0; without it every client is regular):
     slow:K        its update takes K rounds: it receives w^t, its Δ is computed from w^t and arrives in
                   round t + K − 1 (τ = K − 1); then it receives the model of the next round
     unreliable:P  each round its download and its upload each succeed with probability P; it always
@@ -12,10 +12,14 @@ delays or drops the aberrant client's updates; every fedipg.py flag applies, and
   clients"). After --exit auto's pre-training phase every client receives w^1 again (line 4): a slow
   client's unfinished update is dropped. The results add aberrant_acc and regular_acc (validation
   accuracy on the aberrant client / the others) to id_acc, ood_acc and the exited clients.
+  --exit-clients 3,7  these clients exit from the start, named by hand (the committed exit-hand runs)
+  --warmup rounds     --exit auto's warm-up rounds are rounds 1..W of the T, their model kept (the
+                      committed exit-auto runs; default pretraining: fedipg.py's, before round 1)
 
     python benchmark/fedipg_aberrant.py --clients 20 --test-domain 75 --aberrant rotate:180 --exit auto
     python benchmark/fedipg_aberrant.py --clients 20 --local-step sgd --aberrant slow:3 --exit-clients 0
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -27,9 +31,15 @@ import fedipg  # noqa: E402
 from data import rotate  # noqa: E402
 
 
+def fedipg_round(t, model, fed, args, state, ctx):
+    """fedipg.fedipg_round; --warmup rounds: rounds 1..W are the warm-up rounds (Eq. 13's estimates)."""
+    W = args.exit_warmup if args.exit == "auto" else 0
+    return fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=t <= W if args.warmup == "rounds" else None)
+
+
 def arrivals(t, S, w_t, args, state, ctx, warmup):
     """fedipg.arrivals with the slow or unreliable client: (i, w^{t−τ_i}, τ_i) for the updates that arrive."""
-    kind, value = args.aberrant
+    kind, value = args.aberrant or (None, None)
     if t == 1 and not warmup:                          # round 1: every client has received w^1 (line 4)
         state.update(start(w_t, args))
     arrived = []
@@ -54,26 +64,32 @@ def arrivals(t, S, w_t, args, state, ctx, warmup):
 
 def start(w, args):
     """A slow or unreliable client's state once the server has sent w to all: received w, in round 1."""
-    kind = args.aberrant[0]
+    kind = (args.aberrant or [None])[0]
     return {"since": 1 if kind == "unreliable" else None, "received": w if kind in ("slow", "unreliable") else None}
 
 
 def init_state(model, fed, args, ctx):
-    P, (kind, value) = len(fed.clients), args.aberrant
-    if not 0 <= args.aberrant_client < P:
-        raise common.UserError(f"client {args.aberrant_client} does not exist: there are {P} clients (0..{P - 1})")
+    P, (kind, value) = len(fed.clients), args.aberrant or (None, None)
+    for i in ([args.aberrant_client] if kind else []) + args.exit_clients:
+        if not 0 <= i < P:
+            raise common.UserError(f"client {i} does not exist: there are {P} clients (0..{P - 1})")
+    if len(args.exit_clients) >= P:
+        raise common.UserError("--exit-clients names every client: nobody is left to train")
     if kind in ("slow", "unreliable") and args.sample != P:
         raise common.UserError(f"--aberrant {kind} needs every client in every round: --sample {P} (got {args.sample})")
     if kind == "rotate":                               # this client's images turn
         c = fed.clients[args.aberrant_client]
         c.x, c.val_x = (rotate(v.cpu(), value).to(v.device) for v in (c.x, c.val_x))
         fed.val_x = torch.cat([c.val_x for c in fed.clients])
-    return {**fedipg.init_state(model, fed, args, ctx), **start(common.get_flat(model), args)}
+    state = {**fedipg.init_state(model, fed, args, ctx), **start(common.get_flat(model), args)}
+    return {**state, "exited": list(args.exit_clients)}                  # I_OOD from the start: --exit-clients
 
 
 def evaluate(model, fed, args, state, ctx):
     """fedipg.evaluate, and the validation accuracy on the aberrant client and on the others."""
     val, test, per, *extra = fedipg.evaluate(model, fed, args, state, ctx)
+    if args.aberrant is None:
+        return (val, test, per, *extra)
     hit = common.correct(model, fed.val_x, fed.val_y, ctx).float()
     owner = torch.repeat_interleave(torch.arange(len(fed.clients)), torch.tensor([len(c.val_y) for c in fed.clients]))
     mine = owner.to(hit.device) == args.aberrant_client
@@ -83,8 +99,11 @@ def evaluate(model, fed, args, state, ctx):
 
 def add_args(p):
     fedipg.add_args(p)
-    p.add_argument("--aberrant", required=True, help="slow:K, unreliable:P or rotate:DEG (Section VI-A)")
+    p.add_argument("--aberrant", help="slow:K, unreliable:P or rotate:DEG (Section VI-A; default: none)")
     p.add_argument("--aberrant-client", type=int, default=0, help="which client is aberrant")
+    p.add_argument("--exit-clients", default="", type=client_list, help="clients that exit from the start, e.g. 3,7")
+    p.add_argument("--warmup", default="pretraining", choices=["pretraining", "rounds"],
+                   help="--exit auto's warm-up: before round 1 (Algorithm 1), or rounds 1..W, their model kept")
 
 
 def check(args):
@@ -98,10 +117,20 @@ def check(args):
         if (kind == "slow" and value < 1) or (kind == "unreliable" and not 0 < value <= 1):
             raise common.UserError(f"--aberrant {args.aberrant}: K must be >= 1 and P in (0, 1]")
         args.aberrant = [kind, value]
+    if args.exit == "auto" and args.warmup == "rounds" and args.exit_warmup > args.rounds:
+        raise common.UserError(f"--warmup rounds: --exit-warmup must be between 1 and --rounds ({args.rounds}), "
+                               f"got {args.exit_warmup}")
+
+
+def client_list(text):
+    try:
+        return sorted({int(i) for i in text.split(",") if i.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--exit-clients takes client numbers like 3,7, got {text!r}")
 
 
 def parallel_reason(args):
-    if args.aberrant[0] in ("slow", "unreliable"):
+    if (args.aberrant or [None])[0] in ("slow", "unreliable"):
         return f"--aberrant {args.aberrant[0]}: a stale client starts from an older model than the others"
     return fedipg.parallel_reason(args)
 
@@ -109,7 +138,7 @@ def parallel_reason(args):
 def main(argv=None):
     plain, fedipg.arrivals = fedipg.arrivals, arrivals
     try:
-        return common.main("fedipg", __doc__, fedipg.fedipg_round, argv, add_args, init_state=init_state,
+        return common.main("fedipg", __doc__, fedipg_round, argv, add_args, init_state=init_state,
                            evaluate_fn=evaluate, check=check, parallel_clients=parallel_reason)
     finally:
         fedipg.arrivals = plain

@@ -114,12 +114,14 @@ ROUNDS["fedomg"], HANDLERS["train.fedomg"] = fedomg_round, fedomg_train
 
 def fedipg_round(link, t, model, fed, args, state, ctx, warmup=None):
     W = args.exit_warmup if args.exit == "auto" else 0
-    if warmup is None and W and args.warmup == "pretraining" and t == 1:    # Algorithm 1 line 1, before t = 1
+    if warmup is None and getattr(args, "warmup", None) == "rounds":        # benchmark/fedipg_aberrant.py's
+        warmup = t <= W
+    if warmup is None and W and t == 1:                                     # Algorithm 1 line 1, before t = 1
         w_1 = common.get_flat(model)
         for s in range(1, W + 1):                                           # (its messages: group -s)
             fedipg_round(link, -s, model, fed, args, state, ctx, warmup=True)
         common.set_flat(model, w_1)                                         # lines 2-4: w^1 to all
-    warmup = args.warmup == "rounds" and t <= W if warmup is None else warmup
+    warmup = bool(warmup)
     w_t = common.get_flat(model)
     ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]  # I_ID
     S = [ID[k] for k in common.sample_clients(ctx, len(ID), len(ID) if warmup else min(args.sample, len(ID)))]
@@ -137,8 +139,8 @@ def fedipg_train(node, req, context):
     """Step 2 on the client: g_i = ∇R_i(w) in a warm-up round, then the local step on f_i (Eq. 9) from w."""
     model, start = node.model, req["w"]
     common.set_flat(model, start)
-    g = fedipg.client_gradient(model, fedipg.in_chunks(node.client, node.args.batch_size, node.ctx), node.client.n,
-                               node.ctx.autocast) if req["warmup"] else None
+    g = fedipg.full_gradient(model, fedipg.in_chunks(node.client, node.args.batch_size, node.ctx), node.client.n,
+                             autocast=node.ctx.autocast)[0].float() if req["warmup"] else None
     loss = fedipg.local_step(model, node.client, node.args, node.ctx)
     return {"delta": common.get_flat(model) - start, "loss": loss, "g": g}
 

@@ -51,12 +51,12 @@ def step_parts(model, x, y, lam, repeat, clock):
     def step(mode):
         def f():
             model.zero_grad()
-            fedipg.objective(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y, None, lam, layers if mode == "tangent" else None).backward()
+            fedipg.objective(model, x, y, None, lam, layers if mode == "tangent" else None).backward()
         return f
     risk = F.cross_entropy(model(x), y)
     g_R = torch.autograd.grad(risk, w)
     d = sum((g * p).sum() for g, p in zip(g_R, w))                 # ⟨∇R, w⟩ by its definition
-    g_P = [g - r for g, r in zip(torch.autograd.grad(fedipg.bound(lam)(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y), w), g_R)]
+    g_P = [g - r for g, r in zip(torch.autograd.grad(fedipg.objective(model, x, y, None, lam, layers), w), g_R)]
     norm = lambda gs: sum((v ** 2).sum() for v in gs).sqrt().item()
     print(f"at the model after the timed rounds, on one batch: R = {risk.item():.4f}, d = <grad R, w> = {d.item():.4f}, "
           f"|grad(lam d^2)| / |grad R| = {norm(g_P) / norm(g_R):.2e}")
