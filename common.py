@@ -393,11 +393,6 @@ def dataset_defaults(dataset, defaults=None):
     return {**DATASET_DEFAULTS.get(dataset, {}), **defaults.get("*", {}), **defaults.get(dataset, {})}
 
 
-def default_tables(dataset):
-    """The dataset's table, in the form fedipg.py's check() reads (kept for it)."""
-    return [(DATASET_DEFAULTS[dataset], True)]
-
-
 def help_defaults(p, method, defaults=None):
     """Every flag's help ends with its default: the flag's own, or the one rmnist (the default --dataset) takes
     from the tables (docs/protocol.md gives every dataset's), unless it speaks of its default already. The

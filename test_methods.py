@@ -4121,7 +4121,6 @@ def test_dataset_defaults_take_the_methods_row_then_its_star_row_then_the_datase
     loe = common.dataset_defaults("officehome", fedloe.DEFAULTS)
     assert (loe["lr"], loe["clients"], loe["batch_size"], loe["rounds"]) == (3e-5, 20, 128, 100)
     assert common.dataset_defaults("mnist") == common.DATASET_DEFAULTS["mnist"]
-    assert common.default_tables("rmnist")[0][0]["momentum"] == 0.9                 # the form fedipg.py's check() reads
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"])
