@@ -148,7 +148,7 @@ LOE_STAGES = ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", 
       for m in ("fedomg", "fedloe", "perinvfl", "fedipg"))])
 def test_run_local_real_processes(method, tmp_path):
     """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes (127.0.0.1):
-    the global model equals the in-process run's bit for bit, and no process of the deployment is left
+    the global model equals the in-process run's at the nodes' thread count bit for bit, and no process of the deployment is left
     running. FedAvg and FedIIR with FLOWER_DEPLOY=1; all six with FLOWER_DEPLOY_ALL=1 as well."""
     before = flower_processes()
     out = tmp_path / "flower.json"
@@ -158,9 +158,13 @@ def test_run_local_real_processes(method, tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"results: {out}" in r.stdout
     assert flower_processes() <= before
-    mod = importlib.import_module(method)
-    mod.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0", "--eval-every", "1",
-              "--out", str(tmp_path / "own.json")] + (LOE_STAGES if method == "fedloe" else ["--rounds", "1"]))
+    mod, threads = importlib.import_module(method), torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))    # the nodes' count (run_local.py): the
+    try:                                                                  # CPU kernels' sums depend on it
+        mod.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0", "--eval-every", "1",
+                  "--out", str(tmp_path / "own.json")] + (LOE_STAGES if method == "fedloe" else ["--rounds", "1"]))
+    finally:
+        torch.set_num_threads(threads)
     own = torch.load(tmp_path / "own.ckpt", weights_only=True)
     real = torch.load(tmp_path / "flower.ckpt", weights_only=True)
     for k, v in own["model"].items():
