@@ -4,6 +4,7 @@ Most runs call a method's main() in-process on the synthetic domains or the embe
 run the scripts as subprocesses to check what a user sees (one line on stderr, the exit code).
 """
 import argparse
+import ast
 import contextlib
 import copy
 import importlib
@@ -1825,6 +1826,24 @@ def copied(module, *names):
     ns = {"__name__": "copied"}
     exec("import math\nimport torch\nimport torch.nn.functional as F\n\n" + src, ns)
     return types.SimpleNamespace(**{n: ns[n] for n in names})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_method_file_is_the_method_once(method):
+    """At most 250 lines, a module docstring of at most 30 that links the method's docs page, and no other
+    method imported (common and data only, besides torch and the standard library)."""
+    source = (HERE / f"{method}.py").read_text()
+    tree = ast.parse(source)
+    doc = tree.body[0]
+    assert len(source.splitlines()) <= 250 and doc.end_lineno - doc.lineno + 1 <= 30
+    assert f"docs/{method}.md" in ast.get_docstring(tree)
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+        {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & (set(METHODS) - {method})
+
+
+def test_common_holds_the_shared_machinery_within_800_lines():
+    assert len((HERE / "common.py").read_text().splitlines()) <= 800
 
 
 def test_copied_reaches_for_nothing_of_the_project():
