@@ -5401,7 +5401,7 @@ def test_rcmnist_ptest_rows_name_line_8s_reading():
     labels = [rcmnist_ptest.label(r) for r in runs + [old]]
     assert len(set(labels)) == 5
     assert labels[0] == "perinvfl irm dual, theta reset, line 8 sgd"
-    assert labels[-1] == "perinvfl irm dual, before issue 28"
+    assert labels[-1] == "perinvfl irm dual, theta kept, line 8 adam (unflagged)"
     assert rcmnist_ptest.label({"method": "fedavg", "args": {}}) == "fedavg"
     assert rcmnist_ptest.label({"method": "perinvfl", "args": {}}) == labels[0]   # perinvfl.py's run: its defaults
 

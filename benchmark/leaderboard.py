@@ -76,8 +76,8 @@ REUSE = {
     ("rmnist50-75", "fedavg"): "rmnist50-full-75/fedavg",
     ("rmnist50-75", "fediir"): "rmnist50-full-75/fediir",
     ("mnist-fl", "fedavg"): "mnist-fl-full-alpha0.1/fedavg",
-    ("mnist-fl", "fedomg"): "mnist-fl-full-alpha0.1/fedomg",              # the FL η_g and rule: unchanged by issue 28
-    ("rcmnist-norot", "perinvfl"): "rcmnist-full-norot-reset/perinvfl",   # θ_i reset to ν (issue 28's default)
+    ("mnist-fl", "fedomg"): "mnist-fl-full-alpha0.1/fedomg",              # the FL η_g and server rule
+    ("rcmnist-norot", "perinvfl"): "rcmnist-full-norot-reset/perinvfl",   # θ_i reset to ν (perinvfl.py's default)
     ("rcmnist", "perinvfl"): "rcmnist-full-reset/perinvfl",
 }
 # (benchmark, row) -> why the method does not run there (listed under the table)

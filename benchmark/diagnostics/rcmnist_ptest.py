@@ -30,13 +30,13 @@ P_TEST = (0.1, 0.2, 0.3, 0.4, 0.5)
 def label(res):
     """A run's row: the method; for perinvfl.py also L_INV, the personalisation and line 8's reading
     (--theta, --theta-opt of benchmark/diagnostics/perinvfl_variants.py; perinvfl.py's runs have its defaults),
-    so that runs of the two readings never share a row. Runs made before those flags (issue 28: θ_i kept
-    across rounds, Adam for line 8) say so."""
+    so that runs of the two readings never share a row. Runs whose args predate those flags (they kept θ_i
+    across rounds and used Adam for line 8) say so."""
     a = res["args"]
     if res["method"] != "perinvfl":
         return res["method"]
     if "personalize" in a and "theta" not in a:
-        return f"perinvfl {a['inv']} {a['personalize']}, before issue 28"
+        return f"perinvfl {a['inv']} {a['personalize']}, theta kept, line 8 adam (unflagged)"
     a = dict(dict(inv="irm", personalize="dual", theta="reset", theta_opt="sgd"), **a)   # perinvfl.py's own
     return f"perinvfl {a['inv']} {a['personalize']}, theta {a['theta']}, line 8 {a['theta_opt']}"
 
