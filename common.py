@@ -6,7 +6,9 @@ loss}; optional init_state(model, fed, args, ctx) -> state and evaluate_fn(model
 (val_acc, test_acc, per-test-set accs[, extra]). The contract in full: docs/protocol.md ("Adding a method").
 """
 import contextlib
+import copy
 import functools
+import hashlib
 import json
 import math
 import os
@@ -152,86 +154,99 @@ def set_flat(model, vec):
             p.copy_(v.view_as(p))
 
 
-# ------------------------------------------------------------------------------ local training
+# ---------------------------------------------------------------------- the clients of a round
+# A round is what the server sends, what each sampled client computes from it, and what the server
+# does with the replies. A client's work is a function of what it was sent, its own data, its own
+# state and its own random stream, never of another client: `on_clients` runs it one client after
+# another, all at once (torch.func), or on Flower's nodes (flower/), with the same replies.
 
 @dataclass
 class Context:
     device: torch.device
-    gen: torch.Generator       # on the device: minibatch order and augmentation
-    sampler: torch.Generator   # on the CPU: which clients take part in a round
+    sampler: torch.Generator   # on the CPU: the server's own draws (which clients take part)
     prep: object               # uint8 batch -> model input, see data.make_prep
     amp: bool = False
+    args: object = None
+    fed: object = None         # the federation (data.Federation) of this held-out domain
+    model: object = None       # a scratch model of the global one's architecture, for the clients' work
+    clients: dict = None       # {client id: its own state}, kept across rounds (in the method's state)
+    engine: object = None      # how on_clients runs the clients: one_by_one, all_at_once, or Flower's
+
+    def autocast(self):
+        return torch.autocast("cuda", torch.bfloat16) if self.amp else contextlib.nullcontext()
+
+
+@dataclass
+class Site:
+    """Where a client's work runs: its data, its own random stream and state, and a model to compute with.
+    Stacked (all at once): `client`, `gen` and `state` are lists, one entry per client."""
+    client: object             # data.Client: x, y (training split), val_x, val_y, id, n
+    gen: object                # torch.Generator: every random draw of this client in this phase
+    state: object              # dict: what the client keeps across rounds (FedOMG's momentum)
+    model: nn.Module
+    args: object
+    prep: object
+    amp: bool = False
+
+    @property
+    def stacked(self):
+        return isinstance(self.client, list)
 
     def autocast(self):
         return torch.autocast("cuda", torch.bfloat16) if self.amp else contextlib.nullcontext()
 
 
 def sample_clients(ctx, P, C):
-    """C of the P clients, uniformly without replacement."""
-    return torch.randperm(P, generator=ctx.sampler)[:C].tolist()
+    """C of the P clients, uniformly without replacement, on the server's generator; in the order of their ids
+    (the order in which every engine returns the replies, so that the server sums them in one order)."""
+    return sorted(torch.randperm(P, generator=ctx.sampler)[:C].tolist())
 
 
-def batches(n, batch_size, epochs, ctx):
-    """Index tensors of the minibatches of `epochs` shuffled passes over n examples (the last,
-    partial batch of each pass is kept, as in the FedIIR code). No host synchronisation."""
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=ctx.gen, device=ctx.device)
-        for i in range(0, n, batch_size):
-            yield perm[i:i + batch_size]
+def stream(seed, domain, t, client, phase, device):
+    """Client `client`'s random stream in round t of the run (seed, held-out domain), in the exchange `phase`:
+    a generator seeded with 64 bits of BLAKE2b of those five values (docs/protocol.md: Random streams)."""
+    key = f"{seed}/{domain}/{t}/{client}/{phase}".encode()
+    return torch.Generator(device).manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
 
 
-def cross_entropy(model, x, y):
-    return F.cross_entropy(model(x), y)
+def stackable(fn):
+    """Marks a client function that also runs for a stacked Site (its training: local_train): with
+    --parallel-clients on, all_at_once calls it once for every client of the round."""
+    fn.stackable = True
+    return fn
 
 
-def sgd(params, args):
-    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+def on_clients(fn, S, sent, t, ctx, phase=None):
+    """Each client c of S runs fn(site, sent_c) and replies with a dict: the replies, in the order of S. sent: one
+    dict for all, or a list of one per client; phase (default fn's name) names the exchange in the streams."""
+    sents = sent if isinstance(sent, list) else [sent] * len(S)
+    return (ctx.engine or one_by_one)(fn, list(S), sents, t, phase or fn.__name__, ctx)
 
 
-def local_sgd(model, client, args, ctx, loss_fn=cross_entropy, opt=None, epochs=None):
-    """`epochs` (default args.local_epochs) passes of minibatch steps on loss_fn over the client's split,
-    with a fresh SGD unless `opt` is given. Returns the mean loss as a device tensor."""
-    model.train()
-    opt = opt or sgd(model.parameters(), args)
-    total, steps = torch.zeros((), device=ctx.device), 0
-    for idx in batches(client.n, args.batch_size, epochs or args.local_epochs, ctx):
-        x, y = ctx.prep(client.x[idx], train=True, gen=ctx.gen), client.y[idx]
-        with ctx.autocast():
-            loss = loss_fn(model, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += loss.detach().float()
-        steps += 1
-    return total / steps
+def site(ctx, c, t, phase):
+    """The Site of client c (a list: those clients stacked) in round t's exchange `phase`."""
+    if isinstance(c, list):
+        one = [site(ctx, i, t, phase) for i in c]
+        return Site([s.client for s in one], [s.gen for s in one], [s.state for s in one], ctx.model, ctx.args,
+                    ctx.prep, ctx.amp)
+    return Site(ctx.fed.clients[c], stream(ctx.args.seed, ctx.fed.name, t, c, phase, ctx.device),
+                ctx.clients.setdefault(c, {}), ctx.model, ctx.args, ctx.prep, ctx.amp)
 
 
-# ------------------------------------------------------------------ the sampled clients of a round
+def one_by_one(fn, S, sents, t, phase, ctx):
+    """The clients one after another, in process."""
+    return [fn(site(ctx, c, t, phase), sent) for c, sent in zip(S, sents)]
 
-def train_clients(model, theta, clients, args, ctx, make_opt=None, momentum=None, loss_fn=cross_entropy, epochs=None,
-                  objective=None):
-    """Each of `clients` trained from θ (flat) as local_sgd trains one, with make_opt(params) (default SGD);
-    `momentum`: {client id: flat momentum buffer}, loaded before and kept after. Yields (θ_c, mean loss) in
-    order; with --parallel-clients on, all at once (at_once) on `objective`, loss_fn's torch.func form."""
-    make_opt = make_opt or (lambda params: sgd(params, args))
-    if parallel(args):
-        if loss_fn is not cross_entropy and objective is None:
-            raise UserError("--parallel-clients on: this local loss has no torch.func form; use off")
-        yield from at_once(model, theta, clients, args, ctx, make_opt, momentum, epochs,
-                           objective or weighted_cross_entropy)
-        return
-    for client in clients:
-        set_flat(model, theta)
-        opt = make_opt(model.parameters())
-        params = [p for group in opt.param_groups for p in group["params"]]
-        if momentum is not None and client.id in momentum:      # the client's kept SGD momentum (flat)
-            for p, m in zip(params, momentum[client.id].split([p.numel() for p in params])):
-                opt.state[p]["momentum_buffer"] = m.view_as(p).clone()
-        loss = local_sgd(model, client, args, ctx, loss_fn, opt, epochs)
-        if momentum is not None:                                # zeros where SGD has none yet
-            momentum[client.id] = torch.cat([opt.state[p].get("momentum_buffer", torch.zeros_like(p)).reshape(-1)
-                                             for p in params])
-        yield get_flat(model), loss     # lazily: one client's parameters in memory at a time
+
+def all_at_once(fn, S, sents, t, phase, ctx):
+    """The clients at once, in process, where fn is stackable (else one_by_one): what was sent to each stacked
+    (tensors on a new first dimension), one call, and the replies' tensors split back by client."""
+    if not getattr(fn, "stackable", False) or len(S) == 1:
+        return one_by_one(fn, S, sents, t, phase, ctx)
+    sent = {k: torch.stack([s[k] for s in sents]) if torch.is_tensor(v) and any(s[k] is not v for s in sents) else v
+            for k, v in sents[0].items()}
+    out = fn(site(ctx, S, t, phase), sent)
+    return [{k: v[j] if torch.is_tensor(v) else v for k, v in out.items()} for j in range(len(S))]
 
 
 def parallel(args):
@@ -249,61 +264,120 @@ def check_parallel(args, method, supported):
     if args.parallel_clients == "on" and not supported:
         raise UserError(f"--parallel-clients on: {method} {reason}; use off")
     if args.parallel_clients == "on" and args.dataset in data.PHOTOS:
-        raise UserError(f"--parallel-clients on: not for {args.dataset} (its augmentation draws from the "
-                        f"minibatch stream between batches, and a ResNet fills a GPU alone); use off")
+        raise UserError(f"--parallel-clients on: not for {args.dataset} (each client's augmentation draws from its "
+                        f"own stream, and a ResNet fills a GPU alone); use off")
     args.parallel_clients = "on" if supported and parallel(args) else "off"
 
 
-def minibatch_plan(clients, batch_size, epochs, ctx, order=None):
-    """The minibatches of every client as `batches` draws them: [K, C, B] indices into the pooled data,
-    -1 for padding; clients stacked in `order` (a list: no host synchronisation)."""
-    plans, start = [], 0
-    for client in clients:
-        nb = -(-client.n // batch_size)
-        plans.append(torch.cat([F.pad(torch.randperm(client.n, generator=ctx.gen, device=ctx.device) + start,
-                                      (0, nb * batch_size - client.n), value=-1).view(nb, batch_size)
-                                for _ in range(epochs)]))
-        start += client.n
-    K = max(len(p) for p in plans)
-    return torch.stack([F.pad(plans[i], (0, 0, 0, K - len(plans[i])), value=-1)
-                        for i in (order or range(len(plans)))], 1)
+# ------------------------------------------------------------------------------ local training
+
+def cross_entropy(model, params, buffers, x, y, w):
+    """A client's minibatch loss in the form every local objective takes: Σ_j w_j CE(f(x_j), y_j) at the
+    parameters `params` (dicts by name, through functional_call), w_j = 1 / (real examples), 0 on padding."""
+    logits = torch.func.functional_call(model, (params, buffers), (x,))
+    return (F.cross_entropy(logits, y, reduction="none") * w).sum()
 
 
-def weighted_cross_entropy(model, params, buffers, x, y, w):
-    """One client's minibatch loss as at_once takes it: Σ_j w_j CE(f(x_j), y_j) through functional_call, w_j =
-    1 / (real examples) and 0 on padding. A method's objective has this signature."""
-    return (F.cross_entropy(torch.func.functional_call(model, (params, buffers), (x,)), y, reduction="none") * w).sum()
+def sgd(params, args, lr=None):
+    """The local optimiser: SGD with --lr (or lr), --momentum, --weight-decay, one update for all tensors (foreach)."""
+    return torch.optim.SGD(params, lr=args.lr if lr is None else lr, momentum=args.momentum,
+                           weight_decay=args.weight_decay, foreach=True)
 
 
-def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=None, objective=weighted_cross_entropy):
-    """The clients' local updates at once: parameters stacked on a new first dimension, vmap(grad(objective))
-    per step, one optimiser over the stack; clients stacked longest first, so those still training are a
-    prefix and the others are put back after every step. Returns [(θ_c, mean loss)] (docs/protocol.md)."""
-    C, epochs = len(clients), epochs or args.local_epochs
-    order = sorted(range(C), key=lambda i: -clients[i].n)               # longest first
-    plan = minibatch_plan(clients, args.batch_size, epochs, ctx, order)  # drawn in the clients' order
+def batches(n, batch_size, gen, device, epochs=None, steps=None):
+    """Index tensors of a client's minibatches, drawn from its stream `gen`: `epochs` shuffled passes over its n
+    examples (the last, partial batch of each kept, as in the FedIIR code), or `steps` batches each drawn afresh
+    (the whole split, in order, when batch_size covers it). No host synchronisation."""
+    if steps is not None:
+        for _ in range(steps):
+            yield torch.arange(n, device=device) if batch_size >= n else \
+                torch.randperm(n, generator=gen, device=device)[:batch_size]
+        return
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=gen, device=device)
+        for i in range(0, n, batch_size):
+            yield perm[i:i + batch_size]
+
+
+def local_train(site, theta, objective=cross_entropy, make_opt=None, epochs=None, steps=None, keep_momentum=False):
+    """A client's local training from θ (flat): minibatch steps (`batches`: --local-epochs passes by default, or
+    `steps` fresh draws) of make_opt (default `sgd`) on objective(model, params, buffers, x, y, w). keep_momentum:
+    the SGD momentum buffer is the client's own, kept in site.state across rounds. Returns (θ_c, mean loss);
+    a stacked Site trains every client at once (at_once): θ_c [C, |θ|] and the losses [C]."""
+    args, make_opt = site.args, make_opt or (lambda params: sgd(params, site.args))
+    epochs = None if steps is not None else epochs or args.local_epochs
+    if site.stacked:
+        return at_once(site, theta, objective, make_opt, epochs, steps, keep_momentum)
+    model, client, device = site.model, site.client, theta.device
+    set_flat(model, theta)
+    params = list(model.parameters())
+    opt = make_opt(params)
+    if keep_momentum and "momentum" in site.state:            # the client's SGD momentum of its last round (flat)
+        for p, m in zip(params, site.state["momentum"].split([p.numel() for p in params])):
+            opt.state[p]["momentum_buffer"] = m.view_as(p).clone()
+    model.train()
+    named, buffers, weights = dict(model.named_parameters()), dict(model.named_buffers()), {}
+    total, count = torch.zeros((), device=device), 0
+    for idx in batches(client.n, args.batch_size, site.gen, device, epochs, steps):
+        b = len(idx)
+        if b not in weights:
+            weights[b] = torch.full((b,), 1.0 / b, device=device)
+        x, y = site.prep(client.x[idx], train=True, gen=site.gen), client.y[idx]
+        with site.autocast():
+            loss = objective(model, named, buffers, x, y, weights[b])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += loss.detach().float()
+        count += 1
+    if keep_momentum:                                           # zeros where SGD has none yet
+        site.state["momentum"] = torch.cat([opt.state[p].get("momentum_buffer", torch.zeros_like(p)).reshape(-1)
+                                            for p in params])
+    return get_flat(model), total / max(count, 1)
+
+
+def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_momentum=False):
+    """local_train for the stacked clients of `site`: parameters stacked on a new first dimension, one
+    vmap(grad(objective)) and one optimiser step per minibatch for all of them, from the minibatches each
+    client's own stream draws (`batches`, as local_train). θ: one start [|θ|] or one per client [C, |θ|].
+    Clients are stacked longest first, so those still training are a prefix; the others are put back after
+    every step, parameters and optimiser state, and never move again (docs/protocol.md)."""
+    clients, gens, states, args, model = site.client, site.gen, site.state, site.args, site.model
+    if site.args.dataset in data.PHOTOS:       # (check_parallel refuses it: their augmentation is per client)
+        raise UserError("the clients of a photo dataset train one after another")
+    C, device = len(clients), theta.device
+    plans = [list(batches(c.n, args.batch_size, g, device, epochs, steps)) for c, g in zip(clients, gens)]
+    order = sorted(range(C), key=lambda i: -len(plans[i]))              # longest first
+    K, B = len(plans[order[0]]), max(len(i) for p in plans for i in p)
+    offset = [sum(c.n for c in clients[:i]) for i in range(C)]          # each client's rows in X
+    plan = torch.full((K, C, B), -1, dtype=torch.long, device=device)   # [step, client, example] into X; -1: pad
+    for j, i in enumerate(order):
+        for k, idx in enumerate(plans[i]):
+            plan[k, j, :len(idx)] = idx + offset[i]
     X, Y = torch.cat([c.x for c in clients]), torch.cat([c.y for c in clients])
-    clients = [clients[i] for i in order]
-    steps = [epochs * -(-c.n // args.batch_size) for c in clients]
+    steps_of = [len(plans[i]) for i in order]
     real = plan >= 0
     weight = real / real.sum(-1, keepdim=True).clamp(min=1)             # 1 / (real examples) on each
+    count = real.any(-1).sum(0).clamp(min=1)                            # each client's steps, on the device
     plan = plan.clamp(min=0)
     sizes = [p.numel() for p in model.parameters()]
-    params = {name: t.view_as(p).expand(C, *p.shape).clone()
-              for (name, p), t in zip(model.named_parameters(), theta.split(sizes))}
+    start = theta[order] if theta.dim() == 2 else theta.expand(C, -1)
+    params = {name: t.reshape(C, *p.shape).clone()
+              for (name, p), t in zip(model.named_parameters(), start.split(sizes, 1))}
     buffers = {name: b.expand(C, *b.shape).clone() for name, b in model.named_buffers()}
     opt = make_opt(list(params.values()))
-    if momentum is not None:             # a client without one yet starts from zeros: the same first step
-        kept = torch.stack([momentum.get(c.id, torch.zeros_like(theta)) for c in clients])
+    if keep_momentum:                    # a client without one yet starts from zeros: the same first step
+        kept = torch.stack([states[i].get("momentum", torch.zeros_like(theta[0] if theta.dim() == 2 else theta))
+                            for i in order])
         for p, m in zip(params.values(), kept.split(sizes, 1)):
             opt.state[p]["momentum_buffer"] = m.reshape(p.shape).clone()
     grad_and_loss = torch.func.vmap(torch.func.grad_and_value(functools.partial(objective, model)))
     model.train()
-    total = torch.zeros(C, device=ctx.device)
-    for k in range(plan.shape[0]):
-        m = sum(s > k for s in steps)                                   # clients[:m] still train
-        x = ctx.prep(X[plan[k, :m].reshape(-1)], train=True, gen=ctx.gen)
-        with ctx.autocast():
+    total = torch.zeros(C, device=device)
+    for k in range(K):
+        m = sum(s > k for s in steps_of)                                # the first m clients still train
+        x = site.prep(X[plan[k, :m].reshape(-1)], train=True)
+        with site.autocast():
             grads, losses = grad_and_loss({n: p[:m] for n, p in params.items()}, {n: b[:m] for n, b in buffers.items()},
                                           x.view(m, -1, *x.shape[1:]), Y[plan[k, :m]], weight[k, :m])
         total[:m] += losses.detach().float()
@@ -319,11 +393,13 @@ def at_once(model, theta, clients, args, ctx, make_opt, momentum=None, epochs=No
         opt.step()
         for t, rows in held:
             t[m:] = rows
-    if momentum is not None:
+    back = [order.index(i) for i in range(C)]                           # the site's order
+    if keep_momentum:
         kept = torch.cat([opt.state[p]["momentum_buffer"].reshape(C, -1) for p in params.values()], 1)
-        momentum.update({c.id: m.clone() for c, m in zip(clients, kept)})
+        for i, j in enumerate(back):
+            states[i]["momentum"] = kept[j].clone()
     thetas = torch.cat([p.detach().reshape(C, -1) for p in params.values()], 1)
-    return [(thetas[j], total[j] / steps[j]) for j in (order.index(i) for i in range(C))]   # the callers' order
+    return thetas[back], (total / count)[back]
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -474,6 +550,9 @@ def load_checkpoint(path, args):
         saved = blob["args"]
     except Exception as e:
         raise UserError(f"corrupt checkpoint {path} ({type(e).__name__}); delete it or run without --resume")
+    if "gen" in blob:    # one minibatch stream shared by all clients: the code before commit STREAMS
+        raise UserError(f"--resume: {path} was made when the clients shared one random stream; this code gives each "
+                        f"client its own, so that run cannot be continued: start it again without --resume")
     now = identity(args)
     diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if diff:
@@ -543,9 +622,10 @@ def set_deterministic(on=True):
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None):
+def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None, engine=None):
     """Load, then for every held-out domain: federate and train_domain; results JSON and checkpoint.
-    argv: the command line, recorded in the provenance."""
+    argv: the command line, recorded in the provenance; engine: on_clients' (default: one_by_one, or
+    all_at_once with --parallel-clients on; flower/ passes its own)."""
     set_deterministic(not args.nondeterministic)      # before the model or anything else meets CUDA
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
@@ -573,7 +653,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
         try:
             with Progress():
                 results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn,
-                                                            resume, results, ckpt_path, len(todo) - k - 1)
+                                                            resume, results, ckpt_path, len(todo) - k - 1, engine)
         except NonFinite as e:   # name only the files this run wrote (or resumed from), never an older run's
             done = bool(results["domains"])                     # finished here, or before the --resume
             kept = [f"the last good checkpoint ({ckpt_path})"] * (blob is not None or done or e.saved) + \
@@ -597,9 +677,10 @@ def with_mean(results):
     return results
 
 
-def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining):
+def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining,
+                 engine=None):
     """T rounds on one federation: a round, every args.eval_every rounds an evaluation, the best kept, a checkpoint."""
-    model, state, ctx, start, history, best, spent = start_domain(args, ds, fed, init_state, resume)
+    model, state, ctx, start, history, best, spent = start_domain(args, ds, fed, init_state, resume, engine)
     pace, losses = Pace(start, spent, args.rounds, remaining), []
     for t in range(start, args.rounds + 1):   # history: a checkpoint of this domain is on disk (for NonFinite)
         losses.append(checked_round(round_fn, t, model, fed, args, state, ctx, saved=bool(history)))
@@ -620,34 +701,46 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         losses = []
         save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
                                     "round": t, "model": model.state_dict(), "state": state,
-                                    "gen": ctx.gen.get_state(), "sampler": ctx.sampler.get_state(),
+                                    "sampler": ctx.sampler.get_state(),
                                     "torch_rng": torch.get_rng_state(), "history": history, "best": best,
                                     "seconds": row["seconds"]})
     return domain_result(ds, fed, history, best)
 
 
-def start_domain(args, ds, fed, init_state, resume=None):
+def start_domain(args, ds, fed, init_state, resume=None, engine=None):
     """The initial model (seeded), the method's state and the domain's random streams (fixed by the seed), then
     a checkpoint's (resume): (model, state, ctx, next round, history, best, seconds spent)."""
     device = torch.device(args.device)
-    torch.manual_seed(args.seed)
-    model = build_model(args, ds).to(device)
-    if args.model.startswith("resnet") and device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    salt = sum(map(ord, fed.name))  # a per-domain stream, fixed by the seed
-    ctx = Context(device, torch.Generator(device).manual_seed(args.seed * 7919 + salt),
-                  torch.Generator().manual_seed(args.seed * 104729 + salt), data.make_prep(args.dataset, device), args.amp)
+    model = global_model(args, ds, device)
+    ctx = make_context(args, fed, model, engine)
     state = init_state(model, fed, args, ctx) if init_state else {}
     print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
           f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
-    if resume is None:
-        return model, state, ctx, 1, [], None, 0.0
-    model.load_state_dict(resume["model"])
-    ctx.gen.set_state(resume["gen"])
-    ctx.sampler.set_state(resume["sampler"])
-    torch.set_rng_state(resume["torch_rng"])
-    state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
-    return model, state, ctx, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"]
+    start = (model, state, ctx, 1, [], None, 0.0)
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        ctx.sampler.set_state(resume["sampler"])
+        torch.set_rng_state(resume["torch_rng"])
+        state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
+        start = (model, state, ctx, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"])
+    ctx.clients = state.setdefault("clients", {})        # the clients' own states (on Flower: on the nodes)
+    return start
+
+
+def make_context(args, fed, model, engine=None):
+    """A held-out domain's Context: the server's sampler (fixed by the seed and the domain), a scratch copy of the
+    model for the clients' work, and on_clients' engine (default: at once with --parallel-clients on)."""
+    device, salt = torch.device(args.device), sum(map(ord, fed.name))
+    return Context(device, torch.Generator().manual_seed(args.seed * 104729 + salt), data.make_prep(args.dataset, device),
+                   args.amp, args, fed, copy.deepcopy(model), {}, engine or (all_at_once if parallel(args) else None))
+
+
+def global_model(args, ds, device):
+    """The initial global model, seeded by --seed, on the device (channels-last for the ResNets on CUDA)."""
+    torch.manual_seed(args.seed)
+    model = build_model(args, ds).to(device)
+    return model.to(memory_format=torch.channels_last) if args.model.startswith("resnet") and device.type == "cuda" \
+        else model
 
 
 def checked_round(round_fn, t, model, fed, args, state, ctx, saved):

@@ -5,7 +5,7 @@ Objective (ERM over the participating clients):  min_θ  Σ_c p_c R_c(θ),  p_c 
 
 Algorithm (one communication round t = 1..T):
     1. sample a subset S of C clients out of P, uniformly without replacement
-    2. on every client c ∈ S, in parallel (here: one after another; at once with --parallel-clients on):
+    2. on every client c ∈ S, in parallel (in process: one after another, or at once on CUDA):
          θ_c ← θ^{t-1}; E epochs of minibatch SGD on the cross-entropy R_c(θ_c; ζ)
          Δ_c = θ_c − θ^{t-1}
     3. server: θ^t = θ^{t-1} + η_g Σ_{c∈S} n_c Δ_c / Σ_{c∈S} n_c
@@ -30,14 +30,21 @@ import common
 
 
 # ---------------------------------------------------------------- the method as plain functions
-# The client's step 2 is plain local SGD on the cross-entropy (any training loop does it); what is
-# FedAvg's own is the server's step 3. It reads the clients' parameters one at a time, so any
-# iterable will do (a generator keeps one client's parameters in memory at once).
+# What a client computes from what the server sent (its step 2), and the server's step 3. The client's
+# work is plain local SGD on the cross-entropy (common.local_train: it draws its minibatches from its
+# own random stream); what is FedAvg's own is the server's step.
+
+@common.stackable                       # with --parallel-clients on, every sampled client at once
+def client_update(site, sent):
+    """Step 2 on client c: θ_c ← θ^{t-1}, E epochs of minibatch SGD on R_c; replies θ_c and its mean loss."""
+    theta_c, loss = common.local_train(site, sent["theta"])
+    return {"theta": theta_c, "loss": loss}
+
 
 def server_update(theta, thetas, n, global_lr=1.0):
     """Step 3: θ^t = θ^{t-1} + η_g Σ_c n_c Δ_c / Σ_c n_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1} as a
-    flat vector; thetas: the sampled clients' trained θ_c (flat); n: their weights n_c (data sizes,
-    or ones for the uniform mean of the FedIIR code); global_lr: η_g (1 = the weighted mean of the θ_c)."""
+    flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable); n: their weights n_c
+    (data sizes, or ones for the uniform mean of the FedIIR code); global_lr: η_g (1: the weighted mean)."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
     for theta_c, n_c in zip(thetas, n):
         delta_sum += n_c * (theta_c - theta)                    # n_c Δ_c
@@ -48,19 +55,12 @@ def server_update(theta, thetas, n, global_lr=1.0):
 # ------------------------------------------------------------------------------------ one round
 
 def fedavg_round(t, model, fed, args, state, ctx):
-    theta = common.get_flat(model)                              # θ^{t-1}
-    S = common.sample_clients(ctx, len(fed.clients), args.sample)  # step 1
-    # step 2: on every c ∈ S, θ_c ← θ^{t-1}, then E epochs of SGD on R_c (one after another, or at once)
-    trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx)
-    losses = {}
-
-    def uploads():                                              # θ_c, client by client, as they finish
-        for c, (theta_c, loss) in zip(S, trained):
-            losses[c] = loss
-            yield theta_c
+    theta = common.get_flat(model)                                      # θ^{t-1}
+    S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
+    up = common.on_clients(client_update, S, {"theta": theta}, t, ctx)  # step 2: θ^{t-1} to S, θ_c back
     n = [1.0 if args.uniform_avg else float(fed.clients[c].n) for c in S]
-    common.set_flat(model, server_update(theta, uploads(), n, args.global_lr))   # step 3
-    return losses
+    common.set_flat(model, server_update(theta, [r["theta"] for r in up], n, args.global_lr))   # step 3
+    return {c: r["loss"] for c, r in zip(S, up)}
 
 
 def add_args(p):

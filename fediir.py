@@ -7,11 +7,12 @@ model.classifier. Each client aligns its classifier gradient with the global one
 
 Algorithm 1 (one round t), in the official code's forms (Table 3's numbers come from the code):
     1. sample a subset S of C clients                                  common.sample_clients
-    2. g_bar_ω = mean of ∇_ω R_c(θ^{t-1}; ζ) over every minibatch ζ     global_gradient: classifier_grads,
-       of every c ∈ S (the code's mean_grad, augmented inputs)          gbar_mean
+    2. θ^{t-1} to S; each c ∈ S sends Σ_ζ ∇_ω R_c(θ^{t-1}; ζ) over its   classifier_gradient:
+       minibatches ζ (augmented inputs) and their number; the server    classifier_grads
+       g_bar_ω = the mean over every minibatch of S (the code's mean_grad)
        g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω   (Appendix C, g̃^0 = 0)     gbar_update
-    3. on every c ∈ S: θ_c ← θ^{t-1}; K minibatch steps on              iir_objective (client by client
-       R_c(θ_c; ζ) + γ ||∇_ω R_c(θ_c; ζ) − g̃^t||²  (the code: no 1/2)  or at once: common.at_once)
+    3. θ^{t-1}, g̃^t to S; each c: θ_c ← θ^{t-1}, K minibatch steps on   client_update:
+       R_c(θ_c; ζ) + γ ||∇_ω R_c(θ_c; ζ) − g̃^t||²  (the code: no 1/2)  iir_objective
     4. θ^t = θ^{t-1} + η_g (1/C) Σ_c (θ_c − θ^{t-1})                   server_update
 The paper's readings (g_bar over clients, γ/2, data-size weights, g_bar on plain inputs) run in
 benchmark/diagnostics/fediir_readings.py.
@@ -25,6 +26,8 @@ large: `--clients 50` (Algorithm 2). Paper against code, measurements, "Copy it"
     python fediir.py --clients 50 --test-domain 0
     python fediir.py --dataset pacs --data-root ./data
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -34,66 +37,58 @@ GAMMA = {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}  # Tabl
 
 
 # ---------------------------------------------------------------- the method as plain functions
-# Tensors, modules and numbers only (no args, no project objects): what a client computes and
-# uploads, and what the server does with it. featurizer Φ and classifier w are two modules (ω: the
-# classifier's parameters); gradients are lists of tensors, one per parameter of the classifier.
+# Tensors, modules and numbers (no project objects): the classifier gradients a client uploads for
+# g_bar, the server's g̃, and the local objective. featurizer Φ and classifier w are the model's two
+# modules (ω: the classifier's parameters); gradients over ω are flat vectors in the order of
+# classifier.parameters().
 
 def classifier_grads(classifier, z, y, batch_size=None):
-    """Step 2, on client c, what it uploads for g_bar: ∇_ω R(θ^{t-1}; ζ) of the cross-entropy of the
-    classifier on features z = Φ(x) (a plain tensor, computed without a graph: only ω needs a
-    gradient here), one per consecutive minibatch ζ of batch_size rows (the code's mean_grad), or one
-    over all of z with batch_size None (the paper's full-batch ∇_ω R_c). A generator: one gradient
-    in memory at a time."""
-    params, b = list(classifier.parameters()), batch_size or len(y)
-    for i in range(0, len(y), b):
-        # clone: z may be an inference tensor (torch.inference_mode), which cannot enter autograd
-        loss = F.cross_entropy(classifier(z[i:i + b].clone()), y[i:i + b])
-        yield torch.autograd.grad(loss, params)
+    """Step 2 on client c: Σ_ζ ∇_ω R(θ^{t-1}; ζ) of the cross-entropy of the classifier on features z = Φ(x)
+    (no graph: only ω needs a gradient here) over its consecutive minibatches ζ of batch_size rows (the code's
+    mean_grad; None: one over all of z, the paper's full-batch ∇_ω R_c), and their number. One vmap over the
+    minibatches (zero-padded, weight 0 on the padding) instead of a backward pass each."""
+    n, omega = len(y), {k: p.detach() for k, p in classifier.named_parameters()}
+    b = batch_size or n
+    k = -(-n // b)                                                   # the number of minibatches
+    w = torch.ones(n, device=z.device)
+    Z, Y, W = (F.pad(v, (0, 0) * (v.dim() - 1) + (0, k * b - n)).view(k, b, *v.shape[1:]) for v in (z, y, w))
 
-
-def gbar_mean(grads):
-    """Step 2, server: g_bar_ω, the mean of the uploaded classifier gradients (any iterable, read
-    one at a time: a running sum, memory one copy of ω whatever their number)."""
-    total, count = None, 0
-    for g in grads:
-        if total is None:
-            total = [torch.zeros_like(gi) for gi in g]
-        total = [a + gi for a, gi in zip(total, g)]
-        count += 1
-    return [a / count for a in total]
+    def risk(omega, z, y, w):                                        # R(θ; ζ): the mean over ζ's real rows
+        out = torch.func.functional_call(classifier, omega, (z,))
+        return (F.cross_entropy(out, y, reduction="none") * w).sum() / w.sum()
+    g = torch.func.vmap(torch.func.grad(risk), in_dims=(None, 0, 0, 0))(omega, Z, Y, W)
+    return torch.cat([g[name].sum(0).reshape(-1) for name in omega]), k
 
 
 def gbar_update(g_tilde, g_bar, v):
     """Appendix C, server: g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω (v = 0.95, g̃^0 = 0, no bias correction,
     as the code); g̃^t is what the clients align to in step 3."""
-    return [v * gt + (1 - v) * gb for gt, gb in zip(g_tilde, g_bar)]
+    return v * g_tilde + (1 - v) * g_bar
+
+
+def iir_objective(model, params, buffers, x, y, w, g_tilde, gamma):
+    """Step 3 on client c, the local objective of one minibatch ζ = (x, y) (Algorithm 1, FedIIR's g_c
+    line; the (FEDIIR) objective): R_c(θ; ζ) + γ ||∇_ω R_c(θ; ζ) − g̃||², in the code's form (no 1/2, no
+    normalisation; for the paper's γ/2, pass γ/2), at the parameters `params` (dicts by the model's names),
+    R_c = Σ_j w_j CE_j (w_j = 1/b on a minibatch's b examples; 0 on the padding of the clients at once).
+    ∇_ω R_c is a nested torch.func.grad kept in the graph, so that the penalty's gradient reaches both ω
+    and φ (double backward). γ = 0: the plain cross-entropy (FedAvg's)."""
+    part = lambda prefix: {k[len(prefix):]: v for d in (params, buffers) for k, v in d.items() if k.startswith(prefix)}
+    z = torch.func.functional_call(model.featurizer, part("featurizer."), (x,))
+
+    def risk(omega):
+        out = torch.func.functional_call(model.classifier, omega, (z,))
+        return (F.cross_entropy(out, y, reduction="none") * w).sum()
+    if gamma == 0:
+        return risk(part("classifier."))
+    g, r = torch.func.grad_and_value(risk)(part("classifier."))        # ∇_ω R_c(θ; ζ), in the graph
+    return r + gamma * iir_penalty(g.values(), g_tilde)
 
 
 def iir_penalty(g, g_tilde):
-    """||g − g̃||², summed over the classifier's parameter tensors (no normalisation, as the code)."""
-    return sum(((gi - gt) ** 2).sum() for gi, gt in zip(g, g_tilde))
-
-
-def iir_objective(featurizer, classifier, x, y, g_tilde, gamma, phi=None, omega=None, w=None):
-    """Step 3, on client c, the local objective of one minibatch ζ = (x, y) (Algorithm 1, FedIIR's
-    g_c line; the (FEDIIR) objective): R_c(θ; ζ) + γ ||∇_ω R_c(θ; ζ) − g̃||², in the code's form (for
-    the paper's γ/2, pass γ/2), as a function of the parameters: φ and ω dicts of tensors by the
-    featurizer's and the classifier's own names (parameters and buffers; None: the modules' own, the
-    client-by-client loop). ∇_ω R_c is a nested
-    torch.func.grad, kept in the graph, so that the penalty's gradient reaches both ω and φ (double
-    backward). w: per-example weights (1/b on a batch's b real examples, 0 on padding: the clients at
-    once, through vmap), or None: the minibatch's mean. γ = 0: the plain cross-entropy (FedAvg's)."""
-    own = lambda module: {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    phi, omega = own(featurizer) if phi is None else phi, own(classifier) if omega is None else omega
-    z = torch.func.functional_call(featurizer, phi, (x,))
-
-    def risk(omega):
-        out = torch.func.functional_call(classifier, omega, (z,))
-        return F.cross_entropy(out, y) if w is None else (F.cross_entropy(out, y, reduction="none") * w).sum()
-    if gamma == 0:
-        return risk(omega)
-    g, r = torch.func.grad_and_value(risk)(omega)                      # ∇_ω R_c(θ; ζ), in the graph
-    return r + gamma * iir_penalty([g[name] for name, _ in classifier.named_parameters()], g_tilde)
+    """||∇_ω R_c − g̃||² (no normalisation, as the code): g the gradients of the classifier's parameters in their
+    order, g̃ flat."""
+    return (torch.cat([gi.reshape(-1) for gi in g]) - g_tilde).pow(2).sum()
 
 
 def server_update(theta, thetas, p, global_lr=1.0):
@@ -107,48 +102,28 @@ def server_update(theta, thetas, p, global_lr=1.0):
     return theta + global_lr * (delta_sum / weight_sum)
 
 
-# ------------------------------------------------------------------- the project's plumbing
+# ------------------------------------------------------------------------- what a client runs
 
-def client_features(model, client, ctx, augmented, chunk=256):
-    """Φ(x) for all of a client's training data at θ^{t-1}: no graph (only ω needs a gradient in
-    step 2), in large chunks (fewer, fuller kernel launches than minibatches). augmented: the inputs
-    the local steps train on (the photo datasets' augmentation, drawn from the minibatch stream
-    ctx.gen; the digits are never augmented and draw nothing), as the code's g_bar pass."""
-    with torch.inference_mode(), ctx.autocast():
-        return torch.cat([model.featurizer(ctx.prep(client.x[i:i + chunk], train=augmented, gen=ctx.gen)).float()
-                          for i in range(0, client.n, chunk)])
-
-
-def global_gradient(model, fed, S, ctx, batch_size, augmented=True):
-    """Step 2: g_bar_ω at θ^{t-1} over the sampled clients S (train mode), the mean over every
-    minibatch of batch_size rows (the code; None: over the clients' full-batch gradients, the paper),
-    on the inputs the local steps train on (augmented; False: the plain images). Client by client,
-    gradient by gradient."""
+def classifier_gradient(site, sent):
+    """Step 2 on client c: its classifier gradients at θ^{t-1} (train mode) summed over its minibatches of the
+    local batch size, on the inputs its local steps train on (the code's g_bar pass: the photos augmented, from
+    the client's own stream; the digits draw nothing), and their number."""
+    model, client = site.model, site.client
+    common.set_flat(model, sent["theta"])
     model.train()
-
-    def uploads():
-        for c in S:
-            z = client_features(model, fed.clients[c], ctx, augmented)
-            yield from classifier_grads(model.classifier, z, fed.clients[c].y, batch_size)
-    return gbar_mean(uploads())
-
-
-def iir_loss(g_tilde, gamma):
-    """iir_objective as the local loop's loss_fn(model, x, y) (model.featurizer, model.classifier)."""
-    def loss_fn(model, x, y):
-        return iir_objective(model.featurizer, model.classifier, x, y, g_tilde, gamma)
-    return loss_fn
+    with torch.no_grad(), site.autocast():                          # Φ(x) in large chunks: fewer launches
+        z = torch.cat([model.featurizer(site.prep(client.x[i:i + 256], train=True, gen=site.gen))
+                       for i in range(0, client.n, 256)]).to(sent["theta"].dtype)     # (bf16 under --amp)
+    grad, count = classifier_grads(model.classifier, z, client.y, site.args.batch_size)
+    return {"grad": grad, "count": count}
 
 
-def iir_loss_at(g_tilde, gamma):
-    """iir_objective as common.at_once's objective(model, params, buffers, x, y, w): the model's
-    dicts split into the featurizer's φ and the classifier's ω (--parallel-clients on)."""
-    def objective(model, params, buffers, x, y, w):
-        part = lambda prefix: {k[len(prefix):]: v for d in (params, buffers) for k, v in d.items()
-                               if k.startswith(prefix)}
-        return iir_objective(model.featurizer, model.classifier, x, y, g_tilde, gamma,
-                             part("featurizer."), part("classifier."), w)
-    return objective
+@common.stackable                       # with --parallel-clients on, every sampled client at once
+def client_update(site, sent):
+    """Step 3 on client c: θ_c ← θ^{t-1}, K minibatch steps on the penalised objective; θ_c and its mean loss."""
+    objective = functools.partial(iir_objective, g_tilde=sent["g_tilde"], gamma=sent["gamma"])
+    theta_c, loss = common.local_train(site, sent["theta"], objective)
+    return {"theta": theta_c, "loss": loss}
 
 
 # ------------------------------------------------------------------------------------ one round
@@ -157,24 +132,18 @@ def fediir_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                     # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
     if args.gamma > 0:                        # step 2 (+ EMA, App. C); skipped at γ = 0: FedAvg exactly
-        g_bar = global_gradient(model, fed, S, ctx, args.batch_size)   # over every minibatch, augmented
+        up = common.on_clients(classifier_gradient, S, {"theta": theta}, t, ctx)
+        g_bar = sum(r["grad"] for r in up) / sum(r["count"] for r in up)   # the mean over every minibatch of S
         state["g_tilde"] = gbar_update(state["g_tilde"], g_bar, args.ema)
-    # step 3: on every c ∈ S, θ_c ← θ^{t-1}, then K minibatch steps on the penalised objective (γ, no 1/2)
-    trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx,
-                                   loss_fn=iir_loss(state["g_tilde"], args.gamma),
-                                   objective=iir_loss_at(state["g_tilde"], args.gamma))   # the same, at once
-    losses = {}
-
-    def uploads():                                                     # θ_c, client by client
-        for c, (theta_c, loss) in zip(S, trained):
-            losses[c] = loss
-            yield theta_c
-    common.set_flat(model, server_update(theta, uploads(), [1.0] * len(S), args.global_lr))   # step 4: 1/C Σ_c Δ_c
-    return losses
+    # step 3: θ^{t-1} and g̃^t to S; each c trains on R_c + γ ||∇_ω R_c − g̃||² (no 1/2) and sends θ_c back
+    up = common.on_clients(client_update, S, {"theta": theta, "g_tilde": state["g_tilde"], "gamma": args.gamma},
+                           t, ctx)
+    common.set_flat(model, server_update(theta, [r["theta"] for r in up], [1.0] * len(S), args.global_lr))  # 4: 1/C
+    return {c: r["loss"] for c, r in zip(S, up)}
 
 
 def init_state(model, fed, args, ctx):
-    return {"g_tilde": [torch.zeros_like(p) for p in model.classifier.parameters()]}  # g̃^0 = 0
+    return {"g_tilde": torch.zeros_like(common.get_flat(model.classifier))}          # g̃^0 = 0
 
 
 def add_args(p):

@@ -14,6 +14,8 @@ fedipg_round, round t (w^t: the global model at its start):
 Defaults: λ 1e-3, the middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the
 paper silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP, lr 0.1.
 """
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,43 +31,41 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None):
     W = args.exit_warmup if args.exit == "auto" else 0
     if warmup is None and W and t == 1:                                     # step 0, before t = 1
         w_1 = common.get_flat(model)
-        for s in range(1, W + 1):
-            fedipg_round(s, model, fed, args, state, ctx, warmup=True)
+        for s in range(1, W + 1):                                           # (pre-training round s: drawn as -s)
+            fedipg_round(-s, model, fed, args, state, ctx, warmup=True)
         common.set_flat(model, w_1)                                         # lines 2-4: t = 1, w^1 to all
     w_t, ID = common.get_flat(model), [i for i in range(len(fed.clients)) if i not in state["exited"]]  # w^t, I_ID
     S = [ID[k] for k in common.sample_clients(ctx, len(ID), len(ID) if warmup else min(args.sample, len(ID)))]
-    arrived = arrivals(t, S, w_t, args, state, ctx, warmup)                 # step 1: (i, w^{t−τ_i}, τ_i)
-    clients, g, losses = [fed.clients[i] for i, _, _ in arrived], [], {}
-    for (_, start, _), c in zip(arrived, clients if warmup else []):        # g_i = ∇R_i(w^{t−τ_i}), unaugmented
-        common.set_flat(model, start)
-        g.append(full_gradient(model, in_chunks(c, args.batch_size, ctx), c.n, autocast=ctx.autocast)[0].float())
-
-    def deltas():                                                           # step 2: Δ_i on f_i (Eq. 9)
-        if args.parallel_clients == "on":                                   # at once (--local-step sgd, from w^t)
-            f = lambda m, p, b, x, y, w=None: objective(m, x, y, w, args.lam, chain(m), {**p, **b})
-            for (i, _, _), (w_i, losses[i]) in zip(arrived, common.train_clients(model, w_t, clients, args, ctx,
-                                                                                   objective=f)):
-                yield w_i - w_t
-            return
-        for (i, start, _), c in zip(arrived, clients):
-            common.set_flat(model, start)                                   # w_i ← w^{t−τ_i}
-            losses[i] = local_step(model, c, args, ctx)                     # Eq. 2, or SGD
-            yield common.get_flat(model) - start
-    common.set_flat(model, aggregate(w_t, deltas(), [float(c.n) for c in clients], args.global_lr))  # step 3 (Eq. 3)
+    arrived = arrivals(abs(t), S, w_t, args, state, ctx, warmup)           # step 1: (i, w^{t−τ_i}, τ_i)
+    ids, sent = [i for i, _, _ in arrived], [{"w": start} for _, start, _ in arrived]
+    if warmup:                                                              # g_i = ∇R_i(w^{t−τ_i}) up
+        g = [r["g"] for r in common.on_clients(risk_gradient, ids, sent, t, ctx)]
+    up = common.on_clients(client_update, ids, sent, t, ctx)                # step 2: Δ_i on f_i (Eq. 9) up
+    n = [float(fed.clients[i].n) for i in ids]
+    common.set_flat(model, aggregate(w_t, [r["delta"] for r in up], n, args.global_lr))   # step 3 (Eq. 3)
     if warmup:                                                              # step 4 (Eq. 13), exits after the last
-        exit_strategy(fed, args, state, [i for i, _, _ in arrived], g, [tau == 0 for _, _, tau in arrived], t == W)
-    return losses or {ID[0]: torch.zeros((), device=w_t.device)}           # nothing arrived: loss 0
+        exit_strategy(fed, args, state, ids, g, [tau == 0 for _, _, tau in arrived], abs(t) == W)
+    return {i: r["loss"] for i, r in zip(ids, up)} or {ID[0]: torch.zeros((), device=w_t.device)}   # none: 0
 
 
-def local_step(model, client, args, ctx):
-    """Step 2 on one client from the model's parameters, in place; returns f_i(w) (paper) or the mean loss."""
+@common.stackable                  # --local-step sgd with --parallel-clients on: every client at once
+def client_update(site, sent):
+    """Step 2 on client i from the w = w^{t−τ_i} it received: --local-step paper, one step w − η (∇f_i(w) + wd·w) on
+    its whole split (Eq. 2, line 15); sgd, --local-epochs of minibatch SGD on f_i. Replies Δ_i and f_i or the loss."""
+    args, model, w = site.args, site.model, sent["w"]
     if args.local_step == "sgd":
-        return common.local_sgd(model, client, args, ctx, lambda m, x, y: objective(m, x, y, None, args.lam, chain(m)))
-    w = common.get_flat(model)
-    grad, f = full_gradient(model, in_chunks(client, args.batch_size, ctx, train=True), client.n, args.lam,
-                            chain(model), ctx.autocast)
-    common.set_flat(model, w - args.lr * (grad + args.weight_decay * w))   # Eq. 2: w − η (∇f_i(w) + wd·w)
-    return f
+        f = functools.partial(f_i, lam=args.lam, layers=chain(model))
+        w_i, loss = common.local_train(site, w, f)
+        return {"delta": w_i - w, "loss": loss}
+    common.set_flat(model, w)
+    grad, loss = full_gradient(model, in_chunks(site, train=True), site.client.n, args.lam, chain(model), site.autocast)
+    return {"delta": -args.lr * (grad + args.weight_decay * w), "loss": loss}       # Eq. 2
+
+
+def risk_gradient(site, sent):
+    """Eq. 13's g_i = ∇R_i(w) on client i's whole split (no augmentation), at the w it received."""
+    common.set_flat(site.model, sent["w"])
+    return {"g": full_gradient(site.model, in_chunks(site), site.client.n, autocast=site.autocast)[0].float()}
 
 
 def arrivals(t, S, w_t, args, state, ctx, warmup):
@@ -76,42 +76,41 @@ def arrivals(t, S, w_t, args, state, ctx, warmup):
 # ---------------------------------- the method as plain functions: torch alone (docs/fedipg.md: Copy it)
 def full_gradient(model, chunks, n, lam=0.0, layers=None, autocast=None):
     """∇f_i(w) (flat, the trainable parameters) and f_i(w) over the whole split, `chunks` of (x, y) that hold
-    its n examples once: with a_c = n_c / n, ∇f_i = Σ_c a_c ∇R_c + 2λ d Σ_c a_c ∇d_c, d = Σ_c a_c d_c (Eq. 9)."""
+    its n examples once, each example weighted 1/n: R_i = Σ_c R_c, d = Σ_c d_c, ∇f_i = ∇R_i + 2λ d ∇d (Eq. 9)."""
     model.train()
     w = [p for p in model.parameters() if p.requires_grad]
-    grad = torch.zeros(2, sum(p.numel() for p in w), dtype=w[0].dtype, device=w[0].device)   # Σ_c a_c ∇R_c, ∇d_c
-    value = torch.zeros(2, device=w[0].device)                                                # Σ_c a_c R_c, d_c
+    grad = torch.zeros(2, sum(p.numel() for p in w), dtype=w[0].dtype, device=w[0].device)   # ∇R_i, ∇d
+    value = torch.zeros(2, device=w[0].device)                                                # R_i, d
     for x, y in chunks:
-        a = len(y) / n                                                      # a_c
         with (autocast or torch.enable_grad)():
-            parts = [v for v in risk_and_d(model, x, y, None, layers, lam) if v is not None]
+            parts = [v for v in risk_and_d(model, x, y, torch.full((len(y),), 1 / n, device=y.device), layers, lam)
+                     if v is not None]
         for k, part in enumerate(parts):
-            grads = torch.autograd.grad(a * part, w, retain_graph=k < len(parts) - 1)
-            grad[k] += torch.cat([g.reshape(-1) for g in grads])
-            value[k] += a * part.detach().float()
+            grad[k] += torch.cat([g.reshape(-1) for g in torch.autograd.grad(part, w, retain_graph=k < len(parts) - 1)])
+            value[k] += part.detach().float()
     return grad[0] + (2 * lam) * value[1] * grad[1], value[0] + lam * value[1] * value[1]
 
 
-def objective(model, x, y, w=None, lam=0.0, layers=None, params=()):
-    """f_i = R_i + λ d² on a batch (Eq. 9) at `params` (by name; default: the model's own): the one minibatch loss."""
+def f_i(model, params, buffers, x, y, w, lam, layers=None):
+    """f_i = R_i + λ d² on a minibatch (Eq. 9) at `params` (dicts by name): the local objective of --local-step sgd."""
     def f():
         R, d = risk_and_d(model, x, y, w, layers, lam)
         return R if lam == 0 else R + lam * d * d
     call = torch.nn.Module()                                                # f as a forward beside the model
     call.model, call.forward = model, f
-    return torch.func.functional_call(call, {"model." + k: v for k, v in dict(params).items()}, ())
+    return torch.func.functional_call(call, {"model." + k: v for d in (params, buffers) for k, v in d.items()}, ())
 
 
-def risk_and_d(model, x, y, w=None, layers=None, lam=1.0):
-    """R_i (mean cross-entropy, or Σ_j w_j CE_j: common.at_once's weights) and d = ⟨∇R_i(w), w⟩ (None if lam is 0),
-    no gradient inside: d = ⟨∂R/∂z, ż⟩ by `tangent` through the chain `layers`, else torch.func.jvp along w."""
-    risk = lambda z: F.cross_entropy(z, y) if w is None else (F.cross_entropy(z, y, reduction="none") * w).sum()
+def risk_and_d(model, x, y, w, layers=None, lam=1.0):
+    """R_i = Σ_j w_j CE_j and d = ⟨∇R_i(w), w⟩ (None if lam is 0), no gradient inside: d = ⟨∂R/∂z, ż⟩ by `tangent`
+    through the chain `layers`, else torch.func.jvp along w."""
+    risk = lambda z: (F.cross_entropy(z, y, reduction="none") * w).sum()
     if lam == 0:
         return risk(model(x)), None
     if layers:
         z, dz = tangent(layers, x)
         e = ((z.softmax(1) - torch.zeros_like(z).scatter(1, y[:, None], 1.0)) * dz).sum(1)   # per example
-        return risk(z), e.mean() if w is None else (e * w).sum()
+        return risk(z), (e * w).sum()
     params = dict(model.named_parameters())
     return torch.func.jvp(lambda p: risk(torch.func.functional_call(model, p, (x,))), (params,), (params,))
 
@@ -173,10 +172,11 @@ def chain(model):
     return layers if all(type(m) in CHAIN and getattr(m, "affine", True) for m in layers) else None
 
 
-def in_chunks(client, batch_size, ctx, train=False):
-    """The client's whole split in order, in chunks of batch_size, as model inputs (train: augmented)."""
-    for s in range(0, client.n, batch_size):
-        yield ctx.prep(client.x[s:s + batch_size], train=train, gen=ctx.gen if train else None), client.y[s:s + batch_size]
+def in_chunks(site, train=False):
+    """The client's whole split in order, in chunks of --batch-size, as model inputs (train: augmented)."""
+    client, b = site.client, site.args.batch_size
+    for s in range(0, client.n, b):
+        yield site.prep(client.x[s:s + b], train=train, gen=site.gen if train else None), client.y[s:s + b]
 
 
 def exit_strategy(fed, args, state, ids, g, fresh, last):

@@ -131,44 +131,64 @@ def ensemble(phi, Ws, bs):
     return torch.einsum("k,kmd->md", phi, Ws), phi @ bs
 
 
-# ------------------------------------------------------------- the rounds: the above with common.py
+# ------------------------------------------------------------------------- what a client runs
 
-def stage1_round(model, fed, args, ctx):
-    """One communication of Eq. 4: every client E1/K1 epochs of a fresh Adam from (θ, ψ), then the average."""
-    theta, losses = common.get_flat(model), {}
-    adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay)
-    trained = common.train_clients(model, theta, fed.clients, args, ctx, adam)  # (θ_c, ψ_c) ← (θ, ψ); Adam
+@common.stackable                       # with --parallel-clients on, every client at once
+def stage1_update(site, sent):
+    """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from the broadcast (θ, ψ); (θ_c, ψ_c) and its mean loss."""
+    adam = lambda params: torch.optim.Adam(params, lr=site.args.lr, weight_decay=site.args.weight_decay, foreach=True)
+    theta_c, loss = common.local_train(site, sent["theta"], make_opt=adam)
+    return {"theta": theta_c, "loss": loss}
 
-    def uploads():                                                       # θ_c, client by client
-        for c, (theta_c, loss) in enumerate(trained):
-            losses[c] = loss
-            yield theta_c
-    common.set_flat(model, average(theta, uploads(), [c.n for c in fed.clients], args.global_lr))  # Eq. 4
-    return losses
 
+def head_update(site, sent):
+    """Eq. 10 on client c: its features g_θ̂(x) at the broadcast (θ̂ frozen, ψ), then E2/K2 epochs of SGD on its
+    head from ψ, its minibatches from its own stream; ψ̂_c = (W, b) and the mean loss."""
+    args, model, client = site.args, site.model, site.client
+    z = features(model, sent["theta"], client.x, site)
+    steps = common.batches(client.n, args.batch_size, site.gen, z.device, epochs=args.stage2_epochs // args.stage2_comms)
+    W, b, loss = overfit_head(model.classifier.weight, model.classifier.bias, z, client.y, steps, args.stage2_lr,
+                              args.momentum, args.stage2_wd)
+    return {"W": W, "b": b, "loss": loss}
+
+
+def tuning_predictions(site, sent):
+    """2.2 on client c: every head's predictions on its tuning split (at the broadcast θ̂), with its labels."""
+    z = features(site.model, sent["theta"], site.client.tune_x, site)
+    return {"Y": head_predictions(z, sent["Ws"], sent["bs"]), "y": site.client.tune_y}
+
+
+def features(model, theta, x, site, chunk=512):
+    """g_θ̂(x) of a client's images at θ (flat): no graph (θ̂ is frozen), no augmentation."""
+    common.set_flat(model, theta)
+    model.eval()
+    with torch.no_grad(), site.autocast():
+        return torch.cat([model.featurizer(site.prep(x[i:i + chunk])) for i in range(0, len(x), chunk)]).to(theta.dtype)
+
+
+# ------------------------------------------------------------------------------------ one round
 
 def fedloe_round(t, model, fed, args, state, ctx):
     """One communication: Eq. 4 (stage 1), or Algorithm 1's Eq. 10 on every client, 2.2, Eq. 11 and 12 on the server."""
-    if t <= args.stage1_comms:
-        return stage1_round(model, fed, args, ctx)                       # Eq. 4
-    P, head, E = len(fed.clients), model.classifier, args.stage2_epochs // args.stage2_comms
-    for c in fed.clients:                 # θ̂ is frozen: one featurizer pass per client for all of stage 2
-        if not hasattr(c, "z"):
-            c.z, c.z_tune = features(model, c.x, ctx), features(model, c.tune_x, ctx)
-    up = [overfit_head(head.weight, head.bias, c.z, c.y, common.batches(len(c.y), args.batch_size, E, ctx),
-                       args.stage2_lr, args.momentum, args.stage2_wd) for c in fed.clients]  # Eq. 10 from ψ
-    Ws, bs = torch.stack([W for W, _, _ in up]), torch.stack([b for _, b, _ in up])          # heads up, all down
-    Y = torch.cat([head_predictions(c.z_tune, Ws, bs) for c in fed.clients])  # 2.2: ŷ_{c,c'} up
-    T = Tuning(Y, torch.cat([c.tune_y for c in fed.clients]), [len(c.tune_y) for c in fed.clients])
+    theta, every = common.get_flat(model), list(range(len(fed.clients)))      # every client, every communication
+    if t <= args.stage1_comms:                                               # Eq. 4
+        up = common.on_clients(stage1_update, every, {"theta": theta}, t, ctx)
+        common.set_flat(model, average(theta, [r["theta"] for r in up], [c.n for c in fed.clients], args.global_lr))
+        return {c: r["loss"] for c, r in zip(every, up)}
+    up = common.on_clients(head_update, every, {"theta": theta}, t, ctx)     # Eq. 10 from ψ: the heads up
+    Ws, bs = torch.stack([r["W"] for r in up]), torch.stack([r["b"] for r in up])   # ... and all of them down
+    pred = common.on_clients(tuning_predictions, every, {"theta": theta, "Ws": Ws, "bs": bs}, t, ctx)  # 2.2 up
+    T = Tuning(torch.cat([r["Y"] for r in pred]), torch.cat([r["y"] for r in pred]), [len(r["y"]) for r in pred])
     phi = fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps, args.meta_lr)  # Eq. 11
     if not bool(torch.isfinite(phi).all()):                               # one host sync per round
         raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
                                f"{fed.name}); lower --dg-lambda or --stage2-lr")
     W, b = ensemble(phi, Ws, bs)                                         # Eq. 12: ψ = Σ_c φ_c ψ̂_c
-    head.load_state_dict({"weight": W, "bias": b})
+    model.classifier.load_state_dict({"weight": W, "bias": b})
     state["phi"] = phi
-    print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1/P:.4f})", flush=True)
-    return {c: loss for c, (_, _, loss) in enumerate(up)}
+    print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1/len(every):.4f})",
+          flush=True)
+    return {c: r["loss"] for c, r in zip(every, up)}
 
 
 def init_state(model, fed, args, ctx):
@@ -186,13 +206,6 @@ def init_state(model, fed, args, ctx):
     for k in ("val_x", "val_y", "id_x", "id_y") if lodo else ():          # pooled
         setattr(fed, k, torch.cat([getattr(c, k) for c in fed.clients]))
     return {"phi": torch.zeros(0, device=ctx.device)}
-
-
-def features(model, x, ctx, chunk=512):
-    """g_θ̂(x) for a client's images: no graph (θ̂ is frozen), no augmentation."""
-    model.eval()
-    with torch.no_grad(), ctx.autocast():
-        return torch.cat([model.featurizer(ctx.prep(x[i:i + chunk])).float() for i in range(0, len(x), chunk)])
 
 
 def evaluate(model, fed, args, state, ctx):

@@ -117,23 +117,23 @@ def gram(G, cols=1 << 16):
 
 # ------------------------------------------------------------------------------------ one round
 
+@common.stackable                       # with --parallel-clients on, every sampled client at once
+def client_update(site, sent):
+    """On client u: plain local SGD from θ^(r-1) at the round's lr, its momentum its own across rounds (the DG
+    code; none at --momentum 0, the FL code); replies θ_u and its mean loss."""
+    make_opt = lambda params: common.sgd(params, site.args, lr=sent["lr"])
+    theta_u, loss = common.local_train(site, sent["theta"], make_opt=make_opt, keep_momentum=site.args.momentum > 0)
+    return {"theta": theta_u, "loss": loss}
+
+
 def fedomg_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                         # θ^(r-1)
-    S = common.sample_clients(ctx, len(fed.clients), args.sample)         # send θ^(r-1) to the U clients
-    lr = local_lr(t, args)
-    client_sgd = lambda params: torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    trained = common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx, client_sgd,
-                                   momentum=state["momentum"] if args.momentum > 0 else None)  # E epochs, SGD kept
-    losses = {}
-
-    def uploads():                                                         # θ_u, client by client, as they finish
-        for c, (theta_u, loss) in zip(S, trained):
-            losses[c] = loss
-            yield theta_u
+    S = common.sample_clients(ctx, len(fed.clients), args.sample)
+    up = common.on_clients(client_update, S, {"theta": theta, "lr": local_lr(t, args)}, t, ctx)  # E epochs each
     N = [float(fed.clients[c].n) for c in S]
-    common.set_flat(model, server_update(theta, uploads(), N, eta_g(args, len(S)), args.kappa,
+    common.set_flat(model, server_update(theta, [r["theta"] for r in up], N, eta_g(args, len(S)), args.kappa,
                                          weighted=args.dataset not in data.FL))   # Eq. 8, 15–17
-    return losses
+    return {c: r["loss"] for c, r in zip(S, up)}
 
 
 def local_lr(t, args):
@@ -146,10 +146,6 @@ def eta_g(args, U):
     """η_g of a round of U sampled clients (Eq. 17): --global-lr, or the dataset's default, when set;
     otherwise (args.global_lr None, see check) U (1 + κ²): code_step's g_0 term is then FedAvg's step."""
     return args.global_lr if args.global_lr is not None else U * (1 + args.kappa ** 2)
-
-
-def init_state(model, fed, args, ctx):
-    return {"momentum": {}}                                                # client id -> momentum
 
 
 def add_args(p):
@@ -175,7 +171,7 @@ def given(argv, flag):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     by_hand = given(argv, "--global-lr")
-    return common.main("fedomg", __doc__, fedomg_round, argv, add_args, DEFAULTS, init_state,
+    return common.main("fedomg", __doc__, fedomg_round, argv, add_args, DEFAULTS,
                        check=lambda args: check(args, by_hand), parallel_clients=True)
 
 

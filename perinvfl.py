@@ -24,8 +24,8 @@ of every client at once (common.at_once with the same `l_inv`). docs/perinvfl.md
 this code, the readings, the measurements, the "Copy it" loop; the ablations (kept θ_i, Adam on line 8,
 IRM-L2, IRM-FT, GroupDRO) and the Eq. 4 check: benchmark/diagnostics/perinvfl_variants.py.
 """
-import argparse
 import copy
+import functools
 import math
 
 import torch
@@ -70,11 +70,15 @@ def rescale(lam):
     return lam if lam > 1 else 1.0
 
 
-def J_i(model, params, buffers, x, y, nu, lam, weight_decay, beta):
+def line9_loss(model, params, buffers, x, y, w, lam, weight_decay):
+    """Line 9's objective: L_INV(ν_{i,r}; D_i) / rescale(λ)."""
+    return l_inv(model, params, buffers, x, y, w, lam, weight_decay) / rescale(lam)
+
+
+def J_i(model, params, buffers, x, y, w, nu, lam, weight_decay, beta):
     """Line 8's objective, Eq. 4 at nu = ν_{i,r}: (L_INV(θ_i; D_i) + β ||θ_i − ν_{i,r}||²) / rescale(λ)."""
     theta = torch.cat([p.reshape(-1) for p in params.values()])
-    return (l_inv(model, params, buffers, x, y, None, lam, weight_decay)
-            + beta * (theta - nu).pow(2).sum()) / rescale(lam)
+    return (l_inv(model, params, buffers, x, y, w, lam, weight_decay) + beta * (theta - nu).pow(2).sum()) / rescale(lam)
 
 
 def server_update(nu, deltas, alpha):
@@ -96,18 +100,31 @@ def server_adam(nu, deltas, alpha, gamma, adam_state=None):
 
 # ------------------------------------------------------------------------------- Algorithm 1
 
+@common.stackable                 # with --parallel-clients on (--R 1): every client at once (parallel_reason)
+def client_update(site, sent):
+    """Lines 5-9 on client i (pFedMe's code): θ_i ← ν^t, ν_{i,0} ← ν^t, then R times S plain steps of line 8 on
+    θ_i and one of line 9 on ν_{i,r}, each minibatch drawn afresh from its own stream (the whole split when
+    --batch-size covers it). Replies Δ_i = ν_{i,R} − ν^t, line 9's mean loss and θ_i (to be scored only)."""
+    args, nu, lam = site.args, sent["nu"], sent["lam"]
+    plain = lambda lr: lambda params: torch.optim.SGD(params, lr=lr, foreach=True)
+    theta_i, nu_ir, total = nu, nu, 0.0
+    for r in range(local_steps(site.client, args)):
+        line8 = functools.partial(J_i, nu=nu_ir, lam=lam, weight_decay=args.weight_decay, beta=args.beta)
+        theta_i, _ = common.local_train(site, theta_i, line8, plain(args.eta or args.lr), steps=args.S)  # line 8: η
+        line9 = functools.partial(line9_loss, lam=lam, weight_decay=args.weight_decay)
+        nu_ir, loss = common.local_train(site, nu_ir, line9, plain(args.lr), steps=1)                   # line 9: γ
+        total = total + loss
+    return {"delta": nu_ir - nu, "loss": total / local_steps(site.client, args), "theta": theta_i}
+
+
 def perinvfl_round(t, model, fed, args, state, ctx):
     nu, lam = common.get_flat(model), args.lam if t > args.anneal else 1.0   # ν^t; IRM's penalty schedule
-    theta_net, deltas, risks = copy.deepcopy(model), [], {}          # θ_net holds θ_i while client i works
     ids = common.sample_clients(ctx, len(fed.clients), args.sample)
-    on = args.parallel_clients == "on"                               # line 9 of every client at once (R = 1):
-    ahead = line9_at_once(model, nu, [fed.clients[i] for i in ids], args, lam, ctx) if on else {}
-    for i in ids:                                                    # lines 5-9 on client i
-        delta, risks[i], state["theta"][i] = client_update(model, theta_net, nu, fed.clients[i], args, lam, ctx,
-                                                           ahead.get(i))
-        deltas.append(delta)                                         # Δ_i = ν_{i,R} − ν^t, uploaded
-    common.set_flat(model, line10(nu, deltas, args, state))
-    return risks
+    up = common.on_clients(client_update, ids, {"nu": nu, "lam": lam}, t, ctx)   # ν^t down; lines 5-9; Δ_i up
+    for i, r in zip(ids, up):
+        state["theta"][i] = r["theta"]                   # θ_i is client i's: the server's copy only scores it
+    common.set_flat(model, line10(nu, [r["delta"] for r in up], args, state))
+    return {i: r["loss"] for i, r in zip(ids, up)}
 
 
 def line10(nu, deltas, args, state):
@@ -118,61 +135,9 @@ def line10(nu, deltas, args, state):
     return server_update(nu, deltas, args.global_lr)                 # ν^t − α (ν^t − mean_i ν_{i,R})
 
 
-def client_update(model, theta_net, nu, client, args, lam, ctx, ahead=None, opt=None, line8=None, line9=None):
-    """Lines 5-9 on client i: θ_i ← ν^t, then R times: S plain steps of line 8 on θ_i, one of line 9 on ν_{i,r}
-    (`ahead`: taken at once beforehand, R = 1). Returns Δ_i, R(f_ν^t; D_i) (both uploaded) and θ_i; `model`
-    holds ν_{i,R−1}. benchmark/diagnostics/perinvfl_variants.py swaps θ_i's start and optimiser (`opt`, over the
-    θ_i it loaded in theta_net), line 8's loss (`line8`, default theta_loss) and line 9's (default inv_loss)."""
-    model.train(), theta_net.train()
-    delta, risk = torch.zeros_like(nu), None                         # ν_{i,r} − ν^t; ν_{i,0} ← ν^t (line 5)
-    if opt is None:
-        common.set_flat(theta_net, nu)                               # θ_i ← ν^t (pFedMe's code)
-        opt = torch.optim.SGD(theta_net.parameters(), lr=args.eta if args.eta is not None else args.lr)   # η
-    for r in range(local_steps(client, args)):
-        nu_ir = nu + delta                                           # ν_{i,r}
-        common.set_flat(model, nu_ir)
-        for s in range(args.S):                                      # line 8: a step on J_i(θ_i; ν_{i,r})
-            x, y = batch(client, args, ctx)
-            opt.zero_grad(set_to_none=True)
-            (line8 or theta_loss)(theta_net, nu_ir, x, y, args, lam).backward()
-            opt.step()
-        x, y = batch(client, args, ctx)                              # line 9: ν_{i,r} − γ ∇L_INV(ν_{i,r}; D_i)
-        with torch.no_grad():
-            risk = F.cross_entropy(model(x), y) if r == 0 else risk  # R(f_ν^t; D_i), uploaded
-        if ahead is not None:                                        # (taken at once before; R = 1)
-            delta = ahead
-            continue
-        grad = torch.autograd.grad((line9 or inv_loss)(model, x, y, args, lam), list(model.parameters()))
-        delta -= args.lr * torch.cat([g.reshape(-1) for g in grad])  # γ = --lr
-    return delta, risk, common.get_flat(theta_net)
-
-
-def own(net):
-    """A module's own parameters and buffers, as the objectives take them."""
-    return dict(net.named_parameters()), dict(net.named_buffers())
-
-
-def inv_loss(net, x, y, args, lam):
-    """Line 9's loss, L_INV / rescale(λ), of the model in `net` on a batch."""
-    return l_inv(net, *own(net), x, y, None, lam, args.weight_decay) / rescale(lam)
-
-
-def theta_loss(net, nu_ir, x, y, args, lam):
-    """Line 8's loss, J_i(θ_i; ν_{i,r}), of the θ_i in `net` on a batch."""
-    return J_i(net, *own(net), x, y, nu_ir, lam, args.weight_decay, args.beta)
-
-
 def local_steps(client, args):
     """Algorithm 1's R on this client: --R, or (`--R epoch`) the steps of --local-epochs in minibatches."""
     return args.R if args.R != "epoch" else args.local_epochs * math.ceil(client.n / args.batch_size)
-
-
-def batch(client, args, ctx):
-    """The client's training split (full batch, the default) or a random minibatch of it."""
-    if args.batch_size >= client.n:
-        return ctx.prep(client.x, train=True, gen=ctx.gen), client.y   # (augmented: photos only)
-    idx = torch.randperm(client.n, generator=ctx.gen, device=ctx.device)[:args.batch_size]
-    return ctx.prep(client.x[idx], train=True, gen=ctx.gen), client.y[idx]
 
 
 def init_state(model, fed, args, ctx):
@@ -180,21 +145,9 @@ def init_state(model, fed, args, ctx):
 
 
 def parallel_reason(args):
-    """common.check_parallel's `supported`: None where line 9 runs for every client at once, else why not."""
-    return None if args.R == 1 else ("trains its clients one after another unless --R 1 (line 8 reads every "
-                                     "ν_{i,r} between line 9's steps, and --R epoch draws each minibatch afresh)")
-
-
-def line9_at_once(model, nu, clients, args, lam, ctx):
-    """Line 9 of every client at once (common.at_once with `l_inv`): {client id: Δ_i}, to float tolerance."""
-    if any(c.n > args.batch_size for c in clients):
-        raise common.UserError("--parallel-clients on: perinvfl takes line 9 at once at full batch only "
-                               f"(--batch-size >= {max(c.n for c in clients)}); use off")
-    plain = lambda params: torch.optim.SGD(params, lr=args.lr)      # γ (R = 1, full batch); IRM's L2 in the loss
-    full = argparse.Namespace(**dict(vars(args), batch_size=max(c.n for c in clients)))   # one batch each, padded
-    objective = lambda *a: l_inv(*a, lam, args.weight_decay) / rescale(lam)
-    done = common.at_once(model, nu, clients, full, ctx, plain, epochs=1, objective=objective)
-    return {c.id: nu_1 - nu for c, (nu_1, _) in zip(clients, done)}
+    """common.check_parallel's `supported`: None where every client runs lines 5-9 at once, else why not."""
+    return None if args.R == 1 else ("trains its clients one after another unless --R 1 (line 8 reads each "
+                                     "client's own ν_{i,r} between line 9's steps)")
 
 
 def evaluate(model, fed, args, state, ctx):

@@ -50,7 +50,7 @@ import fedipg  # noqa: E402
 import fedloe  # noqa: E402
 import fedomg  # noqa: E402
 import perinvfl  # noqa: E402
-from speed import alternate  # noqa: E402
+from speed import alternate, way  # noqa: E402
 
 METHODS = {"fedavg": fedavg, "fediir": fediir, "fedomg": fedomg, "fedloe": fedloe, "perinvfl": perinvfl,
            "fedipg": fedipg}
@@ -164,8 +164,7 @@ def no_sync(device):
 @contextlib.contextmanager
 def guarded(device):
     """The method scripts with their local steps under no_sync and a device check at every checkpoint."""
-    patches = [(common, "local_sgd"), (fedloe, "overfit_head"), (perinvfl, "batch"), (perinvfl, "theta_loss"),
-               (perinvfl, "inv_loss")]
+    patches = [(common, "local_train"), (common, "at_once"), (fedloe, "overfit_head"), (fedipg, "full_gradient")]
     saved = [(m, name, getattr(m, name)) for m, name in patches]
     save = common.save_checkpoint
 
@@ -277,26 +276,22 @@ def setting(module, name, argv, device, tmp):
     test = data.test_domains(args, ds)[0]
     dev = torch.device(device)
     fed = data.federate(ds, test, args.clients, args.seed, dev)
-    torch.manual_seed(0)
-    model = common.build_model(args, ds).to(dev)
-    if args.model.startswith("resnet") and dev.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                         data.make_prep(args.dataset, dev), args.amp)
-    return args, fed, model, ctx
+    model = common.global_model(args, ds, dev)
+    return args, fed, model, common.make_context(args, fed, model)
 
 
 def bare_round(model, clients, args, ctx):
     """What a researcher writes in a few lines: the same model, batch, input preparation, precision
     and SGD, a fresh optimiser per client; no resetting to θ, flattening or averaging."""
     model.train()
+    gen = torch.Generator(ctx.device).manual_seed(0)
     for c in clients:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-        perm = torch.randperm(c.n, generator=ctx.gen, device=ctx.device)
+        perm = torch.randperm(c.n, generator=gen, device=ctx.device)
         for i in range(0, c.n, args.batch_size):
             idx = perm[i:i + args.batch_size]
             with ctx.autocast():
-                loss = F.cross_entropy(model(ctx.prep(c.x[idx], train=True, gen=ctx.gen)), c.y[idx])
+                loss = F.cross_entropy(model(ctx.prep(c.x[idx], train=True, gen=gen)), c.y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -325,9 +320,10 @@ def round_ratios(setup, rounds, device, tmp):
         module = METHODS[name]
         m_args = resolved(module, name, ["--dataset", args.dataset, "--clients", str(args.clients),
                                          "--sample", str(args.sample)], device, tmp)
-        state = module.init_state(model, fed, m_args, ctx)
+        m_ctx = way(ctx, m_args.parallel_clients, m_args)
+        state = module.init_state(model, fed, m_args, m_ctx) if hasattr(module, "init_state") else {}
         fn = getattr(module, f"{name}_round")
-        variants[name] = lambda r, fn=fn, m_args=m_args, state=state: fn(r, model, fed, m_args, state, ctx)
+        variants[name] = lambda r, fn=fn, m_args=m_args, state=state, m_ctx=m_ctx: fn(r, model, fed, m_args, state, m_ctx)
     med = {k: statistics.median(v) for k, v in alternate(variants, ctx, rounds).items()}
     return {k: med[k] / med["fedavg"] for k in ("fediir", "fedipg", "fedomg")}
 

@@ -28,6 +28,7 @@ not bit for bit).
 """
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -95,10 +96,17 @@ def setup(method, doc, add_args=None, own_args=None):
     fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else data.federate_fixed(ds, 0, dev)
     torch.manual_seed(0)
     model = common.build_model(args, ds).to(dev)
-    ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                         data.make_prep(a.dataset, dev))
+    ctx = common.make_context(args, fed, model)
     a.source = ds.source
     return a, args, fed, model, ctx
+
+
+def way(ctx, mode, args=None):
+    """ctx for a method's `args` with on_clients' engine for --parallel-clients `mode` (its own client states; the
+    server's sampler shared by all)."""
+    on = mode == "on" or (mode == "auto" and ctx.device.type == "cuda")
+    return dataclasses.replace(ctx, args=args or ctx.args, engine=common.all_at_once if on else common.one_by_one,
+                               clients={})
 
 
 def method_argv(a):
@@ -150,7 +158,7 @@ def setting_line(a, args):
 def curves(a, args, fed, model, ctx, rounds):
     """FedAvg's and FedOMG's test accuracy after each of `rounds` rounds from the same start, one client
     after another and all at once; and how far apart their parameters end."""
-    start, gen, sampler = copy.deepcopy(model.state_dict()), ctx.gen.get_state(), ctx.sampler.get_state()
+    start, sampler = copy.deepcopy(model.state_dict()), ctx.sampler.get_state()
     print(setting_line(a, args) + "\n")
     for name, module in (("FedAvg", fedavg), ("FedOMG", fedomg)):
         acc, end, secs = {}, {}, {}
@@ -158,13 +166,12 @@ def curves(a, args, fed, model, ctx, rounds):
             m_args = method_args(module, name.lower(), a, mode)
             m_args.rounds = rounds                               # FedOMG's lr step at 80% of the rounds
             model.load_state_dict(start)
-            ctx.gen.set_state(gen)
             ctx.sampler.set_state(sampler)
-            state = module.init_state(model, fed, m_args, ctx) if hasattr(module, "init_state") else {}
+            m_ctx, state = way(ctx, mode, m_args), {}
             fn = getattr(module, f"{name.lower()}_round")
             acc[mode], t0 = [], time.perf_counter()
             for t in range(1, rounds + 1):
-                fn(t, model, fed, m_args, state, ctx)
+                fn(t, model, fed, m_args, state, m_ctx)
                 acc[mode].append(common.evaluate_global(model, fed, m_args, state, ctx)[1])
             secs[mode], end[mode] = time.perf_counter() - t0, common.get_flat(model)
         gap = max(abs(x - y) for x, y in zip(acc["off"], acc["on"]))
@@ -185,18 +192,19 @@ def main():
     a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own)
     if a.curve:
         return curves(a, args, fed, model, ctx, a.curve)
-    way = {m: argparse.Namespace(**{**vars(args), "parallel_clients": m}) for m in ("off", "on", "auto")}
-    rounds = {"FedAvg, one after another": lambda r: fedavg.fedavg_round(r, model, fed, way["off"], {}, ctx),
-              "FedAvg, clients at once": lambda r: fedavg.fedavg_round(r, model, fed, way["on"], {}, ctx),
-              f"FedAvg, auto ({'at once' if common.parallel(way['auto']) else 'one after another'})":
-                  lambda r: fedavg.fedavg_round(r, model, fed, way["auto"], {}, ctx)}
+    ways = {m: way(ctx, m) for m in ("off", "on", "auto")}
+    rounds = {"FedAvg, one after another": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["off"]),
+              "FedAvg, clients at once": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["on"]),
+              f"FedAvg, auto ({'at once' if ways['auto'].engine is common.all_at_once else 'one after another'})":
+                  lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["auto"])}
     methods = [("FedIIR", fediir, "off"), ("FedOMG", fedomg, "off"), ("FedOMG, clients at once", fedomg, "on"),
                ("FedIPG", fedipg, "off")]
     for name, module, mode in methods if a.setting == "rmnist" else methods[1:3]:
         m_args = method_args(module, module.__name__, a, mode)
-        state = module.init_state(model, fed, m_args, ctx)
+        m_ctx = way(ctx, mode, m_args)
+        state = module.init_state(model, fed, m_args, m_ctx) if hasattr(module, "init_state") else {}
         fn = getattr(module, f"{module.__name__}_round")
-        rounds[name] = lambda r, fn=fn, m_args=m_args, state=state: fn(r, model, fed, m_args, state, ctx)
+        rounds[name] = lambda r, fn=fn, m_args=m_args, state=state, m_ctx=m_ctx: fn(r, model, fed, m_args, state, m_ctx)
     images = []
 
     def bare(r):

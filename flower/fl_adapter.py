@@ -1,18 +1,15 @@
-"""What every method shares on Flower: the wire format, the server's link to the nodes, the node's
-view of its partition, and the entry points of the ServerApp and the ClientApp.
+"""The Flower App: every method file's own round, its clients on Flower's nodes (docs/flower.md).
 
-The server runs the method file's own main() (its flags, defaults and checks), and through it
-common.run (data, the held-out domain, seeding, evaluation, checkpoints, the results JSON); only the
-round function is the Flower one of fl_methods.py, which sends the clients' parts of the round to
-the nodes as messages and runs the server's parts (the method file's server functions) on their
-replies. One node per client: the node's partition id (node config `partition-id`) is the client id.
-
-Random streams. Every method file draws all its clients' minibatches from ONE generator (ctx.gen),
-client after client in the order of the round; the server keeps that generator and hands its state
-to each node that draws from it, takes back the state the node leaves, and hands it to the next one:
-those messages go one node after another, and the run equals the method file's own bit for bit.
-Messages that draw nothing go to all nodes at once. The server samples with common.sample_clients
-on its own seeded generator (never Flower's node sampling). Replies are ordered by partition id.
+The ServerApp runs the method file's main() (its flags, defaults and checks) and through it common.run
+(data, the held-out domain, seeding, evaluation, checkpoints, the results JSON), with one change: the
+engine of common.on_clients is a `Link`. Each exchange of a round is then one message to every sampled
+node at once, carrying the client function's name, what the server sent, the round and the exchange;
+each node runs that function (the method file's own) on its client, with the client's own random
+stream (common.stream of the seed, the held-out domain, the round, the client and the exchange) and
+its own state (Flower's Context.state), and replies. The replies are put in the order of the clients'
+ids, as in process. So the nodes train at the same time, and a run equals the method file's own run
+bit for bit. One node per client: the node's partition id (node config `partition-id`) is the client id.
+The server samples with common.sample_clients on its own seeded generator (never Flower's sampling).
 """
 import argparse
 import contextlib
@@ -25,8 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(os.environ.get("FEDOOD_ROOT") or Path(__file__).resolve().parent.parent)
-if (ROOT / "common.py").exists() and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for where in (ROOT, ROOT / "benchmark", ROOT / "benchmark" / "diagnostics"):   # methods, their variants
+    if (ROOT / "common.py").exists() and str(where) not in sys.path:
+        sys.path.insert(0, str(where))
 
 import torch  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
@@ -79,15 +77,24 @@ def nbytes(rd):
     return sum(len(o.deflate()) for o in get_all_nested_objects(rd).values())
 
 
+def name_of(fn):
+    return None if fn is None else f"{fn.__module__}:{fn.__qualname__}"
+
+
+def function(name):
+    module, qualname = name.split(":")
+    return getattr(importlib.import_module(module), qualname)
+
+
 # --------------------------------------------------------------------------------- the server
 
 class Link:
-    """The server's side: which node holds which client, and the message round trips of a round."""
+    """common.on_clients' engine on Flower: which node holds which client, and each exchange as one message
+    to every node of it at once. Per round: bytes down and up, seconds, and each node's working span."""
 
     def __init__(self, grid, wait=600.0):
-        self.grid, self.wait, self.nodes, self.args, self.method, self.out = grid, wait, None, None, None, None
-        self.moved = {}        # round -> [bytes down, bytes up]
-        self.times = {}        # round -> seconds of messaging and client work
+        self.grid, self.wait, self.nodes, self.args, self.init, self.out = grid, wait, None, None, None, None
+        self.moved, self.times, self.spans = {}, {}, {}    # round -> [down, up]; seconds; [(client, began, ended)]
 
     def connect(self, P):
         """Wait for P nodes, ask each its partition id: {client id: node id}."""
@@ -96,38 +103,28 @@ class Link:
             if time.time() > end:
                 raise common.UserError(f"{len(ids)} node(s) connected, {P} needed (one per client)")
             time.sleep(0.5)
-        replies = self._send([(i, "query.hello", {}) for i in ids], 0)
-        parts = {int(r["partition"]): i for i, r in zip(ids, replies)}
+        parts = {int(r["partition"]): i for i, r in zip(ids, self._send([(i, "query.hello", {}) for i in ids], 0))}
         if sorted(parts) != list(range(P)):
             raise common.UserError(f"the nodes' partition ids are {sorted(parts)}; this run needs 0..{P - 1}, one each")
         self.nodes = parts
 
-    def ask(self, t, kind, requests, fed, gen=None):
-        """requests: [(client id, dict)]; `kind` a message type ("train.fedavg"). Returns the replies'
-        dicts in the order of `requests`. gen: the minibatch generator the clients draw from, handed
-        from one to the next (one message at a time); None: all at once."""
+    def __call__(self, fn, S, sents, t, phase, ctx):
         if self.nodes is None:
-            self.connect(len(fed.clients))
+            self.connect(len(ctx.fed.clients))
         start = time.perf_counter()
-        common_part = {"method": self.method, "args": self.args, "domain": fed.name, "round": t}
-        if gen is None:
-            out = self._send([(self.nodes[c], kind, {**common_part, **d}) for c, d in requests], t)
-        else:
-            out = []
-            for c, d in requests:
-                (r,) = self._send([(self.nodes[c], kind, {**common_part, **d, "gen": gen.get_state()})], t)
-                gen.set_state(r.pop("gen"))
-                out.append(r)
+        head = {"fn": name_of(fn), "phase": phase, "round": t, "domain": ctx.fed.name, "args": self.args,
+                "init": self.init}
+        replies = self._send([(self.nodes[c], "train.client", {**head, **{f"sent.{k}": v for k, v in sent.items()}})
+                              for c, sent in zip(S, sents)], t)
         self.times[t] = self.times.get(t, 0.0) + time.perf_counter() - start
-        return out
+        self.spans.setdefault(t, []).extend((c, r.pop("_began"), r.pop("_ended")) for c, r in zip(S, replies))
+        return [common.to_device(r, ctx.device) for r in replies]          # in the order of S: the clients' ids
 
     def _send(self, items, t):
         msgs = [Message(pack(d), node, kind, group_id=str(t)) for node, kind, d in items]
         moved = self.moved.setdefault(t, [0, 0])
         moved[0] += sum(nbytes(m.content) for m in msgs)
-        replies = {}
-        for r in self.grid.send_and_receive(msgs):
-            replies[r.metadata.reply_to_message_id] = r
+        replies = {r.metadata.reply_to_message_id: r for r in self.grid.send_and_receive(msgs)}
         out = []
         for m in msgs:
             r = replies.get(m.metadata.message_id)
@@ -139,19 +136,16 @@ class Link:
         return out
 
 
-def serve(grid, method, argv, rounds, wait=600.0):
-    """The ServerApp's work: `method`'s own main(argv) with its round function replaced by
-    rounds(link, t, model, fed, args, state, ctx). Returns (results, link)."""
+def serve(grid, method, argv, wait=600.0):
+    """The ServerApp's work: `method`'s own main(argv), common.on_clients' engine a Link. Returns (results, link)."""
     mod = importlib.import_module(method)
     link, run = Link(grid, wait), common.run
-    link.method = method
 
-    def flower_run(name, args, round_fn, init_state, evaluate_fn, argv=None):
+    def flower_run(name, args, round_fn, init_state, evaluate_fn, argv=None, engine=None):
         if args.parallel_clients == "on":
             raise common.UserError("--parallel-clients on: on Flower every client trains on its own node; use off")
-        link.args, link.out = json.dumps(vars(args)), args.out   # as common.run receives them; the nodes resolve the rest alike
-        fn = lambda t, model, fed, a, state, ctx: rounds(link, t, model, fed, a, state, ctx)
-        return run(name, args, fn, init_state, evaluate_fn, argv)
+        link.args, link.out, link.init = json.dumps(vars(args)), args.out, name_of(init_state)  # the nodes' setup
+        return run(name, args, round_fn, init_state, evaluate_fn, argv, engine=link)
     common.run = flower_run
     try:
         return mod.main(argv), link
@@ -159,13 +153,24 @@ def serve(grid, method, argv, rounds, wait=600.0):
         common.run = run
 
 
+def report(link):
+    """Per round: seconds of messages and client work, bytes, and each node's span (<out>.flower.json)."""
+    rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u, "spans": link.spans.get(t, [])}
+              for t, (d, u) in link.moved.items()}
+    common.write_json(str(Path(link.out).with_suffix(".flower.json")), {"rounds": rounds})
+    for t in sorted(link.moved):
+        down, up = link.moved[t]
+        print(f"flower: round {t}: {link.times.get(t, 0.0):.2f} s of messages and client work, "
+              f"{down / 2**20:.3f} MiB down, {up / 2**20:.3f} MiB up", flush=True)
+
+
 # ----------------------------------------------------------------------------------- the nodes
 
 class Node:
-    """A node's client: the method's args, its own Client of the federation, a model, a Context."""
+    """A node's view: the run's federation as the server builds it (its seed fixes it; the method's own setup,
+    init_state, done here too: FedLOE's tuning split), a model to compute with, the client it holds."""
 
-    def __init__(self, method, args, domain, partition):
-        self.args = args
+    def __init__(self, init, args, domain, partition):
         common.set_deterministic(not args.nondeterministic)
         with contextlib.redirect_stdout(io.StringIO()):   # (the loader's notes are the server's to print)
             ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
@@ -173,51 +178,54 @@ class Node:
             data.test_domains(args, ds)       # as common.run: resolves --clients, --sample, --client-size
         device = torch.device(args.device)
         names = [d.name for d in ds.domains]
-        self.fed = data.federate_fixed(ds, args.seed, device) if domain == "clients" else \
+        fed = data.federate_fixed(ds, args.seed, device) if domain == "clients" else \
             data.federate(ds, names.index(domain), args.clients, args.seed, device,
-                            client_size=getattr(args, "client_size", None))
-        with torch.random.fork_rng(devices=[]):            # the server's initial model, as train_domain
-            torch.manual_seed(args.seed)
-            self.model = common.build_model(args, ds).to(device)
-        self.ctx = common.Context(device, torch.Generator(device), torch.Generator(), data.make_prep(args.dataset, device),
-                                  args.amp)
-        mod = importlib.import_module(method)
-        # the method's own start on this federation (FedLOE's tune split, FedIPG's rotated client, PerInvFL's θ_i^0)
-        self.init = mod.init_state(self.model, self.fed, args, self.ctx) if hasattr(mod, "init_state") else {}
-        self.client = self.fed.clients[partition]
+                          client_size=getattr(args, "client_size", None))
+        with torch.random.fork_rng(devices=[]):
+            model = common.global_model(args, ds, device)
+        self.ctx = common.Context(device, torch.Generator(), data.make_prep(args.dataset, device), args.amp, args,
+                                  fed, model, {})
+        if init:
+            function(init)(model, fed, args, self.ctx)
+        self.partition, self.domain = partition, domain
 
 
-_NODES = {}   # (args, domain, partition) -> Node: reused while this process lives (one run in-process)
+_NODES = {}   # (args, init, domain, partition) -> Node: reused while this process lives
 
 
 def node_for(req, context):
-    key = (req["args"], req["domain"], int(context.node_config["partition-id"]))
+    key = (req["args"], req["init"], req["domain"], int(context.node_config["partition-id"]))
     if key not in _NODES:
         args = argparse.Namespace(**json.loads(req["args"]))
         if "data-root" in context.node_config:            # this device's copy of the data
             args.data_root = str(context.node_config["data-root"])
         _NODES.clear()
-        _NODES[key] = Node(req["method"], args, req["domain"], key[2])
+        _NODES[key] = Node(req["init"], args, req["domain"], key[3])
     return _NODES[key]
 
 
-def load_state(context, node):
-    """What this node keeps across rounds for the current held-out domain (Flower's Context.state)."""
-    rec = context.state.get("fedood", ConfigRecord())
-    blob = rec.get(node.fed.name)
-    return torch.load(io.BytesIO(blob), weights_only=True) if blob else {}
+def work(msg, context):
+    """One exchange on this node: the named client function on its client, its stream, its state."""
+    req = unpack(msg.content)
+    node = node_for(req, context)
+    ctx, c = node.ctx, node.partition
+    sent = common.to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
+    record = context.state.get("fedood", ConfigRecord())             # the client's own state, per held-out domain
+    kept = torch.load(io.BytesIO(record[node.domain]), weights_only=True) if node.domain in record else {}
+    ctx.clients = {c: common.to_device(kept, ctx.device)}
+    began = time.time()
+    out = function(req["fn"])(common.site(ctx, c, req["round"], req["phase"]), sent)
+    out = {**out, "_began": began, "_ended": time.time()}
+    if ctx.clients[c]:
+        buf = io.BytesIO()
+        torch.save(ctx.clients[c], buf)
+        record[node.domain] = buf.getvalue()
+        context.state["fedood"] = record
+    return Message(pack(out), reply_to=msg)
 
 
-def save_state(context, node, kept):
-    buf = io.BytesIO()
-    torch.save(kept, buf)
-    rec = context.state.get("fedood", ConfigRecord())
-    rec[node.fed.name] = buf.getvalue()
-    context.state["fedood"] = rec
-
-
-def client_app(handlers):
-    """A ClientApp with handlers {message type: fn(node, request, context) -> reply dict}."""
+def client_app():
+    """The ClientApp: its partition id on `query.hello`, an exchange of a round on `train.client`."""
     from flwr.clientapp import ClientApp
     app = ClientApp()
 
@@ -225,29 +233,5 @@ def client_app(handlers):
     def hello(msg, context):
         return Message(pack({"partition": int(context.node_config["partition-id"])}), reply_to=msg)
 
-    def wrap(fn):
-        def handle(msg, context):
-            req = unpack(msg.content)
-            node = node_for(req, context)
-            req = common.to_device(req, node.ctx.device)
-            if "gen" in req:
-                node.ctx.gen.set_state(req["gen"].cpu())
-            out = fn(node, req, context)
-            if "gen" in req:
-                out["gen"] = node.ctx.gen.get_state()
-            return Message(pack(out), reply_to=msg)
-        return handle
-    for kind, fn in handlers.items():
-        category, action = kind.split(".")
-        getattr(app, category)(action)(wrap(fn))
+    app.train("client")(work)
     return app
-
-
-def report(link):
-    """Per-round messaging time and bytes: on the server's stdout and in <out>.flower.json."""
-    rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u} for t, (d, u) in link.moved.items()}
-    common.write_json(str(Path(link.out).with_suffix(".flower.json")), {"rounds": rounds})
-    for t in sorted(link.moved):
-        down, up = link.moved[t]
-        print(f"flower: round {t}: {link.times.get(t, 0.0):.2f} s of messages and client work, "
-              f"{down / 2**20:.3f} MiB down, {up / 2**20:.3f} MiB up", flush=True)

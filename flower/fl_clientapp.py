@@ -1,6 +1,5 @@
-"""The ClientApp: one client of the federation per node (node config `partition-id`), its handlers the
-method files' client functions (fl_methods.HANDLERS)."""
+"""The ClientApp: one client of the federation per node (node config `partition-id`); it runs the method
+files' own client functions, named in each message (fl_adapter.work)."""
 import fl_adapter
-import fl_methods
 
-app = fl_adapter.client_app(fl_methods.HANDLERS)
+app = fl_adapter.client_app()

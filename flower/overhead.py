@@ -19,7 +19,6 @@ import torch  # noqa: E402
 
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402
-import fl_methods  # noqa: E402
 
 
 def argv_of(method, a):
@@ -44,8 +43,8 @@ def main():
             t0 = time.perf_counter()
             importlib.import_module(m).main(argv + ["--out", str(out / f"{m}-own.json")])
             t1 = time.perf_counter()
-            grid = fake_grid.FakeGrid(fl_adapter.client_app(fl_methods.HANDLERS), a.clients)
-            _, link = fl_adapter.serve(grid, m, argv + ["--out", str(out / f"{m}-fl.json")], fl_methods.ROUNDS[m])
+            grid = fake_grid.FakeGrid(fl_adapter.client_app(), a.clients)
+            _, link = fl_adapter.serve(grid, m, argv + ["--out", str(out / f"{m}-fl.json")])
             t2 = time.perf_counter()
             own, fl = (torch.load(out / f"{m}-{k}.ckpt", weights_only=True)["model"] for k in ("own", "fl"))
             rounds = [r for r in link.moved if r != 0]          # (0: the partition-id handshake)

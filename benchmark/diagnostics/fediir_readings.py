@@ -20,8 +20,24 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch  # noqa: E402
+
 import common  # noqa: E402
 import fediir  # noqa: E402
+
+
+def readings_gradient(site, sent):
+    """fediir.classifier_gradient with the reading's g_bar: over the client's minibatches (the code) or its one
+    full-batch gradient (--gbar clients: count 1, the server's mean over clients), augmented or plain inputs."""
+    model, client, args = site.model, site.client, site.args
+    common.set_flat(model, sent["theta"])
+    model.train()
+    with torch.no_grad(), site.autocast():
+        z = torch.cat([model.featurizer(site.prep(client.x[i:i + 256], train=args.gbar_inputs == "augmented",
+                                                  gen=site.gen)) for i in range(0, client.n, 256)])
+    grad, count = fediir.classifier_grads(model.classifier, z.to(sent["theta"].dtype), client.y,
+                                          None if args.gbar == "clients" else args.batch_size)
+    return {"grad": grad, "count": count}
 
 
 def readings_round(t, model, fed, args, state, ctx):
@@ -29,16 +45,15 @@ def readings_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                                # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)                 # step 1
     if args.gamma > 0:                                                            # step 2 (+ EMA)
-        g_bar = fediir.global_gradient(model, fed, S, ctx, None if args.gbar == "clients" else args.batch_size,
-                                       args.gbar_inputs == "augmented")
+        up = common.on_clients(readings_gradient, S, {"theta": theta}, t, ctx, phase="classifier_gradient")
+        g_bar = sum(r["grad"] for r in up) / sum(r["count"] for r in up)
         state["g_tilde"] = fediir.gbar_update(state["g_tilde"], g_bar, args.ema)
     gamma = args.gamma / 2 if args.half else args.gamma
-    trained = list(common.train_clients(model, theta, [fed.clients[c] for c in S], args, ctx,   # step 3
-                                        loss_fn=fediir.iir_loss(state["g_tilde"], gamma),
-                                        objective=fediir.iir_loss_at(state["g_tilde"], gamma)))
+    up = common.on_clients(fediir.client_update, S, {"theta": theta, "g_tilde": state["g_tilde"], "gamma": gamma},
+                           t, ctx)                                                # step 3
     p = [float(fed.clients[c].n) if args.size_avg else 1.0 for c in S]
-    common.set_flat(model, fediir.server_update(theta, [th for th, _ in trained], p, args.global_lr))   # step 4
-    return {c: loss for c, (_, loss) in zip(S, trained)}
+    common.set_flat(model, fediir.server_update(theta, [r["theta"] for r in up], p, args.global_lr))   # step 4
+    return {c: r["loss"] for c, r in zip(S, up)}
 
 
 def add_args(p):

@@ -39,6 +39,9 @@ def step_parts(model, x, y, lam, repeat, clock):
     """Seconds of a plain step and of each penalised step (and the tangent step's forward), one batch."""
     w = list(model.parameters())
     layers = fedipg.chain(model)
+    mean = torch.full((len(y),), 1 / len(y), device=y.device)
+    f_i = lambda layers: fedipg.f_i(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y, mean, lam,
+                                    layers)
 
     def plain():
         model.zero_grad()
@@ -51,12 +54,12 @@ def step_parts(model, x, y, lam, repeat, clock):
     def step(mode):
         def f():
             model.zero_grad()
-            fedipg.objective(model, x, y, None, lam, layers if mode == "tangent" else None).backward()
+            f_i(layers if mode == "tangent" else None).backward()
         return f
     risk = F.cross_entropy(model(x), y)
     g_R = torch.autograd.grad(risk, w)
     d = sum((g * p).sum() for g, p in zip(g_R, w))                 # ⟨∇R, w⟩ by its definition
-    g_P = [g - r for g, r in zip(torch.autograd.grad(fedipg.objective(model, x, y, None, lam, layers), w), g_R)]
+    g_P = [g - r for g, r in zip(torch.autograd.grad(f_i(layers), w), g_R)]
     norm = lambda gs: sum((v ** 2).sum() for v in gs).sqrt().item()
     print(f"at the model after the timed rounds, on one batch: R = {risk.item():.4f}, d = <grad R, w> = {d.item():.4f}, "
           f"|grad(lam d^2)| / |grad R| = {norm(g_P) / norm(g_R):.2e}")
@@ -71,7 +74,7 @@ def main():
     a, args, fed, model, ctx = setup("fedipg", fedipg.__doc__, fedipg.add_args)
     fedipg.check(args)
     args.uniform_avg = False
-    state = fedipg.init_state(model, fed, args, ctx)
+    state = {**fedipg.init_state(model, fed, args, ctx), "clients": ctx.clients}
     chain = fedipg.chain
 
     def ipg(form):                                  # a round with d by tangent, or by jvp (no chain)

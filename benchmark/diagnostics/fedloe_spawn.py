@@ -80,20 +80,28 @@ def accuracy(model, x, y, ctx):
     return common.correct(model, x, y, ctx).float().mean().item()
 
 
-def branch(model, fed, args, ctx):
-    """Every client L epochs alone from the current model; the three accuracies; then undone."""
-    theta, gen = common.get_flat(model), ctx.gen.get_state()
-    adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay)  # stage 1's
+@common.stackable
+def branch_update(site, sent):
+    """A branch on client c: --spawn-epochs epochs of stage 1's Adam alone from the trunk's model."""
+    adam = lambda params: torch.optim.Adam(params, lr=site.args.lr, weight_decay=site.args.weight_decay, foreach=True)
+    theta_c, loss = common.local_train(site, sent["theta"], make_opt=adam, epochs=site.args.spawn_epochs)
+    return {"theta": theta_c, "loss": loss}
+
+
+def branch(t, model, fed, args, ctx):
+    """Every client L epochs alone from the current model; the three accuracies; then undone. The branch's
+    draws are its own exchange's (phase "branch"): the trunk draws as if there were none."""
+    theta, every = common.get_flat(model), list(range(len(fed.clients)))
     delta_sum, weight_sum, alone_test, alone_in_domain = torch.zeros_like(theta), 0.0, [], []
     p_test, p_id = 0, 0                                                # the ensemble: summed softmax outputs
-    trained = common.train_clients(model, theta, fed.clients, args, ctx, adam, epochs=args.spawn_epochs)
-    for client, (theta_c, _) in zip(fed.clients, trained):
-        common.set_flat(model, theta_c)
+    trained = common.on_clients(branch_update, every, {"theta": theta}, t, ctx, phase="branch")
+    for client, r in zip(fed.clients, trained):
+        common.set_flat(model, r["theta"])
         alone_test.append(accuracy(model, fed.test_x, fed.test_y, ctx))
         alone_in_domain.append(accuracy(model, fed.id_x, fed.id_y, ctx))
         p_test = p_test + probabilities(model, fed.test_x, ctx)
         p_id = p_id + probabilities(model, fed.id_x, ctx)
-        delta_sum += client.n * (theta_c - theta)                      # as fedloe.stage1_round (Eq. 4)
+        delta_sum += client.n * (r["theta"] - theta)                   # as fedloe's stage 1 (Eq. 4)
         weight_sum += client.n
     common.set_flat(model, theta + args.global_lr * delta_sum / weight_sum)
     out = {"average_test": accuracy(model, fed.test_x, fed.test_y, ctx),
@@ -103,14 +111,13 @@ def branch(model, fed, args, ctx):
            "ensemble_test": (p_test.argmax(1) == fed.test_y).float().mean().item(),
            "ensemble_in_domain": (p_id.argmax(1) == fed.id_y).float().mean().item()}
     common.set_flat(model, theta)
-    ctx.gen.set_state(gen)                                             # the trunk draws as if no branch
     return out
 
 
 def spawn_round(t, model, fed, args, state, ctx):
     if t - 1 in args.spawn:                                            # the trunk has run k = t - 1 epochs
-        state["branch"] = dict(k=t - 1, **branch(model, fed, args, ctx))
-    return fedloe.stage1_round(model, fed, args, ctx)
+        state["branch"] = dict(k=t - 1, **branch(t, model, fed, args, ctx))
+    return fedloe.fedloe_round(t, model, fed, args, state, ctx)       # stage 1 (--stage2-comms 0)
 
 
 def init_state(model, fed, args, ctx):

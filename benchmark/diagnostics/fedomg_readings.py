@@ -110,7 +110,8 @@ def readings_round(t, model, fed, args, state, ctx):
         setattr(fedomg, name, fn)
     try:
         if args.fresh_opt:
-            state["momentum"].clear()                            # every client starts a new SGD
+            for kept in ctx.clients.values():                    # every client starts a new SGD
+                kept.pop("momentum", None)
         return fedomg.fedomg_round(t, model, fed, args, state, ctx)
     finally:
         for name, fn in saved.items():
@@ -141,7 +142,7 @@ def check(args, by_hand=True):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     by_hand = fedomg.given(argv, "--global-lr")
-    return common.main("fedomg", __doc__, readings_round, argv, add_args, DEFAULTS, fedomg.init_state,
+    return common.main("fedomg", __doc__, readings_round, argv, add_args, DEFAULTS,
                        check=lambda args: check(args, by_hand), parallel_clients=True)
 
 

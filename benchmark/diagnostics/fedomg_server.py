@@ -71,9 +71,7 @@ def main():
         args = common.resolve(parser.parse_args(argv), "speed", fedomg.DEFAULTS)
         torch.manual_seed(0)
         model = common.build_model(args, ds).to(dev)
-        ctx = common.Context(dev, torch.Generator(dev).manual_seed(0), torch.Generator().manual_seed(0),
-                             data.make_prep("rmnist", dev))
-        state = fedomg.init_state(model, fed, args, ctx)
+        ctx, state = common.make_context(args, fed, model), {}
         rounds, servers = [], []
         for r in range(a.rounds + 1):                       # round 0 warms up
             t = time.perf_counter()

@@ -20,7 +20,7 @@ seeds as perinvfl.py's. The penalties P_i, each the method file's own function:
     fediir  FedIIR's gradient alignment, fediir.iir_penalty: ||∇_ω R_i(ν) − g̃||² on the classifier ω,
             g̃ the server's EMA (fediir.gbar_update, v = --ema, 0.95 as FedIIR's Appendix C, g̃^0 = 0)
             of the mean over all clients of ∇_ω R_i at the round's ν (fediir.classifier_grads,
-            fediir.gbar_mean, full batch); g̃ is a constant in P_i. --ema 0: no EMA (g̃ = the mean).
+            full batch); g̃ is a constant in P_i. --ema 0: no EMA (g̃ = the mean).
     fedipg  FedIPG's Eq. 9, d² with d = ⟨∇R_i(ν), ν⟩ over every parameter (fedipg.risk_and_d, exact)
     vrex    V-REx as fedloe.py's (its base code's): the variance of the per-example losses within
             the client (fedloe.rex_penalty on one client's logits); the mean over the clients of g_i
@@ -85,7 +85,8 @@ def objective(name, model, x, y, aux=None):
     P_i (None for none) at the model's parameters, all with their graphs. aux: fediir's g̃."""
     params = list(model.parameters())
     if name == "fedipg":                  # risk_and_d's forward carries d beside the logits: no second one
-        risk, d = fedipg.risk_and_d(model, x, y, None, fedipg.chain(model))
+        risk, d = fedipg.risk_and_d(model, x, y, torch.full((len(y),), 1 / len(y), device=y.device),
+                                    fedipg.chain(model))
         return risk + WD / 2 * sum(p.pow(2).sum() for p in params), risk, d * d      # l_inv's l2; Eq. 9
     logits = model(x)
     risk = torch.nn.functional.cross_entropy(logits, y)
@@ -109,13 +110,13 @@ def weight(name, t, anneal, lam=LAM):
 
 
 def global_gradient(model, clients):
-    """FedIIR's g_bar: the mean over the clients of ∇_ω R_i at the current ν, full batch."""
-    def uploads():
-        for x, y in clients:
-            with torch.no_grad():
-                z = model.featurizer(x)
-            yield from fediir.classifier_grads(model.classifier, z, y)
-    return fediir.gbar_mean(uploads())
+    """FedIIR's g_bar: the mean over the clients of ∇_ω R_i at the current ν, full batch (flat)."""
+    grads = []
+    for x, y in clients:
+        with torch.no_grad():
+            z = model.featurizer(x)
+        grads.append(fediir.classifier_grads(model.classifier, z, y)[0])   # one full batch each
+    return sum(grads) / len(grads)
 
 
 def swap_round(t, name, model, clients, state, args):
@@ -157,9 +158,9 @@ def train(name, seed, args, log=print):
     fed = data.federate_fixed(ds, seed, device)
     torch.manual_seed(seed)
     model = common.build_model(argparse.Namespace(model="mlp", head="linear", no_pretrained=True), ds).to(device)
-    ctx = common.Context(device, torch.Generator(device), torch.Generator(), data.make_prep("rcmnist", device))
+    ctx = common.Context(device, torch.Generator(), data.make_prep("rcmnist", device))
     clients = [(ctx.prep(c.x), c.y) for c in fed.clients]
-    state = {"adam": None, "g_tilde": [torch.zeros_like(p) for p in model.classifier.parameters()]}
+    state = {"adam": None, "g_tilde": torch.zeros_like(common.get_flat(model.classifier))}
     history, t0 = [], time.perf_counter()
     for t in range(args.rounds + 1):
         if t:

@@ -1,6 +1,7 @@
-"""PerInvFL's ablations, its other reading of line 8 and the Eq. 4 check: perinvfl.py's round with one
-piece swapped (perinvfl.client_update's `opt`, `line8`, `line9`), through common.main, so that the
-results are perinvfl.py's (method "perinvfl") with these flags in their args (docs/perinvfl.md).
+"""PerInvFL's ablations, its other reading of line 8 and the Eq. 4 check: perinvfl.py's round with its client
+function swapped for `variant_update` (perinvfl.client_update with line 8's start, optimiser and loss and line
+9's loss swappable), through common.main, so that the results are perinvfl.py's (method "perinvfl") with these
+flags in their args (docs/perinvfl.md).
 
     --theta kept        θ_i stays on its client across rounds (Ditto's reading; perinvfl.py: reset, pFedMe's code)
     --theta-opt adam    line 8 by IRM's Adam at --lr, its state kept on the client, new when λ changes
@@ -18,13 +19,12 @@ run (the same histories) plus the check.
     python benchmark/diagnostics/perinvfl_variants.py --dataset rcmnist --data-root DIR --theta kept
     python benchmark/diagnostics/perinvfl_variants.py --dataset rcmnist --data-root DIR --personalize ft
 """
-import argparse
 import copy
+import functools
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
@@ -40,37 +40,80 @@ def q_update(q, ids, risks, eta_q):
     return q / q.sum()
 
 
-def groupdro_loss(nq):
+def groupdro_loss(model, params, buffers, x, y, w, nq, weight_decay):
     """Line 9's loss under GroupDRO: N q_i R(f_ν; D_i) + IRM's L2 (no IRMv1 term, nothing to rescale)."""
-    def loss(net, x, y, args, lam):
-        return nq * F.cross_entropy(net(x), y) + args.weight_decay / 2 * sum(p.pow(2).sum() for p in net.parameters())
-    return loss
+    return nq * perinvfl.l_inv(model, params, buffers, x, y, w, 0.0, weight_decay)
 
 
-def line8_loss(net, nu_ir, x, y, args, lam):
-    """Line 8's loss: perinvfl.theta_loss (J_i), without its IRMv1 term under IRM-L2 and GroupDRO."""
+def line8_loss(args, nu_ir, lam):
+    """Line 8's objective: perinvfl.J_i, without its IRMv1 term under IRM-L2 and GroupDRO."""
     erm = args.personalize == "l2" or args.inv == "groupdro"
-    return perinvfl.theta_loss(net, nu_ir, x, y, args, 0.0 if erm else lam)
+    return functools.partial(perinvfl.J_i, nu=nu_ir, lam=0.0 if erm else lam, weight_decay=args.weight_decay,
+                             beta=args.beta)
 
 
-def line8_opt(params, args, saved):
-    """Line 8's optimiser: perinvfl.py's plain steps of η, or IRM's Adam at --lr; with the client's state."""
-    opt = torch.optim.Adam(params, lr=args.lr) if args.theta_opt == "adam" else \
-        torch.optim.SGD(params, lr=args.eta if args.eta is not None else args.lr)
-    if saved:
-        opt.load_state_dict(saved)
-    return opt
+def params_at(model, flat):
+    """The model's parameters and buffers as dicts, its parameters set to the flat vector `flat`."""
+    sizes = [p.numel() for p in model.parameters()]
+    return ({k: v.view_as(p) for (k, p), v in zip(model.named_parameters(), flat.split(sizes))},
+            dict(model.named_buffers()))
 
 
-def fine_tune(net, client, args, ctx):
+def variant_update(site, sent):
+    """perinvfl.client_update (lines 5-9 on client i) with the variant's line 8 (its start θ_i: ν^t, or kept on the
+    client; plain steps of η, or Adam at --lr with its state kept on the client, new when λ changes; J_i, or ERM +
+    β||θ_i − ν||²; none under ft) and line 9 (L_INV, or GroupDRO's N q_i R). Replies as client_update, plus the
+    risk R(f_ν^t; D_i) on the whole split and, when scored, J_i at θ_i and at ν_{i,R−1} (the Eq. 4 check)."""
+    args, nu, lam, model, client = site.args, sent["nu"], sent["lam"], site.model, site.client
+    kept = site.state
+    theta_i = nu if args.theta == "reset" else kept.get("theta", nu)          # θ_i's start
+    made = []
+
+    def line8_opt(params):
+        opt = torch.optim.Adam(params, lr=args.lr) if args.theta_opt == "adam" else \
+            torch.optim.SGD(params, lr=args.eta or args.lr, foreach=True)
+        if kept.get("opt_lam") == lam and "opt" in kept:                   # the client's optimiser state, same λ
+            opt.load_state_dict(kept["opt"])
+        made.append(opt)
+        return opt
+    line9 = functools.partial(groupdro_loss, nq=sent["nq"], weight_decay=args.weight_decay) \
+        if args.inv == "groupdro" else functools.partial(perinvfl.line9_loss, lam=lam, weight_decay=args.weight_decay)
+    plain = lambda params: torch.optim.SGD(params, lr=args.lr, foreach=True)
+    S = 0 if args.personalize == "ft" else args.S
+    nu_ir = last = nu
+    total = 0.0
+    for r in range(perinvfl.local_steps(client, args)):
+        if S:                                                                 # line 8
+            theta_i, _ = common.local_train(site, theta_i, line8_loss(args, nu_ir, lam), line8_opt, steps=S)
+        last = nu_ir
+        nu_ir, loss = common.local_train(site, nu_ir, line9, plain, steps=1)  # line 9
+        total = total + loss
+    if made and args.theta_opt == "adam":
+        kept.update(opt=made[-1].state_dict(), opt_lam=lam)
+    if args.theta == "kept":
+        kept["theta"] = theta_i
+    w = torch.full((client.n,), 1.0 / client.n, device=nu.device)
+    x = site.prep(client.x)
+    with torch.no_grad():
+        out = {"delta": nu_ir - nu, "loss": total / perinvfl.local_steps(client, args), "theta": theta_i,
+               "risk": common.cross_entropy(model, *params_at(model, nu), x, client.y, w)}
+        if sent["scored"] and args.personalize != "ft":                      # J_i(θ_i) vs J_i(ν_{i,R−1})
+            J = line8_loss(args, last, lam)
+            out["eq4"] = torch.stack([J(model, *params_at(model, v), x, client.y, w) for v in (theta_i, last)])
+    return out
+
+
+def fine_tune(net, client, args, gen, prep):
     """IRM-FT's θ_i: ν (in `net`) after --ft-epochs epochs of ERM (+ IRM's L2) on the client's training
-    split in minibatches of --ft-batch, with a fresh optimiser (--opt's, at --lr)."""
+    split in minibatches of --ft-batch, with a fresh optimiser (--opt's, at --lr), drawn from `gen`."""
     net.train()
     opt = torch.optim.Adam(net.parameters(), lr=args.lr) if args.opt == "adam" else \
         torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum)
-    for idx in common.batches(client.n, args.ft_batch, args.ft_epochs, ctx):
-        x = ctx.prep(client.x[idx], train=True, gen=ctx.gen)
-        loss = perinvfl.l_inv(net, *perinvfl.own(net), x, client.y[idx], None, 0.0, args.weight_decay)
+    for idx in common.batches(client.n, args.ft_batch, gen, client.x.device, epochs=args.ft_epochs):
+        x, y = client.x[idx], client.y[idx]
+        w = torch.full((len(idx),), 1.0 / len(idx), device=x.device)
+        loss = perinvfl.l_inv(net, dict(net.named_parameters()), dict(net.named_buffers()),
+                              prep(x, train=True, gen=gen), y, w, 0.0, args.weight_decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -80,50 +123,38 @@ def fine_tune(net, client, args, ctx):
 def init_state(model, fed, args, ctx):
     N = len(fed.clients)
     return dict(perinvfl.init_state(model, fed, args, ctx),
-                opt_theta=[None] * N, opt_lam=[None] * N,            # θ_i's optimiser state, its λ
                 q=torch.full((N,), 1.0 / N, device=ctx.device),      # GroupDRO's q, uniform
                 eq4=torch.zeros(2, N, device=ctx.device),            # the check: J_i(θ_i), J_i(ν)
-                took=torch.zeros(N, dtype=torch.bool, device=ctx.device))   # clients checked this round
+                took=torch.zeros(N, dtype=torch.bool, device=ctx.device),   # clients checked this round
+                scored=0)                                            # evaluations so far (IRM-FT's streams)
 
 
 def variant_round(t, model, fed, args, state, ctx):
-    nu, lam = common.get_flat(model), args.lam if t > args.anneal else 1.0
-    theta_net, deltas, risks, N = copy.deepcopy(model), [], {}, len(fed.clients)
+    nu, lam, N = common.get_flat(model), args.lam if t > args.anneal else 1.0, len(fed.clients)
     scored = t % args.eval_every == 0 or t == args.rounds
+    ids = common.sample_clients(ctx, N, args.sample)
+    sent = [{"nu": nu, "lam": lam, "nq": N * state["q"][i], "scored": scored} for i in ids]
+    up = common.on_clients(variant_update, ids, sent, t, ctx, phase="client_update")
     if scored:
         state["took"].zero_()
-    ids = common.sample_clients(ctx, N, args.sample)
-    on = args.parallel_clients == "on"
-    ahead = perinvfl.line9_at_once(model, nu, [fed.clients[i] for i in ids], args, lam, ctx) if on else {}
-    run = argparse.Namespace(**dict(vars(args), S=0)) if args.personalize == "ft" else args   # (ft: no line 8)
-    for i in ids:
-        common.set_flat(theta_net, nu if args.theta == "reset" else state["theta"][i])   # θ_i's start
-        saved = state["opt_theta"][i] if state["opt_lam"][i] == lam else None             # new λ: new state
-        opt = line8_opt(theta_net.parameters(), args, saved)
-        line9 = groupdro_loss(N * state["q"][i]) if args.inv == "groupdro" else None
-        delta, risks[i], state["theta"][i] = perinvfl.client_update(model, theta_net, nu, fed.clients[i], run, lam,
-                                                                    ctx, ahead.get(i), opt, line8_loss, line9)
-        state["opt_theta"][i], state["opt_lam"][i] = opt.state_dict(), lam
-        deltas.append(delta)
-        if scored and args.personalize != "ft":                      # J_i(θ_i) vs J_i(ν_{i,R−1})
-            c, centre = fed.clients[i], common.get_flat(model)
-            with torch.no_grad():
-                for k, net in enumerate((theta_net, model)):
-                    state["eq4"][k, i] = line8_loss(net, centre, ctx.prep(c.x), c.y, args, lam)
-            state["took"][i] = True
-    common.set_flat(model, perinvfl.line10(nu, deltas, args, state))
+    for i, r in zip(ids, up):
+        state["theta"][i] = r["theta"]
+        if "eq4" in r:
+            state["eq4"][:, i], state["took"][i] = r["eq4"], True
+    common.set_flat(model, perinvfl.line10(nu, [r["delta"] for r in up], args, state))
     if args.inv == "groupdro":                                       # q from the risks uploaded this round
-        state["q"] = q_update(state["q"], ids, torch.stack([risks[i] for i in ids]), args.eta_q)
-    return risks
+        state["q"] = q_update(state["q"], ids, torch.stack([r["risk"] for r in up]), args.eta_q)
+    return {i: r["loss"] for i, r in zip(ids, up)}
 
 
 def evaluate(model, fed, args, state, ctx):
     """perinvfl.evaluate, with IRM-FT's θ_i fine-tuned first, and the Eq. 4 check's numbers."""
     if args.personalize == "ft":
-        net = copy.deepcopy(model)
+        net, state["scored"] = copy.deepcopy(model), state["scored"] + 1
         for c in fed.clients:
             common.set_flat(net, common.get_flat(model))
-            state["theta"][c.id] = fine_tune(net, c, args, ctx)
+            gen = common.stream(args.seed, fed.name, state["scored"], c.id, "fine_tune", ctx.device)
+            state["theta"][c.id] = fine_tune(net, c, args, gen, ctx.prep)
     *scores, extra = perinvfl.evaluate(model, fed, args, state, ctx)
     if args.personalize != "ft":
         (j_theta, j_nu), took = state["eq4"], state["took"]
@@ -158,9 +189,7 @@ def check(args):
 
 
 def parallel_reason(args):
-    if args.inv == "groupdro":
-        return "trains its clients one after another under --inv groupdro (its line 9 weighs each risk by N q_i)"
-    return perinvfl.parallel_reason(args)
+    return "trains its clients one after another (its variants keep each client's line-8 optimiser and θ_i)"
 
 
 def main(argv=None):

@@ -48,7 +48,7 @@ def score(path):
     args = Namespace(**res["args"])
     blob = torch.load(Path(path).with_suffix(".ckpt"), map_location="cpu", weights_only=True)  # written beside it
     assert blob["round"] == args.rounds and blob["finished"] == {}, f"{path}: checkpoint is not the last round"
-    ctx = common.Context(torch.device("cpu"), None, None, data.make_prep(args.dataset, "cpu"))
+    ctx = common.Context(torch.device("cpu"), None, data.make_prep(args.dataset, "cpu"))
     name = label(res)
     load = {name: lambda model, c: model.load_state_dict(blob["model"])}              # the global model
     if res["method"] == "perinvfl":
