@@ -187,9 +187,9 @@ def parallel_reason(args):
 
 def line9_at_once(model, nu, clients, args, lam, ctx):
     """Line 9 of every client at once (common.at_once with `l_inv`): {client id: Δ_i}, to float tolerance."""
-    if any(c.n > args.batch_size for c in clients):
-        raise common.UserError("--parallel-clients on: perinvfl takes line 9 at once at full batch only "
-                               f"(--batch-size >= {max(c.n for c in clients)}); use off")
+    if (most := max(c.n for c in clients)) > args.batch_size:    # data.py: a batch no training domain fills is full
+        raise common.UserError("--parallel-clients on: perinvfl takes line 9 at once at full batch only (--batch-size "
+                               f">= {most}; leaving a domain out, >= the largest training domain); use off")
     plain = lambda params: torch.optim.SGD(params, lr=args.lr)      # γ (R = 1, full batch); IRM's L2 in the loss
     full = argparse.Namespace(**dict(vars(args), batch_size=max(c.n for c in clients)))   # one batch each, padded
     objective = lambda *a: l_inv(*a, lam, args.weight_decay) / rescale(lam)
