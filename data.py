@@ -15,8 +15,9 @@ Two protocols (docs/protocol.md):
 Sources. The MNIST family reads the 5,000-digit subset embedded in assets/mnist5k.npz unless
 --data-root is given; with --data-root it reads full MNIST through torchvision (downloading it into
 that folder). Never one silently for the other. PACS / VLCS / OfficeHome use DomainBed's layout
-ROOT/<Dataset>/<domain>/<class>/<image>; they are decoded once and cached as uint8 tensors at the
-training resolution in ROOT/<Dataset>/.cache-<size>.pt.
+ROOT/<Dataset>/<domain>/<class>/<image>, a label being the index of the class folder's name among the
+dataset's CLASSES; they are decoded once and cached as uint8 tensors at the training resolution in
+ROOT/<Dataset>/.cache-<size>.pt.
 
     python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
     python data.py --make-fake pacs --data-root DIR    (a tiny generated stand-in, to try the photo path)
@@ -109,6 +110,7 @@ class Dataset:
     num_classes: int
     protocol: str        # "lodo" or "clients"
     source: str          # one line saying where the data came from
+    classes: tuple | None = None   # the photo datasets: label k is the class named classes[k]
 
 
 # ----------------------------------------------------------------------------------------- MNIST
@@ -340,12 +342,26 @@ def emnist_arrays(root):
 # ------------------------------------------------------------- DomainBed image folders (photos)
 
 FOLDERS = {"pacs": "PACS", "vlcs": "VLCS", "officehome": "office_home"}
+# Each dataset's class names, in the order of Python's sorted() (DomainBed's ImageFolder numbers classes so): on a
+# complete copy the labels are DomainBed's; on one whose domains lack classes, still the same names' indices.
+CLASSES = {"pacs": ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person"),
+           "vlcs": ("bird", "car", "chair", "dog", "person"),
+           "officehome": ("Alarm_Clock", "Backpack", "Batteries", "Bed", "Bike", "Bottle", "Bucket", "Calculator",
+                          "Calendar", "Candles", "Chair", "Clipboards", "Computer", "Couch", "Curtains", "Desk_Lamp",
+                          "Drill", "Eraser", "Exit_Sign", "Fan", "File_Cabinet", "Flipflops", "Flowers", "Folder",
+                          "Fork", "Glasses", "Hammer", "Helmet", "Kettle", "Keyboard", "Knives", "Lamp_Shade",
+                          "Laptop", "Marker", "Monitor", "Mop", "Mouse", "Mug", "Notebook", "Oven", "Pan",
+                          "Paper_Clip", "Pen", "Pencil", "Postit_Notes", "Printer", "Push_Pin", "Radio",
+                          "Refrigerator", "Ruler", "Scissors", "Screwdriver", "Shelf", "Sink", "Sneakers", "Soda",
+                          "Speaker", "Spoon", "TV", "Table", "Telephone", "ToothBrush", "Toys", "Trash_Can", "Webcam")}
 IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp"}
 
 
 def image_folder(name, root, size=224):
-    """ROOT/<Dataset>/<domain>/<class>/<image>, domains and classes sorted (DomainBed). Images are
-    resized to size x size (the evaluation transform of DomainBed / FedIIR) and cached as uint8."""
+    """ROOT/<Dataset>/<domain>/<class>/<image>, domains sorted (DomainBed). A label is the index of its class
+    folder's name among the dataset's classes (CLASSES), in every domain: a domain may lack classes (a note
+    names them) without moving another class's label, and a folder named as none of the classes is refused.
+    Images are resized to size x size (the evaluation transform of DomainBed / FedIIR) and cached as uint8."""
     if root is None:
         raise UserError(f"{name} needs --data-root DIR holding {FOLDERS[name]}/<domain>/<class>/<images>; "
                         f"get it with: python data.py --download {name} --data-root DIR")
@@ -354,30 +370,34 @@ def image_folder(name, root, size=224):
         raise UserError(f"{base} not found; get it with: python data.py --download {name} "
                         f"--data-root {root} (or lay out any copy as {FOLDERS[name]}/<domain>/<class>/<images>)")
     domains = sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
-    found = {d: {c.name for c in (base / d).iterdir() if c.is_dir() and not c.name.startswith(".")} for d in domains}
-    classes = sorted(set().union(*found.values()))
-    same_classes(base, found)
+    found = {d: sorted(c.name for c in (base / d).iterdir() if c.is_dir() and not c.name.startswith("."))
+             for d in domains}
+    classes = CLASSES[name]
+    known_classes(name, base, found)
     files = [(d, k, f) for d in domains for k, c in enumerate(classes) if (base / d / c).is_dir()
              for f in sorted((base / d / c).iterdir()) if f.suffix.lower() in IMAGE_EXT]
     if not files:
         raise UserError(f"no images under {base}/<domain>/<class>/ (looked for {sorted(IMAGE_EXT)})")
+    missing_classes(name, base, domains, {(d, k) for d, k, _ in files})
+    # the cache is keyed by the image files in order; the labels are not taken from it but from the
+    # class names, so that a cache written when labels were numbered otherwise cannot bring them back
     key = hashlib.sha256("\n".join(str(f.relative_to(base)) for _, _, f in files).encode()).hexdigest()
     cache = base / f".cache-{size}.pt"
-    x = y = None
+    x = None
     if cache.exists():
         try:
             blob = torch.load(cache, weights_only=True)
-            x, y, cached_key = blob["x"], blob["y"], blob["key"]
+            x, cached_key = blob["x"], blob["key"]
         except Exception as e:
             raise UserError(f"corrupt cache {cache} ({type(e).__name__}); delete it to rebuild it")
         if cached_key != key:
             print(f"note: the files under {base} changed since {cache.name} was written; rebuilding it")
             x = None
+    y = torch.tensor([k for _, k, _ in files])
     if x is None:
         print(f"decoding {len(files):,} images under {base} once (cached in {cache.name})")
         with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
             x = torch.stack(list(pool.map(lambda f: decode(f[2], size), files)))
-        y = torch.tensor([k for _, k, _ in files])
         tmp = cache.with_suffix(".tmp")
         try:
             torch.save({"x": x, "y": y, "key": key}, tmp)
@@ -387,35 +407,56 @@ def image_folder(name, root, size=224):
     dom = np.array([d for d, _, _ in files])
     out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)]) for d in domains]
     fake = "; FAKE: random images from data.py --make-fake, not the dataset" if (base / FAKE_MARK).exists() else ""
-    return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px){fake}")
+    return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px){fake}",
+                   classes)
 
 
-def same_classes(base, found):
-    """Every domain must hold the same class folders: a label is the index of its folder's name among
-    all of them, so a stray folder (PACS/sketch/Dog beside dog) would silently become a class of its
-    own. found: {domain: set of class folder names}. Names the odd folder(s) in one line."""
-    every = set().union(*found.values())
-    for c in sorted(every):
-        have = [d for d in sorted(found) if c in found[d]]
-        lack = [d for d in sorted(found) if c not in found[d]]
-        if not lack:
-            continue
-        verb = lambda ds, one, many: f"{', '.join(ds)} {one if len(ds) == 1 else many}"
-        if len(have) <= len(lack):
-            raise UserError(f"{', '.join(str(base / d / c) for d in have)}: a class folder that "
-                            f"{verb(lack, 'lacks', 'lack')}; every domain needs the same class folders (rename or "
-                            f"remove it)")
-        raise UserError(f"{verb([str(base / d) for d in lack], 'lacks', 'lack')} the class folder {c!r} that "
-                        f"{verb(have, 'holds', 'hold')}; every domain needs the same class folders")
+def known_classes(name, base, found):
+    """Every class folder must be named as one of the dataset's classes: a label is the index of its folder's
+    name among them, so a stray folder (PACS/sketch/Dog beside dog) or a domain that names its classes its own
+    way (hund for dog) has no label. Nothing maps such names (DomainBed's layout has the same class folders in
+    every domain): the odd folders are named in one line, to rename or remove. found: {domain: class folders}."""
+    classes = CLASSES[name]
+    odd = {d: [c for c in cs if c not in classes] for d, cs in found.items()}
+    odd = {d: cs for d, cs in odd.items() if cs}
+    if odd:
+        listed = ", ".join(classes) if len(classes) <= 10 else f"the {len(classes)} of data.CLASSES[{name!r}]"
+        raise UserError(f"class folders named as none of {name}'s classes ({listed}): "
+                        + "; ".join(f"{base / d}: {', '.join(cs)}" for d, cs in odd.items())
+                        + "; rename each to the class it holds, or remove it")
+
+
+def missing_classes(name, base, domains, have):
+    """One note naming the classes of which a domain holds no image (their labels stay unused there; no
+    other label moves); a domain without any image is refused. have: {(domain, label)} of the images."""
+    classes = CLASSES[name]
+    lack = {d: [c for k, c in enumerate(classes) if (d, k) not in have] for d in domains}
+    empty = [d for d in domains if len(lack[d]) == len(classes)]
+    if empty:
+        raise UserError(f"{', '.join(str(base / d) for d in empty)}: no images in {name}'s class folders "
+                        f"({', '.join(classes) if len(classes) <= 10 else 'data.CLASSES'}); a domain needs some")
+    nowhere = [c for c in classes if all(c in lack[d] for d in domains)]
+    parts = [f"no domain has {', '.join(nowhere)}"] * bool(nowhere) + \
+            [f"{d} has no {', '.join(c for c in lack[d] if c not in nowhere)}" for d in domains
+             if any(c not in nowhere for c in lack[d])]
+    if parts:
+        print(f"note: {base}: {'; '.join(parts)} (labels are the indices of {name}'s {len(classes)} class names in "
+              f"every domain, so no other class's label moves)")
+
+
+def read_rgb(path):
+    """An image file (JPEG, PNG, BMP) as uint8 RGB [3, H, W]; a grayscale one with its value in every channel,
+    as PIL's .convert("RGB"), which DomainBed's loader applies, gives it."""
+    from torchvision.io import ImageReadMode, decode_image, read_file
+    try:
+        return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+    except Exception as e:
+        raise UserError(f"cannot decode image {path} ({type(e).__name__})")
 
 
 def decode(path, size):
-    from torchvision.io import ImageReadMode, decode_image, read_file
-    try:
-        img = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
-    except Exception as e:
-        raise UserError(f"cannot decode image {path} ({type(e).__name__})")
-    return TF.resize(img, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    """read_rgb, resized to size x size (bilinear, antialiased: within one level of PIL's resize)."""
+    return TF.resize(read_rgb(path), [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
 
 
 # DomainBed's download sources (Google Drive ids). Users report these links dying over time: any
@@ -652,7 +693,8 @@ STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}   # Section VI-C
 def stained_clients(args, ds):
     """Stained MNIST's clients (Section VI-C): --clients x --client-size, defaults by --stain (STAINED), drawn
     from the nine pooled training combinations; a default size shrinks to fit the pool (a note says so), every
-    client is sampled unless --sample says otherwise (docs/protocol.md)."""
+    client is sampled unless --sample says otherwise (docs/protocol.md); as in test_domains, a client must hold
+    one full minibatch of --batch-size for training, unless the batch is at least the pool (full-batch steps)."""
     P0, n0 = STAINED[args.stain]
     args.clients = P0 if args.clients is None else args.clients
     args.sample = args.clients if args.sample is None else args.sample
@@ -670,6 +712,12 @@ def stained_clients(args, ds):
     if args.client_size < 2:
         raise UserError(f"{args.clients} clients leave {args.client_size} example(s) each: too few for a "
                         f"training and a validation split; use fewer --clients")
+    least = least_examples(args.batch_size)   # as test_domains: one full minibatch, unless no client can fill one
+    if args.client_size < least and args.batch_size < pool:
+        raise UserError(f"{args.clients} clients x {args.client_size:,} examples leave a client "
+                        f"{args.client_size - val_count(args.client_size):,} for training after its validation hold-out, "
+                        f"fewer than one minibatch (--batch-size {args.batch_size}): a client needs {least:,}, and the "
+                        f"{pool:,} examples of the nine training combinations allow at most {pool // least:,} clients")
     if not 1 <= args.sample <= args.clients:
         raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
 
@@ -700,11 +748,9 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
 
 FAKE_MARK = "FAKE.txt"
 # python data.py --make-fake NAME: the real domain names and classes (OfficeHome: 5 of its 65 classes)
-FAKE_LAYOUT = {"pacs": (("art_painting", "cartoon", "photo", "sketch"),
-                        ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person")),
-               "vlcs": (("Caltech101", "LabelMe", "SUN09", "VOC2007"), ("bird", "car", "chair", "dog", "person")),
-               "officehome": (("Art", "Clipart", "Product", "Real World"),
-                              ("Alarm_Clock", "Backpack", "Batteries", "Bed", "Bike"))}
+FAKE_LAYOUT = {"pacs": (("art_painting", "cartoon", "photo", "sketch"), CLASSES["pacs"]),
+               "vlcs": (("Caltech101", "LabelMe", "SUN09", "VOC2007"), CLASSES["vlcs"]),
+               "officehome": (("Art", "Clipart", "Product", "Real World"), CLASSES["officehome"][:5])}
 
 
 def make_fake(name, root, per_class=1):
@@ -867,15 +913,32 @@ def split_counts(sizes, P, least=0):
     return k
 
 
+VAL_FRAC = 0.1   # the share of each client's examples held out for validation (docs/protocol.md)
+
+
+def val_count(n, frac=VAL_FRAC):
+    """How many of n examples holdout() keeps for validation: `frac` of them, at least one, never all."""
+    return min(n - 1, max(1, int(frac * n)))
+
+
 def holdout(x, y, frac, g):
     """Shuffle, then the first `frac` of the examples is validation (at least one, but never the
     last training example), the rest train."""
     perm = torch.randperm(len(y), generator=g)
-    nv = min(len(y) - 1, max(1, int(frac * len(y))))
+    nv = val_count(len(y), frac)
     return x[perm[nv:]], y[perm[nv:]], x[perm[:nv]], y[perm[:nv]]
 
 
-def federate(ds, test, P, seed, device, val_frac=0.1, client_size=None):
+def least_examples(batch_size):
+    """The fewest examples a client needs for one full minibatch of batch_size training examples after its
+    validation hold-out (at least 2: one of each). n - val_count(n) never falls as n grows: the first n will do."""
+    n = max(2, batch_size)
+    while n - val_count(n) < batch_size:
+        n += 1
+    return n
+
+
+def federate(ds, test, P, seed, device, val_frac=VAL_FRAC, client_size=None):
     """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into Algorithm 2's
     clients (split_counts), each holding out `val_frac` for validation. client_size (stained): clients are
     disjoint seeded samples of the pooled training domains instead (docs/protocol.md)."""
@@ -903,7 +966,7 @@ def federate(ds, test, P, seed, device, val_frac=0.1, client_size=None):
     return _finish(t.name, clients, [(t.name, t.x, t.y)], device)
 
 
-def federate_fixed(ds, seed, device, val_frac=0.1):
+def federate_fixed(ds, seed, device, val_frac=VAL_FRAC):
     """Fixed clients: every Domain of `ds` is a client with its own test set."""
     g = torch.Generator().manual_seed(seed)
     clients = [Client(i, d.name, *(t.to(device) for t in (*holdout(d.x, d.y, val_frac, g), d.x_test, d.y_test)))
@@ -955,8 +1018,11 @@ def check_args(args):
 
 def test_domains(args, ds):
     """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once --clients and
-    --sample are filled and checked; a --clients that leaves a client without a training and a validation
-    example (federate: Algorithm 2's chunks of floor(n / k)) is refused for every held-out domain to be run."""
+    --sample are filled and checked. Leave-one-domain-out: a --clients that leaves a client fewer training
+    examples than one minibatch of --batch-size after its validation hold-out (federate: Algorithm 2's chunks
+    of floor(n / k)) is refused, naming the most clients the data allows, for every held-out domain to be
+    run. A --batch-size at least the largest training domain, which no client can fill, asks for full-batch
+    steps (PerInvFL's line 9 at once): then a client needs a training and a validation example only."""
     M, names, pick = len(ds.domains), [d.name for d in ds.domains], args.test_domain
     if ds.protocol == "clients":
         if pick != "all":
@@ -981,16 +1047,30 @@ def test_domains(args, ds):
                         f"never mixes domains)")
     if not 1 <= args.sample <= args.clients:
         raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
-    if ds.protocol == "lodo":       # the most clients of >= 2 examples each, testing on each domain to be run
+    if ds.protocol == "lodo":       # the most clients of >= `least` examples each, testing on each domain to be run
+        B = args.batch_size
         sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
-        top = {test: sum(split_counts(n, min(args.clients, sum(n) // 2 + 1), least=2)) if min(n) >= 2 else 0
-               for test, n in sizes.items()}
+        least = {test: 2 if B >= max(n) else least_examples(B) for test, n in sizes.items()}
+        top = {test: sum(split_counts(n, min(args.clients, sum(n) // least[test] + 1), least[test]))
+               if min(n) >= least[test] else 0 for test, n in sizes.items()}
         test = min(todo, key=top.get)                                   # the held-out domain that allows fewest
-        if args.clients > top[test]:
+        where = f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of {ds.name}"
+        if args.clients > top[test] and least[test] == 2:
             raise UserError(f"--clients {args.clients} leaves clients without a training and a validation example: "
-                            f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of {ds.name} "
-                            f"hold {sum(sizes[test]):,} examples, enough for at most {top[test]:,} clients "
+                            f"{where} hold {sum(sizes[test]):,} examples, enough for at most {top[test]:,} clients "
                             f"(Algorithm 2 cuts each domain into equal chunks of at least 2)")
+        if top[test] == 0:          # not even one client per training domain holds a minibatch: the batch is too large
+            fits = min(n - val_count(n) for ns in sizes.values() for n in ns)
+            small = min(sizes[test])
+            raise UserError(f"--batch-size {B} is more than a client can hold: {where} include one of {small:,} "
+                            f"examples, {small - val_count(small):,} for training after its validation hold-out; use "
+                            f"--batch-size {fits:,} at most (or at least {max(max(n) for n in sizes.values()):,}, "
+                            f"above every training domain: full-batch steps)")
+        if args.clients > top[test]:
+            raise UserError(f"--clients {args.clients} leaves clients fewer training examples than one minibatch "
+                            f"(--batch-size {B}): {where} hold {sum(sizes[test]):,} examples, enough for at most "
+                            f"{top[test]:,} clients (Algorithm 2's equal chunks of a domain need {least[test]:,} "
+                            f"examples each: {B:,} to train on, the rest for validation)")
     return todo
 
 
@@ -998,7 +1078,8 @@ def main(argv=None):
     p = Parser(prog="data.py", description="Fetch a dataset into --data-root and lay it out as the methods read it "
                "(--data-root DIR of every method), or write a tiny fake photo dataset to try the code on.",
                epilog="A failure leaves DIR as it was. The methods read pacs / vlcs / officehome from "
-                      "DIR/<Dataset>/<domain>/<class>/<image> (any copy laid out so works) and the MNIST family and "
+                      "DIR/<Dataset>/<domain>/<class>/<image> (any copy laid out so, its class folders named as the "
+                      "dataset's classes, works) and the MNIST family and "
                       "CIFAR through torchvision from DIR.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--download", choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist", "cifar10", "cifar100"],
