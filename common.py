@@ -361,7 +361,7 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
     count = real.any(-1).sum(0).clamp(min=1)                            # each client's steps, on the device
     plan = plan.clamp(min=0)
     sizes = [p.numel() for p in model.parameters()]
-    start = theta[order] if theta.dim() == 2 else theta.expand(C, -1)
+    start = torch.stack([theta[i] for i in order]) if theta.dim() == 2 else theta.expand(C, -1)   # (no index copy)
     params = {name: t.reshape(C, *p.shape).clone()
               for (name, p), t in zip(model.named_parameters(), start.split(sizes, 1))}
     buffers = {name: b.expand(C, *b.shape).clone() for name, b in model.named_buffers()}
@@ -398,8 +398,8 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
         kept = torch.cat([opt.state[p]["momentum_buffer"].reshape(C, -1) for p in params.values()], 1)
         for i, j in enumerate(back):
             states[i]["momentum"] = kept[j].clone()
-    thetas = torch.cat([p.detach().reshape(C, -1) for p in params.values()], 1)
-    return thetas[back], (total / count)[back]
+    thetas, losses = torch.cat([p.detach().reshape(C, -1) for p in params.values()], 1), total / count
+    return torch.stack([thetas[j] for j in back]), torch.stack([losses[j] for j in back])
 
 
 # ---------------------------------------------------------------------------------- evaluation

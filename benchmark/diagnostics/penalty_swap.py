@@ -82,17 +82,17 @@ NU = ROOT / "benchmark/results/rcmnist-full-norot/perinvfl-seed{}.json"      # �
 
 def objective(name, model, x, y, aux=None):
     """Client i's L_INV without its invariance term, R_i + l2 ||ν||² (perinvfl.l_inv, lam 0), R_i and
-    P_i (None for none) at the model's parameters, all with their graphs. aux: fediir's g̃."""
-    params = list(model.parameters())
+    P_i (None for none) at the model's parameters, all with their graphs, each example weighted 1/n as
+    perinvfl.py's clients weigh them. aux: fediir's g̃."""
+    params, w = list(model.parameters()), torch.full((len(y),), 1 / len(y), device=y.device)
     if name == "fedipg":                  # risk_and_d's forward carries d beside the logits: no second one
-        risk, d = fedipg.risk_and_d(model, x, y, torch.full((len(y),), 1 / len(y), device=y.device),
-                                    fedipg.chain(model))
+        risk, d = fedipg.risk_and_d(model, x, y, w, fedipg.chain(model))
         return risk + WD / 2 * sum(p.pow(2).sum() for p in params), risk, d * d      # l_inv's l2; Eq. 9
     logits = model(x)
-    risk = torch.nn.functional.cross_entropy(logits, y)
+    risk = (torch.nn.functional.cross_entropy(logits, y, reduction="none") * w).sum()
     loss = risk + WD / 2 * sum(p.pow(2).sum() for p in params)   # perinvfl.l_inv without its IRMv1 term
     if name == "irm":
-        P = perinvfl.irm_penalty(logits, y)
+        P = perinvfl.irm_penalty(logits, y, w)
     elif name == "fediir":
         g = torch.autograd.grad(risk, list(model.classifier.parameters()), create_graph=True)   # ∇_ω R_i
         P = fediir.iir_penalty(g, aux)
@@ -126,14 +126,21 @@ def swap_round(t, name, model, clients, state, args):
     w = weight(name, t, args.anneal)
     if name == "fediir":
         state["g_tilde"] = fediir.gbar_update(state["g_tilde"], global_gradient(model, clients), args.ema)
-    params, deltas = list(model.parameters()), []
-    for x, y in clients:
-        loss, _, P = objective(name, model, x, y, state.get("g_tilde"))
-        if w is not None:
-            loss = loss + w * P
-        grad = torch.autograd.grad(loss / perinvfl.rescale(w or 0.0), params)
-        deltas.append(-LR * torch.cat([g.reshape(-1) for g in grad]))      # Δ_i = ν_{i,1} − ν^t
-    nu, state["adam"] = perinvfl.server_adam(common.get_flat(model), deltas, 1.0, LR, state["adam"])
+    nu, deltas = common.get_flat(model), []
+    for x, y in clients:                  # one plain SGD step of γ from ν, as perinvfl.py's line 9 steps
+        common.set_flat(model, nu)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
+        if name == "irm":                 # perinvfl.py's own line-9 loss, the same operations
+            params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+            loss = perinvfl.line9_loss(model, params, buffers, x, y, torch.full((len(y),), 1 / len(y)), w, WD)
+        else:
+            loss, _, P = objective(name, model, x, y, state.get("g_tilde"))
+            loss = loss if w is None else (loss + w * P) / perinvfl.rescale(w)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        deltas.append(common.get_flat(model) - nu)                          # Δ_i = ν_{i,1} − ν^t
+    nu, state["adam"] = perinvfl.server_adam(nu, deltas, 1.0, LR, state["adam"])
     common.set_flat(model, nu)
 
 

@@ -69,7 +69,9 @@ def variant_update(site, sent):
     theta_i = nu if args.theta == "reset" else kept.get("theta", nu)          # θ_i's start
     made = []
 
-    def line8_opt(params):
+    def line8_opt(params):               # one for the round's R line-8 phases (site.model's parameters)
+        if made:
+            return made[0]
         opt = torch.optim.Adam(params, lr=args.lr) if args.theta_opt == "adam" else \
             torch.optim.SGD(params, lr=args.eta or args.lr, foreach=True)
         if kept.get("opt_lam") == lam and "opt" in kept:                   # the client's optimiser state, same λ
@@ -89,7 +91,7 @@ def variant_update(site, sent):
         nu_ir, loss = common.local_train(site, nu_ir, line9, plain, steps=1)  # line 9
         total = total + loss
     if made and args.theta_opt == "adam":
-        kept.update(opt=made[-1].state_dict(), opt_lam=lam)
+        kept.update(opt=made[0].state_dict(), opt_lam=lam)
     if args.theta == "kept":
         kept["theta"] = theta_i
     w = torch.full((client.n,), 1.0 / client.n, device=nu.device)
