@@ -1,27 +1,27 @@
-"""FedAvg — Communication-Efficient Learning of Deep Networks from Decentralized Data
-(McMahan et al., AISTATS 2017), as Algorithm 1 of the FedIIR paper (Guo et al., ICML 2023) with γ = 0.
+"""FedAvg — Communication-Efficient Learning of Deep Networks from Decentralized Data (McMahan et
+al., AISTATS 2017), as Algorithm 1 of the FedIIR paper (Guo et al., ICML 2023) with γ = 0.
 
 Objective (ERM over the participating clients):  min_θ  Σ_c p_c R_c(θ),  p_c ∝ n_c.
 
 Algorithm (one communication round t = 1..T):
     1. sample a subset S of C clients out of P, uniformly without replacement
-    2. on every client c ∈ S, in parallel (in process: one after another, or at once on CUDA):
-         θ_c ← θ^{t-1}; E epochs of minibatch SGD on the cross-entropy R_c(θ_c; ζ)
-         Δ_c = θ_c − θ^{t-1}
-    3. server: θ^t = θ^{t-1} + η_g Σ_{c∈S} n_c Δ_c / Σ_{c∈S} n_c
+    2. send θ^{t-1} to S; on every client c ∈ S (each with its own random stream):
+         θ_c ← θ^{t-1}; E epochs of minibatch SGD on the cross-entropy R_c(θ_c; ζ); send θ_c back
+    3. server: θ^t = θ^{t-1} + η_g Σ_{c∈S} n_c Δ_c / Σ_{c∈S} n_c,  Δ_c = θ_c − θ^{t-1}
 
-The FedIIR code (and Algorithm 1 as printed) averages the sampled clients uniformly (1/C) instead of
-by data size: `--uniform-avg` does that. With the Algorithm 2 split of FedIIR the clients hold nearly
-equal amounts of data, so the two agree closely on the leave-one-domain-out benchmarks.
+The FedIIR code (and Algorithm 1 as printed) averages the sampled clients uniformly (1/C)
+instead of by data size: `--uniform-avg` does that. With the Algorithm 2 split of FedIIR the
+clients hold nearly equal amounts of data, so the two agree closely on the leave-one-domain-out
+benchmarks.
 
-Defaults (common.py): FedIIR's Table 3 per dataset (RotatedMNIST: lr 1e-2, batch 64; VLCS 1e-3 / 32;
-PACS 2.5e-3 / 32; OfficeHome 1e-3 / 32), 100 rounds, 1 local epoch, SGD with momentum 0.9 and a
-fresh optimiser on every client in every round, η_g = 1, evaluation every 10 rounds; the reported
-test accuracy is the one at the round with the best pooled validation accuracy. Figure 1's two claims,
-the results and the readings: docs/fedavg.md.
+Defaults (common.py): FedIIR's Table 3 per dataset (RotatedMNIST: lr 1e-2, batch 64; VLCS 1e-3 /
+32; PACS 2.5e-3 / 32; OfficeHome 1e-3 / 32), 100 rounds, 1 local epoch, SGD with momentum 0.9 and
+a fresh optimiser on every client in every round, η_g = 1, evaluation every 10 rounds; the
+reported test accuracy is the one at the round with the best pooled validation accuracy.
+Figure 1's two claims, the results and the readings: docs/fedavg.md.
 
-    python fedavg.py                                   # RotatedMNIST, embedded digits, every test domain
-    python fedavg.py --rounds 20 --test-domain 0       # a quick look
+    python fedavg.py                                  # RotatedMNIST, embedded digits, all domains
+    python fedavg.py --rounds 20 --test-domain 0      # a quick look
     python fedavg.py --dataset pacs --data-root ./data --clients 50
 """
 import torch
@@ -30,21 +30,22 @@ import common
 
 
 # ---------------------------------------------------------------- the method as plain functions
-# What a client computes from what the server sent (its step 2), and the server's step 3. The client's
-# work is plain local SGD on the cross-entropy (common.local_train: it draws its minibatches from its
-# own random stream); what is FedAvg's own is the server's step.
+# What a client computes from what the server sent (step 2), and the server's step 3. The
+# client's work is plain local SGD on the cross-entropy (common.local_train draws its minibatches
+# from the client's own random stream); what is FedAvg's own is the server's step.
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
 def client_update(site, sent):
-    """Step 2 on client c: θ_c ← θ^{t-1}, E epochs of minibatch SGD on R_c; replies θ_c and its mean loss."""
+    """Step 2 on client c: θ_c ← θ^{t-1}, E epochs of minibatch SGD on R_c; θ_c and the loss."""
     theta_c, loss = common.local_train(site, sent["theta"])
     return {"theta": theta_c, "loss": loss}
 
 
 def server_update(theta, thetas, n, global_lr=1.0):
-    """Step 3: θ^t = θ^{t-1} + η_g Σ_c n_c Δ_c / Σ_c n_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1} as a
-    flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable); n: their weights n_c
-    (data sizes, or ones for the uniform mean of the FedIIR code); global_lr: η_g (1: the weighted mean)."""
+    """Step 3: θ^t = θ^{t-1} + η_g Σ_c n_c Δ_c / Σ_c n_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1}
+    as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable); n: their
+    weights n_c (data sizes, or ones for the FedIIR code's uniform mean); global_lr: η_g (1: the
+    weighted mean of the θ_c)."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
     for theta_c, n_c in zip(thetas, n):
         delta_sum += n_c * (theta_c - theta)                    # n_c Δ_c
@@ -57,15 +58,16 @@ def server_update(theta, thetas, n, global_lr=1.0):
 def fedavg_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                      # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
-    up = common.on_clients(client_update, S, {"theta": theta}, t, ctx)  # step 2: θ^{t-1} to S, θ_c back
+    up = common.on_clients(client_update, S, {"theta": theta}, t, ctx)  # step 2: θ_c back
     n = [1.0 if args.uniform_avg else float(fed.clients[c].n) for c in S]
-    common.set_flat(model, server_update(theta, [r["theta"] for r in up], n, args.global_lr))   # step 3
+    theta_t = server_update(theta, [r["theta"] for r in up], n, args.global_lr)   # step 3
+    common.set_flat(model, theta_t)
     return {c: r["loss"] for c, r in zip(S, up)}
 
 
 def add_args(p):
-    p.add_argument("--uniform-avg", action="store_true",
-                   help="average the sampled clients uniformly (the FedIIR code) instead of by data size")
+    p.add_argument("--uniform-avg", action="store_true", help="average the sampled clients "
+                   "uniformly (the FedIIR code) instead of by data size")
 
 
 def main(argv=None):

@@ -6,21 +6,22 @@ model.classifier. Each client aligns its classifier gradient with the global one
     (FEDIIR)   min_θ  E_c [ R_c(θ) + γ/2 ||∇_ω R_c(θ) − ∇_ω R(θ)||² ]
 
 Algorithm 1 (one round t), in the official code's forms (Table 3's numbers come from the code):
-    1. sample a subset S of C clients                                  common.sample_clients
-    2. θ^{t-1} to S; each c ∈ S sends Σ_ζ ∇_ω R_c(θ^{t-1}; ζ) over its   classifier_gradient:
-       minibatches ζ (augmented inputs) and their number; the server    classifier_grads
-       g_bar_ω = the mean over every minibatch of S (the code's mean_grad)
-       g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω   (Appendix C, g̃^0 = 0)     gbar_update
-    3. θ^{t-1}, g̃^t to S; each c: θ_c ← θ^{t-1}, K minibatch steps on   client_update:
-       R_c(θ_c; ζ) + γ ||∇_ω R_c(θ_c; ζ) − g̃^t||²  (the code: no 1/2)  iir_objective
-    4. θ^t = θ^{t-1} + η_g (1/C) Σ_c (θ_c − θ^{t-1})                   server_update
+  1. sample a subset S of C clients                                 common.sample_clients
+  2. θ^{t-1} to S; each c ∈ S sends Σ_ζ ∇_ω R_c(θ^{t-1}; ζ) over its  classifier_gradient:
+     minibatches ζ (augmented inputs) and their number; the server   classifier_grads
+     g_bar_ω = the mean over every minibatch of S (the code's mean_grad)
+     g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω   (Appendix C, g̃^0 = 0)    gbar_update
+  3. θ^{t-1}, g̃^t to S; each c: θ_c ← θ^{t-1}, K minibatch steps on  client_update:
+     R_c(θ_c; ζ) + γ ||∇_ω R_c(θ_c; ζ) − g̃^t||² (the code: no 1/2)   iir_objective
+  4. θ^t = θ^{t-1} + η_g (1/C) Σ_c (θ_c − θ^{t-1})                  server_update
 The paper's readings (g_bar over clients, γ/2, data-size weights, g_bar on plain inputs) run in
 benchmark/diagnostics/fediir_readings.py.
 
-Defaults: γ from Table 3 (RotatedMNIST 1e-2, VLCS 5e-3, PACS 1e-3, OfficeHome 5e-4, the code's form),
-lr / batch from Table 3 (RotatedMNIST 1e-2 / 64); v = 0.95 (Appendix C); 100 rounds, 1 local epoch,
-SGD momentum 0.9 (the code). Small scenario: one client per training domain, all sampled (default);
-large: `--clients 50` (Algorithm 2). Paper against code, measurements, "Copy it": docs/fediir.md.
+Defaults: γ from Table 3 (RotatedMNIST 1e-2, VLCS 5e-3, PACS 1e-3, OfficeHome 5e-4, the code's
+form), lr / batch from Table 3 (RotatedMNIST 1e-2 / 64); v = 0.95 (Appendix C); 100 rounds, 1
+local epoch, SGD momentum 0.9 (the code). Small scenario: one client per training domain, all
+sampled (default); large: `--clients 50` (Algorithm 2). Paper against code, measurements, "Copy
+it": docs/fediir.md.
 
     python fediir.py                                  # RotatedMNIST, embedded digits
     python fediir.py --clients 50 --test-domain 0
@@ -37,23 +38,25 @@ GAMMA = {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}  # Tabl
 
 
 # ---------------------------------------------------------------- the method as plain functions
-# Tensors, modules and numbers (no project objects): the classifier gradients a client uploads for
-# g_bar, the server's g̃, and the local objective. featurizer Φ and classifier w are the model's two
-# modules (ω: the classifier's parameters); gradients over ω are flat vectors in the order of
-# classifier.parameters().
+# Tensors, modules and numbers (no project objects): the classifier gradients a client uploads
+# for g_bar, the server's g̃, and the local objective. featurizer Φ and classifier w are the
+# model's two modules (ω: the classifier's parameters); gradients over ω are flat vectors in the
+# order of classifier.parameters().
 
 def classifier_grads(classifier, z, y, batch_size=None):
-    """Step 2 on client c: Σ_ζ ∇_ω R(θ^{t-1}; ζ) of the cross-entropy of the classifier on features z = Φ(x)
-    (no graph: only ω needs a gradient here) over its consecutive minibatches ζ of batch_size rows (the code's
-    mean_grad; None: one over all of z, the paper's full-batch ∇_ω R_c), and their number. One vmap over the
-    minibatches (zero-padded, weight 0 on the padding) instead of a backward pass each."""
+    """Step 2 on client c: Σ_ζ ∇_ω R(θ^{t-1}; ζ) of the cross-entropy of the classifier on features
+    z = Φ(x) (no graph: only ω needs a gradient here) over its consecutive minibatches ζ of
+    batch_size rows (the code's mean_grad; None: one over all of z, the paper's full-batch
+    ∇_ω R_c), and their number. One vmap over the minibatches (zero-padded, weight 0 on the
+    padding) instead of a backward pass each: fewer kernel launches."""
     n, omega = len(y), {k: p.detach() for k, p in classifier.named_parameters()}
     b = batch_size or n
     k = -(-n // b)                                                   # the number of minibatches
     w = torch.ones(n, device=z.device)
-    Z, Y, W = (F.pad(v, (0, 0) * (v.dim() - 1) + (0, k * b - n)).view(k, b, *v.shape[1:]) for v in (z, y, w))
+    Z, Y, W = (F.pad(v, (0, 0) * (v.dim() - 1) + (0, k * b - n)).view(k, b, *v.shape[1:])
+               for v in (z, y, w))
 
-    def risk(omega, z, y, w):                                        # R(θ; ζ): the mean over ζ's real rows
+    def risk(omega, z, y, w):                                        # R(θ; ζ): ζ's real rows
         out = torch.func.functional_call(classifier, omega, (z,))
         return (F.cross_entropy(out, y, reduction="none") * w).sum() / w.sum()
     g = torch.func.vmap(torch.func.grad(risk), in_dims=(None, 0, 0, 0))(omega, Z, Y, W)
@@ -61,19 +64,26 @@ def classifier_grads(classifier, z, y, batch_size=None):
 
 
 def gbar_update(g_tilde, g_bar, v):
-    """Appendix C, server: g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω (v = 0.95, g̃^0 = 0, no bias correction,
-    as the code); g̃^t is what the clients align to in step 3."""
+    """Appendix C, server: g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω (v = 0.95, g̃^0 = 0, no bias
+    correction, as the code); g̃^t is what the clients align to in step 3."""
     return v * g_tilde + (1 - v) * g_bar
 
 
+def iir_penalty(g, g_tilde):
+    """||∇_ω R_c − g̃||² (no normalisation, as the code): g the gradients of the classifier's
+    parameters in their order, g̃ flat."""
+    return (torch.cat([gi.reshape(-1) for gi in g]) - g_tilde).pow(2).sum()
+
+
 def iir_objective(model, params, buffers, x, y, w, g_tilde, gamma):
-    """Step 3 on client c, the local objective of one minibatch ζ = (x, y) (Algorithm 1, FedIIR's g_c
-    line; the (FEDIIR) objective): R_c(θ; ζ) + γ ||∇_ω R_c(θ; ζ) − g̃||², in the code's form (no 1/2, no
-    normalisation; for the paper's γ/2, pass γ/2), at the parameters `params` (dicts by the model's names),
-    R_c = Σ_j w_j CE_j (w_j = 1/b on a minibatch's b examples; 0 on the padding of the clients at once).
-    ∇_ω R_c is a nested torch.func.grad kept in the graph, so that the penalty's gradient reaches both ω
-    and φ (double backward). γ = 0: the plain cross-entropy (FedAvg's)."""
-    part = lambda prefix: {k[len(prefix):]: v for d in (params, buffers) for k, v in d.items() if k.startswith(prefix)}
+    """Step 3 on client c, the local objective of one minibatch ζ = (x, y) (Algorithm 1, FedIIR's
+    g_c line; the (FEDIIR) objective): R_c(θ; ζ) + γ ||∇_ω R_c(θ; ζ) − g̃||², in the code's form
+    (for the paper's γ/2, pass γ/2), at `params` (dicts by the model's names), R_c = Σ_j w_j CE_j
+    (w_j = 1/b on a minibatch of b; 0 on the padding of the clients at once). ∇_ω R_c is a nested
+    torch.func.grad kept in the graph, so that the penalty's gradient reaches both ω and φ
+    (double backward). γ = 0: the plain cross-entropy (FedAvg's)."""
+    part = lambda prefix: {k[len(prefix):]: v for d in (params, buffers) for k, v in d.items()
+                           if k.startswith(prefix)}
     z = torch.func.functional_call(model.featurizer, part("featurizer."), (x,))
 
     def risk(omega):
@@ -81,20 +91,14 @@ def iir_objective(model, params, buffers, x, y, w, g_tilde, gamma):
         return (F.cross_entropy(out, y, reduction="none") * w).sum()
     if gamma == 0:
         return risk(part("classifier."))
-    g, r = torch.func.grad_and_value(risk)(part("classifier."))        # ∇_ω R_c(θ; ζ), in the graph
+    g, r = torch.func.grad_and_value(risk)(part("classifier."))      # ∇_ω R_c(θ; ζ), in the graph
     return r + gamma * iir_penalty(g.values(), g_tilde)
 
 
-def iir_penalty(g, g_tilde):
-    """||∇_ω R_c − g̃||² (no normalisation, as the code): g the gradients of the classifier's parameters in their
-    order, g̃ flat."""
-    return (torch.cat([gi.reshape(-1) for gi in g]) - g_tilde).pow(2).sum()
-
-
 def server_update(theta, thetas, p, global_lr=1.0):
-    """Step 4, server: θ^t = θ^{t-1} + η_g Σ_c p_c Δ_c / Σ_c p_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1}
-    as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable, read one at a
-    time); p: their weights (ones: Algorithm 1's and the code's 1/C)."""
+    """Step 4, server: θ^t = θ^{t-1} + η_g Σ_c p_c Δ_c / Σ_c p_c with Δ_c = θ_c − θ^{t-1}. theta:
+    θ^{t-1} as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable, read
+    one at a time); p: their weights (ones: Algorithm 1's and the code's 1/C)."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
     for theta_c, p_c in zip(thetas, p):
         delta_sum += p_c * (theta_c - theta)                                  # p_c Δ_c
@@ -105,22 +109,25 @@ def server_update(theta, thetas, p, global_lr=1.0):
 # ------------------------------------------------------------------------- what a client runs
 
 def classifier_gradient(site, sent):
-    """Step 2 on client c: its classifier gradients at θ^{t-1} (train mode) summed over its minibatches of the
-    local batch size, on the inputs its local steps train on (the code's g_bar pass: the photos augmented, from
-    the client's own stream; the digits draw nothing), and their number."""
+    """Step 2 on client c: its classifier gradients at θ^{t-1} (train mode) summed over its
+    minibatches of the local batch size, on the inputs its local steps train on (the code's g_bar
+    pass: the photos augmented, from the client's own stream; the digits draw nothing), and their
+    number."""
     model, client = site.model, site.client
     common.set_flat(model, sent["theta"])
     model.train()
-    with torch.no_grad(), site.autocast():                          # Φ(x) in large chunks: fewer launches
+    with torch.no_grad(), site.autocast():                   # Φ(x) in large chunks: fewer launches
         z = torch.cat([model.featurizer(site.prep(client.x[i:i + 256], train=True, gen=site.gen))
-                       for i in range(0, client.n, 256)]).to(sent["theta"].dtype)     # (bf16 under --amp)
+                       for i in range(0, client.n, 256)])
+    z = z.to(sent["theta"].dtype)                            # (bf16 under --amp)
     grad, count = classifier_grads(model.classifier, z, client.y, site.args.batch_size)
     return {"grad": grad, "count": count}
 
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
 def client_update(site, sent):
-    """Step 3 on client c: θ_c ← θ^{t-1}, K minibatch steps on the penalised objective; θ_c and its mean loss."""
+    """Step 3 on client c: θ_c ← θ^{t-1}, K minibatch steps on the penalised objective; θ_c and
+    its mean loss."""
     objective = functools.partial(iir_objective, g_tilde=sent["g_tilde"], gamma=sent["gamma"])
     theta_c, loss = common.local_train(site, sent["theta"], objective)
     return {"theta": theta_c, "loss": loss}
@@ -131,24 +138,27 @@ def client_update(site, sent):
 def fediir_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                     # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
-    if args.gamma > 0:                        # step 2 (+ EMA, App. C); skipped at γ = 0: FedAvg exactly
+    if args.gamma > 0:                     # step 2 (+ EMA, App. C); at γ = 0: FedAvg exactly
         up = common.on_clients(classifier_gradient, S, {"theta": theta}, t, ctx)
-        g_bar = sum(r["grad"] for r in up) / sum(r["count"] for r in up)   # the mean over every minibatch of S
+        g_bar = sum(r["grad"] for r in up) / sum(r["count"] for r in up)   # over every minibatch
         state["g_tilde"] = gbar_update(state["g_tilde"], g_bar, args.ema)
-    # step 3: θ^{t-1} and g̃^t to S; each c trains on R_c + γ ||∇_ω R_c − g̃||² (no 1/2) and sends θ_c back
-    up = common.on_clients(client_update, S, {"theta": theta, "g_tilde": state["g_tilde"], "gamma": args.gamma},
-                           t, ctx)
-    common.set_flat(model, server_update(theta, [r["theta"] for r in up], [1.0] * len(S), args.global_lr))  # 4: 1/C
+    # step 3: θ^{t-1} and g̃^t to S; each c trains on R_c + γ ||∇_ω R_c − g̃||² (no 1/2), θ_c back
+    sent = {"theta": theta, "g_tilde": state["g_tilde"], "gamma": args.gamma}
+    up = common.on_clients(client_update, S, sent, t, ctx)
+    ones = [1.0] * len(S)                                              # step 4: 1/C Σ_c Δ_c
+    common.set_flat(model, server_update(theta, [r["theta"] for r in up], ones, args.global_lr))
     return {c: r["loss"] for c, r in zip(S, up)}
 
 
 def init_state(model, fed, args, ctx):
-    return {"g_tilde": torch.zeros_like(common.get_flat(model.classifier))}          # g̃^0 = 0
+    return {"g_tilde": torch.zeros_like(common.get_flat(model.classifier))}      # g̃^0 = 0
 
 
 def add_args(p):
-    p.add_argument("--gamma", type=float, default=None, help="penalty weight γ (default: Table 3 per dataset)")
-    p.add_argument("--ema", type=float, default=0.95, help="EMA rate v of the global gradient (Appendix C)")
+    p.add_argument("--gamma", type=float, default=None,
+                   help="penalty weight γ (default: Table 3 per dataset)")
+    p.add_argument("--ema", type=float, default=0.95,
+                   help="EMA rate v of the global gradient (Appendix C)")
 
 
 def check(args):
@@ -161,8 +171,8 @@ def check(args):
 
 
 def main(argv=None):
-    return common.main("fediir", __doc__, fediir_round, argv, add_args, init_state=init_state, check=check,
-                       parallel_clients=True)
+    return common.main("fediir", __doc__, fediir_round, argv, add_args, init_state=init_state,
+                       check=check, parallel_clients=True)
 
 
 if __name__ == "__main__":

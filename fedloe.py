@@ -1,22 +1,24 @@
-"""FedLOE — Federated Domain Generalization via Locally Overfit Ensemble (anonymous, under review), in the form of
-its base code, the FedDG benchmark (github.com/inouye-lab/FedDG_Benchmark, src/client.py).
+"""FedLOE — Federated Domain Generalization via Locally Overfit Ensemble (anonymous, under review),
+in the form of its base code, the FedDG benchmark (github.com/inouye-lab/FedDG_Benchmark).
 
-A featurizer g_θ and a linear head h_ψ(z) = W z + b, ψ = (W, b); the clients overfit, the server ensembles:
-Stage 1, Eq. 4 (FedAvg, few communications), K1 = --stage1-comms times: client c trains E1/K1 epochs
-    (E1 = --stage1-epochs) of a fresh Adam from (θ, ψ); (θ, ψ) ← Σ_c p(c) (θ_c, ψ_c), p(c) ∝ n_c  [average]
+A featurizer g_θ and a linear head h_ψ(z) = W z + b, ψ = (W, b); the clients overfit, the server
+ensembles. Stage 1, Eq. 4 (FedAvg, few communications), K1 = --stage1-comms times:
+  client c: E1/K1 epochs (E1 = --stage1-epochs) of a fresh Adam from (θ, ψ)        [stage1_update]
+  server:   (θ, ψ) ← Σ_c p(c) (θ_c, ψ_c), p(c) ∝ n_c                                  [average]
 Stage 2, Algorithm 1 (θ̂ frozen), K2 = --stage2-comms times:
-    Eq. 10  client c: E2/K2 epochs of SGD on its head from the broadcast ψ → ψ̂_c              [overfit_head]
-    2.2     client c: every head's logits ŷ_{c,c'} on its tuning split (10%, D.2), with labels  [head_predictions]
-    Eq. 11  server, each client an environment, φ from uniform:                                 [fit_phi]
-              φ̂ = argmin_φ (1/P) Σ_c R_c(Σ_c' φ_c' ŷ_c') + λ r by Adam, r = --dg (the base code's terms):
-              irm   IRMv1, DomainBed's: ∂R_c(wΣφŷ)/∂w at w = 1 on c's even × on its odd rows  [irm_penalty]
-              rex   V-REx, the variance of c's losses (irm, rex: the mean over the clients)   [rex_penalty]
-              fish  (no λ) φ̃ ← φ, an inner Adam step on R_c(φ̃) per client, φ += meta_lr (φ̃ − φ)
-    Eq. 12  ψ = Σ_c φ̂_c ψ̂_c, exact for linear heads                                              [ensemble]
-A round is one communication (1..K1: stage 1); the last is reported; --stage2-comms 0: stage 1 only, the
-paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam lr 5e-5 PACS / 3e-5 OfficeHome, E2 8,
-K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05), Figure 1a (20 clients), Appendix D.3 (ResNet-50); the
-sources, other datasets' defaults, readings, results and the paper-against-code discussion: docs/fedloe.md.
+  Eq. 10  client c: E2/K2 epochs of SGD on its head from the broadcast ψ → ψ̂_c   [overfit_head]
+  2.2     client c: every head's logits ŷ_{c,c'} on its tuning split (10%, D.2)  [head_predictions]
+  Eq. 11  server, each client an environment, φ from uniform:                         [fit_phi]
+          φ̂ = argmin_φ (1/P) Σ_c R_c(Σ_c' φ_c' ŷ_c') + λ r by Adam, r = --dg (the base code's):
+          irm   IRMv1, DomainBed's: ∂R_c(wΣφŷ)/∂w at w = 1, c's even × odd rows  [irm_penalty]
+          rex   V-REx, the variance of c's losses (irm, rex: mean over clients)  [rex_penalty]
+          fish  (no λ) φ̃ ← φ, an inner Adam step on R_c(φ̃) per client, φ += meta_lr (φ̃ − φ)
+  Eq. 12  ψ = Σ_c φ̂_c ψ̂_c, exact for linear heads                                   [ensemble]
+A round is one communication (1..K1: stage 1); the last is reported; --stage2-comms 0: stage 1
+only, the paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam lr 5e-5 PACS /
+3e-5 OfficeHome, E2 8, K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05), Figure 1a (20
+clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
+the paper-against-code discussion: docs/fedloe.md.
 """
 import torch
 import torch.nn.functional as F
@@ -24,22 +26,24 @@ import torch.nn.functional as F
 import common
 import data
 
-EVERY = BY_STAGES = float("inf")   # defaults of --sample (every client), --rounds and --local-epochs: set in check()
+EVERY = BY_STAGES = float("inf")   # defaults of --sample, --rounds, --local-epochs: set by check()
 PHOTO = dict(model="resnet50", head="linear")
-RC = dict(lr=1e-3, weight_decay=2.2e-3, batch_size=25000, clients=4, stage1_epochs=512, stage1_comms=16)
+RC = dict(lr=1e-3, weight_decay=2.2e-3, batch_size=25000, clients=4, stage1_epochs=512,
+          stage1_comms=16)
 FL = dict(lr=1e-3, batch_size=16, clients=100, stage1_epochs=96, stage1_comms=3)
-DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5), "officehome": dict(PHOTO, lr=3e-5),
-            "rmnist": dict(lr=1e-3), "synthetic": dict(lr=1e-2), "rcmnist": RC, "rcfmnist": RC, "mnist": FL,
-            "emnist": FL, "cifar10": FL, "cifar100": FL, "waterbird": dict(FL, lr=5e-5, batch_size=32, clients=4),
-            "*": dict(batch_size=128, momentum=0.0, clients=20, sample=EVERY, eval_every=1, select="last",
-                      stage1_epochs=256, stage1_comms=8)}
+DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5),
+            "officehome": dict(PHOTO, lr=3e-5), "rmnist": dict(lr=1e-3),
+            "synthetic": dict(lr=1e-2), "rcmnist": RC, "rcfmnist": RC, "mnist": FL, "emnist": FL,
+            "cifar10": FL, "cifar100": FL, "waterbird": dict(FL, lr=5e-5, batch_size=32, clients=4),
+            "*": dict(batch_size=128, momentum=0.0, clients=20, sample=EVERY, eval_every=1,
+                      select="last", stage1_epochs=256, stage1_comms=8)}
 
 
 # ---------------------------------------------------------------- the method as plain functions
 
 def average(theta, thetas, n, global_lr=1.0):
-    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c (η_g = 1: the p(c)-weighted mean); thetas:
-    any iterable, read one at a time."""
+    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c (η_g = 1: the p(c)-weighted
+    mean); thetas: any iterable, read one at a time."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
     for theta_c, n_c in zip(thetas, n):
         delta_sum += n_c * (theta_c - theta)
@@ -48,8 +52,9 @@ def average(theta, thetas, n, global_lr=1.0):
 
 
 def overfit_head(W, b, z, y, batches, lr, momentum=0.0, weight_decay=0.0):
-    """Eq. 10 on a client: from the broadcast ψ = (W [m, d], b [m]), one SGD step on the cross-entropy of its
-    features z [n, d] and labels y per index tensor of `batches`. Returns ψ̂_c = (W, b), its upload; the mean loss."""
+    """Eq. 10 on a client: from the broadcast ψ = (W [m, d], b [m]), one SGD step on the
+    cross-entropy of its features z [n, d] and labels y per index tensor of `batches`. Returns
+    ψ̂_c = (W, b), its upload, and the mean loss."""
     W, b = W.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     opt = torch.optim.SGD([W, b], lr=lr, momentum=momentum, weight_decay=weight_decay)
     total, steps = torch.zeros((), device=z.device), 0
@@ -63,54 +68,63 @@ def overfit_head(W, b, z, y, batches, lr, momentum=0.0, weight_decay=0.0):
 
 
 def head_predictions(z, Ws, bs):
-    """2.2 on a client: ŷ_{c,c'} = h_{ψ̂_c'}(z) [n, P, m] of every head (Ws [P, m, d], bs [P, m]) on its tuning z."""
+    """2.2 on a client: ŷ_{c,c'} = h_{ψ̂_c'}(z) [n, P, m] of every head (Ws [P, m, d], bs [P, m])
+    on its tuning features z."""
     return torch.einsum("nd,kmd->nkm", z, Ws) + bs
 
 
 class Tuning:
-    """2.2 on the server: the heads' predictions Y [N, P, m] on the N tuning examples, client by client, labels y [N];
-    one-hot `member` [N, P] (each row's client; sums as products: reproducible on CUDA), `halves` [N, 2P] (its half)."""
+    """2.2 on the server: the heads' predictions Y [N, P, m] on the N tuning examples, client by
+    client, labels y [N]; one-hot `member` [N, P] (each row's client; sums as products:
+    reproducible on CUDA), `halves` [N, 2P] (its client's even or odd half)."""
 
     def __init__(self, Y, y, n_tune):
         env = torch.cat([torch.full((k,), c, device=y.device) for c, k in enumerate(n_tune)])
         odd = torch.cat([torch.arange(k, device=y.device) % 2 for k in n_tune])
         self.Y, self.y, self.P = Y, y, len(n_tune)
-        self.member, self.halves = (F.one_hot(i, k).to(Y.dtype) for i, k in ((env, self.P), (2*env + odd, 2*self.P)))
+        self.member = F.one_hot(env, self.P).to(Y.dtype)
+        self.halves = F.one_hot(2 * env + odd, 2 * self.P).to(Y.dtype)
         self.n_tune = self.member.sum(0)
-        self.rows = [slice(e - k, e) for k, e in zip(n_tune, torch.tensor(n_tune).cumsum(0).tolist())]
+        ends = torch.tensor(n_tune).cumsum(0).tolist()
+        self.rows = [slice(e - k, e) for k, e in zip(n_tune, ends)]
 
 
 def risks(phi, T):
-    """R_c [P], each client's risk of Σ_c' φ_c' ŷ_c' on its tuning split, and the losses ℓ [N] of its examples."""
+    """R_c [P], each client's risk of Σ_c' φ_c' ŷ_c' on its tuning split, and the losses ℓ [N]."""
     ell = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y, phi), T.y, reduction="none")
     return (ell @ T.member) / T.n_tune, ell
 
 
 def irm_penalty(phi, T):
-    """IRMv1 as DomainBed's IRM._irm_penalty: per client, ∂/∂w at w = 1 of the mean loss of w · Σφŷ on its even
-    rows times that on its odd rows (0 for a single row); the mean over the clients. One gradient call for all."""
-    w = torch.ones(2 * T.P, dtype=T.Y.dtype, device=T.Y.device, requires_grad=True)  # w of (client, half)
-    ell = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y, phi) * (T.halves @ w)[:, None], T.y, reduction="none")
-    grad, = torch.autograd.grad(((ell @ T.halves) / T.halves.sum(0).clamp(min=1)).sum(), w, create_graph=True)
+    """IRMv1 as DomainBed's IRM._irm_penalty: per client, ∂/∂w at w = 1 of the mean loss of
+    w · Σφŷ on its even rows times that on its odd rows (0 for a single row); the mean over the
+    clients. One gradient call for all."""
+    w = torch.ones(2 * T.P, dtype=T.Y.dtype, device=T.Y.device, requires_grad=True)  # per half
+    logits = torch.einsum("nkm,k->nm", T.Y, phi) * (T.halves @ w)[:, None]
+    ell = F.cross_entropy(logits, T.y, reduction="none")
+    half_risks = (ell @ T.halves) / T.halves.sum(0).clamp(min=1)
+    grad, = torch.autograd.grad(half_risks.sum(), w, create_graph=True)
     return (grad[0::2] * grad[1::2]).mean()
 
 
 def rex_penalty(phi, T):
-    """V-REx as src/client.py's VREx.irm_penalty: the mean over the clients of the variance of their losses ℓ."""
+    """V-REx as src/client.py's VREx.irm_penalty: the mean over the clients of the variance of
+    their losses ℓ."""
     R, ell = risks(phi, T)
     return ((((ell - T.member @ R) ** 2) @ T.member) / T.n_tune).mean()
 
 
 def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_lr=0.05):
-    """Eq. 11 on the server: the ensemble weights φ [P] from uniform by `steps` full-batch Adam steps on
-    (1/P) Σ_c R_c + λ r for r = "irm" or "rex", or by `steps` of DomainBed's Fish meta steps (r = "fish")."""
+    """Eq. 11 on the server: the ensemble weights φ [P] from uniform by `steps` full-batch Adam
+    steps on (1/P) Σ_c R_c + λ r for r = "irm" or "rex", or by `steps` of DomainBed's Fish meta
+    steps (r = "fish")."""
     phi = torch.full((T.P,), 1.0 / T.P, dtype=T.Y.dtype, device=T.Y.device)
     if r == "fish":
-        tilde = phi.clone().requires_grad_()     # φ̃ and its inner Adam, state kept (DomainBed's create_clone)
+        tilde = phi.clone().requires_grad_()     # φ̃ and its inner Adam, kept (DomainBed's clone)
         inner = torch.optim.Adam([tilde], lr=lr, weight_decay=weight_decay)
         for _ in range(steps):
             tilde.detach().copy_(phi)                                     # φ̃ ← φ
-            for rows in T.rows:                                           # R_c(φ̃): the mean over c's rows
+            for rows in T.rows:                                           # R_c(φ̃): c's rows
                 R_c = F.cross_entropy(torch.einsum("nkm,k->nm", T.Y[rows], tilde), T.y[rows])
                 inner.zero_grad(set_to_none=True)
                 R_c.backward()
@@ -118,8 +132,9 @@ def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_l
             phi = phi + meta_lr * (tilde.detach() - phi)                  # φ += meta_lr (φ̃ − φ)
         return phi
     opt = torch.optim.Adam([phi.requires_grad_()], lr=lr, weight_decay=weight_decay)
+    penalty = irm_penalty if r == "irm" else rex_penalty
     for _ in range(steps):
-        loss = risks(phi, T)[0].mean() + lam * (irm_penalty if r == "irm" else rex_penalty)(phi, T)   # Eq. 11
+        loss = risks(phi, T)[0].mean() + lam * penalty(phi, T)           # Eq. 11
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -127,7 +142,7 @@ def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_l
 
 
 def ensemble(phi, Ws, bs):
-    """Eq. 12: the heads (Ws [P, m, d], bs [P, m]) combined by φ [P] into one linear head ψ = (W, b)."""
+    """Eq. 12: the heads (Ws [P, m, d], bs [P, m]) combined by φ [P] into one linear head."""
     return torch.einsum("k,kmd->md", phi, Ws), phi @ bs
 
 
@@ -135,25 +150,30 @@ def ensemble(phi, Ws, bs):
 
 @common.stackable                       # with --parallel-clients on, every client at once
 def stage1_update(site, sent):
-    """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from the broadcast (θ, ψ); (θ_c, ψ_c) and its mean loss."""
-    adam = lambda params: torch.optim.Adam(params, lr=site.args.lr, weight_decay=site.args.weight_decay, foreach=True)
+    """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from the broadcast (θ, ψ); (θ_c, ψ_c) and
+    its mean loss."""
+    a = site.args
+    adam = lambda ps: torch.optim.Adam(ps, lr=a.lr, weight_decay=a.weight_decay, foreach=True)
     theta_c, loss = common.local_train(site, sent["theta"], make_opt=adam)
     return {"theta": theta_c, "loss": loss}
 
 
 def head_update(site, sent):
-    """Eq. 10 on client c: its features g_θ̂(x) at the broadcast (θ̂ frozen, ψ), then E2/K2 epochs of SGD on its
-    head from ψ, its minibatches from its own stream; ψ̂_c = (W, b) and the mean loss."""
-    args, model, client = site.args, site.model, site.client
+    """Eq. 10 on client c: its features g_θ̂(x) at the broadcast (θ̂ frozen, ψ), then E2/K2 epochs
+    of SGD on its head from ψ, its minibatches from its own stream; ψ̂_c = (W, b) and the loss."""
+    a, model, client = site.args, site.model, site.client
     z = features(model, sent["theta"], client.x, site)
-    steps = common.batches(client.n, args.batch_size, site.gen, z.device, epochs=args.stage2_epochs // args.stage2_comms)
-    W, b, loss = overfit_head(model.classifier.weight, model.classifier.bias, z, client.y, steps, args.stage2_lr,
-                              args.momentum, args.stage2_wd)
+    steps = common.batches(client.n, a.batch_size, site.gen, z.device,
+                           epochs=a.stage2_epochs // a.stage2_comms)
+    head = model.classifier
+    W, b, loss = overfit_head(head.weight, head.bias, z, client.y, steps, a.stage2_lr, a.momentum,
+                              a.stage2_wd)
     return {"W": W, "b": b, "loss": loss}
 
 
 def tuning_predictions(site, sent):
-    """2.2 on client c: every head's predictions on its tuning split (at the broadcast θ̂), with its labels."""
+    """2.2 on client c: every head's predictions on its tuning split (at the broadcast θ̂), with
+    its labels."""
     z = features(site.model, sent["theta"], site.client.tune_x, site)
     return {"Y": head_predictions(z, sent["Ws"], sent["bs"]), "y": site.client.tune_y}
 
@@ -163,42 +183,51 @@ def features(model, theta, x, site, chunk=512):
     common.set_flat(model, theta)
     model.eval()
     with torch.no_grad(), site.autocast():
-        return torch.cat([model.featurizer(site.prep(x[i:i + chunk])) for i in range(0, len(x), chunk)]).to(theta.dtype)
+        z = torch.cat([model.featurizer(site.prep(x[i:i + chunk]))
+                       for i in range(0, len(x), chunk)])
+    return z.to(theta.dtype)                                    # (bf16 under --amp)
 
 
 # ------------------------------------------------------------------------------------ one round
 
 def fedloe_round(t, model, fed, args, state, ctx):
-    """One communication: Eq. 4 (stage 1), or Algorithm 1's Eq. 10 on every client, 2.2, Eq. 11 and 12 on the server."""
-    theta, every = common.get_flat(model), list(range(len(fed.clients)))      # every client, every communication
-    if t <= args.stage1_comms:                                               # Eq. 4
+    """One communication: Eq. 4 (stage 1), or Algorithm 1's Eq. 10 on every client, 2.2, and
+    Eq. 11 and 12 on the server."""
+    theta, every = common.get_flat(model), list(range(len(fed.clients)))   # every client, always
+    if t <= args.stage1_comms:                                            # Eq. 4
         up = common.on_clients(stage1_update, every, {"theta": theta}, t, ctx)
-        common.set_flat(model, average(theta, [r["theta"] for r in up], [c.n for c in fed.clients], args.global_lr))
+        n = [c.n for c in fed.clients]
+        common.set_flat(model, average(theta, [r["theta"] for r in up], n, args.global_lr))
         return {c: r["loss"] for c, r in zip(every, up)}
-    up = common.on_clients(head_update, every, {"theta": theta}, t, ctx)     # Eq. 10 from ψ: the heads up
-    Ws, bs = torch.stack([r["W"] for r in up]), torch.stack([r["b"] for r in up])   # ... and all of them down
-    pred = common.on_clients(tuning_predictions, every, {"theta": theta, "Ws": Ws, "bs": bs}, t, ctx)  # 2.2 up
-    T = Tuning(torch.cat([r["Y"] for r in pred]), torch.cat([r["y"] for r in pred]), [len(r["y"]) for r in pred])
-    phi = fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps, args.meta_lr)  # Eq. 11
-    if not bool(torch.isfinite(phi).all()):                               # one host sync per round
-        raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg {args.dg}, testing on "
-                               f"{fed.name}); lower --dg-lambda or --stage2-lr")
-    W, b = ensemble(phi, Ws, bs)                                         # Eq. 12: ψ = Σ_c φ_c ψ̂_c
+    up = common.on_clients(head_update, every, {"theta": theta}, t, ctx)  # Eq. 10: the heads up
+    Ws, bs = torch.stack([r["W"] for r in up]), torch.stack([r["b"] for r in up])   # all down
+    sent = {"theta": theta, "Ws": Ws, "bs": bs}
+    pred = common.on_clients(tuning_predictions, every, sent, t, ctx)      # 2.2: ŷ up
+    T = Tuning(torch.cat([r["Y"] for r in pred]), torch.cat([r["y"] for r in pred]),
+               [len(r["y"]) for r in pred])
+    phi = fit_phi(T, args.dg, args.dg_lambda, args.stage2_lr, args.stage2_wd, args.server_steps,
+                  args.meta_lr)                                            # Eq. 11
+    if not bool(torch.isfinite(phi).all()):                                # one host sync a round
+        raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg "
+                               f"{args.dg}, testing on {fed.name}); lower --dg-lambda or "
+                               f"--stage2-lr")
+    W, b = ensemble(phi, Ws, bs)                                           # Eq. 12
     model.classifier.load_state_dict({"weight": W, "bias": b})
     state["phi"] = phi
-    print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} (uniform: {1/len(every):.4f})",
-          flush=True)
+    print(f"round {t}: φ in [{phi.min():.4f}, {phi.max():.4f}], sum {phi.sum():.4f} "
+          f"(uniform: {1 / len(every):.4f})", flush=True)
     return {c: r["loss"] for c, r in zip(every, up)}
 
 
 def init_state(model, fed, args, ctx):
-    """Appendix D.2, seeded, in place: each client's training split -> 90% train / 10% tune; leave-one-domain-out:
-    its 10% hold-out -> half validation (pooled: fed.val_x), half in-domain test (pooled: fed.id_x)."""
+    """Appendix D.2, seeded, in place: each client's training split -> 90% train / 10% tune;
+    leave-one-domain-out: its 10% hold-out -> half validation (pooled: fed.val_x), half in-domain
+    test (pooled: fed.id_x)."""
     g, lodo = torch.Generator().manual_seed(args.seed), args.dataset in data.LODO
     for c in fed.clients:
         if c.n < 2:
-            raise common.UserError(f"client {c.id} has {c.n} training example(s), too few for a train/tune split; "
-                                   f"use fewer --clients")
+            raise common.UserError(f"client {c.id} has {c.n} training example(s), too few for a "
+                                   f"train/tune split; use fewer --clients")
         c.x, c.y, c.tune_x, c.tune_y = data.holdout(c.x, c.y, 0.1, g)   # at least one to tune on
         if lodo:
             h = len(c.val_y) // 2
@@ -209,21 +238,26 @@ def init_state(model, fed, args, ctx):
 
 
 def evaluate(model, fed, args, state, ctx):
-    """common's scores (fixed clients: each client's own test set too); leave-one-domain-out: the in-domain test."""
+    """common's scores (fixed clients: each client's own test set too); leave-one-domain-out: the
+    in-domain test as well."""
     val, test, per = common.evaluate_global(model, fed, args, state, ctx)
-    lodo = args.dataset in data.LODO
-    acc = common.correct(model, fed.id_x, fed.id_y, ctx).float().mean().item() if lodo and len(fed.id_y) else None
-    return val, test, per, {"in_domain_acc": acc} if lodo else {}
+    if args.dataset not in data.LODO:
+        return val, test, per, {}
+    hit = common.correct(model, fed.id_x, fed.id_y, ctx) if len(fed.id_y) else None
+    return val, test, per, {"in_domain_acc": None if hit is None else hit.float().mean().item()}
 
 
 def add_args(p):
     a = p.add_argument
     a("--stage1-epochs", type=int, default=None, help="stage 1 budget of local epochs E1")
-    a("--stage1-comms", type=int, default=None, help="stage 1 communications K1; E1/K1 epochs between averages")
-    a("--stage2-epochs", type=int, default=8, help="stage 2 epochs of local head training in all (Table 5)")
-    a("--stage2-comms", type=int, default=4, help="stage 2 communications K2 (Table 5); 0 = stage 1 only")
-    a("--stage2-lr", type=float, default=0.05, help="stage 2 lr: heads (SGD) and server (Adam) (Table 5)")
-    a("--stage2-wd", type=float, default=5e-4, help="stage 2 weight decay, heads and server (Table 5)")
+    a("--stage1-comms", type=int, default=None,
+      help="stage 1 communications K1; E1/K1 epochs between averages")
+    a("--stage2-epochs", type=int, default=8, help="stage 2 epochs of head training (Table 5)")
+    a("--stage2-comms", type=int, default=4,
+      help="stage 2 communications K2 (Table 5); 0 = stage 1 only")
+    a("--stage2-lr", type=float, default=0.05,
+      help="stage 2 lr: heads (SGD) and server (Adam) (Table 5)")
+    a("--stage2-wd", type=float, default=5e-4, help="stage 2 weight decay, heads and server")
     a("--dg", default="irm", choices=["irm", "fish", "rex"], help="invariance term r of Eq. 11")
     a("--dg-lambda", type=float, default=100.0, help="λ of IRM and REx (Table 5)")
     a("--meta-lr", type=float, default=0.05, help="Fish meta lr (Table 5)")
@@ -234,29 +268,32 @@ def add_args(p):
 def check(args):
     e1, k1, e2, k2 = args.stage1_epochs, args.stage1_comms, args.stage2_epochs, args.stage2_comms
     for bad, message in [      # in order: the first that holds is the error
-            (args.rounds != BY_STAGES or args.local_epochs != BY_STAGES, "fedloe sets the rounds and local epochs "
-             "from --stage1-epochs, --stage1-comms and --stage2-comms; drop --rounds / --local-epochs"),
-            (args.head != "linear", "fedloe ensembles linear heads (Eq. 12 is exact only for them): use --head linear"),
+            (args.rounds != BY_STAGES or args.local_epochs != BY_STAGES,
+             "fedloe sets the rounds and local epochs from --stage1-epochs, --stage1-comms and "
+             "--stage2-comms; drop --rounds / --local-epochs"),
+            (args.head != "linear",
+             "fedloe ensembles linear heads (Eq. 12 is exact only for them): use --head linear"),
             (args.sample not in (None, EVERY, args.clients),
              "fedloe uses every client at every communication (Eq. 4, Eq. 11): drop --sample"),
-            (k1 < 1 or e1 < 1 or e1 % k1, f"--stage1-epochs ({e1}) must be a positive multiple of --stage1-comms "
-                                          f"({k1}) >= 1"),
-            (k2 < 0 or e2 < 0 or k2 and e2 % k2, f"--stage2-epochs ({e2}) must be a multiple of --stage2-comms ({k2}), "
-                                                 f"both >= 0"),
-            (args.select == "val" and k2, "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration); "
-                                          "--select val would pick among stage-1 rounds too: drop it"),
-            *((getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-              for k in ("stage2_lr", "meta_lr")),
-            *((getattr(args, k) < 0, f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k)}")
-              for k in ("stage2_wd", "dg_lambda", "server_steps"))]:
+            (k1 < 1 or e1 < 1 or e1 % k1,
+             f"--stage1-epochs ({e1}) must be a positive multiple of --stage1-comms ({k1}) >= 1"),
+            (k2 < 0 or e2 < 0 or k2 and e2 % k2,
+             f"--stage2-epochs ({e2}) must be a multiple of --stage2-comms ({k2}), both >= 0"),
+            (args.select == "val" and k2,
+             "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration); "
+             "--select val would pick among stage-1 rounds too: drop it"),
+            *((getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be positive, got "
+               f"{getattr(args, k)}") for k in ("stage2_lr", "meta_lr")),
+            *((getattr(args, k) < 0, f"--{k.replace('_', '-')} must be >= 0, got "
+               f"{getattr(args, k)}") for k in ("stage2_wd", "dg_lambda", "server_steps"))]:
         if bad:
             raise common.UserError(message)
     args.sample, args.rounds, args.local_epochs = args.clients, k1 + k2, e1 // k1
 
 
 def main(argv=None):
-    return common.main("fedloe", __doc__, fedloe_round, argv, add_args, DEFAULTS, init_state, evaluate, check,
-                       parallel_clients=True)
+    return common.main("fedloe", __doc__, fedloe_round, argv, add_args, DEFAULTS, init_state,
+                       evaluate, check, parallel_clients=True)
 
 
 if __name__ == "__main__":

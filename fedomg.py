@@ -1,26 +1,26 @@
 """FedOMG — Federated Domain Generalization with Data-free On-server Matching Gradient (Nguyen et
-al., ICLR 2025; official code github.com/skydvn/FedOMG, its server solver from CAGrad). Clients run
-plain local SGD; the server, without any data, searches the convex hull of their updates for an
-invariant direction near the mean one (Algorithm 1; Γ = {γ_u} on the simplex, U clients a round):
+al., ICLR 2025; official code github.com/skydvn/FedOMG, its server solver from CAGrad). Clients
+run plain local SGD; the server, without any data, searches the convex hull of their updates for
+an invariant direction near the mean one (Algorithm 1; Γ = {γ_u} on the simplex, U clients):
 
-    g_u   = θ_u − θ^(r-1)                                                                  (Eq. 8)
-    Γ*    = argmin_Γ  g_Γ · g_0 + κ ||g_0|| ||g_Γ||,   g_Γ = Σ_u γ_u g_u                       (Eq. 15)
-    θ^(r) = θ^(r-1) + η_g (g_0 + λ g_Γ*) / (1 + κ²),   λ = κ ||g_0|| / ||g_Γ*||        (Eq. 16–17)
+    g_u   = θ_u − θ^(r-1)                                                        (Eq. 8)
+    Γ*    = argmin_Γ  g_Γ · g_0 + κ ||g_0|| ||g_Γ||,   g_Γ = Σ_u γ_u g_u              (Eq. 15)
+    θ^(r) = θ^(r-1) + η_g (g_0 + λ g_Γ*) / (1 + κ²),   λ = κ ||g_0|| / ||g_Γ*||  (Eq. 16–17)
 
 in the official code's form (fed_merge.py), which made the paper's tables and every result here:
 Eq. 15–16 on the scaled updates w_u g_u (w_u = p_u = N_u / Σ N, the DG code; w_u = 1 on mnist,
 emnist, cifar10, cifar100, the FL code), g_0 their plain mean, inner products over s² (s: their
-mean norm), every norm sqrt(||x||² + ε), ε = 1e-4, the step added (g_u points downhill). Γ* from the U×U Gram
-matrix of the updates (float64) by Table 4's solver: Γ = softmax(v) from v = 0, torch's SGD on v
-(lr 25, momentum 0.5), the best of 21 evaluations. κ = 0.5 (Table 4). η_g: 0.5 on pacs, vlcs,
-officehome (the DG scripts' --global_model_lr; Table 4 prints 5e-2), 1 on the FL datasets (the FL
-code's --omg_meta_lr), elsewhere U (1 + κ²) each round, which makes the g_0 term FedAvg's step
-(κ = 0: FedAvg to rounding). Clients keep their SGD (its momentum) across rounds and divide their lr
-by 10 after 80% of the rounds, as the DG code (the FL code: no step, no momentum). DG: pretrained
-ResNet-18 + linear head, SGD lr 1e-3, batch 16, momentum 0.9, weight decay 5e-4, 5 local epochs.
-Eq. 15–17 as printed (FedAvg bit for bit at κ = 0), the exact solver, a fresh client optimiser,
-another lr step: benchmark/diagnostics/fedomg_readings.py. Paper against code, the measurements,
-how to copy the server step: docs/fedomg.md.
+mean norm), every norm sqrt(||x||² + ε), ε = 1e-4, the step added (g_u points downhill). Γ* from
+the U×U Gram matrix of the updates (float64) by Table 4's solver: Γ = softmax(v) from v = 0,
+torch's SGD on v (lr 25, momentum 0.5), the best of 21 evaluations. κ = 0.5 (Table 4). η_g: 0.5
+on pacs, vlcs, officehome (the DG scripts' --global_model_lr; Table 4 prints 5e-2), 1 on the FL
+datasets (the FL code's --omg_meta_lr), elsewhere U (1 + κ²) each round, which makes the g_0 term
+FedAvg's step (κ = 0: FedAvg to rounding). Clients keep their SGD (its momentum) across rounds and
+divide their lr by 10 after 80% of the rounds, as the DG code (the FL code: no step, no
+momentum). DG: pretrained ResNet-18 + linear head, SGD lr 1e-3, batch 16, momentum 0.9, weight
+decay 5e-4, 5 local epochs. Eq. 15–17 as printed (FedAvg bit for bit at κ = 0), the exact
+solver, a fresh client optimiser, another lr step: benchmark/diagnostics/fedomg_readings.py.
+Paper against code, the measurements, how to copy the server step: docs/fedomg.md.
 
     python fedomg.py --dataset pacs --data-root ./data
     python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800
@@ -33,25 +33,25 @@ import common
 import data
 
 DG = dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9, weight_decay=5e-4,
-          local_epochs=5, global_lr=0.5)                                         # η_g: the DG scripts'
+          local_epochs=5, global_lr=0.5)                          # η_g: the DG scripts'
 DG_SETS = ("pacs", "vlcs", "officehome")
 DEFAULTS = {name: DG for name in DG_SETS}
 
 
 # ---------------------------------------------------------------- the method as plain functions
 # Functions of tensors and numbers alone (torch only), to copy into another training loop: the
-# clients run plain local SGD and upload θ_u; FedOMG's own part is the server's step, server_update.
+# clients run plain local SGD and upload θ_u; FedOMG's own part is the server's step.
 
 def server_update(theta, thetas, N, eta_g, kappa=0.5, weighted=True):
-    """The server's round (Algorithm 1): θ^(r-1) (flat) and the U sampled clients' trained θ_u (flat,
-    any iterable, read one at a time) with their training-set sizes N_u in, θ^(r) out. weighted: the
-    DG code's w_u = p_u (False: the FL code's w_u = 1). η_g has no default: this step's κ = 0 form is
-    Σ_u w_u g_u / U, so η_g = U (1 + κ²) makes the g_0 term FedAvg's step (weighted) and η_g = 1
-    moves 1/U of it; the DG scripts use 0.5."""
-    G = updates(theta, thetas, len(N))                                                   # Eq. 8
-    p = torch.tensor([float(N_u) for N_u in N]) / sum(float(N_u) for N_u in N)           # p_u = N_u / Σ N
+    """The server's round (Algorithm 1): θ^(r-1) (flat) and the U sampled clients' trained θ_u
+    (flat, any iterable, read one at a time) with their training-set sizes N_u in, θ^(r) out.
+    weighted: the DG code's w_u = p_u (False: the FL code's w_u = 1). η_g has no default: this
+    step's κ = 0 form is Σ_u w_u g_u / U, so η_g = U (1 + κ²) makes the g_0 term FedAvg's step
+    (weighted) and η_g = 1 moves 1/U of it; the DG scripts use 0.5."""
+    G = updates(theta, thetas, len(N))                                       # Eq. 8
+    p = torch.tensor([float(N_u) for N_u in N]) / sum(float(N_u) for N_u in N)   # p_u = N_u / Σ N
     w = p if weighted else torch.ones(len(N))
-    return theta + eta_g * code_step(G, w, kappa)                                        # Eq. 15–17
+    return theta + eta_g * code_step(G, w, kappa)                            # Eq. 15–17
 
 
 def updates(theta, thetas, U):
@@ -66,29 +66,30 @@ def code_step(G, w, kappa, eps=1e-4):
     """Eq. 15–16 as the official code steps (fed_merge.py OMG, CAGrad) on the scaled updates
     ĝ_u = w_u g_u: g_0 = mean_u ĝ_u, Γ* by Eq. 15 over the ĝ_u, λ = κ ||g_0||_ε / (||ĝ_Γ*||_ε + ε),
     and (g_0 + λ ĝ_Γ*) / (1 + κ²) = Σ_u w_u (1/U + λ γ*_u) g_u / (1 + κ²), the code's last line.
-    Every term is an inner product of updates: Γ* needs only the Gram matrix K of the ĝ_u, which is
+    Every term is an inner product of updates: Γ* needs only the Gram matrix K of the ĝ_u,
     divided by s² = (mean_u ||ĝ_u||_ε)² as in the code (Table 4's lr 25 assumes that scale)."""
     U = len(w)
     w = w.double().cpu()
     K = w[:, None] * gram(G) * w[None, :]                        # the Gram matrix of the ĝ_u
     K = K / (K.diagonal() + eps).sqrt().mean() ** 2              # / s²
     a = torch.full((U,), 1.0 / U, dtype=torch.float64)           # g_0 = aᵀ ĝ
-    Gamma = solve(K, a, kappa, eps) if kappa > 0 else a                                            # Eq. 15
+    Gamma = solve(K, a, kappa, eps) if kappa > 0 else a                          # Eq. 15
     lam = kappa * (a @ K @ a + eps).sqrt() / ((Gamma @ K @ Gamma + eps).clamp(min=0).sqrt() + eps)
-    coef = w * (a + lam * Gamma) / (1 + kappa ** 2)                                                # Eq. 16
+    coef = w * (a + lam * Gamma) / (1 + kappa ** 2)                              # Eq. 16
     return coef.to(G.dtype).to(G.device) @ G
 
 
 def objective(Gamma, K, a, kappa, eps=0.0):
     """Eq. 15 from the Gram matrix K alone, g_0 = aᵀ𝐠: g_Γ · g_0 + κ ||g_0||_ε ||g_Γ||_ε =
     Γᵀ K a + κ sqrt(aᵀ K a + ε) sqrt(Γᵀ K Γ + ε)."""
-    return Gamma @ K @ a + kappa * (a @ K @ a + eps).sqrt() * (Gamma @ K @ Gamma + eps).clamp(min=0).sqrt()
+    norm_g0, norm_gGamma = (a @ K @ a + eps).sqrt(), (Gamma @ K @ Gamma + eps).clamp(min=0).sqrt()
+    return Gamma @ K @ a + kappa * norm_g0 * norm_gGamma
 
 
 def solve(K, a, kappa, eps=0.0, evaluations=21, lr=25.0, momentum=0.5):
-    """Γ* of Eq. 15 by Table 4's solver, as the code's (CAGrad's): Γ = softmax(v) from v = 0, torch's
-    SGD with momentum on v by autograd, the best of `evaluations` objective values (with lr 25 the
-    iterates oscillate when K is near singular). K, a: float64 CPU tensors."""
+    """Γ* of Eq. 15 by Table 4's solver, as the code's (CAGrad's): Γ = softmax(v) from v = 0,
+    torch's SGD with momentum on v by autograd, the best of `evaluations` objective values (with lr
+    25 the iterates oscillate when K is near singular). K, a: float64 CPU tensors."""
     v = torch.zeros(len(a), dtype=K.dtype, requires_grad=True)
     opt = torch.optim.SGD([v], lr=lr, momentum=momentum)
     best, best_Gamma = float("inf"), None
@@ -119,20 +120,24 @@ def gram(G, cols=1 << 16):
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
 def client_update(site, sent):
-    """On client u: plain local SGD from θ^(r-1) at the round's lr, its momentum its own across rounds (the DG
-    code; none at --momentum 0, the FL code); replies θ_u and its mean loss."""
+    """On client u: plain local SGD from θ^(r-1) at the round's lr, its momentum its own across
+    rounds (the DG code; none at --momentum 0, the FL code); θ_u and its mean loss."""
     make_opt = lambda params: common.sgd(params, site.args, lr=sent["lr"])
-    theta_u, loss = common.local_train(site, sent["theta"], make_opt=make_opt, keep_momentum=site.args.momentum > 0)
+    keep = site.args.momentum > 0
+    theta_u, loss = common.local_train(site, sent["theta"], make_opt=make_opt, keep_momentum=keep)
     return {"theta": theta_u, "loss": loss}
 
 
 def fedomg_round(t, model, fed, args, state, ctx):
-    theta = common.get_flat(model)                                         # θ^(r-1)
+    theta = common.get_flat(model)                                     # θ^(r-1)
     S = common.sample_clients(ctx, len(fed.clients), args.sample)
-    up = common.on_clients(client_update, S, {"theta": theta, "lr": local_lr(t, args)}, t, ctx)  # E epochs each
+    sent = {"theta": theta, "lr": local_lr(t, args)}
+    up = common.on_clients(client_update, S, sent, t, ctx)             # E epochs each, θ_u back
     N = [float(fed.clients[c].n) for c in S]
-    common.set_flat(model, server_update(theta, [r["theta"] for r in up], N, eta_g(args, len(S)), args.kappa,
-                                         weighted=args.dataset not in data.FL))   # Eq. 8, 15–17
+    weighted = args.dataset not in data.FL
+    theta_r = server_update(theta, [r["theta"] for r in up], N, eta_g(args, len(S)), args.kappa,
+                            weighted)                                  # Eq. 8, 15–17
+    common.set_flat(model, theta_r)
     return {c: r["loss"] for c, r in zip(S, up)}
 
 
@@ -143,8 +148,9 @@ def local_lr(t, args):
 
 
 def eta_g(args, U):
-    """η_g of a round of U sampled clients (Eq. 17): --global-lr, or the dataset's default, when set;
-    otherwise (args.global_lr None, see check) U (1 + κ²): code_step's g_0 term is then FedAvg's step."""
+    """η_g of a round of U sampled clients (Eq. 17): --global-lr, or the dataset's default, when
+    set; otherwise (args.global_lr None, see check) U (1 + κ²): code_step's g_0 term is then
+    FedAvg's step."""
     return args.global_lr if args.global_lr is not None else U * (1 + args.kappa ** 2)
 
 
@@ -153,8 +159,8 @@ def add_args(p):
 
 
 def check(args, global_lr_by_hand=True):
-    """Bad flags -> UserError. Where --global-lr was not given by hand and neither the paper nor the
-    code gives η_g (not the DG or FL datasets), args.global_lr = None: η_g is set per round."""
+    """Bad flags -> UserError. Where --global-lr was not given by hand and neither the paper nor
+    the code gives η_g (not the DG or FL datasets), args.global_lr = None: η_g is set per round."""
     if not args.kappa >= 0:
         raise common.UserError(f"--kappa must be >= 0, got {args.kappa}")
     if not global_lr_by_hand and args.dataset not in DG_SETS + data.FL:

@@ -1285,8 +1285,8 @@ def test_heads_start_as_the_fedIIR_code():
     ("fedipg", ["--exit-L", "0"], "--exit-L must be positive, got 0.0"),
     ("fedipg", ["--exit", "sometimes"], "argument --exit: invalid choice: 'sometimes'"),
     ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
-    ("fedipg", QUICK + ["--parallel-clients", "on"], "--parallel-clients on: fedipg trains with --local-step paper one "
-                                                     "client after another"),
+    ("fedipg", QUICK + ["--local-step", "paper", "--parallel-clients", "on"],
+     "--parallel-clients on: fedipg trains with --local-step paper one client after another"),
     ("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--inv", "groupdro", "--parallel-clients", "on"],
      "--parallel-clients on: perinvfl trains its clients one after another"),
     ("fedomg", ["--dataset", "pacs", "--parallel-clients", "on"], "--parallel-clients on: not for pacs"),
@@ -1487,7 +1487,8 @@ LOE_SYNC_CASES = [                 # method, argv, the functions that hold its p
                                        "groupdro", "--opt", "sgd"], LOE_PINV_VARIANT, id="perinvfl-l2-groupdro"),
     pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "ft", "--ft-batch",
                                        "256"], LOE_PINV_VARIANT + ["perinvfl_variants.fine_tune"], id="perinvfl-ft"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1"], ["fedipg.full_gradient"], id="fedipg-paper"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "paper"], ["fedipg.full_gradient"],
+                 id="fedipg-paper"),
     pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd", "--parallel-clients", "off"],
                  ["common.local_train"], id="fedipg-sgd"),
     pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd", "--parallel-clients", "on"], ONCE,
@@ -4256,20 +4257,20 @@ def test_parallel_perinvfl_refuses_with_its_reason(tmp_path, capsys):
 def test_fedipg_refuses_momentum_and_epochs_its_papers_step_would_ignore(tmp_path, capsys):
     for argv, flags in ((["--momentum", "0.5"], "--momentum applies"), (["--local-epochs", "2"], "--local-epochs applies"),
                         (["--momentum", "0", "--local-epochs", "1"], "--momentum and --local-epochs apply")):
-        line = fails(fedipg.main, QUICK + argv, capsys)
+        line = fails(fedipg.main, QUICK + ["--local-step", "paper"] + argv, capsys)
         assert line == f"fedipg.py: error: {flags} to --local-step sgd only: the paper's step (Eq. 2) is one plain " \
                        f"gradient step on the client's whole split"
-    paper = method_args(fedipg, "fedipg", [], tmp_path)
+    paper = method_args(fedipg, "fedipg", ["--local-step", "paper"], tmp_path)
     assert (paper.momentum, paper.local_epochs) == (0.0, 1)                      # recorded as what the step does
-    sgd = method_args(fedipg, "fedipg", ["--local-step", "sgd"], tmp_path)
-    assert (sgd.momentum, sgd.local_epochs) == (0.9, 1)                          # the dataset's, as before
+    sgd = method_args(fedipg, "fedipg", [], tmp_path)
+    assert sgd.local_step == "sgd" and (sgd.momentum, sgd.local_epochs) == (0.9, 1)   # the default: the dataset's
     fl = method_args(fedipg, "fedipg", ["--local-step", "sgd", "--dataset", "mnist", "--clients", "100"], tmp_path)
     assert (fl.momentum, fl.local_epochs) == (0.0, 5)                            # FedOMG's FL table
     assert (method_args(fedipg, "fedipg", ["--local-step", "sgd", "--momentum", "0.5"], tmp_path).momentum == 0.5)
     with pytest.raises(SystemExit):
         fedipg.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "local SGD momentum (--local-step sgd only; default there: the dataset's, 0.9 for rmnist)" in text
+    assert "local SGD momentum (--local-step sgd only; default: the dataset's, 0.9 for rmnist)" in text
 
 
 def scaled_risk_derivative(model, x, y):
@@ -4534,20 +4535,23 @@ def test_fedipg_round_with_the_paper_step_averages_one_step_per_client(dtype):
     assert (want - w).abs().max() > 1e-2
 
 
-def test_fedipg_defaults_to_the_papers_step_and_warm_up_and_that_step_is_fedsgd(tmp_path):
-    """By default a round is one full-batch step per client: at λ = 0, what fedavg.py computes with one
-    batch of the whole split and no momentum (FedSGD), to rounding, whatever --batch-size (here 32:
-    only the chunks of the gradient pass); --local-step sgd takes the minibatch steps."""
+def test_fedipg_defaults_to_the_verdicts_step_and_the_papers_step_is_fedsgd(tmp_path):
+    """By default a client takes --local-epochs of minibatch SGD (the step every committed FedIPG result
+    used): at λ = 0, fedavg.py's run. --local-step paper is one full-batch step per client: at λ = 0, what
+    fedavg.py computes with one batch of the whole split and no momentum (FedSGD), to rounding, whatever
+    --batch-size (here 32: only the chunks of the gradient pass)."""
     argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1"]
+    sgd, _ = run(fedipg.main, argv + ["--lam", "0"], tmp_path, "sgd.json")
+    avg, _ = run(fedavg.main, argv + ["--parallel-clients", "off"], tmp_path, "avg.json")
+    assert sgd["args"]["local_step"] == "sgd" and "warmup" not in sgd["args"]   # the warm-up: Algorithm 1's alone
+    assert strip_times(sgd)["domains"] == strip_times(avg)["domains"]
     a, _ = run(fedavg.main, argv + ["--batch-size", "1000", "--momentum", "0", "--parallel-clients", "off"],
-               tmp_path, "avg.json")
-    b, _ = run(fedipg.main, argv + ["--lam", "0"], tmp_path, "ipg.json")
-    assert b["args"]["local_step"] == "paper" and "warmup" not in b["args"]   # the warm-up: Algorithm 1's alone
+               tmp_path, "avg1.json")
+    b, _ = run(fedipg.main, argv + ["--lam", "0", "--local-step", "paper"], tmp_path, "ipg.json")
     ha, hb = a["domains"]["style1"]["history"], b["domains"]["style1"]["history"]
     assert [r["val_acc"] for r in ha] == [r["val_acc"] for r in hb]
     assert all(abs(u["loss"] - v["loss"]) < 1e-5 for u, v in zip(ha, hb))
-    c, _ = run(fedipg.main, argv + ["--lam", "0", "--local-step", "sgd"], tmp_path, "sgd.json")
-    assert abs(c["domains"]["style1"]["history"][-1]["loss"] - hb[-1]["loss"]) > 1e-3   # 14 steps of 32, momentum
+    assert abs(sgd["domains"]["style1"]["history"][-1]["loss"] - hb[-1]["loss"]) > 1e-3   # 14 steps of 32
 
 
 def test_fedipg_pretraining_runs_before_round_1_and_round_1_starts_from_w1(monkeypatch):
@@ -4712,7 +4716,7 @@ def test_parallel_fedipg_warmup_estimates_match_sequential(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("argv,reason", [
-    ([], "fedipg trains with --local-step paper one client after another"),
+    (["--local-step", "paper"], "fedipg trains with --local-step paper one client after another"),
 ])
 def test_parallel_fedipg_refuses_with_its_reason(argv, reason, capsys):
     line = fails(fedipg.main, QUICK + argv + ["--parallel-clients", "on"], capsys)
@@ -5231,11 +5235,12 @@ def test_gpu_check_without_cuda_is_one_line():
 def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     """The measuring code itself, on tiny settings on the CPU (its numbers mean nothing here)."""
     syn = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--sample", "2"]
-    step = common.local_sgd
+    step = common.local_train
     rows = gpu_check.check_runs([("fedipg", "fedipg", syn + gpu_check.TWO_ROUNDS["fedipg"])], "cpu", tmp_path)
     assert [(r["check"], r["ok"]) for r in rows] == [("runs: fedipg", True), ("repeat: fedipg", True)]
-    assert common.local_sgd is step                                                 # the guards are lifted
-    stray = lambda model, fed, args, ctx: {"g_tilde": [torch.zeros(1)], "stray": torch.zeros(2, device="meta")}
+    assert common.local_train is step                                               # the guards are lifted
+    own = fediir.init_state
+    stray = lambda *a: {**own(*a), "stray": torch.zeros(2, device="meta")}
     monkeypatch.setattr(fediir, "init_state", stray)
     rows = gpu_check.check_runs([("fediir", "fediir", syn + ["--rounds", "1", "--gamma", "0"])], "cpu", tmp_path)
     assert rows[0]["ok"] is False and rows[0]["measured"] == "RuntimeError: off the cpu: checkpoint['state']['stray'] (meta)"

@@ -9,7 +9,7 @@ On a CUDA machine, in one process (method scripts are called in-process, their o
             PACS tree (ResNet-18, --no-pretrained), fp32 and --amp (PerInvFL scores fixed clients:
             RC-MNIST, MLP, instead). A non-finite loss stops a run (the skeleton checks it); at every
             checkpoint, every tensor of the model and of the method's state must be on the GPU.
-            The local step runs under torch.cuda.set_sync_debug_mode("error"): common.local_sgd
+            The local step runs under torch.cuda.set_sync_debug_mode("error"): common.local_train
             (FedAvg, FedIIR, FedOMG, FedIPG, FedLOE stage 1), fedloe.overfit_head (stage 2), and
             PerInvFL's step functions (batch, theta_loss, inv_loss; its loop is inline).
 2. repeat   the same runs again: the JSON must be identical (seconds aside).
