@@ -934,7 +934,67 @@ def test_sampling_is_without_replacement():
     ctx = tiny_ctx()
     for _ in range(20):
         s = common.sample_clients(ctx, 50, 5)
-        assert len(set(s)) == 5 and all(0 <= c < 50 for c in s)
+        assert len(set(s)) == 5 and all(0 <= c < 50 for c in s) and s == sorted(s)   # in the order of ids
+
+
+def test_each_client_stream_depends_on_its_five_values_alone():
+    """common.stream: the same (seed, domain, round, client, exchange) give the same draws on every call; a
+    change in any one of them gives other draws, also where seed + round + id would collide; its seed is
+    BLAKE2b's, as docs/protocol.md states it."""
+    import hashlib
+    draw = lambda *key: torch.randperm(1000, generator=common.stream(*key, "cpu"))
+    base = (0, "style0", 3, 7, "client_update")
+    assert torch.equal(draw(*base), draw(*base))
+    others = [(1, "style0", 3, 7, "client_update"), (0, "style1", 3, 7, "client_update"),
+              (0, "style0", 4, 7, "client_update"), (0, "style0", 3, 8, "client_update"),
+              (0, "style0", 3, 7, "classifier_gradient"), (0, "style0", 7, 3, "client_update"),
+              (1, "style0", 2, 7, "client_update"), (0, "style0", -3, 7, "client_update")]
+    assert all(not torch.equal(draw(*base), draw(*key)) for key in others)
+    want = int.from_bytes(hashlib.blake2b(b"0/style0/3/7/client_update", digest_size=8).digest(), "little")
+    assert common.stream(*base, "cpu").initial_seed() == want
+
+
+CLIENT_ORDER_ARGV = {   # 2 rounds on 3 clients (2 sampled where the method samples): every exchange of a round
+    "fedavg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2", "--test-domain", "0"],
+    "fediir": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2", "--test-domain", "0"],
+    "fedomg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2", "--test-domain", "0"],
+    "fedloe": QUICK[:2] + ["--clients", "3", "--test-domain", "0", "--stage1-epochs", "1", "--stage1-comms", "1",
+                           "--stage2-epochs", "1", "--stage2-comms", "1", "--batch-size", "64"],
+    "perinvfl": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0", "--R", "2", "--S", "2",
+                             "--batch-size", "32"],
+    "fedipg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0", "--exit", "auto",
+                           "--exit-warmup", "1"],
+}
+
+
+@pytest.mark.parametrize("method", list(CLIENT_ORDER_ARGV))
+def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, monkeypatch):
+    """Every exchange of every round run with the sampled clients taken in reverse order: each client's
+    reply (its update, its loss, what it uploads) is the same, bit for bit, and so is the run (the server
+    reads the replies in the order of the ids either way). A client's work depends on no other's."""
+    one_by_one, seen = common.one_by_one, {}
+    for order in ("forward", "reverse"):
+        def engine(fn, S, sents, t, phase, ctx):
+            if order == "reverse":
+                out = one_by_one(fn, S[::-1], sents[::-1], t, phase, ctx)[::-1]
+            else:
+                out = one_by_one(fn, S, sents, t, phase, ctx)
+            seen.setdefault(order, []).append((t, phase, list(S), out))
+            return out
+        monkeypatch.setattr(common, "one_by_one", engine)
+        run(importlib.import_module(method).main, CLIENT_ORDER_ARGV[method] + ["--parallel-clients", "off"], tmp_path,
+            f"{order}.json")
+    forward, reverse = seen["forward"], seen["reverse"]
+    assert len(forward) == len(reverse) >= 2 and any(len(S) > 1 for _, _, S, _ in forward)
+    for (t, phase, S, a), (t2, phase2, S2, b) in zip(forward, reverse):
+        assert (t, phase, S) == (t2, phase2, S2)
+        for ra, rb in zip(a, b):
+            assert ra.keys() == rb.keys()
+            for k in ra:
+                same = torch.equal(ra[k], rb[k]) if torch.is_tensor(ra[k]) else ra[k] == rb[k]
+                assert same, (method, t, phase, k)
+    ckpt = [torch.load(tmp_path / f"{o}.ckpt", weights_only=True)["model"] for o in ("forward", "reverse")]
+    assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
 
 
 def test_group_means():

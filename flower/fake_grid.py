@@ -60,3 +60,13 @@ class FakeGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):
         return self.pull_messages(self.push_messages(list(messages)))
+
+
+class ThreadGrid(FakeGrid):
+    """FakeGrid whose nodes answer the messages of one send_and_receive at the same time, one thread
+    each (as SuperNodes would), so that the timing of the nodes' work can be checked in process."""
+
+    def push_messages(self, messages):
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max(1, len(messages))) as pool:
+            return [i for ids in pool.map(lambda m: FakeGrid.push_messages(self, [m]), messages) for i in ids]

@@ -94,7 +94,7 @@ class Link:
 
     def __init__(self, grid, wait=600.0):
         self.grid, self.wait, self.nodes, self.args, self.init, self.out = grid, wait, None, None, None, None
-        self.moved, self.times, self.spans = {}, {}, {}    # round -> [down, up]; seconds; [(client, began, ended)]
+        self.moved, self.times, self.spans = {}, {}, {}    # round -> [down, up]; seconds; node spans
 
     def connect(self, P):
         """Wait for P nodes, ask each its partition id: {client id: node id}."""
@@ -117,7 +117,8 @@ class Link:
         replies = self._send([(self.nodes[c], "train.client", {**head, **{f"sent.{k}": v for k, v in sent.items()}})
                               for c, sent in zip(S, sents)], t)
         self.times[t] = self.times.get(t, 0.0) + time.perf_counter() - start
-        self.spans.setdefault(t, []).extend((c, r.pop("_began"), r.pop("_ended")) for c, r in zip(S, replies))
+        self.spans.setdefault(t, []).extend((phase, c, r.pop("_began"), r.pop("_ended"))
+                                            for c, r in zip(S, replies))
         return [common.to_device(r, ctx.device) for r in replies]          # in the order of S: the clients' ids
 
     def _send(self, items, t):
@@ -190,7 +191,7 @@ class Node:
         self.partition, self.domain = partition, domain
 
 
-_NODES = {}   # (args, init, domain, partition) -> Node: reused while this process lives
+_NODES = {}   # (args, init, domain, partition) -> Node: reused while this process lives (one run)
 
 
 def node_for(req, context):
@@ -199,21 +200,21 @@ def node_for(req, context):
         args = argparse.Namespace(**json.loads(req["args"]))
         if "data-root" in context.node_config:            # this device's copy of the data
             args.data_root = str(context.node_config["data-root"])
-        _NODES.clear()
+        for old in [k for k in _NODES if k[:3] != key[:3]]:   # another run or held-out domain's
+            del _NODES[old]
         _NODES[key] = Node(req["init"], args, req["domain"], key[3])
     return _NODES[key]
 
 
 def work(msg, context):
     """One exchange on this node: the named client function on its client, its stream, its state."""
-    req = unpack(msg.content)
+    began, req = time.time(), unpack(msg.content)          # the node's span: its setup and its work
     node = node_for(req, context)
     ctx, c = node.ctx, node.partition
     sent = common.to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
     record = context.state.get("fedood", ConfigRecord())             # the client's own state, per held-out domain
     kept = torch.load(io.BytesIO(record[node.domain]), weights_only=True) if node.domain in record else {}
     ctx.clients = {c: common.to_device(kept, ctx.device)}
-    began = time.time()
     out = function(req["fn"])(common.site(ctx, c, req["round"], req["phase"]), sent)
     out = {**out, "_began": began, "_ended": time.time()}
     if ctx.clients[c]:

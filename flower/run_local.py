@@ -170,11 +170,20 @@ class Processes:
                 pass
 
 
-def wait_port(port, proc, name, seconds=120):
+def last_line(path):
+    """The last non-empty line of a log (what a process said before it stopped)."""
+    try:
+        lines = [line.strip() for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:200] if lines else "an empty log"
+
+
+def wait_port(port, proc, name, seconds=120, log=None):
     end = time.time() + seconds
     while time.time() < end:
         if proc.poll() is not None:
-            raise Refused(f"the {name} exited at start (code {proc.returncode})")
+            raise Refused(f"the {name} exited at start (code {proc.returncode}: {last_line(log)}); log: {log}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -195,7 +204,7 @@ def deploy(a, port, logdir):
     try:
         link = procs.start("superlink", [str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
                                          "--port", str(port), "--disable-runtime-dependency-installation"])
-        wait_port(port, link, "SuperLink")
+        wait_port(port, link, "SuperLink", log=logdir / "superlink.log")
         for i in range(a.nodes):
             procs.start(f"supernode-{i}", [str(bindir / "flower-supernode"), "--insecure", "--superlink",
                                            f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(free_port()),
@@ -217,6 +226,12 @@ def interrupted(*_):
 
 def main(argv=None):
     a = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        print("run_local.py: error: Flower is not installed here: pip install -r flower/requirements.txt",
+              file=sys.stderr)
+        return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):     # as Ctrl-C: unwind through the finally blocks
         signal.signal(sig, interrupted)
     try:
@@ -225,10 +240,8 @@ def main(argv=None):
         if not port_free(port):
             raise Refused(f"port {port} on 127.0.0.1 is in use; pick another --port or leave it out")
         logdir = Path(tempfile.mkdtemp(prefix=f"flower-{a.method}-"))
-        done = Path(a.out)
-        if done.exists():
-            done.unlink()
-        run, seconds = deploy(a, port, logdir)
+        done, a.out = Path(a.out), str(logdir / Path(a.out).name)      # the run writes beside its logs:
+        run, seconds = deploy(a, port, logdir)                          # an older result stays until then
     except Refused as e:
         if str(e):
             print(f"run_local.py: error: {e}", file=sys.stderr)
@@ -239,11 +252,20 @@ def main(argv=None):
     except subprocess.TimeoutExpired:
         print(f"run_local.py: error: no result in {a.timeout:.0f} s; stopped (logs: {logdir})", file=sys.stderr)
         return 1
-    res = json.loads(done.read_text()) if done.exists() else None
+    fresh = Path(a.out)
+    res = json.loads(fresh.read_text()) if fresh.exists() else None
     if res is None or not res.get("complete"):
         tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
-        print(f"run_local.py: error: the run did not finish ({tail[0]}); logs: {logdir}", file=sys.stderr)
+        print(f"run_local.py: error: the run did not finish ({tail[0]}); logs and what it wrote: {logdir}",
+              file=sys.stderr)
         return 1
+    done.parent.mkdir(parents=True, exist_ok=True)
+    res["args"]["out"] = str(done)                                      # where it now lies
+    fresh.write_text(json.dumps(res, indent=1))
+    for suffix in (".json", ".ckpt", ".flower.json"):                   # complete: now it replaces the old
+        if fresh.with_suffix(suffix).exists():
+            os.replace(fresh.with_suffix(suffix), done.with_suffix(suffix))
+    a.out = str(done)
     for line in (run.stdout + run.stderr).splitlines():
         if "flower: round" in line or "| val " in line:
             print(line.split("|", 1)[-1].strip() if "flower: round" in line else line.strip())
@@ -252,7 +274,13 @@ def main(argv=None):
         per = json.loads(timing.read_text())["rounds"]
         for t, r in sorted(per.items(), key=lambda kv: int(kv[0])):
             if int(t) > 0:
-                print(f"round {t}: {r['seconds']:.1f} s, {r['down'] / 2**20:.3f} MiB down, {r['up'] / 2**20:.3f} MiB up")
+                spans = [(b, e) for _, _, b, e in r.get("spans", [])]
+                phases = {p for p, _, _, _ in r.get("spans", [])}
+                at_once = all(max(b for q, _, b, _ in r["spans"] if q == p) < min(e for q, _, _, e in r["spans"]
+                                                                            if q == p) for p in phases)
+                together = f", {len(spans)} node answers, each exchange's at once" if spans and at_once else ""
+                print(f"round {t}: {r['seconds']:.1f} s, {r['down'] / 2**20:.3f} MiB down, "
+                      f"{r['up'] / 2**20:.3f} MiB up{together}")
     n = sum(len(d["history"]) for d in res["domains"].values())
     print(f"{n} evaluated round(s) in {seconds:.1f} s on {a.nodes} SuperNodes (start and stop included)")
     print(f"results: {a.out}")

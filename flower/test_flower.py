@@ -19,11 +19,14 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 import fake_grid  # noqa: E402
-import fl_adapter  # noqa: E402
+import fl_adapter  # noqa: E402  (puts the repository on the path)
+import fedavg  # noqa: E402
+
+FEDAVG_UPDATE = fedavg.client_update
 
 # Tiny runs: the synthetic dataset (720 images, 3 domains), 2 rounds, evaluated after each; 3 clients
 # of which 2 take part per round where the method samples, so that the sampling, the order of the
-# replies and the chained minibatch stream all matter.
+# replies and each client's own stream all matter.
 BASE = ["--dataset", "synthetic", "--rounds", "2", "--eval-every", "1", "--test-domain", "0"]
 ARGV = {
     "fedavg": BASE + ["--clients", "3", "--sample", "2"],
@@ -80,6 +83,36 @@ def test_flower_equals_fedipg_with_a_slow_client(tmp_path, monkeypatch):
     (own, own_ckpt), (fl, fl_ckpt) = run_both("fedipg", tmp_path, ARGV["fedipg"] + ["--aberrant", "slow:2"])
     assert all(torch.equal(v, fl_ckpt["model"][k]) for k, v in own_ckpt["model"].items())
     assert history(own) == history(fl) and "aberrant_acc" in own["domains"]["style0"]["history"][0]
+
+
+def slow_client_update(site, sent):
+    """fedavg.client_update, 0.3 s slower (a module-level function: the nodes find it by its name)."""
+    time.sleep(0.3)
+    return FEDAVG_UPDATE(site, sent)
+
+
+def overlap(spans, phase="client_update"):
+    """Whether the nodes' working spans [(phase, client, began, ended)] in exchange `phase` all overlap: one
+    instant in all of them."""
+    mine = [(b, e) for p, _, b, e in spans if p == phase]
+    return len(mine) > 1 and max(b for b, _ in mine) < min(e for _, e in mine)
+
+
+def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
+    """One message to every sampled node at once: with nodes that answer in parallel (threads here, as
+    SuperNodes would), every client's work in a round overlaps the others' (each client function made to
+    take 0.3 s more, so that the check does not hang on scheduling), and the run is still the method
+    file's own run bit for bit."""
+    import fedavg
+    monkeypatch.setattr(fedavg, "client_update", slow_client_update)
+    argv = BASE + ["--clients", "3", "--sample", "3", "--rounds", "2"]
+    fedavg.main(argv + ["--out", str(tmp_path / "own.json")])
+    grid = fake_grid.ThreadGrid(fl_adapter.client_app(), 3)
+    _, link = fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "flower.json")])
+    for t in (1, 2):
+        assert sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2] and overlap(link.spans[t], "slow_client_update"), link.spans[t]
+    own, fl = (torch.load(tmp_path / f"{k}.ckpt", weights_only=True)["model"] for k in ("own", "flower"))
+    assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 
 # ------------------------------------------------------------------------------- run_local.py
