@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -48,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "benchmark"), str(HERE / "benchmark" / "diagnostics")]
 import fedipg_aberrant  # noqa: E402
 import fedloe_spawn  # noqa: E402
+import fedloe_stage2  # noqa: E402
 import fedomg_readings as readings  # noqa: E402  (Eq. 15–17 as printed, the exact solver, ...)
 import gpu_check  # noqa: E402
 import gpu_session  # noqa: E402
@@ -57,6 +59,7 @@ import mcmahan_fig1  # noqa: E402
 import official_fediir as official  # noqa: E402
 import penalty_swap as ps  # noqa: E402
 import perinvfl_variants as pv  # noqa: E402  (kept θ_i, Adam on line 8, IRM-L2, IRM-FT, GroupDRO, the Eq. 4 check)
+import rcmnist_ptest  # noqa: E402
 import report as bench_report  # noqa: E402
 import report  # noqa: E402
 import run as bench_run  # noqa: E402
@@ -5025,9 +5028,8 @@ def test_benchmark_run_and_report(tmp_path, capsys):
         per_round.setdefault((r["method"], r["args"]["device"]), []).append(last["seconds"] / last["round"])
     want = np.mean(per_round[("fediir", "cpu")]) / np.mean(per_round[("fedavg", "cpu")])
     assert float(speed["fediir (cpu)"][2]) == pytest.approx(want, abs=0.006)          # printed with 2 decimals
-    assert "report.py: error: " in str(pytest.raises(SystemExit, bench_report.main, [str(tmp_path / "nope")]).value)
-    assert "unknown method 'fedfoo'" in str(pytest.raises(SystemExit, bench_run.main, ["--dataset", "synthetic",
-                                                                                      "--methods", "fedfoo"]).value)
+    assert "report.py: error: " in fails(bench_report.main, [str(tmp_path / "nope")], capsys)
+    assert "unknown method 'fedfoo'" in fails(bench_run.main, ["--dataset", "synthetic", "--methods", "fedfoo"], capsys)
 
 
 def fake_results(folder, dataset, protocol, labels, seeds=(0, 1), domains=("0", "15"), rounds=(1, 2, 3)):
@@ -5090,7 +5092,7 @@ def legend_texts(fig):
     return [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
 
 
-def test_report_draws_every_figure(tmp_path, monkeypatch):
+def test_report_draws_every_figure(tmp_path, monkeypatch, capsys):
     """From small fake results: accuracy against round per table, accuracy against p_test on rcmnist
     (from ptest.md, or from the checkpoints through rcmnist_ptest when they are there) and speed.py's
     bars; PNG and SVG; every method named in the legend, the published numbers dashed."""
@@ -5146,10 +5148,10 @@ def test_report_draws_every_figure(tmp_path, monkeypatch):
     for f in rc.glob("*.ckpt"):
         f.unlink()
     (rc / "ptest.md").write_text("| method | p_test 0.1 | seeds |\n|---|---|---|\n| fedavg | n/a | 3 |\n")
-    assert "is not rcmnist_ptest.py's table" in str(pytest.raises(SystemExit, bench_report.main, [str(rc)]).value)
+    capsys.readouterr()
+    assert "is not rcmnist_ptest.py's table" in fails(bench_report.main, [str(rc)], capsys)
     (tmp_path / "bad.json").write_text("{}")
-    assert "not a speed.py --json file" in str(pytest.raises(SystemExit, bench_report.main,
-                                                             ["--speed", str(tmp_path / "bad.json")]).value)
+    assert "not a speed.py --json file" in fails(bench_report.main, ["--speed", str(tmp_path / "bad.json")], capsys)
 
 
 def test_report_ptest_from_real_checkpoints(tmp_path):
@@ -5169,7 +5171,8 @@ def test_report_ptest_from_real_checkpoints(tmp_path):
 
 def test_benchmark_without_matplotlib_or_submitit_is_one_line(tmp_path):
     """matplotlib and submitit are optional: the method files import neither; without them report.py
-    and run.py --launcher slurm say so in one line, no traceback."""
+    and run.py --launcher slurm say so in one line, no traceback, exit 2 (a problem of the environment, as
+    common's UserError), before anything is made."""
     hide = "import sys; sys.modules['matplotlib'] = sys.modules['submitit'] = None; "
     p = subprocess.run([sys.executable, "-c", hide + "import common, data, fedavg, fediir, fedomg, fedloe, perinvfl, "
                         "fedipg"], capture_output=True, text=True, cwd=HERE, timeout=120)
@@ -5180,9 +5183,9 @@ def test_benchmark_without_matplotlib_or_submitit_is_one_line(tmp_path):
         code = hide + f"sys.argv = ['{script}'] + {argv!r}; import runpy; runpy.run_path('benchmark/{script}', " \
                       "run_name='__main__')"
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
-        assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert ("matplotlib" if script == "report.py" else "submitit") in p.stderr and "pip install" in p.stderr
-    assert not list(tmp_path.rglob("*.json"))                                   # nothing ran
+    assert not list(tmp_path.iterdir())                              # nothing ran, no folder made (run.py's was)
 
 
 STUB = """import json, os, sys, time
@@ -5209,7 +5212,9 @@ def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys)
     folder = tmp_path / "synthetic"
     folder.mkdir()
     (folder / "fedavg-seed4.json.fail").write_text("")                   # this run fails the first time
-    assert "1 run(s) failed" in str(pytest.raises(SystemExit, bench_run.main, argv).value)
+    with pytest.raises(SystemExit) as e:
+        bench_run.main(argv)
+    assert e.value.code == 1 and "1 run(s) failed" in capsys.readouterr().err
     runs = [json.loads((folder / f"fedavg-seed{s}.json").read_text()) for s in range(6)]
     assert {r["gpu"] for r in runs} == {"3", "5"}
     overlap = [(r, q) for i, r in enumerate(runs) for q in runs[i + 1:] if r["start"] < q["end"] and q["start"] < r["end"]]
@@ -5226,7 +5231,7 @@ def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys)
     assert json.loads((folder / "fedavg-seed4.json").read_text())["complete"]
     for bad, msg in ((["--gpus", "0,a"], "distinct GPU ids"), (["--gpus", "1,1"], "distinct GPU ids"),
                      (["--launcher", "local", "--gpus", "0"], "--gpus is for --launcher multi_gpu")):
-        assert msg in str(pytest.raises(SystemExit, bench_run.main, argv + bad).value)
+        assert msg in fails(bench_run.main, argv + bad, capsys)
 
 
 def test_run_slurm_through_submitit_local(tmp_path, capsys):
@@ -5996,9 +6001,8 @@ def test_leaderboard_leaves_the_round_count_to_methods_with_their_own_schedule()
 
 
 def test_leaderboard_needs_full_mnist_to_run(capsys):
-    with pytest.raises(SystemExit) as e:
-        leaderboard.main(["--only", "rcmnist-norot", "--out-dir", "/nonexistent/board"])
-    assert "--data-root DIR" in str(e.value.code)
+    assert "--data-root DIR" in fails(leaderboard.main, ["--only", "rcmnist-norot", "--out-dir", "/nonexistent/board"],
+                                      capsys)
 
 
 def test_gpu_session_dry_run_lists_the_steps_within_the_budget(capsys, tmp_path):
@@ -6395,3 +6399,219 @@ def test_penalty_swap_bad_input_is_one_line(tmp_path, capsys):
     if not torch.cuda.is_available():
         argv = quick + ["--device", "cuda", "--out", str(tmp_path / "o.json")]
         assert "no CUDA device" in fails(ps.main, argv, capsys)
+
+
+# ======================================================================================================================
+# The benchmark scripts keep the method scripts' promise: bad input is one line on stderr and exit 2 before any work
+# (no run started, nothing written); a signal stops run.py's and leaderboard.py's runs at their checkpoints, in one
+# line; report.py names a row by the run's own label.
+# ======================================================================================================================
+
+ONE_RUN = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0"]
+BAD_INPUT = [   # (script, its main, argv (run in an empty folder), words of the one line)
+    ("run", bench_run.main, [], "the following arguments are required: --dataset"),
+    ("run", bench_run.main, ["--dataset", "rmnistt"], "unknown dataset 'rmnistt'"),
+    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "fedsgd"], "unknown method 'fedsgd'"),
+    ("run", bench_run.main, ONE_RUN + ["--jobs", "0"], "--jobs must be at least 1"),
+    ("run", bench_run.main, ONE_RUN + ["--seeds", "x"], "argument --seeds: invalid int value: 'x'"),
+    ("run", bench_run.main, ONE_RUN + ["--seeds", "0", "0"], "a seed twice"),
+    ("run", bench_run.main, ONE_RUN + ["--seeds", "-1"], "out of the methods' range"),
+    ("run", bench_run.main, ONE_RUN + ["--launcher", "slurmm"], "invalid choice: 'slurmm'"),
+    ("run", bench_run.main, ONE_RUN + ["--gpus", "0"], "--gpus is for --launcher multi_gpu"),
+    ("run", bench_run.main, ONE_RUN + ["--tag", "a/b"], "--tag 'a/b' names one folder"),
+    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "fedipg --sample 2"], "give a variant its label"),
+    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "a=fedavg", "a=fediir"], "label 'a' given twice"),
+    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "c=benchmark/diagnostics/irm_central"],
+     "irm_central.py is not a method script"),
+    ("run", bench_run.main, ONE_RUN + ["--", "--bogus"], "fedavg (fedavg.py): unrecognized arguments: --bogus"),
+    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "fedavg", "fedloe", "--rounds", "2"],
+     "fedloe (fedloe.py): fedloe sets the rounds"),
+    ("run", bench_run.main, ONE_RUN + ["--", "--test-domain", "7"], "unknown test domain '7' for synthetic"),
+    ("run", bench_run.main, ONE_RUN + ["--sample", "5"], "--sample must be between 1 and --clients (2), got 5"),
+    ("leaderboard", leaderboard.main, ["--only", "foo"], "argument --only: invalid choice: 'foo'"),
+    ("leaderboard", leaderboard.main, ["--only", "rcmnist", "--jobs", "0"], "--jobs must be at least 1"),
+    ("leaderboard", leaderboard.main, ["--only", "rcmnist", "--seeds", "-1"], "out of the methods' range"),
+    ("leaderboard", leaderboard.main, ["--only", "rcmnist", "--out-dir", "b", "--data-root", "nowhere"],
+     "--data-root nowhere is not a folder"),
+    ("report", bench_report.main, ["--bogus"], "unrecognized arguments: --bogus"),
+    ("report", bench_report.main, ["nofolder"], "nofolder is not a folder of results"),
+    ("report", bench_report.main, ["--out", "r.md"], "--out needs a folder of results"),
+    ("irm_central", irm_central.main, ["--steps", "x"], "argument --steps: invalid int value"),
+    ("irm_central", irm_central.main, ["--data", "foo"], "argument --data: invalid choice: 'foo'"),
+    ("irm_central", irm_central.main, ["--steps", "1", "--seeds", "-1", "--out", "c.json"], "--seeds must be in"),
+    ("irm_central", irm_central.main, ["--steps", "1", "--out", "."], "cannot write --out ."),
+    ("mcmahan_fig1", mcmahan_fig1.main, ["--points", "x"], "argument --points: invalid int value"),
+    ("mcmahan_fig1", mcmahan_fig1.main, ["--seeds", "-1", "--out", "f.json"], "--seeds must be in"),
+    ("mcmahan_fig1", mcmahan_fig1.main, ["--points", "2", "--out", "."], "--out .: . is a folder"),
+    ("rcmnist_ptest", rcmnist_ptest.main, [], "the following arguments are required: RESULTS.json"),
+    ("rcmnist_ptest", rcmnist_ptest.main, ["none.json"], "none.json is not a method script's results file"),
+    ("sensitivity", sensitivity.main, ["--scale", "x"], "argument --scale: expects a number, got 'x'"),
+    ("sensitivity", sensitivity.main, ["--scale", "nan"], "argument --scale: must be a finite number"),
+    ("official_fediir", official.main, [], "the following arguments are required: --clone"),
+    ("official_fediir", official.main, ["--clone", "c", "--data-root", "d", "--algorithm", "FedIIR", "--seed", "-1"],
+     "--seed must be in [0, 2**31)"),
+    ("official_fediir", official.main, ["--clone", "c", "--data-root", "d", "--algorithm", "FedIIR", "--gamma", "nan"],
+     "argument --gamma: must be a finite number"),
+    ("fedloe_stage2", fedloe_stage2.main, [], "give the stage-1 results file first"),
+    ("fedloe_stage2", fedloe_stage2.main, ["s1.txt", "--test-domain", "0"], "must end with .json"),
+    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--test-domain", "0", "--out", "x.json"], "--out is set here"),
+    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic"], "give one --test-domain"),
+    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic", "--test-domain", "0", "--bogus"],
+     "fedloe.py refuses the flags for stage 1: unrecognized arguments: --bogus"),
+    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic", "--test-domain", "0", "--sample", "1"],
+     "fedloe.py refuses the flags for stage 1: fedloe uses every client"),
+    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic", "--test-domain", "0", "--stage2-comms",
+                                           "0"], "--stage2-comms 0 leaves no stage 2 to run"),
+    ("fedloe_spawn", fedloe_spawn.main, ["--spawn", "x"], "argument --spawn: invalid int value: 'x'"),
+    ("fedloe_spawn", fedloe_spawn.main, ["--dataset", "rmnistt"], "unknown dataset 'rmnistt'"),
+]
+
+
+@pytest.mark.parametrize("script,main,argv,words", BAD_INPUT, ids=[f"{s}-{k}" for k, (s, *_) in enumerate(BAD_INPUT)])
+def test_benchmark_scripts_refuse_bad_input_in_one_line_before_any_work(script, main, argv, words, tmp_path,
+                                                                         monkeypatch, capsys):
+    """Each script's bad input: exactly one line `<script>.py: error: ...` on stderr, exit 2, and nothing made in the
+    folder it runs in (its runs, folders and files go there by default or by the relative paths given)."""
+    monkeypatch.chdir(tmp_path)
+    line = fails(main, argv, capsys)
+    assert line.startswith(f"{script}.py: error: ") and words in line, line
+    assert "Traceback" not in line and not list(tmp_path.iterdir())
+
+
+def test_benchmark_inputs_are_checked_before_any_figure_or_run(tmp_path, capsys):
+    """The refusals that need something on disk: report.py refuses a bad --speed file before it draws the folders'
+    figures; rcmnist_ptest.py a run of another dataset, or one without its checkpoint, before scoring any; run.py a
+    --out-dir under a file."""
+    folder = tmp_path / "rot"
+    fake_results(folder, "rmnist", "lodo", ["fedavg"])
+    (tmp_path / "bad.json").write_text("{}")
+    before = sorted(tmp_path.rglob("*"))
+    assert "bad.json is not a speed.py --json file" in fails(bench_report.main, [str(folder), "--speed",
+                                                                               str(tmp_path / "bad.json")], capsys)
+    assert "is a folder" not in fails(bench_report.main, [str(folder), "--out", str(tmp_path / "no" / "r.md")], capsys)
+    run_file = tmp_path / "rot" / "fedavg-seed0.json"
+    assert "a rmnist run; the p_test table is for rcmnist" in fails(rcmnist_ptest.main, [str(run_file)], capsys)
+    r = json.loads(run_file.read_text())
+    rc = tmp_path / "rc.json"
+    rc.write_text(json.dumps(dict(r, dataset="rcmnist")))
+    assert "no readable checkpoint rc.ckpt beside it" in fails(rcmnist_ptest.main, [str(rc)], capsys)
+    rc.unlink()
+    assert sorted(tmp_path.rglob("*")) == before                       # no figure drawn, nothing scored
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert "is not a folder this user can write in" in fails(bench_run.main, ONE_RUN + ["--out-dir", str(blocker)],
+                                                             capsys)
+
+
+def test_run_records_its_label_and_report_names_rows_by_the_runs_own_label(tmp_path):
+    """report.py's row of a run: the label run.py recorded in it (whatever the file is named now), else the file
+    name before -seed<S> (S the run's own seed), else the method where the file has the method script's default name
+    (<method>-<dataset>-seed<S>: no label was chosen), else the file name."""
+    folder = tmp_path / "f"
+    fake_results(folder, "rmnist", "lodo", ["fedavg", "fedipg", "erm"])
+    for seed in (0, 1):
+        (folder / f"fedavg-seed{seed}.json").rename(folder / f"fedavg-rmnist-seed{seed}.json")   # the default --out
+        bench_run.record_label(folder / f"fedipg-seed{seed}.json", "fedipg-s5")   # as run.py, for 'fedipg-s5=...'
+        (folder / f"fedipg-seed{seed}.json").rename(folder / f"copy{seed}.json")  # renamed later: the label stays
+    r = json.loads((folder / "erm-seed1.json").read_text())
+    r["method"] = "fedavg"                                                 # a variant named by hand: its name
+    (folder / "erm-seed1.json").write_text(json.dumps(r))
+    (folder / "odd.json").write_text(json.dumps(dict(r, seed=3)))          # no -seed<S> of its own seed
+    runs = bench_report.load(folder)[0]
+    assert {k: sorted(x["seed"] for x in v) for k, v in runs.items()} == \
+        {"fedavg": [0, 1], "fedipg-s5": [0, 1], "erm": [0, 1], "odd": [3]}
+    text = "\n".join(bench_report.report(folder, tmp_path, figures=False))
+    assert "| fedavg | " in text and "| fedipg-s5 | " in text and "fedavg-rmnist" not in text
+    assert [line.split(" | ")[-1] for line in text.splitlines() if line.startswith("| fedavg | ")][-1] == "1.00 |"
+    assert "fedavg 77.90" not in text and "fedavg 90.80 (FedIIR Tab. 2)" in text      # FedAvg's published number
+
+
+STOP_STUB = """import os, signal, sys, time
+a = sys.argv[1:]
+out, seed = a[a.index("--out") + 1], int(a[a.index("--seed") + 1])
+print("started", flush=True)                 # as a method script prints once inside its main
+if seed == 0:
+    os.kill(os.getppid(), getattr(signal, os.environ["STUB_SIGNAL"]))  # the signal reaches the launcher mid-run
+try:
+    time.sleep(60)
+except KeyboardInterrupt:                    # a method script: its last checkpoint kept, exit 130
+    open(out + ".stopped", "w").write("SIGINT")
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_run_stops_its_runs_with_sigint_on_a_signal_and_waits_for_them(sig, tmp_path, monkeypatch, capsys):
+    """A signal to run.py mid-sweep: the run going gets SIGINT (for SIGTERM too) and has stopped before run.py ends,
+    the next run never starts, one line says so, exit 128 + the signal, and run.py's handlers are put back."""
+    (tmp_path / "stub.py").write_text(STOP_STUB)
+    monkeypatch.setattr(bench_run, "command", lambda script, args: [sys.executable, str(tmp_path / "stub.py"), *args])
+    monkeypatch.setenv("STUB_SIGNAL", sig)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    argv = ONE_RUN[:-1] + ["0", "1", "--out-dir", str(tmp_path)]
+    line = fails(bench_run.main, argv, capsys, code=128 + getattr(signal, sig))
+    assert line.startswith(f"run.py: interrupted ({sig}): stopped 1 run(s) (fedavg-seed0)") and "1 not started" in line
+    assert "rerun the same command to continue" in line
+    assert (tmp_path / "synthetic" / "fedavg-seed0.json.stopped").read_text() == "SIGINT"
+    assert not (tmp_path / "synthetic" / "fedavg-seed1.log").exists()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_leaderboard_stops_its_runs_on_a_signal_in_one_line(sig, tiny_board, tmp_path, monkeypatch, capsys):
+    """The same through leaderboard.py: its runs stopped with SIGINT, the next benchmark not started, its one line
+    names the benchmark, exit 128 + the signal."""
+    (tmp_path / "stub.py").write_text(STOP_STUB)
+    monkeypatch.setattr(bench_run, "command", lambda script, args: [sys.executable, str(tmp_path / "stub.py"), *args])
+    monkeypatch.setenv("STUB_SIGNAL", sig)
+    line = fails(leaderboard.main, tiny_board, capsys, code=128 + getattr(signal, sig))
+    assert line.startswith(f"leaderboard.py: interrupted ({sig}): benchmark syn-0: stopped 2 run(s)"), line
+    assert "rerun the same command to continue" in line
+    assert all((tmp_path / "board" / "syn-0" / f"fediir-seed{s}.json.stopped").is_file() for s in (0, 1))
+    assert not (tmp_path / "board" / "syn-1").exists()
+
+
+def test_ctrl_c_of_run_py_stops_the_method_script_at_its_checkpoint_and_the_same_command_resumes(tmp_path, capsys):
+    """SIGINT to a run.py process with one real FedAvg run going (once its first checkpoint is written): exit 130,
+    one line on stderr, no traceback there or in the run's log, the run's checkpoint on disk and its results not
+    complete; the same command (here in this process) then resumes the run from that checkpoint and completes it,
+    its label recorded."""
+    argv = ONE_RUN + ["--rounds", "20", "--out-dir", str(tmp_path), "--", "--eval-every", "1", "--test-domain", "0"]
+    ckpt, out, log = (tmp_path / "synthetic" / f"fedavg-seed0.{x}" for x in ("ckpt", "json", "log"))
+    p = subprocess.Popen([sys.executable, "benchmark/run.py", *argv], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not ckpt.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("run.py: interrupted (SIGINT): stopped 1 run(s) (fedavg-seed0), 1 with a checkpoint"), err
+    assert ckpt.is_file() and not (out.exists() and json.loads(out.read_text())["complete"])
+    text = log.read_text()
+    assert "Traceback" not in text and text.rstrip().endswith("fedavg.py: interrupted; continue with the same "
+                                                              "arguments and --resume")
+    bench_run.main(argv)
+    assert "all runs complete" in capsys.readouterr().out
+    assert "resuming from" in log.read_text().split("interrupted; continue")[1]
+    r = json.loads(out.read_text())
+    assert r["complete"] and r["label"] == "fedavg"
+    assert [h["round"] for h in r["domains"]["style0"]["history"]] == list(range(1, 21))
+
+
+def test_leaderboard_refuses_fedloe_where_the_benchmark_samples_clients(tmp_path, capsys):
+    """fedloe.py refuses --sample (it uses every client at every communication): the RotatedMNIST-50 columns list
+    FedLOE's refusal and its reason instead of running it, and every cell the leaderboard does run passes its
+    method's own checks (a dry run plans them all, as a real one does before its first run)."""
+    sampled = [b for b, (_, _, args, _) in leaderboard.BENCHMARKS.items() if "--sample" in args]
+    fedloe_rows = [r for r, (script, _) in leaderboard.ROWS.items() if script == "fedloe"]
+    assert sampled == ["rmnist50-0", "rmnist50-75"] and len(fedloe_rows) == 3
+    assert set(leaderboard.REFUSED) == {(b, r) for b in sampled for r in fedloe_rows}
+    todo = leaderboard.main(["--dry-run", "--out-dir", str(tmp_path / "board")])
+    assert all(r not in todo[b] for b in sampled for r in fedloe_rows) and "fedloe-fish" in todo["mnist-fl"]
+    sources = leaderboard.sources(sampled, tmp_path / "board", [0])
+    assert sources.count("refused — fedloe.py refuses --sample: it uses every client at every communication "
+                         "(Eq. 4, Eq. 11), and this benchmark samples 5 of 50 clients a round") == 6

@@ -29,17 +29,25 @@ seeds each (the centralised reference rows are not candidates).
 
 Writes benchmark/results/leaderboard/README.md (the table, where each cell comes from, every cell's
 settings, the refusals) and leaderboard.{png,svg} (matplotlib, benchmark/ only).
+
+Bad input ends with one line on stderr and exit code 2 before any run starts: every benchmark's run.py
+command is planned (its methods' own checks included) before the first runs. The runs go through
+run.py in this process; Ctrl-C (SIGINT) or SIGTERM stops them as run.py does (each run gets SIGINT
+and keeps its last checkpoint), and leaderboard.py says in one line what it stopped and exits 130
+(143 for SIGTERM); the same command continues.
 """
-import argparse
 import json
 import shlex
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmark")]
+import run as bench_run  # noqa: E402
+from data import Parser, UserError  # noqa: E402
 RESULTS = ROOT / "benchmark" / "results"
 SEEDS = [0, 1, 2]
 
@@ -80,8 +88,18 @@ REUSE = {
     ("rcmnist-norot", "perinvfl"): "rcmnist-full-norot-reset/perinvfl",   # θ_i reset to ν (perinvfl.py's default)
     ("rcmnist", "perinvfl"): "rcmnist-full-reset/perinvfl",
 }
-# (benchmark, row) -> why the method does not run there (listed under the table)
-REFUSED = {}
+# (benchmark, row) -> why the method does not run there (listed under the table). FedLOE on the benchmarks that
+# sample clients (RotatedMNIST-50: --sample 5, FedIIR's Table 8): fedloe.py refuses --sample, since its Eq. 4 and
+# Eq. 11 use every client at every communication. Its own protocol (all 50 clients every communication) was the
+# other choice, not taken: these columns are defined by 5 of 50 clients a round, and a FedLOE cell that saw every
+# client would sit in them as if comparable; a refusal with its reason says what the column cannot hold. (mnist-fl
+# passes no --sample: there each method runs its own default participation, FedLOE every client, as its sources
+# line says, "each method's defaults".)
+REFUSED = {(b, row): "fedloe.py refuses --sample: it uses every client at every communication (Eq. 4, Eq. 11), and "
+                     f"this benchmark samples {args[args.index('--sample') + 1]} of "
+                     f"{args[args.index('--clients') + 1]} clients a round"
+           for b, (_, _, args, _) in BENCHMARKS.items() if "--sample" in args
+           for row, (script, _) in ROWS.items() if script == "fedloe"}
 # reference rows: label -> {benchmark: irm_central.py results file, its key}
 CENTRAL = {"central ERM": ("erm", {"rcmnist-norot": "irm-central/rc-norot.json", "rcmnist": "irm-central/rc.json"}),
            "central IRM": ("irm", {"rcmnist-norot": "irm-central/rc-norot.json", "rcmnist": "irm-central/rc.json"})}
@@ -288,7 +306,9 @@ def write(benches, a):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The command line: bad input -> one line, exit 2, before any run; a failed run -> exit 1; a signal -> the runs
+    stopped, one line, exit 128 + signum."""
+    p = Parser(prog="leaderboard.py", description=__doc__.splitlines()[0])
     p.add_argument("--data-root", default=None, help="full MNIST (python data.py --download mnist --data-root DIR)")
     p.add_argument("--launcher", default="local", choices=["local", "multi_gpu", "slurm"], help="benchmark/run.py's")
     p.add_argument("--jobs", type=int, default=1, help="local launcher: runs at once")
@@ -302,20 +322,47 @@ def main(argv=None):
     p.add_argument("--no-figure", action="store_true")
     a = p.parse_args(argv)
     a.out_dir = str(Path(a.out_dir).resolve())
-    benches = [b for b in (a.only or BENCHMARKS) if a.where is None or BENCHMARKS[b][3] == a.where]
     if a.jobs < 1:
-        sys.exit("leaderboard.py: error: --jobs must be at least 1")
+        p.error(f"--jobs must be at least 1, got {a.jobs}")
+    bad = [s for s in a.seeds if not 0 <= s < bench_run.SEED_LIMIT]
+    if bad or len(set(a.seeds)) < len(a.seeds):
+        p.error(f"--seed {bad[0]} is out of the methods' range [0, 2**31)" if bad else
+                f"--seeds {' '.join(map(str, a.seeds))}: a seed twice (its runs would write one file)")
+    benches = [b for b in (a.only or BENCHMARKS) if a.where is None or BENCHMARKS[b][3] == a.where]
     todo = {} if a.table_only else missing(benches, a.out_dir, a.seeds)
     if todo and not a.dry_run and a.data_root is None and any(BENCHMARKS[b][1] != "synthetic" for b in todo):
-        sys.exit("leaderboard.py: error: the leaderboard is at full scale: give --data-root DIR with full MNIST "
-                 "(python data.py --download mnist --data-root DIR)")
-    for b, rows in todo.items():
-        cmd = run_command(b, rows, a)
-        print(("would run " if a.dry_run else "run ") + shlex.join(cmd[1:]), flush=True)
-        if not a.dry_run:
-            rc = subprocess.run(cmd, cwd=ROOT).returncode
-            if rc:
-                sys.exit(f"leaderboard.py: error: benchmark {b}: run.py exited {rc}; see its runs' .log files")
+        p.error("the leaderboard is at full scale: give --data-root DIR with full MNIST "
+                "(python data.py --download mnist --data-root DIR)")
+    if todo and a.data_root is not None and not (ROOT / a.data_root).is_dir():   # the runs start in ROOT
+        p.error(f"--data-root {a.data_root} is not a folder")
+    current = None
+    try:
+        plans = {}
+        for b, rows in todo.items():                 # every command planned (and refused) before any run
+            current = b
+            plans[b] = bench_run.plan(run_command(b, rows, a)[2:])
+        with bench_run.stopping():                    # a signal between two benchmarks: the next does not start
+            for b, rows in todo.items():
+                current = b
+                if bench_run.STOP:
+                    raise bench_run.Interrupted(bench_run.STOP[0], "not started")
+                cmd = run_command(b, rows, a)
+                print(("would run " if a.dry_run else "run ") + shlex.join(cmd[1:]), flush=True)
+                if not a.dry_run:
+                    bench_run.execute(*plans[b])
+    except UserError as e:
+        p.error(f"benchmark {current}: {e}")
+    except bench_run.Failed as e:
+        print(f"leaderboard.py: error: benchmark {current}: {e}", file=sys.stderr)
+        sys.exit(1)
+    except bench_run.Interrupted as e:
+        print(f"leaderboard.py: interrupted ({signal.Signals(e.signum).name}): benchmark "
+              f"{current}: {e.what}; rerun the same command to continue (complete runs are skipped, the others "
+              f"resume from their checkpoints)", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:                        # between runs: planning, or the table
+        print("leaderboard.py: interrupted, no run going; rerun the same command to continue", file=sys.stderr)
+        sys.exit(130)
     if a.dry_run:
         print(f"{sum(map(len, todo.values()))} missing cell(s) in {len(todo)} benchmark(s)")
         return todo

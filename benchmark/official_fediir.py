@@ -62,7 +62,6 @@ ran main.py with the arguments above (its printed Args and HParams: lr 0.01, bat
 ema 0.95, sample_num 5), stopped it after the 0° domain, and wrote the JSON (154 s; one evaluation,
 after round 1: validation 18.9%, test 16.1%; 52,503 training examples). The 100-round runs need a GPU.
 """
-import argparse
 import csv
 import json
 import os
@@ -74,6 +73,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from data import Parser, UserError, finite  # noqa: E402  (the method scripts' own: bad input is one line, exit 2)
 
 REPOSITORY = "https://github.com/YamingGuo98/FedIIR"
 COMMIT = "3e7a785e30002ac75d9b3575e3e9062d8e22ea42"
@@ -92,17 +94,9 @@ LAUNCHER = ("import runpy, sys; from domainbed import datasets; "
             "sys.argv[0] = 'main.py'; runpy.run_path('main.py', run_name='__main__')")
 
 
-class UserError(Exception):
-    """Bad input: one line on stderr, exit 2."""
-
-
 class Failed(Exception):
-    """The official run failed or its output cannot be read: one line on stderr, exit 1."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):                       # one line, not usage + message
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    """The official run failed or its output cannot be read: one line on stderr, exit 1 (bad input: UserError,
+    exit 2)."""
 
 
 def parse(argv):
@@ -113,7 +107,7 @@ def parse(argv):
     p.add_argument("--test-domain", default="0", help="held-out angle: " + ", ".join(DOMAINS) + " (default 0)")
     p.add_argument("--clients", type=int, default=50, help="clients in all (default 50; 5 sampled a round)")
     p.add_argument("--rounds", type=int, default=100, help="communication rounds (default 100)")
-    p.add_argument("--gamma", type=float, default=None, help=f"FedIIR's penalty weight (default {GAMMA}, Table 3)")
+    p.add_argument("--gamma", type=finite, default=None, help=f"FedIIR's penalty weight (default {GAMMA}, Table 3)")
     p.add_argument("--seed", type=int, default=0, help="the official --seed (default 0)")
     p.add_argument("--trial-seed", type=int, default=None, help="the official --trial_seed (default: --seed)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -138,6 +132,9 @@ def check(a):
                         f"round), got {a.clients}")
     if a.rounds < 1:
         raise UserError(f"--rounds must be positive, got {a.rounds}")
+    for flag, seed in (("--seed", a.seed), ("--trial-seed", a.trial_seed)):
+        if not 0 <= seed < 2 ** 31:                  # numpy's seeds are non-negative; the project's range
+            raise UserError(f"{flag} must be in [0, 2**31), got {seed}")
     if a.gamma is not None and a.algorithm != "FedIIR":
         raise UserError("--gamma applies to --algorithm FedIIR only")
     if a.gamma is not None and a.gamma < 0:

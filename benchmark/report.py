@@ -9,7 +9,10 @@ Without folders: every results table of the documentation, from the committed re
     python benchmark/report.py                   # rewrite every generated block, redraw the figures
     python benchmark/report.py --check           # exit 1 naming each block that would change (text only)
 
-Runs are grouped by folder, then by label (the file name before `-seed`). The std is over seeds
+Runs are grouped by folder, then by label: the one benchmark/run.py records in a run's JSON ("label"),
+else the name run.py gives its file, <label>-seed<S>.json with S the run's own seed (the committed
+folders' files are named so, by hand), else the JSON's "method" where the file has the method
+script's default name (<method>-<dataset>-seed<S>.json), else the whole file name. The std is over seeds
 (n − 1 in the denominator; 0 with one seed). Images per second = training examples of the sampled
 clients × local epochs × training rounds / seconds of the run (evaluation time included; a method's
 extra passes, e.g. FedIIR's global-gradient pass, are not counted as images; FedLOE's training rounds
@@ -37,7 +40,6 @@ the measured gain against the paper's own gain and twice the larger seed std. Be
 table a line names the torch and numpy versions and the device the results behind it were made with
 (their "provenance", written into every results file since 2026-11-24), or says it was not recorded.
 """
-import argparse
 import json
 import os
 import re
@@ -47,6 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from data import Parser, UserError  # noqa: E402  (the method scripts' own: bad input is one line, exit 2)
 
 PAPERS = {  # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label, mean test accuracy %, source)]
     ("rmnist", "small"): [("fedavg", 94.5, "FedIIR Tab. 1"), ("fediir", 95.0, "FedIIR Tab. 1"),
@@ -72,8 +77,22 @@ PAPERS = {  # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label
 }
 
 
+def label_of(path, r):
+    """A run's row (see the docstring): its results' own label, else what the file name says of it. The JSON comes
+    first because a file can be renamed or copied; the file name only where the JSON records no label (every run
+    before run.py recorded one, and every run made without run.py)."""
+    if isinstance(r.get("label"), str) and r["label"]:
+        return r["label"]
+    stem, seed = Path(path).stem, r.get("seed")
+    if r.get("method") and stem == f"{r['method']}-{r.get('dataset')}-seed{seed}":   # the method script's default
+        return r["method"]                                                           # --out: nobody chose a label
+    if seed is not None and stem.endswith(f"-seed{seed}") and len(stem) > len(f"-seed{seed}"):
+        return stem[:-len(f"-seed{seed}")]
+    return stem
+
+
 def load(folder):
-    """{label: [results]} for the results files in a folder (incomplete runs are left out)."""
+    """{label: [results]} for the results files in a folder (incomplete runs are left out); label_of names them."""
     runs, skipped = {}, []
     for f in sorted(Path(folder).glob("*.json")):
         try:
@@ -85,7 +104,7 @@ def load(folder):
             skipped.append(f.name)
             continue
         SOURCES.add(f)
-        label = f.stem.rsplit("-seed", 1)[0]
+        label = label_of(f, r)
         runs.setdefault(label, []).append(r)
         if "global_test_acc" in next(iter(r["domains"].values())):   # PerInvFL's global ν
             g = json.loads(json.dumps(r))
@@ -281,8 +300,7 @@ def matplotlib_figure():
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError:
-        sys.exit("report.py: error: the figures need matplotlib, which is not installed "
-                 "(pip install matplotlib)")
+        raise UserError("the figures need matplotlib, which is not installed (pip install matplotlib)")
     matplotlib.rcParams["svg.hashsalt"] = "report"          # the same SVG for the same data (no random ids)
     return Figure
 
@@ -345,8 +363,8 @@ def ptest_table(folder, paths, score=True):
         import rcmnist_ptest                                  # torch and the data: only when scoring
         try:
             scored = rcmnist_ptest.table(paths)
-        except (AssertionError, OSError, RuntimeError, KeyError) as e:   # e.g. a checkpoint of a cut run
-            sys.exit(f"report.py: error: could not score the checkpoints in {folder}: {e}")
+        except (AssertionError, OSError, RuntimeError, KeyError, UserError) as e:   # e.g. a cut run's checkpoint
+            raise UserError(f"could not score the checkpoints in {folder}: {e}") from None
         ps = list(rcmnist_ptest.P_TEST)
         return ps, {name: (*band(100 * np.array(runs)[:, :len(ps)]), len(runs))
                     for name, runs in sorted(scored.items())}, "the runs' checkpoints"
@@ -361,7 +379,7 @@ def ptest_table(folder, paths, score=True):
         return ([float(rows[0][i].split()[1]) for i in cols],
                 {r[0]: (*np.array([cell(r[i]) for i in cols]).T, int(r[-1])) for r in rows[1:]}, md.name)
     except (IndexError, ValueError) as e:
-        sys.exit(f"report.py: error: {md} is not rcmnist_ptest.py's table ({e})")
+        raise UserError(f"{md} is not rcmnist_ptest.py's table ({e})") from None
 
 
 def ptest_figure(table, title, p_test, paper=True):
@@ -478,7 +496,7 @@ def speed_report(path, where=".", figures=True):
         med = {k: float(np.median(v)) for k, v in speed["seconds"].items()}
         n, base = speed["images_per_round"], next(iter(med.values()))
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
-        sys.exit(f"report.py: error: {path} is not a speed.py --json file ({e.__class__.__name__}: {e})")
+        raise UserError(f"{path} is not a speed.py --json file ({e.__class__.__name__}: {e})") from None
     stem = Path(path).with_suffix("")
     SOURCES.add(Path(path))
     if figures:
@@ -1064,8 +1082,9 @@ def block_leaderboard(where):
     text, _ = leaderboard.table(list(leaderboard.BENCHMARKS), RESULTS / "leaderboard", leaderboard.SEEDS)
     SOURCES.update((RESULTS / "leaderboard").rglob("*.json"))
     return [text, "", "Test accuracy (%), mean ± std over seeds (their number); [paper N]: the paper's number; "
-            "bold: beats every other federated row beyond two seed stds; —: not yet run. Where each cell comes "
-            f"from and its settings: [benchmark/results/leaderboard/README.md]"
+            "bold: beats every other federated row beyond two seed stds; —: not yet run; refused: the method refuses "
+            "that benchmark's protocol. Where each cell comes from, its settings and each refusal's reason: "
+            "[benchmark/results/leaderboard/README.md]"
             f"({link(RESULTS / 'leaderboard' / 'README.md', where)})."]
 
 
@@ -1149,7 +1168,9 @@ def update_docs(check, figures):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The command line: bad input (and a missing matplotlib) -> one line on stderr, exit 2, before anything is
+    written; --check with a stale block -> exit 1."""
+    p = Parser(prog="report.py", description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="*")
     p.add_argument("--speed", default=None, help="a benchmark/speed.py --json file: its table and bar chart")
     p.add_argument("--out", default=None, help="write the markdown here (default: print it)")
@@ -1157,9 +1178,17 @@ def main(argv=None):
                    "README.md, docs/*.md and benchmark/results/README.md that regenerating would change (text only)")
     p.add_argument("--no-figures", action="store_true", help="without folders: rewrite the blocks, draw no figure")
     a = p.parse_args(argv)
+    try:
+        return make(a)
+    except UserError as e:
+        print(f"report.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def make(a):
     if not a.folders and not a.speed:                        # the generated blocks of the documentation
         if a.out:
-            sys.exit("report.py: error: --out needs a folder of results or --speed FILE")
+            raise UserError("--out needs a folder of results or --speed FILE")
         figures = not (a.check or a.no_figures)
         if figures:
             matplotlib_figure()
@@ -1170,13 +1199,19 @@ def main(argv=None):
               + ("every generated block up to date" if a.check else f"{stale} block(s) rewritten"))
         return stale
     if a.check or a.no_figures:
-        sys.exit("report.py: error: --check and --no-figures apply to the generated blocks (give no folder)")
+        raise UserError("--check and --no-figures apply to the generated blocks (give no folder)")
     for f in a.folders:
         if not Path(f).is_dir():
-            sys.exit(f"report.py: error: {f} is not a folder of results")
-    if a.out and Path(a.out).is_file() and "<!-- report:" in Path(a.out).read_text():
-        sys.exit(f"report.py: error: {a.out} holds generated blocks: python benchmark/report.py (no folders) "
-                 "rewrites them")
+            raise UserError(f"{f} is not a folder of results")
+    if a.speed:
+        speed_report(a.speed, figures=False)                  # a bad file refused before any figure is drawn
+    if a.out:
+        out = Path(a.out)
+        if out.is_dir() or not out.parent.is_dir():
+            raise UserError(f"--out {a.out}: " + ("a folder; give a file name" if out.is_dir() else
+                                                   f"no folder {out.parent} to write it in"))
+        if out.is_file() and "<!-- report:" in out.read_text():
+            raise UserError(f"{a.out} holds generated blocks: python benchmark/report.py (no folders) rewrites them")
     matplotlib_figure()                                       # no matplotlib: say so before writing anything
     where = Path(a.out).parent if a.out else Path((a.folders or [Path(a.speed).parent])[0])
     lines = [line for f in a.folders for line in report(f, where)]

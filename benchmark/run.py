@@ -24,31 +24,156 @@ run.py waits for the runs (rerun it only once a sweep's Slurm jobs have ended: a
 would be started twice). Then:
 
     python benchmark/report.py <out-dir>/<dataset>
+
+Bad input (a missing --dataset, an unknown dataset, method or choice, a bad number, arguments that a
+method script refuses) ends with one line on stderr and exit code 2 before any run starts and before
+any folder is made: every method's own argument checks run first, in this process. Ctrl-C (SIGINT) or
+SIGTERM stops the runs: each gets SIGINT, stops with its last checkpoint kept, and run.py waits for
+them, says in one line what it stopped and exits 130 (143 for SIGTERM); the same command continues.
+Each complete run's JSON records its label ("label"), which report.py shows as the run's row.
 """
-import argparse
+import contextlib
+import importlib
+import io
 import json
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import data  # noqa: E402  (data.Parser, data.NAMES, data.UserError: the method scripts' own)
+from data import UserError  # noqa: E402
+
 ALL = ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"]
+SEED_LIMIT = 2 ** 31             # the method scripts' --seed range (common.resolve)
+
+
+class Parser(data.Parser):
+    """data.Parser whose errors are UserErrors, so that leaderboard.py, which plans its run.py commands before it
+    runs any, names the benchmark a refusal comes from (main prints them as data.Parser does: one line, exit 2)."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
+class Failed(Exception):
+    """Runs ended with an error: exit 1, the message says how many."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM came while runs were going and they were stopped: `what` says which (exit 128 + signum)."""
+
+    def __init__(self, signum, what):
+        super().__init__(f"interrupted ({signal.Signals(signum).name}): {what}; rerun the same command to continue "
+                         "(complete runs are skipped, the others resume from their checkpoints)")
+        self.signum, self.what = signum, what
+
+
+STOP = []       # the signals received inside a stopping() block
+_depth = [0]
+
+
+@contextlib.contextmanager
+def stopping():
+    """Inside the block, SIGINT and SIGTERM are only recorded (STOP): the loops that wait on runs look at STOP
+    between their polls and stop the runs themselves. A handler that raised instead could fall between starting a
+    run and recording it, and leave that run going unsignalled. Blocks nest (leaderboard.py around run.py)."""
+    if threading.current_thread() is not threading.main_thread():     # signals reach the main thread only
+        yield
+        return
+    if not _depth[0]:
+        STOP.clear()
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, lambda signum, frame: STOP.append(signum))
+    _depth[0] += 1
+    try:
+        yield
+    finally:
+        _depth[0] -= 1
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def variants(methods):
-    """[(label, script, extra args)] from 'fedavg' or 'label=script --flag value'."""
+    """[(label, script, extra args)] from 'fedavg' or 'label=script --flag value'; UserError for a spec that names
+    no method script, a label that cannot name a results file, or one label twice."""
     out = []
     for m in methods:
         label, _, spec = m.partition("=") if "=" in m else (m, "", m)
-        script, *extra = shlex.split(spec)
+        try:
+            script, *extra = shlex.split(spec)
+        except ValueError as e:                                  # an unclosed quote, or nothing after '='
+            raise UserError(f"method {m!r}: {e if spec.strip() else 'no script after ='}") from None
         if not (ROOT / f"{script}.py").is_file() or not (script in ALL or script.startswith("benchmark/diagnostics/")):
-            sys.exit(f"run.py: error: unknown method {script!r}; choose from {', '.join(ALL)} "
-                     "(or a script under benchmark/diagnostics/, e.g. benchmark/diagnostics/perinvfl_variants)")
+            raise UserError(f"unknown method {script!r}; choose from {', '.join(ALL)} "
+                            "(or a script under benchmark/diagnostics/, e.g. benchmark/diagnostics/perinvfl_variants)")
+        if script not in ALL and "common.main(" not in (ROOT / f"{script}.py").read_text():
+            raise UserError(f"{script}.py is not a method script: it does not take the methods' --seed, --out and "
+                            "--resume (common.main)")
+        if extra and "=" not in m:
+            raise UserError(f"method {m!r}: give a variant its label, e.g. '{Path(script).name}-x={m}' "
+                            "(the label names its results files)")
+        if not re.fullmatch(r"[\w.+-]+", label):
+            raise UserError(f"label {label!r} of {m!r}: a label names results files (<label>-seed<S>.json); "
+                            "use letters, digits, '.', '_' and '-'")
+        if label in [lab for lab, _, _ in out]:
+            raise UserError(f"label {label!r} given twice: both would write {label}-seed<S>.json")
         out.append((label, script, extra))
     return out
+
+
+LOADED = {}     # method_args: the data of the checks, by what data.load reads (one load for every variant)
+
+
+def method_args(script, args):
+    """(the script's resolved arguments, None) for the command line `args`, or (None, its refusal: the one line it
+    prints, less 'NAME.py: error: '). The script's main runs here, in this process, up to common.run, which a stand-in
+    replaces: common.main's parsing, the dataset's defaults and checks and the method's own, then the data loaded
+    and the held-out domains and client counts checked against it (data.test_domains), all that a method checks
+    before its first round, and nothing is trained. --out goes to a temporary folder (the checks make --out's
+    folder) so that nothing is left where the runs will write."""
+    import common
+    folder = str((ROOT / script).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = importlib.import_module(Path(script).name)
+
+    class Checked(Exception):
+        pass
+
+    def stand_in(method, a, *rest, **kw):              # common.run's checks, up to its first round
+        key = (a.dataset, a.data_root, a.seed, a.clients or 100, a.alpha, a.p_test, a.stain, not a.no_rotation)
+        if key not in LOADED:
+            LOADED[key] = data.load(a.dataset, a.data_root, a.seed, clients=key[3], alpha=a.alpha, p_test=a.p_test,
+                                    stain=a.stain, rotation=key[-1])
+        data.test_domains(a, LOADED[key])
+        seen.append(a)
+        raise Checked
+    seen, real, err = [], common.run, io.StringIO()
+    common.run = stand_in
+    try:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(err):
+            module.main([*args, "--out", str(Path(tmp) / "check.json")])
+    except Checked:
+        return seen[0], None
+    except SystemExit as e:
+        lines = err.getvalue().strip().splitlines()
+        if e.code == 0:                                          # --help
+            return None, "prints its help and runs nothing"
+        return None, (lines[-1].split(": error: ", 1)[-1] if lines else f"exit {e.code}")
+    finally:
+        common.run = real
+    return None, "returned before its run (not a method script)"
 
 
 def complete(path):
@@ -71,79 +196,185 @@ def command(script, args):
     return [sys.executable, f"{script}.py", *args]
 
 
+def record_label(out, label):
+    """The run's label into its complete results (report.py shows a run under it, whatever its file is named
+    later); read and written back whole, atomically, once the run has ended."""
+    try:
+        r = json.loads(Path(out).read_text())
+    except (OSError, ValueError):
+        return
+    if label is None:
+        return
+    if isinstance(r, dict) and r.get("complete") and r.get("label") != label:
+        tmp = Path(f"{out}.label.tmp")
+        tmp.write_text(json.dumps(dict(r, label=label), indent=1))
+        os.replace(tmp, out)
+
+
+def names(outs, most=4):
+    """'fedavg-seed0, fedavg-seed1' (at most `most`, then how many more)."""
+    stems = [Path(o).stem for o in outs]
+    return ", ".join(stems[:most]) + (f" and {len(stems) - most} more" if len(stems) > most else "")
+
+
+def stopped(signum, ended, left):
+    """Interrupted, saying what the stop did: ended [(results path, exit status)] of the runs that were going,
+    left: the runs not started."""
+    ends = (130, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
+    by = {"stopped": [o for o, rc in ended if rc in ends], "finished meanwhile": [o for o, rc in ended if rc == 0]}
+    by["failed"] = [o for o, rc in ended if rc not in ends and rc != 0]
+    parts = [f"{k} {len(v)} run(s) ({names(v)})" for k, v in by.items() if v]
+    kept = sum(Path(o).with_suffix(".ckpt").is_file() for o in by["stopped"])
+    if by["stopped"]:
+        parts[0] += f", {kept} with a checkpoint to resume from"
+    parts += [f"{len(left)} not started"] if left else []
+    return Interrupted(signum, "; ".join(parts) or "no run was going")
+
+
+def stop(running, left):
+    """End every run still going, then wait for each; a further signal meanwhile kills those left (a checkpoint is
+    written to a temporary file and renamed, so a kill leaves the last one whole). A run that has printed to its log
+    is inside its method's main, which stops on SIGINT at once with its last checkpoint kept (exit 130); one that
+    has printed nothing yet may still be importing, where a SIGINT would end it with a traceback in its log, and
+    has nothing to keep: it gets SIGTERM. Raises Interrupted."""
+    signum, ended = STOP[0], []
+    for out, proc, log, _, start in running:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT if os.path.getsize(log.name) > start else signal.SIGTERM)
+    asked = len(STOP)
+    for out, proc, log, _, _ in running:
+        while proc.poll() is None:
+            if len(STOP) > asked:
+                proc.kill()
+            time.sleep(0.05)
+        log.close()
+        if proc.returncode == 0:
+            record_label(out, label_of.get(out))
+        ended.append((out, proc.returncode))
+    raise stopped(signum, ended, [out for out, _ in left])
+
+
+label_of = {}    # results path -> the run's label (record_label, once a run is complete)
+
+
 def run_here(todo, slots):
     """Run [(results path, command)] on this machine, one per slot at a time. A slot is a GPU id, which
     its run alone sees through CUDA_VISIBLE_DEVICES until it ends, or None (the environment as is).
-    Output goes to the run's .log. Returns the results paths of the failed runs."""
-    free, running, failed = list(slots), [], []
-    while todo or running:
-        while todo and free:
-            (out, cmd), slot = todo.pop(0), free.pop(0)
-            env = dict(os.environ, **({} if slot is None else {"CUDA_VISIBLE_DEVICES": slot}))
-            print("run", shlex.join(cmd[1:]), "" if slot is None else f"(GPU {slot})", flush=True)
-            log = open(out.with_suffix(".log"), "a")
-            running.append((out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT),
-                            log, slot))
-        time.sleep(0.2)
-        for item in list(running):
-            out, proc, log, slot = item
-            if proc.poll() is not None:
-                running.remove(item)
-                log.close()
-                free.append(slot)                              # the GPU is free only once its run has ended
-                print(f"{'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'}: {out}", flush=True)
-                if proc.returncode:
-                    failed.append(out)
+    Output goes to the run's .log. Returns the results paths of the failed runs; a signal (STOP) stops
+    the runs (stop). Each run has a session of its own, so that a Ctrl-C at the terminal reaches run.py
+    alone, which passes it on once to each run (a run that got it twice, from the terminal and from
+    run.py, could be cut short inside its own handler)."""
+    free, running, failed, todo = list(slots), [], [], list(todo)
+    with stopping():
+        while (todo or running) and not STOP:
+            while todo and free and not STOP:
+                (out, cmd), slot = todo.pop(0), free.pop(0)
+                env = dict(os.environ, **({} if slot is None else {"CUDA_VISIBLE_DEVICES": slot}))
+                print("run", shlex.join(cmd[1:]), "" if slot is None else f"(GPU {slot})", flush=True)
+                log = open(out.with_suffix(".log"), "a")
+                running.append((out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                                      start_new_session=True), log, slot, log.tell()))
+            time.sleep(0.2)
+            for item in list(running):
+                out, proc, log, slot, _ = item
+                if proc.poll() is not None:
+                    running.remove(item)
+                    log.close()
+                    free.append(slot)                              # the GPU is free only once its run has ended
+                    print(f"{'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'}: {out}",
+                          flush=True)
+                    if proc.returncode:
+                        failed.append(out)
+                    else:
+                        record_label(out, label_of.get(out))
+        if STOP:
+            stop(running, todo)
     return failed
 
 
-def slurm_job(cmd, log):
+def slurm_job(cmd, log, label):
     """What one Slurm job runs: the run's command from the repository root, its output appended to
-    the run's .log as the other launchers do; the exit status is the job's result."""
+    the run's .log as the other launchers do; the exit status is the job's result. A SIGTERM or SIGINT
+    to the job (a cancel) is passed on to the run as SIGINT, and the job waits for it to stop."""
     with open(log, "a") as f:
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGINT))
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait()
+    if rc == 0:
+        record_label(Path(log).with_suffix(".json"), label)
+    return rc
+
+
+def submitit_modules():
+    """(cloudpickle, submitit), or UserError before anything is made: --launcher slurm needs submitit."""
+    try:
+        import cloudpickle
+        import submitit
+    except ImportError:
+        raise UserError("--launcher slurm needs submitit, which is not installed (pip install submitit)") from None
+    return cloudpickle, submitit
 
 
 def run_slurm(todo, folder, a):
     """Submit one job per run through submitit (a job array, at most --array-parallelism at once),
     wait for them and return the results paths of the failed ones. submitit's own logs (Slurm's
     stdout / stderr, the pickled job) go to <folder>/slurm. --cluster local runs the same jobs through
-    submitit's local executor, to try a sweep on a machine without Slurm."""
-    try:
-        import cloudpickle
-        import submitit
-    except ImportError:
-        sys.exit("run.py: error: --launcher slurm needs submitit, which is not installed (pip install submitit)")
+    submitit's local executor, to try a sweep on a machine without Slurm. A signal (STOP) cancels the
+    jobs not ended and waits up to a minute for them: on Slurm submitit's cancel (scancel: SIGTERM to the
+    job's processes, the run's too, which ends it at once, its last checkpoint whole), with --cluster
+    local a SIGTERM to submitit's job process, which passes it on to the job (slurm_job: SIGINT to the run)."""
+    cloudpickle, submitit = submitit_modules()
     # submitit pickles slurm_job; by value, so that the job need not import this file as a module.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         ex = submitit.AutoExecutor(folder=folder / "slurm", cluster=a.cluster)
     except RuntimeError as e:                                  # no srun on this machine
-        sys.exit(f"run.py: error: no Slurm here ({e}); --cluster local runs the jobs on this machine")
+        raise UserError(f"no Slurm here ({e}); --cluster local runs the jobs on this machine") from None
     ex.update_parameters(name=f"fl-{folder.name}", timeout_min=a.time, gpus_per_node=a.gpus_per_job,
                          slurm_partition=a.partition, slurm_array_parallelism=a.array_parallelism)
-    with ex.batch():                                          # submitted as one array when the block ends
-        jobs = [ex.submit(slurm_job, cmd, out.with_suffix(".log")) for out, cmd in todo]
-    for (out, cmd), job in zip(todo, jobs):
-        print(f"submitted {job.job_id}:", shlex.join(cmd[1:]), flush=True)
-    failed = []
-    for (out, _), job in zip(todo, jobs):
-        try:
-            rc = job.result()
-        except Exception as e:                                 # killed, timed out, or the node failed
-            rc = f"{type(e).__name__}, see {job.paths.stderr}"
-        print(f"{'done' if rc == 0 else f'FAILED ({rc})'}: {out}", flush=True)
-        if rc != 0:
-            failed.append(out)
+    with stopping():
+        with ex.batch():                                      # submitted as one array when the block ends
+            jobs = [ex.submit(slurm_job, cmd, out.with_suffix(".log"), label_of.get(out)) for out, cmd in todo]
+        for (out, cmd), job in zip(todo, jobs):
+            print(f"submitted {job.job_id}:", shlex.join(cmd[1:]), flush=True)
+        waiting, failed = list(zip(todo, jobs)), []
+        while waiting and not STOP:
+            time.sleep(0.5)
+            for item in [w for w in waiting if w[1].done()]:
+                waiting.remove(item)
+                (out, _), job = item
+                try:
+                    rc = job.result()
+                except Exception as e:                         # killed, timed out, or the node failed
+                    rc = f"{type(e).__name__}, see {job.paths.stderr}"
+                print(f"{'done' if rc == 0 else f'FAILED ({rc})'}: {out}", flush=True)
+                if rc != 0:
+                    failed.append(out)
+        if STOP:
+            for _, job in waiting:
+                if a.cluster == "local":    # submitit's local cancel is a SIGINT, which its job process
+                    job._process.send_signal(signal.SIGTERM)  # answers with a traceback on our stderr
+                else:
+                    job.cancel(check=False)
+            deadline = time.time() + 60
+            while time.time() < deadline and not all(job.done() for _, job in waiting):
+                time.sleep(0.5)
+            raise stopped(STOP[0], [(out, 130) for (out, _), _ in waiting], [])
     return failed
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
+def plan(argv):
+    """Everything checked and nothing made: (the arguments, the results folder, the runs to do [(results path,
+    command)], the complete runs skipped). UserError for bad input."""
+    argv = list(argv)
     common_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", required=True)
+    p = Parser(prog="run.py", description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", required=True, help=f"one of {', '.join(data.NAMES)}")
     p.add_argument("--methods", nargs="+", default=["fedavg", "fediir", "fedomg"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--clients", type=int, default=None)
@@ -163,48 +394,98 @@ def main(argv=None):
     s.add_argument("--cluster", default="slurm", choices=["slurm", "local"],
                    help="local: submitit's local executor (the same jobs, on this machine)")
     a = p.parse_args(argv)
+    if a.dataset not in data.NAMES:
+        raise UserError(f"unknown dataset {a.dataset!r}; choose from {', '.join(data.NAMES)}")
     for flag in ("jobs", "time", "array_parallelism"):
         if getattr(a, flag) < 1:
-            sys.exit(f"run.py: error: --{flag.replace('_', '-')} must be at least 1")
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
     if a.gpus_per_job < 0:
-        sys.exit("run.py: error: --gpus-per-job must be at least 0")
+        raise UserError(f"--gpus-per-job must be at least 0, got {a.gpus_per_job}")
+    bad = [s for s in a.seeds if not 0 <= s < SEED_LIMIT]
+    if bad or len(set(a.seeds)) < len(a.seeds):
+        raise UserError(f"--seed {bad[0]} is out of the methods' range [0, 2**31)" if bad else
+                        f"--seeds {' '.join(map(str, a.seeds))}: a seed twice (its runs would write one file)")
+    if a.tag is not None and not re.fullmatch(r"[\w.+-]+", a.tag):
+        raise UserError(f"--tag {a.tag!r} names one folder: use letters, digits, '.', '_' and '-'")
     if a.gpus is not None and a.launcher != "multi_gpu":
-        sys.exit("run.py: error: --gpus is for --launcher multi_gpu")
+        raise UserError("--gpus is for --launcher multi_gpu")
+    ids = None
     if a.launcher == "multi_gpu":
         ids = a.gpus.split(",") if a.gpus is not None else [str(k) for k in range(visible_gpus())]
         if not ids or not all(k.isdigit() for k in ids) or len(set(ids)) < len(ids):
-            sys.exit("run.py: error: --launcher multi_gpu needs distinct GPU ids, e.g. --gpus 0,1,2,3 "
-                     + (f"(got {a.gpus!r})" if a.gpus is not None else "(no --gpus, and no GPU visible)"))
+            raise UserError("--launcher multi_gpu needs distinct GPU ids, e.g. --gpus 0,1,2,3 "
+                            + (f"(got {a.gpus!r})" if a.gpus is not None else "(no --gpus, and no GPU visible)"))
+    a.slots = ids
+    if a.launcher == "slurm":
+        submitit_modules()
+    folder = (Path(a.out_dir) / (a.tag or (a.dataset + (f"-{a.clients}clients" if a.clients else "")))).resolve()
+    above = next(q for q in [folder, *folder.parents] if q.exists())
+    if not above.is_dir() or not os.access(above, os.W_OK):
+        raise UserError(f"--out-dir {a.out_dir}: {above} is not a folder this user can write in")
     shared = ["--dataset", a.dataset] + sum([[f"--{k}", str(v)] for k, v in
                                               (("clients", a.clients), ("sample", a.sample), ("rounds", a.rounds))
                                               if v is not None], []) + common_args
-    folder = (Path(a.out_dir) / (a.tag or (a.dataset + (f"-{a.clients}clients" if a.clients else "")))).resolve()
-    todo = []
+    todo, skipped = [], []
+    LOADED.clear()
     for label, script, extra in variants(a.methods):
+        _, refusal = method_args(script, shared + extra + ["--seed", str(a.seeds[0]), "--resume"])
+        if refusal:
+            raise UserError(f"{label} ({script}.py): {refusal}")
         for seed in a.seeds:
             out = folder / f"{label}-seed{seed}.json"
+            label_of[out] = label
             if complete(out):
-                print(f"skip {out} (complete)")
+                skipped.append(out)
                 continue
             where = os.path.relpath(out, ROOT) if out.is_relative_to(ROOT) else str(out)  # no local paths in results
             todo.append((out, command(script, shared + extra + ["--seed", str(seed), "--out", where, "--resume"])))
-    if a.dry_run:
-        for out, cmd in todo:
-            print("would run", shlex.join(cmd[1:]))
-        print(f"{len(todo)} run(s) to do in {folder}")
-        return folder
+    LOADED.clear()                          # the runs load their own
+    return a, folder, todo, skipped
+
+
+def execute(a, folder, todo, skipped):
+    """Make the folder and run the planned runs with a.launcher. Failed: a run failed; Interrupted: a signal
+    stopped them."""
+    for out in skipped:
+        print(f"skip {out} (complete)")
     folder.mkdir(parents=True, exist_ok=True)
     if a.launcher == "slurm":
         failed = run_slurm(todo, folder, a) if todo else []
     elif a.launcher == "multi_gpu":
-        failed = run_here(todo, ids)
+        failed = run_here(todo, a.slots)
     else:                                   # with several visible GPUs, the runs take turns on them
         n_gpu = visible_gpus()
         failed = run_here(todo, [str(k % n_gpu) if n_gpu > 1 else None for k in range(a.jobs)])
     if failed:
-        sys.exit(f"run.py: {len(failed)} run(s) failed; see their .log files")
+        raise Failed(f"{len(failed)} run(s) failed; see their .log files")
     print(f"all runs complete in {folder}; report: python benchmark/report.py {folder}")
     return folder
+
+
+def main(argv=None):
+    """The command line: bad input -> one line, exit 2; a failed run -> exit 1; a signal -> one line, 128 + signum."""
+    try:
+        a, folder, todo, skipped = plan(sys.argv[1:] if argv is None else argv)
+        if a.dry_run:
+            for out in skipped:
+                print(f"skip {out} (complete)")
+            for out, cmd in todo:
+                print("would run", shlex.join(cmd[1:]))
+            print(f"{len(todo)} run(s) to do in {folder}")
+            return folder
+        return execute(a, folder, todo, skipped)
+    except UserError as e:
+        print(f"run.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Failed as e:
+        print(f"run.py: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Interrupted as e:
+        print(f"run.py: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:                  # before any run started (the checks, or the imports they need)
+        print("run.py: interrupted before any run started", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

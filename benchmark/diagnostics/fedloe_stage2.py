@@ -11,26 +11,58 @@ Why 2 gives the numbers of a run from scratch: no stage-1 computation depends on
 the checkpoint written after the last stage-1 round holds everything a run needs to go on (model,
 state, random generators; a test checks that a resumed run ends with the uninterrupted numbers).
 The checkpoint's argument check is relaxed to the stage-2 flags, nothing else.
+
+Bad input (no STAGE1.json first, no single --test-domain, an --out or --dg of one's own, a flag that
+fedloe.py refuses for stage 1 or stage 2) ends with one line on stderr and exit code 2 before stage 1
+starts: fedloe.py's own checks run first, in this process (benchmark/run.py's method_args).
 """
 import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 import torch  # noqa: E402
 
 import common  # noqa: E402
 import fedloe  # noqa: E402
+import run as bench_run  # noqa: E402
 
 STAGE2 = {"stage2_comms", "stage2_epochs", "stage2_lr", "stage2_wd", "dg", "dg_lambda", "dg_form", "meta_lr",
           "server_steps", "rounds", "out"}
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-") or "--test-domain" not in argv or "--out" in argv:
-        sys.exit("usage: fedloe_stage2.py STAGE1.json --test-domain D [fedloe flags, no --out]")
+def check(argv):
+    """(STAGE1.json, fedloe flags) from the command line, or UserError: every refusal before stage 1 starts."""
+    if not argv or argv[0].startswith("-"):
+        raise common.UserError("give the stage-1 results file first: fedloe_stage2.py STAGE1.json --test-domain D "
+                               "[fedloe flags]")
     s1, flags = argv[0], argv[1:]
+    if not s1.endswith(".json"):
+        raise common.UserError(f"STAGE1 {s1!r} must end with .json (stage 2 writes STAGE1-<dg>.json beside it)")
+    for flag, why in (("--out", "STAGE1.json, then STAGE1-irm / -fish / -rex.json"), ("--dg", "irm, fish, rex in turn")):
+        if any(f == flag or f.startswith(flag + "=") for f in flags):
+            raise common.UserError(f"{flag} is set here ({why}): drop it")
+    for stage, extra in (("stage 1", ["--stage2-comms", "0"]), ("stage 2", ["--dg", "irm"])):
+        args, refusal = bench_run.method_args("fedloe", flags + extra + ["--resume"])
+        if refusal:
+            raise common.UserError(f"fedloe.py refuses the flags for {stage}: {refusal}")
+        if args.test_domain == "all":
+            raise common.UserError("give one --test-domain: stage 2 continues the checkpoint of one held-out domain")
+        if stage == "stage 2" and args.stage2_comms < 1:
+            raise common.UserError("--stage2-comms 0 leaves no stage 2 to run")
+    return s1, flags
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
+    try:
+        s1, flags = check(argv)
+    except common.UserError as e:
+        print(f"fedloe_stage2.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     fedloe.main(flags + ["--stage2-comms", "0", "--out", s1, "--resume"])
     strict = common.load_checkpoint
 

@@ -24,8 +24,8 @@ IRM's numpy state, so the digits in each environment differ from IRM's run; the 
     python benchmark/diagnostics/irm_central.py --data-root data --out benchmark/results/irm-central/results.json
     python benchmark/diagnostics/irm_central.py --data-root data --data colored --methods irm --seeds 0 1 2 --out ...
 """
-import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,7 +125,8 @@ def table(results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Bad input -> one line on stderr, exit 2, before any training or any file is written."""
+    p = data.Parser(prog="irm_central.py", description=__doc__.splitlines()[0])
     p.add_argument("--data-root", default=None, help="full MNIST (torchvision layout); none: the embedded digits")
     p.add_argument("--data", nargs="+", default=["colored", "rc-norot", "rc"], choices=["colored", "rc-norot", "rc"])
     p.add_argument("--methods", nargs="+", default=["irm", "erm"], choices=["irm", "erm"])
@@ -138,20 +139,25 @@ def main(argv=None):
     if a.report:
         try:
             print(table([r for f in a.report for r in json.loads(Path(f).read_text())["runs"]]))
-        except (OSError, ValueError, KeyError) as e:
-            p.exit(2, f"irm_central.py: error: cannot read the results ({type(e).__name__}: {e})\n")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"cannot read the results ({type(e).__name__}: {e})")
         return
     if not a.out:
-        p.exit(2, "irm_central.py: error: --out is required (or --report)\n")
+        p.error("--out is required (or --report)")
     if a.steps < 1:
-        p.exit(2, "irm_central.py: error: --steps must be at least 1\n")
+        p.error(f"--steps must be at least 1, got {a.steps}")
+    if any(not 0 <= s < 2 ** 31 for s in a.seeds):          # the method scripts' range (common.resolve)
+        p.error(f"--seeds must be in [0, 2**31), got {' '.join(map(str, a.seeds))}")
     if a.device == "cuda" and not torch.cuda.is_available():
-        p.exit(2, "irm_central.py: error: --device cuda: no CUDA device is visible\n")
+        p.error("--device cuda: no CUDA device is visible")
     out = Path(a.out)
+    above = next(q for q in [out.parent.resolve(), *out.parent.resolve().parents] if q.exists())
+    if out.is_dir() or not above.is_dir() or not os.access(above, os.W_OK):   # refused now, not after a run
+        p.error(f"cannot write --out {out}: " + ("a folder" if out.is_dir() else f"{above} is not a writable folder"))
     try:
         done = json.loads(out.read_text())["runs"] if out.exists() else []
-    except (ValueError, KeyError):
-        p.exit(2, f"irm_central.py: error: {out} is not a results file of this script\n")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"{out} is not a results file of this script ({type(e).__name__})")
     try:
         for name in a.data:
             for seed in a.seeds:
@@ -170,7 +176,7 @@ def main(argv=None):
                     common.write_json(str(out), {"recipe": {"lr": LR, "l2": L2, "penalty": PENALTY, "anneal": ANNEAL},
                                                  "runs": done})
     except data.UserError as e:
-        p.exit(2, f"irm_central.py: error: {e}\n")
+        p.error(str(e))
     print(table(done))
 
 

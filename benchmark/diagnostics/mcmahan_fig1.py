@@ -88,13 +88,17 @@ def main(argv=None):
                    help="θ values evenly spaced in [-0.2, 1.2] (the paper: 50), and θ = 0, 0.5, 1")
     p.add_argument("--out", default="results/mcmahan-fig1.json")
     args = p.parse_args(argv)
-    try:
+    try:                  # every check before the first training; the last makes --out's folder (common.check_out)
         if args.points < 2:
             raise common.UserError(f"--points must be >= 2, got {args.points}")
+        if any(not 0 <= s < 2 ** 31 for s in args.seeds):      # the method scripts' range (common.resolve)
+            raise common.UserError(f"--seeds must be in [0, 2**31), got {' '.join(map(str, args.seeds))}")
         x, y, source = data.mnist_arrays(args.data_root, test=False)
         if len(y) < 2 * N:
             raise common.UserError(f"{source}: fewer than {2 * N} digits")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        if Path(args.out).is_dir():
+            raise common.UserError(f"--out {args.out}: {args.out} is a folder; give a file name")
+        common.check_out(args.out)
     except (common.UserError, OSError) as e:
         print(f"mcmahan_fig1.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,6 +11,9 @@ is re-scored too and must equal the run's own number. Std over seeds with n − 
     python fedavg.py --dataset rcmnist --seed 0 --out results/rc/fedavg-s0.json
     python perinvfl.py --dataset rcmnist --seed 0 --out results/rc/perinvfl-dual-s0.json
     python benchmark/diagnostics/rcmnist_ptest.py results/rc/*.json
+
+Bad input (no file, a file that is not a complete rcmnist / rcfmnist run, a missing or cut checkpoint)
+ends with one line on stderr and exit code 2, before anything is scored or printed.
 """
 import json
 import sys
@@ -46,8 +49,7 @@ def score(path):
     global model, and for perinvfl.py also each client's θ_i on its own data."""
     res = json.loads(Path(path).read_text())
     args = Namespace(**res["args"])
-    blob = torch.load(Path(path).with_suffix(".ckpt"), map_location="cpu", weights_only=True)  # written beside it
-    assert blob["round"] == args.rounds and blob["finished"] == {}, f"{path}: checkpoint is not the last round"
+    blob = checkpoint(path, args)
     ctx = common.Context(torch.device("cpu"), None, data.make_prep(args.dataset, "cpu"))
     name = label(res)
     load = {name: lambda model, c: model.load_state_dict(blob["model"])}              # the global model
@@ -91,15 +93,54 @@ def table(paths):
     return rows
 
 
-def main(paths):
+def run_of(path):
+    """A results file's JSON, or UserError: it must be a complete rcmnist / rcfmnist run of a method script."""
+    try:
+        res = json.loads(Path(path).read_text())
+        dataset, args, method = res["dataset"], res["args"], res["method"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise data.UserError(f"{path} is not a method script's results file ({type(e).__name__}: {e})") from None
+    if dataset not in ("rcmnist", "rcfmnist"):
+        raise data.UserError(f"{path}: a {dataset} run; the p_test table is for rcmnist and rcfmnist runs")
+    if not res.get("complete"):
+        raise data.UserError(f"{path}: an incomplete run (finish it with --resume)")
+    return res
+
+
+def checkpoint(path, args):
+    """The final checkpoint beside a results file (<out>.ckpt), or UserError where it is missing or not the last
+    round's (a cut or continued run)."""
+    ckpt = Path(path).with_suffix(".ckpt")
+    try:
+        blob = torch.load(ckpt, map_location="cpu", weights_only=True)     # written beside it
+        last = blob["round"] == args.rounds and blob["finished"] == {}
+    except (OSError, RuntimeError, KeyError, TypeError) as e:
+        raise data.UserError(f"{path}: no readable checkpoint {ckpt.name} beside it ({type(e).__name__})") from None
+    if not last:
+        raise data.UserError(f"{path}: its checkpoint {ckpt.name} is not the last round's")
+    return blob
+
+
+def main(argv=None):
+    p = data.Parser(prog="rcmnist_ptest.py", description=__doc__.splitlines()[0])
+    p.add_argument("paths", nargs="+", metavar="RESULTS.json", help="results of rcmnist / rcfmnist runs, each with "
+                   "its .ckpt beside it")
+    a = p.parse_args(argv)
+    try:
+        for path in a.paths:                              # every file checked before the first is scored
+            checkpoint(path, Namespace(**run_of(path)["args"]))
+        rows = table(a.paths)
+    except data.UserError as e:
+        p.error(str(e))
     print("| method | " + " | ".join(f"p_test {p}" for p in P_TEST) + " | mean | training contexts | seeds |")
     print("|---" * (len(P_TEST) + 4) + "|")
-    for name, runs in sorted(table(paths).items()):
+    for name, runs in sorted(rows.items()):
         t = 100 * torch.tensor(runs)
         std = t.std(0) if len(runs) > 1 else torch.zeros(t.shape[1])
         cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(t.mean(0), std)]
         print(f"| {name} | " + " | ".join(cells[:-1]) + f" | {t[:, :-1].mean():.1f} | {cells[-1]} | {len(runs)} |")
+    return rows
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

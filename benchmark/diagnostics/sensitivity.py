@@ -10,7 +10,6 @@ A GPU's fp32 convolutions are TF32 by default (10-bit mantissa, relative roundin
 4.9e-4): a method whose case moves by more than gpu_check's CPU-vs-GPU bound at s = 2^-11 cannot be
 expected to stay within it on a GPU, whatever the code does right.
 """
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 import common  # noqa: E402
+import data  # noqa: E402
 import gpu_check  # noqa: E402
 
 
@@ -34,8 +34,9 @@ def perturbed(build, s):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scale", type=float, nargs="+", default=[2 ** -22, 2 ** -11])
+    p = data.Parser(prog="sensitivity.py", description=__doc__.splitlines()[0])
+    p.add_argument("--scale", type=data.finite, nargs="+", default=[2 ** -22, 2 ** -11],   # nan, inf: refused
+                   help="relative perturbations s of the initial weights (0: the control, nothing moves)")
     a = p.parse_args(argv)
     build, rows = common.build_model, []
     with tempfile.TemporaryDirectory() as tmp:
