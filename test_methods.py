@@ -5,6 +5,7 @@ run the scripts as subprocesses to check what a user sees (one line on stderr, t
 """
 import argparse
 import ast
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -47,6 +48,7 @@ import perinvfl
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")  # torchvision 0.29
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "benchmark"), str(HERE / "benchmark" / "diagnostics")]
+import aten_count  # noqa: E402
 import fedipg_aberrant  # noqa: E402
 import fedloe_spawn  # noqa: E402
 import fedloe_stage2  # noqa: E402
@@ -5315,6 +5317,58 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     assert gpu_check.determinism_cost(*setup, rounds=1) > 0 and torch.are_deterministic_algorithms_enabled()
     ratios = gpu_check.round_ratios(setup, 1, "cpu", tmp_path)
     assert set(ratios) == {"fediir", "fedipg", "fedomg"} and all(v > 0 for v in ratios.values())
+
+
+def test_aten_count_counts_one_round_with_its_backward_pass(tmp_path, monkeypatch, capsys):
+    """benchmark/aten_count.py on the embedded digits, round 1 (the cheapest): totals, ratios and the table; the
+    backward pass counted (a threshold_backward per ReLU of a step, by both counters); twice the local epochs,
+    twice the steps; bad input and a script's own error: one line, exit 2, nothing run."""
+    out = tmp_path / "counts.json"
+    aten_count.main(["--methods", "fedavg", "fediir", "--round", "1", "--json", str(out)])
+    d = json.loads(out.read_text())
+    avg, iir = d["runs"]["fedavg"], d["runs"]["fediir"]
+    assert list(d["runs"]) == ["fedavg", "fediir"] and d["counter"] == "profiler" and d["round"] == 1
+    assert avg["total"] == sum(avg["ops"].values()) and avg["compute"] == sum(avg["compute_ops"].values())
+    assert avg["total_x_fedavg"] == 1.0 and iir["total_x_fedavg"] == round(iir["total"] / avg["total"], 3)
+    assert iir["total"] > 1.2 * avg["total"] and iir["compute"] > avg["compute"] > 0 and avg["check"] > 0
+    relu = avg["ops"]["aten::clamp_min"]                       # a ReLU's forward; 4 a step in the ConvNet
+    assert relu > 0 and relu % 4 == 0 and avg["ops"]["aten::threshold_backward"] == relu
+    assert avg["args"]["sample"] == 5 and avg["args"]["clients"] == 50 and "data_root" not in avg["args"]
+    text = capsys.readouterr().out
+    assert "| method | run | total ops | × FedAvg |" in text
+    assert f"| fediir | {iir['run']} | {iir['total']:,} | {iir['total_x_fedavg']:.2f} |" in text
+    twice = aten_count.count("fedavg", R=1, extra=["--local-epochs", "2"])["ops"]
+    assert twice["aten::threshold_backward"] == 2 * relu                       # the same clients, twice the steps
+    assert 1.7 < twice.total() / avg["total"] < 2                              # less the round's fixed part (1.79)
+    net, x = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU()), torch.randn(1, 1, 5, 5)
+    for counter, relu_op in [("profiler", "aten::clamp_min"), ("dispatch", "aten::relu")]:   # a ReLU, as each sees it
+        parts = {k: collections.Counter() for k in ("round", "compute", "check")}
+        with aten_count.counting(counter, parts) as round_part:
+            net(x)                                                             # outside the round: the check's
+            with round_part():
+                net(x).sum().backward()
+        assert parts["round"]["aten::threshold_backward"] == parts["check"][relu_op] == 1, (counter, parts)
+        assert "aten::threshold_backward" not in parts["check"] and parts["round"].total() > parts["check"].total()
+    assert parts["round"]["aten::convolution_backward"] == parts["compute"]["aten::convolution"] == 1
+    counted = []
+    monkeypatch.setattr(aten_count, "count", lambda *a, **k: counted.append(a))
+    for argv, message in [(["--methods", "fedavg", "nope"], "unknown run 'nope'"),
+                          (["--round", "0"], "--round must be at least 1, got 0"),
+                          (["--data-root", str(tmp_path / "none")], "no such folder"),
+                          (["--json", str(tmp_path)], "give a file name")]:
+        with pytest.raises(SystemExit) as e:
+            aten_count.main(argv)
+        o, err = capsys.readouterr()
+        assert e.value.code == 2 and o == "" and len(err.strip().splitlines()) == 1 and message in err, err
+    assert counted == []                                                       # before any work
+    monkeypatch.undo()
+    fedavg_run = aten_count.RUNS["fedavg"]
+    monkeypatch.setitem(aten_count.RUNS, "fedavg", (fedavg_run[0], lambda R: aten_count.rounds_of(R) + ["--lr", "-1"],
+                                                    fedavg_run[2]))
+    with pytest.raises(SystemExit) as e:
+        aten_count.main(["--methods", "fedavg"])
+    assert e.value.code == 2 and capsys.readouterr().err == \
+        "aten_count.py: error: fedavg: --lr must be positive, got -1.0\n"
 
 
 def test_sensitivity_moves_runs_only_by_the_given_scale(monkeypatch):
