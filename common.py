@@ -14,9 +14,11 @@ import math
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -451,7 +453,8 @@ def make_parser(method, doc):
     a("--eval-every", type=int, default=None, help="evaluate (and checkpoint) every this many rounds")
     a("--seed", type=int, default=0, help="seeds the data split, the initialisation, the client sampling, the batches")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if one is visible, else cpu")
-    a("--amp", action="store_true", help="bf16 autocast (CUDA only)")
+    a("--amp", action="store_true", help="bf16 autocast (CUDA only); without it CUDA computes in IEEE fp32 "
+                                          "(TF32 off for matrix products and convolutions)")
     a("--nondeterministic", action="store_true",
       help="CUDA: let cuDNN and cuBLAS pick their fastest kernels; two runs then differ (README: GPU)")
     a("--parallel-clients", default="auto", choices=["auto", "on", "off"],
@@ -459,6 +462,10 @@ def make_parser(method, doc):
     a("--out", default=None, help="results JSON, default results/<method>-<dataset>-seed<seed>.json; "
                                   "the checkpoint is <out>.ckpt")
     a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
+    a("--overwrite", action="store_true",
+      help="replace a complete result, or an interrupted run's checkpoint, at --out (refused without it)")
+    a("--checkpoint-minutes", type=finite, default=5.0,
+      help="a checkpoint at least this often while training, besides each evaluation's")
     return p
 
 
@@ -508,8 +515,9 @@ def resolve(args, method, defaults=None):
             (args.amp and args.device != "cuda", "--amp needs a CUDA device")]:
         if bad:
             raise UserError(message)
-    args.out = args.out or f"results/{method}-{args.dataset}-seed{args.seed}.json"
-    check_out(args.out)
+    args.out = os.path.normpath(args.out or f"results/{method}-{args.dataset}-seed{args.seed}.json")
+    if not args.checkpoint_minutes > 0:
+        raise UserError(f"--checkpoint-minutes must be positive, got {args.checkpoint_minutes}")
     return args
 
 
@@ -534,14 +542,68 @@ def check_out(out):
 # ------------------------------------------------------------------- results and checkpoints
 
 def write_json(path, obj):
-    with open(f"{path}.tmp", "w") as f:
+    with open(tmp := f"{path}.{os.getpid()}.tmp", "w") as f:      # this process's own: never another run's
         json.dump(obj, f, indent=1)
-    os.replace(f"{path}.tmp", path)
+    os.replace(tmp, path)
 
 
 def save_checkpoint(path, blob):
-    torch.save(blob, f"{path}.tmp")
-    os.replace(f"{path}.tmp", path)
+    torch.save(blob, tmp := f"{path}.{os.getpid()}.tmp")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def claimed(args):
+    """--out for this run alone, while it runs: refused if another live process holds its lock (<out>.lock,
+    its pid), taken over from a dead one, released however the run ends; and never a silent replacement of
+    a complete result or of an interrupted run's checkpoint (--resume continues it, --overwrite replaces)."""
+    check_out(args.out)
+    lock, ckpt = Path(f"{args.out}.lock"), Path(args.out).with_suffix(".ckpt")
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            other = lock.read_text().strip() if lock.exists() else ""
+            if other.isdigit() and alive(int(other)):
+                raise UserError(f"--out {args.out} is in use by another run (pid {other}); wait for it to end "
+                                f"or give another --out") from None
+            lock.unlink(missing_ok=True)                # a dead run's: taken over
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    try:
+        if args.overwrite and args.resume:
+            raise UserError("--overwrite starts again, --resume continues: give one of them")
+        if args.overwrite:                              # asked for: the old result and checkpoint go
+            for old in (Path(args.out), ckpt):
+                old.unlink(missing_ok=True)
+        elif not args.resume and complete(args.out):
+            raise UserError(f"{args.out} holds a complete result; give another --out, or --overwrite to replace it")
+        elif not args.resume and (ckpt.exists() or Path(args.out).exists()):
+            raise UserError(f"{args.out} holds an interrupted run ({ckpt} is its checkpoint): continue it with "
+                            f"--resume, or start again with --overwrite")
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def complete(path):
+    """Whether the results file at `path` holds a finished run."""
+    try:
+        return bool(json.loads(Path(path).read_text()).get("complete"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def alive(pid):
+    """Whether a process of that id runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                             # alive, another user's
+        pass
+    return True
 
 
 def load_checkpoint(path, args):
@@ -573,8 +635,8 @@ def to_device(obj, device):
 
 
 def identity(args):
-    """The arguments that decide the numbers of a run (everything but --resume)."""
-    return {k: v for k, v in vars(args).items() if k != "resume"}
+    """The arguments that decide the numbers of a run (not --resume, --overwrite, --out, --checkpoint-minutes)."""
+    return {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "out", "checkpoint_minutes")}
 
 
 def device_name(device):
@@ -589,20 +651,24 @@ def device_name(device):
 
 
 def provenance(method, argv, device):
-    """What a reader needs to redo a result: the versions, the device by name, the commit of this
-    checkout (and whether tracked files differ from it; none outside git) and the command line."""
+    """What a reader needs to redo a result: the versions, the device by name, the commit of this checkout (and
+    whether tracked files differ from it; none outside git, or where this project is not the top of the git work
+    tree: a copy inside another repository, whose commit says nothing of it), the command line, and the streams
+    the clients drew from (each its own: common.stream)."""
     here = Path(__file__).resolve().parent
+    commit = dirty = None
     try:
         git = lambda *a: subprocess.run(["git", "-C", str(here), *a], capture_output=True, text=True, timeout=10)
-        head = git("rev-parse", "HEAD")
-        commit = head.stdout.strip() if head.returncode == 0 else None
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip()) if commit else None
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == here:
+            commit = git("rev-parse", "HEAD").stdout.strip() or None
+            dirty = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip()) if commit else None
     except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
+        pass
     import numpy
     return {"command": shlex.join(["python", f"{method}.py", *argv]), "commit": commit, "dirty": dirty,
             "date": time.strftime("%Y-%m-%d"), "device": device_name(device), "torch": torch.__version__,
-            "numpy": numpy.__version__, "python": platform.python_version()}
+            "numpy": numpy.__version__, "python": platform.python_version(), "streams": "per client"}
 
 
 def size(path):
@@ -620,6 +686,8 @@ def set_deterministic(on=True):
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on
     torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cuda.matmul.allow_tf32 = False      # fp32 is IEEE fp32 on CUDA too (TF32 rounds to 10 bits);
+    torch.backends.cudnn.allow_tf32 = False            # --amp is the fast, lower-precision path
 
 
 def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None, engine=None):
@@ -679,12 +747,26 @@ def with_mean(results):
 
 def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining,
                  engine=None):
-    """T rounds on one federation: a round, every args.eval_every rounds an evaluation, the best kept, a checkpoint."""
-    model, state, ctx, start, history, best, spent = start_domain(args, ds, fed, init_state, resume, engine)
-    pace, losses = Pace(start, spent, args.rounds, remaining), []
-    for t in range(start, args.rounds + 1):   # history: a checkpoint of this domain is on disk (for NonFinite)
-        losses.append(checked_round(round_fn, t, model, fed, args, state, ctx, saved=bool(history)))
+    """T rounds on one federation: a round, every args.eval_every rounds an evaluation, the best kept, a checkpoint
+    at each evaluation and every --checkpoint-minutes between them; a stop signal ends it after its round's
+    checkpoint (Stopped)."""
+    model, state, ctx, start, history, best, spent, losses = start_domain(args, ds, fed, init_state, resume, engine)
+    pace, saved, saved_at = Pace(start, spent, args.rounds, remaining), resume is not None, time.monotonic()
+
+    def checkpoint(t):
+        nonlocal saved, saved_at
+        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
+                                    "round": t, "model": model.state_dict(), "state": state, "losses": losses,
+                                    "sampler": ctx.sampler.get_state(), "torch_rng": torch.get_rng_state(),
+                                    "history": history, "best": best, "seconds": pace.seconds(ctx.device)})
+        saved, saved_at = True, time.monotonic()
+    for t in range(start, args.rounds + 1):
+        losses.append(checked_round(round_fn, t, model, fed, args, state, ctx, saved))
         if t % args.eval_every and t != args.rounds:
+            if STOP.signal or time.monotonic() - saved_at > 60 * args.checkpoint_minutes:
+                checkpoint(t)                                   # (the losses since the last evaluation too)
+            if STOP.signal:
+                raise Stopped(STOP.signal, ckpt_path, fed.name, t)
             if isinstance(sys.stdout, Progress):                # a terminal: a line that the next one overwrites
                 sys.stdout.show(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | {pace(t)}")
             continue
@@ -699,30 +781,51 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
         print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{shown} | mean loss (rounds "
               f"{t - len(losses) + 1}-{t}) {row['loss']:.4f} | {pace(t)}", flush=True)
         losses = []
-        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
-                                    "round": t, "model": model.state_dict(), "state": state,
-                                    "sampler": ctx.sampler.get_state(),
-                                    "torch_rng": torch.get_rng_state(), "history": history, "best": best,
-                                    "seconds": row["seconds"]})
+        checkpoint(t)
+        if STOP.signal and t < args.rounds:
+            raise Stopped(STOP.signal, ckpt_path, fed.name, t)
     return domain_result(ds, fed, history, best)
+
+
+class Stopped(Exception):
+    """A SIGINT or SIGTERM honoured after a round, its checkpoint written: exit 128 + the signal."""
+
+    def __init__(self, signum, path, domain, t):
+        super().__init__(signum)
+        self.signum, self.path, self.domain, self.t = signum, path, domain, t
+
+
+class STOP:
+    """The stop signal received while training (None: none): the round under way finishes and is saved."""
+    signal = None
+
+
+def stop_after_the_round(signum, frame):
+    if STOP.signal is not None:         # a second one: at once (the last checkpoint stays)
+        raise KeyboardInterrupt
+    STOP.signal = signum
+    print(f"\n{signal.Signals(signum).name}: stopping after this round and its checkpoint (again: at once)",
+          file=sys.stderr, flush=True)
 
 
 def start_domain(args, ds, fed, init_state, resume=None, engine=None):
     """The initial model (seeded), the method's state and the domain's random streams (fixed by the seed), then
-    a checkpoint's (resume): (model, state, ctx, next round, history, best, seconds spent)."""
+    a checkpoint's (resume): (model, state, ctx, next round, history, best, seconds spent, round losses since the
+    last evaluation)."""
     device = torch.device(args.device)
     model = global_model(args, ds, device)
     ctx = make_context(args, fed, model, engine)
     state = init_state(model, fed, args, ctx) if init_state else {}
     print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {sum(c.n for c in fed.clients):,} training / "
           f"{len(fed.val_y):,} validation / {len(fed.test_y):,} test examples")
-    start = (model, state, ctx, 1, [], None, 0.0)
+    start = (model, state, ctx, 1, [], None, 0.0, [])
     if resume is not None:
         model.load_state_dict(resume["model"])
         ctx.sampler.set_state(resume["sampler"])
         torch.set_rng_state(resume["torch_rng"])
         state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
-        start = (model, state, ctx, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"])
+        start = (model, state, ctx, resume["round"] + 1, resume["history"], resume["best"], resume["seconds"],
+                 resume.get("losses", []))
     ctx.clients = state.setdefault("clients", {})        # the clients' own states (on Flower: on the nodes)
     return start
 
@@ -868,15 +971,30 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
     help_defaults(p, method, defaults)
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    ckpt, handlers = None, {}
     try:
         resolve(args, method, defaults)
         if check:
             check(args)
         check_parallel(args, method, parallel_clients)
-        return run(method, args, round_fn, init_state, evaluate_fn, argv)
+        ckpt = Path(args.out).with_suffix(".ckpt")
+        with claimed(args):
+            if threading.current_thread() is threading.main_thread():   # SIGINT, SIGTERM: after the round
+                STOP.signal = None
+                handlers = {s: signal.signal(s, stop_after_the_round) for s in (signal.SIGINT, signal.SIGTERM)}
+            return run(method, args, round_fn, init_state, evaluate_fn, argv)
     except (UserError, NonFinite) as e:
         print(f"{method}.py: error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
+    except Stopped as e:
+        print(f"{method}.py: stopped by {signal.Signals(e.signum).name} after round {e.t} (testing on {e.domain}); "
+              f"its checkpoint: {e.path}; continue with the same arguments and --resume", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
-        print(f"\n{method}.py: interrupted; continue with the same arguments and --resume", file=sys.stderr)
+        kept = f"the last checkpoint is {ckpt}" if ckpt is not None and ckpt.exists() else "nothing was saved"
+        print(f"\n{method}.py: interrupted; {kept}; continue with the same arguments and --resume",
+              file=sys.stderr)
         sys.exit(130)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)

@@ -191,7 +191,8 @@ def guarded(device):
 
 
 def run_method(name, argv, out):
-    return METHODS[name].main(argv + ["--out", str(out)])
+    """The method script's run into a scratch file of this check's (replacing the last case's there)."""
+    return METHODS[name].main(argv + ["--out", str(out), "--overwrite"])
 
 
 def cases(pacs_root, data_root=None):

@@ -118,6 +118,7 @@ def load(folder):
 
 SOURCES = set()   # the results files read since the last provenance_line() (behind the table being made)
 BEFORE = "2026-11-24"   # the first day every results file records its provenance
+STREAMS = "3c1e8ca"     # the commit from which each client draws from its own random stream (docs/protocol.md)
 
 
 def provenance(path):
@@ -134,8 +135,8 @@ def provenance(path):
         [x.get("provenance") for x in r["runs"] if isinstance(x, dict)] or [None]
     if recs == [None] and "torch" in r and "device" in r:
         recs = [{"torch": r["torch"], "device": r["device"], "date": str(r.get("started", ""))[:10]}]
-    return [(p.get("torch"), p.get("numpy"), p.get("device"), p.get("date")) if isinstance(p, dict) else None
-            for p in recs]
+    return [(p.get("torch"), p.get("numpy"), p.get("device"), p.get("date"), "streams" in p) if isinstance(p, dict)
+            else None for p in recs]
 
 
 def provenance_line(paths=None):
@@ -145,7 +146,8 @@ def provenance_line(paths=None):
     paths, SOURCES = sorted(set(SOURCES if paths is None else paths)), set()
     recs = [p for f in paths for p in provenance(f)]
     known, missing = {}, sum(p is None for p in recs)
-    for tv, nv, dev, date in (p for p in recs if p):
+    shared = sum(p is None or not p[4] for p in recs)     # runs whose clients drew from one shared stream
+    for tv, nv, dev, date, _ in (p for p in recs if p):
         known.setdefault((tv, nv, dev), []).append(date or "")
     parts = []
     for (tv, nv, dev), dates in sorted(known.items(), key=lambda kv: str(kv[0])):
@@ -158,6 +160,9 @@ def provenance_line(paths=None):
         were = "were" if missing > 1 else "was"
         parts.append(f"not recorded for the other {runs} (made before {BEFORE})" if known else
                      f"not recorded (the {runs} behind this table {were} made before {BEFORE})")
+    if shared:
+        parts.append(("all" if shared == len(recs) else f"{shared} of the {len(recs)}") + " made when the clients "
+                     f"shared one random stream (each draws its own since commit {STREAMS})")
     return "Provenance: " + "; ".join(parts) + "." if parts else ""
 
 

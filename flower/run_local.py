@@ -94,9 +94,19 @@ def check(a):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(k):
+    """k distinct free ports: each socket held open until all are chosen, so that none is picked twice."""
+    socks = [socket.socket() for _ in range(k)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def port_free(port):
@@ -205,10 +215,15 @@ def deploy(a, port, logdir):
         link = procs.start("superlink", [str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
                                          "--port", str(port), "--disable-runtime-dependency-installation"])
         wait_port(port, link, "SuperLink", log=logdir / "superlink.log")
-        for i in range(a.nodes):
-            procs.start(f"supernode-{i}", [str(bindir / "flower-supernode"), "--insecure", "--superlink",
-                                           f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(free_port()),
-                                           "--node-config", f"partition-id={i} num-partitions={a.nodes}"])
+        nodes = [procs.start(f"supernode-{i}", [str(bindir / "flower-supernode"), "--insecure", "--superlink",
+                                                f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(q),
+                                                "--node-config", f"partition-id={i} num-partitions={a.nodes}"])
+                 for i, q in enumerate(free_ports(a.nodes))]
+        time.sleep(3)                                   # a SuperNode that cannot start says so at once
+        for i, node in enumerate(nodes):
+            if node.poll() is not None:
+                log = logdir / f"supernode-{i}.log"
+                raise Refused(f"SuperNode {i} exited at start (code {node.returncode}: {last_line(log)}); log: {log}")
         config = f'method="{a.method}" argv={json.dumps(shlex.join(method_argv(a)))}'
         print(f"SuperLink 127.0.0.1:{port}, {a.nodes} SuperNodes; logs in {logdir}", flush=True)
         t0 = time.time()
@@ -274,11 +289,12 @@ def main(argv=None):
         per = json.loads(timing.read_text())["rounds"]
         for t, r in sorted(per.items(), key=lambda kv: int(kv[0])):
             if int(t) > 0:
-                spans = [(b, e) for _, _, b, e in r.get("spans", [])]
-                phases = {p for p, _, _, _ in r.get("spans", [])}
-                at_once = all(max(b for q, _, b, _ in r["spans"] if q == p) < min(e for q, _, _, e in r["spans"]
-                                                                            if q == p) for p in phases)
-                together = f", {len(spans)} node answers, each exchange's at once" if spans and at_once else ""
+                phases = {p for p, *_ in r.get("spans", [])}
+                spans = {p: [(b, e) for q, _, b, e in r["spans"] if q == p] for p in phases}
+                together = {p: len(v) for p, v in spans.items() if len(v) > 1 and
+                            max(b for b, _ in v) < min(e for _, e in v)}   # every node of the exchange at once
+                together = "; working at once: " + ", ".join(f"{k} nodes ({p})" for p, k in together.items()) \
+                    if together else ""
                 print(f"round {t}: {r['seconds']:.1f} s, {r['down'] / 2**20:.3f} MiB down, "
                       f"{r['up'] / 2**20:.3f} MiB up{together}")
     n = sum(len(d["history"]) for d in res["domains"].values())
