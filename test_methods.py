@@ -6050,14 +6050,17 @@ def test_quicklook_block_from_its_committed_run(tmp_path, monkeypatch):
         "Model name:                              AMD EPYC\n"
         "236.52user 3.10system 4:05.61elapsed 97%CPU (0avgtext+0avgdata 900000maxresident)k\n")
     text = bench_report.block_text("quicklook", tmp_path)
-    assert "test accuracy 0.408 on the held-out 0° domain, validation 0.761 (round 20" in text
-    assert ("one thread of an AMD EPYC: 240 s of CPU time (237 s user, 3 s system), 4.1 minutes of wall clock "
+    assert ("test accuracy 0.408 on the held-out 0° domain, validation 0.761 (round 20, the best validation; "
+            "seed 0), on one thread of an AMD EPYC." in text)
+    assert "the validation from 0.754 to 0.761 on three CPUs" in text
+    assert ("took 240 s of CPU time (237 s user, 3 s system) and 4.1 minutes of wall clock "
             "(the machine shared with other jobs)." in text)
+    assert len(re.findall(r"\d+ s of CPU time", text)) == 1                     # one measured figure
     assert text.endswith("\n\nProvenance: torch 2.15.0+cu132, numpy 2.4.6, AMD EPYC (time.txt, 2026-11-24).\n")
     run["provenance"] = {"torch": "2.15.0", "numpy": "2.4.6", "device": "Intel Xeon", "date": "2026-11-25"}
     (tmp_path / "quicklook" / "fedavg-rmnist-seed0.json").write_text(json.dumps(run))
     text = bench_report.block_text("quicklook", tmp_path)
-    assert "one thread of an Intel Xeon" in text and "Provenance: torch 2.15.0, numpy 2.4.6, Intel Xeon (the run, 2026-11-25)." in text
+    assert "one thread of an Intel Xeon." in text and "Provenance: torch 2.15.0, numpy 2.4.6, Intel Xeon (the run, 2026-11-25)." in text
 
 
 def test_readme_test_count():

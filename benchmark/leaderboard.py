@@ -70,7 +70,8 @@ ROWS = {
     "fedloe-irm": ("fedloe", ["--dg", "irm"]),
     "fedloe-rex": ("fedloe", ["--dg", "rex"]),
     "perinvfl": ("perinvfl", []),
-    "fedipg": ("fedipg", []),
+    "fedipg-sgd": ("fedipg", ["--local-step", "sgd"]),       # the default, the form of every FedIPG verdict
+    "fedipg-paper": ("fedipg", ["--local-step", "paper"]),   # Eq. 2 read as one step (the default before 2026-11-26)
 }
 # scripts that set their own rounds from their own flags (fedloe.py: --stage1-comms, --stage2-comms) and
 # refuse --rounds / --eval-every: a benchmark's round count does not apply to them
@@ -83,6 +84,8 @@ REUSE = {
     ("rmnist50-0", "fediir"): "rmnist50-full-0/fediir",
     ("rmnist50-75", "fedavg"): "rmnist50-full-75/fedavg",
     ("rmnist50-75", "fediir"): "rmnist50-full-75/fediir",
+    ("rmnist50-0", "fedipg-sgd"): "rmnist50-full-0/fedipg",       # FedIPG's Table II verdict runs (minibatch SGD)
+    ("rmnist50-75", "fedipg-sgd"): "rmnist50-full-75/fedipg",
     ("mnist-fl", "fedavg"): "mnist-fl-full-alpha0.1/fedavg",
     ("mnist-fl", "fedomg"): "mnist-fl-full-alpha0.1/fedomg",              # the FL η_g and server rule
     ("rcmnist-norot", "perinvfl"): "rcmnist-full-norot-reset/perinvfl",   # θ_i reset to ν (perinvfl.py's default)
