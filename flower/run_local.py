@@ -7,9 +7,9 @@ stopped again, by its process group, on success, on failure and on Ctrl-C.
 
 --nodes is the number of clients (one SuperNode each). The dataset is the synthetic one unless
 --dataset says otherwise (it needs no download; the digits' domains need --nodes >= 5). Flags after
-`--` go to the method as they are (python <method>.py --help).
+`--` go to the method as they are (python <method>.py --help). A complete result at --out is refused
+unless --overwrite; either way it stays until the new run is complete (the run writes beside its logs).
 """
-import argparse
 import contextlib
 import io
 import json
@@ -33,7 +33,9 @@ class Refused(Exception):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="run_local.py", description=__doc__.split("\n\n")[0])
+    sys.path.insert(0, str(ROOT))
+    from data import Parser                     # bad input: one line, exit 2 (not argparse's usage)
+    p = Parser(prog="run_local.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
     p.add_argument("--nodes", type=int, default=3, help="SuperNodes = clients (default 3)")
     p.add_argument("--rounds", type=int, default=None, help="communication rounds (default 2; fedloe: from its "
@@ -44,6 +46,8 @@ def parse(argv):
     p.add_argument("--out", default=None, help="results JSON (default results/flower-<method>-<dataset>-seed<seed>.json)")
     p.add_argument("--port", type=int, default=None, help="the SuperLink's port (default: a free one)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the run is given up (default 3600)")
+    p.add_argument("--overwrite", action="store_true", help="replace a complete result at --out (once the new "
+                                                            "run is complete)")
     p.add_argument("rest", nargs="*", help="further flags of the method, after --")
     args = p.parse_args(argv)
     args.out = str(Path(args.out or f"results/flower-{args.method}-{args.dataset}-seed{args.seed}.json").resolve())
@@ -65,11 +69,19 @@ def check(a):
                       "--stage2-comms, --stage2-epochs after --, not --rounds")
     if a.nodes < 1:
         raise Refused(f"--nodes must be positive, got {a.nodes}")
-    sys.path.insert(0, str(ROOT))
+    if a.timeout <= 0:
+        raise Refused(f"--timeout must be positive, got {a.timeout:g}")
+    for flag in ("--resume", "--overwrite", "--out"):
+        if any(r == flag or r.startswith(flag + "=") for r in a.rest):
+            raise Refused(f"{flag} after --: give run_local.py's own --out and --overwrite, before --; "
+                          f"it does not continue a run (--resume)")
     import importlib
 
     import common
     import data
+    if not a.overwrite and common.complete(a.out):
+        raise Refused(f"{a.out} holds a complete result; give another --out, or --overwrite to replace it "
+                      f"(the older result stays until the new run is complete)")
 
     class Resolved(Exception):
         pass
@@ -80,9 +92,12 @@ def check(a):
         data.test_domains(args, ds)
         raise Resolved(args.clients)
     run, common.run, said = common.run, dry, io.StringIO()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
-            importlib.import_module(a.method).main(method_argv(a))
+    try:                            # (its --out a scratch file: --out itself is checked above, never touched)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said), \
+                tempfile.TemporaryDirectory() as scratch:
+            argv = method_argv(a)
+            argv[argv.index("--out") + 1] = str(Path(scratch) / "dry.json")
+            importlib.import_module(a.method).main(argv)
     except Resolved as r:
         if r.args[0] != a.nodes:
             raise Refused(f"--nodes {a.nodes}: the run has {r.args[0]} clients (one SuperNode each)")

@@ -157,12 +157,39 @@ def test_run_local_fedloe_rounds_from_its_stages():
     refused(["--method", "fedloe", "--rounds", "2"], "fedloe counts its rounds from its stages")
 
 
+@pytest.mark.parametrize("argv,expect", [
+    (["--nodes", "two"], "argument --nodes: invalid int value: 'two'"),
+    (["--timeout", "0"], "--timeout must be positive, got 0"),
+    (["--", "--resume"], "--resume after --: give run_local.py's own --out and --overwrite, before --"),
+    (["--", "--out", "x.json"], "--out after --: give run_local.py's own --out"),
+])
+def test_run_local_bad_flags_one_line(argv, expect):
+    refused(["--method", "fedavg", "--nodes", "2"] + argv, expect)
+
+
 def test_run_local_port_in_use():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         refused(["--method", "fedavg", "--nodes", "2", "--port", str(port)], f"port {port} on 127.0.0.1 is in use")
+
+
+def test_run_local_keeps_an_older_result_until_the_new_one_is_complete(tmp_path):
+    """A complete result at --out is refused without --overwrite; with it, a run that fails (here: no result
+    within --timeout 1 s) leaves that result as it was, says so in one line, and leaves no Flower process
+    running (the new run writes beside its logs, and replaces --out only once complete)."""
+    before = flower_processes()
+    out = tmp_path / "r.json"
+    out.write_text('{"complete": true, "an": "older result"}')
+    refused(["--method", "fedavg", "--nodes", "2", "--out", str(out)],
+            f"{out} holds a complete result; give another --out, or --overwrite to replace it")
+    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--out", str(out),
+                                    "--timeout", "1", "--overwrite"], capture_output=True, text=True, timeout=300,
+                       cwd=HERE.parent)
+    assert r.returncode == 1 and r.stderr.startswith("run_local.py: error: no result in 1 s; stopped"), r.stderr
+    assert out.read_text() == '{"complete": true, "an": "older result"}' and sorted(tmp_path.iterdir()) == [out]
+    assert flower_processes() <= before
 
 
 deploy = pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY") != "1",
@@ -203,6 +230,28 @@ def test_run_local_real_processes(method, tmp_path):
     for k, v in own["model"].items():
         assert torch.equal(v, real["model"][k]), f"{method}: {k} differs"
     assert history(json.loads(out.read_text())) == history(json.loads((tmp_path / "own.json").read_text()))
+
+
+@pytest.mark.slow
+@deploy
+def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
+    """3 SuperNodes on 127.0.0.1, every client sampled, 40 local epochs (so that a node's work, seconds, outlasts
+    the start of Flower's process per message): in every round at least two nodes' training overlaps, and in
+    some round all three at one instant (the spans the nodes report, <out>.flower.json). One after another,
+    as the nodes were when they handed one random stream on, no two spans would overlap. On 2 cores the third
+    node may start when another has ended, hence "at least two" each round."""
+    out = tmp_path / "r.json"
+    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "3", "--rounds", "2", "--out", str(out),
+                                    "--timeout", "500", "--", "--clients", "3", "--sample", "3",
+                                    "--local-epochs", "40"],
+                       capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+    assert r.returncode == 0, r.stderr
+    rounds = json.loads(out.with_suffix(".flower.json").read_text())["rounds"]
+    trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items() if int(t) > 0}
+    assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2] for v in trained.values())
+    pairs = lambda v: [(a, b) for i, a in enumerate(v) for b in v[i + 1:] if overlap([a, b])]
+    assert all(pairs(v) for v in trained.values()), trained
+    assert any(overlap(v) for v in trained.values()), trained
 
 
 @pytest.mark.slow
