@@ -6226,16 +6226,50 @@ def test_leaderboard_needs_full_mnist_to_run(capsys):
                                       capsys)
 
 
-def test_gpu_session_dry_run_lists_the_steps_within_the_budget(capsys, tmp_path):
-    steps = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--minutes", "9", "--dry-run"])
-    assert [s[0] for s in steps] == ["tests", "gpu_check", "speed-fl", "speed-rmnist", "tf32-off", "leaderboard"]
-    lines = capsys.readouterr().out.splitlines()
-    fits = {line.split()[0]: "skipped" not in line for line in lines}
-    # 8 minutes after packing: tests (4) run, gpu_check (6) does not fit, then speed-fl (2), speed-rmnist (2)
-    assert fits == {"tests": True, "gpu_check": False, "speed-fl": True, "speed-rmnist": True, "tf32-off": False,
-                    "leaderboard": True}
-    assert "NVIDIA_TF32_OVERRIDE=0" in next(line for line in lines if line.startswith("tf32-off"))
-    assert "--where gpu" in next(line for line in lines if line.startswith("leaderboard"))
+def test_gpu_session_dry_run_lists_the_steps_their_caps_and_sources_within_nine_minutes(capsys, tmp_path):
+    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--dry-run"])
+    names = ["tests", "gpu_check", "speed-rmnist", "speed-fl", "leaderboard"]
+    assert [s.name for s, _ in rows] == names and all(cap for _, cap in rows)    # all run at the default 9
+    stop = sum(gpu_session.grace(s.name) + gpu_session.REAP for s, _ in rows)
+    assert sum(cap for _, cap in rows) + stop + gpu_session.PACK <= 9 * 60
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.split()[0] in names}
+    assert list(lines) == names and all("runs" in x and "source: " in x for x in lines.values())
+    assert "81 s" in lines["tests"] and "H200" in lines["tests"]                   # each cap's own source
+    assert "a cap, unmeasured" in lines["gpu_check"] and "a cap, unmeasured" in lines["speed-fl"]
+    assert "FedIPG 1.12" in lines["speed-rmnist"]
+    assert "tf32" not in out.lower() and "--where gpu" in out and "--rounds 2 --json" in out
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert total.startswith("total        9.00 min = caps 7.67 + stopping 1.00 + packing 0.33")
+
+
+def test_gpu_session_dry_run_skips_a_step_that_does_not_fit(capsys, tmp_path):
+    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--minutes", "3", "--dry-run"])
+    assert {s.name: bool(cap) for s, cap in rows} == {"tests": True, "gpu_check": False, "speed-rmnist": False,
+                                                      "speed-fl": False, "leaderboard": True}
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "skipped: needs 3.12 min, 0.80 left" in lines["gpu_check"] and "runs" in lines["tests"]
+    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--skip", "tests", "gpu_check",
+                             "--dry-run"])
+    assert [s.name for s, _ in rows] == ["speed-rmnist", "speed-fl", "leaderboard"]
+    capsys.readouterr()
+    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--skip", "gpu_check", "--minutes",
+                             "3.2", "--dry-run"])          # 60 s left after the tests: speed-rmnist's cap, not its stop
+    assert [bool(cap) for _, cap in rows] == [True, False, False, True]
+    assert "speed-rmnist skipped: needs 1.12 min, 1.00 left" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--minutes", "0"], "--minutes must be above 0 and at most 10, got 0"),
+    (["--minutes", "10.5"], "at most 10, got 10.5"),
+    (["--minutes", "nan"], "must be a finite number"),
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--skip", "tf32-off"], "invalid choice: 'tf32-off'"),
+    (["--bogus"], "unrecognized arguments: --bogus")])
+def test_gpu_session_refuses_bad_input_in_one_line(capsys, tmp_path, argv, says):
+    line = fails(gpu_session.main, ["--data-root", "D", "--out-dir", str(tmp_path / "o"), "--dry-run"] + argv, capsys)
+    assert line.startswith("gpu_session.py: error: ") and says in line
+    assert not (tmp_path / "o").exists()
 
 
 def test_gpu_session_refuses_without_cuda_in_one_line(tmp_path):
@@ -6244,26 +6278,137 @@ def test_gpu_session_refuses_without_cuda_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "benchmark/gpu_session.py", "--data-root", str(tmp_path), "--out-dir",
                         str(tmp_path / "o")], cwd=HERE, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no CUDA device" in r.stderr
+    assert not (tmp_path / "o").exists()
 
 
-def test_gpu_session_packs_parts_and_unpacks_them(tmp_path, monkeypatch):
-    board = tmp_path / "repo" / "benchmark" / "results" / "leaderboard" / "b"
+def test_gpu_session_packs_one_archive_within_the_limit_logs_first_and_unpacks_it(tmp_path, monkeypatch, capsys):
+    repo = tmp_path / "repo"
+    board = repo / "benchmark" / "results" / "leaderboard" / "b"
     board.mkdir(parents=True)
-    monkeypatch.setattr(gpu_session, "ROOT", tmp_path / "repo")
+    monkeypatch.setattr(gpu_session, "ROOT", repo)
     monkeypatch.setattr(gpu_session, "LEADERBOARD", board.parent)
-    monkeypatch.setattr(gpu_session, "PART", 1000)
-    for k in range(5):
-        (board / f"r-seed{k}.json").write_bytes(bytes(400))
-    (board / "big.ckpt").write_bytes(bytes(1001))                       # over a part: left out
+    monkeypatch.setattr(gpu_session, "LIMIT", 70_000)
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        (board / f"r-seed{k}.json").write_text(json.dumps({"acc": [k] * 500}))
+        (board / f"r-seed{k}.log").write_text("round 1\n" * 2500)     # 20 kB, larger than a checkpoint
+    for kb in (40, 5, 20, 30):                                         # incompressible, smallest first: 5, 20 fit
+        (board / f"r{kb}.ckpt").write_bytes(rng.bytes(kb * 1000))
+    (board / "r-seed0.lock").write_text("123")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "tests.log").write_text("5 passed")
-    assert gpu_session.pack(out) == 3                                   # by size: 8 + 400 + 400 | 400 + 400 | 400
-    import shutil
+    (out / "tests.log").write_text("5 passed\n" * 1500)                # 13.5 kB
+    (out / "gpu_check.json").write_text("{}")
+    for k in range(2):
+        (out / f"gpu-session-{k}.tar.gz").write_bytes(b"an earlier version's part")
+    import tarfile
+    left = gpu_session.pack(out)
+    archives = sorted(p.name for p in out.glob("*.tar.gz*"))
+    assert archives == ["gpu-session.tar.gz"] and (out / "gpu-session.tar.gz").stat().st_size <= 70_000
+    assert sorted(p.name for p in left) == ["r30.ckpt", "r40.ckpt"]
+    printed = capsys.readouterr().out.splitlines()
+    assert [x.split(": ")[1].split()[0] for x in printed] == ["benchmark/results/leaderboard/b/r30.ckpt",
+                                                               "benchmark/results/leaderboard/b/r40.ckpt"]
+    with tarfile.open(out / "gpu-session.tar.gz") as t:
+        names = t.getnames()
+        said = t.extractfile("gpu-session/left-out.txt").read().decode()
+    assert names[:2] == ["gpu-session/gpu_check.json", "gpu-session/tests.log"]        # the steps' files first,
+    assert set(names[2:8]) == {f"benchmark/results/leaderboard/b/r-seed{k}.{x}" for k in range(3)
+                               for x in ("json", "log")}                               # then the board's,
+    assert names[8:] == ["benchmark/results/leaderboard/b/r5.ckpt", "benchmark/results/leaderboard/b/r20.ckpt",
+                         "gpu-session/left-out.txt"]                                   # checkpoints last
+    assert "b/r30.ckpt" in said and "b/r40.ckpt" in said and "lock" not in said
     shutil.rmtree(board)
     gpu_session.unpack(out)
-    assert sorted(p.name for p in board.iterdir()) == [f"r-seed{k}.json" for k in range(5)]
-    assert (tmp_path / "repo" / "gpu-session" / "tests.log").read_text() == "5 passed"
+    assert sorted(p.name for p in board.iterdir()) == ["r-seed0.json", "r-seed0.log", "r-seed1.json", "r-seed1.log",
+                                                       "r-seed2.json", "r-seed2.log", "r20.ckpt", "r5.ckpt"]
+    assert (repo / "gpu-session" / "tests.log").read_text() == "5 passed\n" * 1500
+
+
+def test_gpu_session_unpacks_an_earlier_versions_parts_then_its_archive(tmp_path, monkeypatch):
+    import tarfile
+    monkeypatch.setattr(gpu_session, "ROOT", tmp_path / "repo")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in (("gpu-session-0.tar.gz", "part 0"), ("gpu-session-1.tar.gz", "part 1"),
+                       ("gpu-session.tar.gz", "new")):
+        src = tmp_path / name.replace(".tar.gz", "")
+        src.write_text(text)
+        with tarfile.open(out / name, "w:gz") as t:
+            t.add(src, arcname="benchmark/x.json")                          # the same path in each: the last wins
+            t.add(src, arcname=f"benchmark/{name}.json")
+    gpu_session.unpack(out)
+    got = {p.name: p.read_text() for p in (tmp_path / "repo" / "benchmark").iterdir()}
+    assert got == {"x.json": "new", "gpu-session-0.tar.gz.json": "part 0", "gpu-session-1.tar.gz.json": "part 1",
+                   "gpu-session.tar.gz.json": "new"}
+
+
+def test_gpu_session_interrupts_a_step_at_its_cap(tmp_path):
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    t0 = time.monotonic()
+    rc, how = gpu_session.run_step("s", sleeper, tmp_path, cap=1, grace_s=20)
+    assert time.monotonic() - t0 < 6 and rc == -signal.SIGINT and how == "SIGINT at its cap (0.02 min)"
+    deaf = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "print('deaf', flush=True); time.sleep(60)"]                          # SIGKILL after the grace
+    t0 = time.monotonic()
+    rc, how = gpu_session.run_step("d", deaf, tmp_path, cap=3, grace_s=1)
+    assert time.monotonic() - t0 < 9 and rc == -signal.SIGKILL and ", SIGKILL 1 s later" in how
+    assert (tmp_path / "d.log").read_text() == "deaf\n"
+    rc, how = gpu_session.run_step("q", [sys.executable, "-c", "print(1)"], tmp_path, cap=30)
+    assert (rc, how) == (0, "")
+
+
+GPU_SESSION_DRIVER = """
+import os, sys, torch
+sys.path.insert(0, "benchmark")
+import gpu_session as g
+from pathlib import Path
+torch.cuda.is_available = lambda: True                               # the steps are sleepers: no GPU used
+g.LEADERBOARD, g.PACK, g.GRACE, g.LEADERBOARD_GRACE, g.MIN_CAP = Path(sys.argv[1]), 2, 1, 2, 1
+deaf = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); " if os.environ.get("DEAF") else ""
+sleep = ["-c", deaf + "import time; print('started', flush=True); time.sleep(60)"]
+g.STEPS = [g.Step("a", float(os.environ["CAP_A"]), "", sleep), g.Step("b", 20, "", sleep),
+           g.Step("leaderboard", None, "", sleep)]
+g.main(sys.argv[2:])
+"""
+
+
+def gpu_session_driver(tmp_path, minutes, **env):
+    return [sys.executable, "-c", GPU_SESSION_DRIVER, str(tmp_path / "board"), "--data-root", str(tmp_path),
+            "--out-dir", str(tmp_path / "o"), "--minutes", minutes], dict(os.environ, **env)
+
+
+def test_gpu_session_ends_within_its_minutes_when_every_step_runs_to_its_kill(tmp_path):
+    import tarfile
+    cmd, env = gpu_session_driver(tmp_path, "0.3", CAP_A="3", DEAF="1")     # the steps ignore SIGINT
+    r = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = {x.split(":")[0]: x for x in r.stdout.splitlines() if x.startswith(("a: exit", "b: ", "leaderboard: exit"))}
+    assert said["a"].startswith("a: exit -9 after 0.07 min, SIGINT at its cap (0.05 min), SIGKILL 1 s later")
+    assert said["b"].startswith("b: skipped, it does not fit: it needs 0.38 min")    # 20 + 1 + 2 s
+    assert said["leaderboard"].startswith("leaderboard: exit -9") and ", SIGKILL 2 s later" in said["leaderboard"]
+    took, budget = re.search(r"after ([0-9.]+) s of (\d+)", r.stdout).groups()
+    assert budget == "18" and float(took) <= 18, r.stdout                    # the whole command, packing included
+    with tarfile.open(tmp_path / "o" / "gpu-session.tar.gz") as t:
+        assert {"gpu-session/a.log", "gpu-session/leaderboard.log", "gpu-session/gpu_session.log"} <= set(t.getnames())
+
+
+def test_gpu_session_stops_its_step_packs_and_exits_143_on_sigterm(tmp_path):
+    import tarfile
+    cmd, env = gpu_session_driver(tmp_path, "1", CAP_A="30")
+    proc = subprocess.Popen(cmd, env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout.readline().startswith("a: ")                      # step a started
+    deadline = time.monotonic() + 30
+    while "started" not in (tmp_path / "o" / "a.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 143 and time.monotonic() - t0 < 10, out     # not at a's cap (30 s)
+    assert "a: exit -2 after 0.0" in out and "SIGINT (SIGTERM to gpu_session.py)" in out
+    assert "b: not started (SIGTERM)" in out and "leaderboard: not started (SIGTERM)" in out
+    with tarfile.open(tmp_path / "o" / "gpu-session.tar.gz") as t:
+        assert "gpu-session/a.log" in t.getnames()
 
 
 # one row per evaluation (epochs 0, 10, ..., 90, 99): validation peaks first at epoch 30 (test 0.61),

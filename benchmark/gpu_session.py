@@ -1,27 +1,41 @@
-"""Everything the project needs a GPU for, in one command that fits a borrowed GPU's half hour.
+"""Everything the project needs a GPU for, in one command that fits a borrowed GPU's lease (15 minutes of
+device time in all, at most 10 a command): by default 9 minutes, packing included.
 
-    python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --minutes 25
-    python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --dry-run     # the steps, their minutes
+    python benchmark/gpu_session.py --data-root DIR --out-dir DIR2                # 9 minutes
+    python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --dry-run      # the steps, caps, sources
 
-In order, each step only if its estimated minutes fit what is left of --minutes (the last one runs
-until the budget and stops cleanly):
-  1. tests        pytest -q with CUDA visible (the bit-exact tests run on the CPU and on CUDA)
-  2. gpu_check    benchmark/gpu_check.py: every method on CUDA, no host sync in a local step,
-                  repeatability, CPU against GPU, speed targets
-  3. speed        benchmark/speed.py one client after another against all at once, in the FL setting
-                  and on RotatedMNIST-50 (every method that trains its clients at once)
-  4. tf32-off     gpu_check's CPU-against-GPU check under NVIDIA_TF32_OVERRIDE=0 (is FedLOE's CPU/GPU
-                  difference TF32's?)
-  5. leaderboard  benchmark/leaderboard.py --where gpu: the leaderboard's missing GPU cells
-                  (resumable); at the budget every run is interrupted after its last checkpoint
-Every step's output goes to DIR2/<step>.log, its JSON to DIR2/<step>.json. At the end DIR2 holds
-gpu-session-K.tar.gz (each at most 15 MB): the step files and the leaderboard's JSONs, logs and
-checkpoints (a checkpoint over 15 MB is left out, and named). A later call with the same DIR2 first
-unpacks those archives into the checkout, so its leaderboard step continues where this one stopped;
-unpack them by hand (tar -xzf FILE from the repository root) to bring the results home.
-Without a CUDA device: one line, exit 2 (--dry-run works anywhere).
+In order (STEPS), each with a hard cap, its estimate; each estimate's source is named beside it in
+STEPS and printed by --dry-run:
+  1. tests        pytest -q (-n 8 where pytest-xdist is importable) with CUDA visible: the bit-exact
+                  tests run on the CPU and on CUDA
+  2. gpu_check    benchmark/gpu_check.py --rounds 3 --ipg-rounds 5: every method on CUDA, no host sync
+                  in a local step, repeatability, CPU against GPU, speed targets
+  3. speed-rmnist benchmark/speed.py --setting rmnist: one client after another against all at once,
+                  and every method's round, on RotatedMNIST-50
+  4. speed-fl     benchmark/speed.py --setting fl --rounds 2: the same in FedOMG's FL setting
+  5. leaderboard  benchmark/leaderboard.py --where gpu: the leaderboard's missing GPU cells (resumable),
+                  for whatever time is left
+At its cap a step gets SIGINT (to its process group: pytest stops, the leaderboard's runs stop after
+their round and its checkpoint), and SIGKILL (its group and every process below it) GRACE seconds
+later (LEADERBOARD_GRACE for the leaderboard). A step runs only if its cap, its grace and REAP fit
+what is left before packing (PACK seconds at the end); one that does not is skipped with one line;
+the leaderboard's cap is what is left. So the command ends within --minutes.
+Every step's output goes to DIR2/<step>.log, its JSON to DIR2/<step>.json, this command's own lines
+to DIR2/gpu_session.log. At the end DIR2 holds one archive, gpu-session.tar.gz, of at most 15 MiB
+(what a borrowed machine sends back is at most 16 MiB a file): the step logs and JSONs first, then
+the leaderboard's JSONs and logs, then its checkpoints, smallest first, each while it fits; every
+file left out is named in one line and in gpu-session/left-out.txt inside the archive. A later call
+with the same DIR2 first unpacks its archive (or an earlier version's gpu-session-K.tar.gz parts)
+into the checkout, so its leaderboard step continues where this one stopped; to bring the results
+home, unpack it from the repository root (tar -xzf DIR2/gpu-session.tar.gz).
+Bad input: one line, exit 2, before any work; without a CUDA device (and without --dry-run): one
+line, exit 2. Ctrl-C or SIGTERM: the running step is stopped as at its cap (a second signal kills
+it at once), what exists is packed, exit 130 / 143.
 """
-import argparse
+import collections
+import gzip
+import importlib.util
+import io
 import os
 import signal
 import subprocess
@@ -31,119 +45,302 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from data import Parser, finite  # noqa: E402
+
 LEADERBOARD = ROOT / "benchmark" / "results" / "leaderboard"
-PART = 15 * 2 ** 20          # bytes per archive: what a borrowed machine sends back is at most 16 MB a file
-STEPS = [  # name, estimated minutes on one H100, command (DATA and OUT filled in), extra environment
-    ("tests", 4, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], {}),
-    ("gpu_check", 6, [sys.executable, "benchmark/gpu_check.py", "--data-root", "DATA", "--out", "OUT/gpu_check.json"], {}),
-    ("speed-fl", 2, [sys.executable, "benchmark/speed.py", "--setting", "fl", "--data-root", "DATA", "--json",
-                     "OUT/speed-fl.json"], {}),
-    ("speed-rmnist", 2, [sys.executable, "benchmark/speed.py", "--setting", "rmnist", "--data-root", "DATA", "--json",
-                         "OUT/speed-rmnist.json"], {}),
-    ("tf32-off", 2, [sys.executable, "benchmark/gpu_check.py", "--checks", "cpu", "--out", "OUT/tf32-off.json"],
-     {"NVIDIA_TF32_OVERRIDE": "0"}),
-    ("leaderboard", 10, [sys.executable, "benchmark/leaderboard.py", "--data-root", "DATA", "--where", "gpu",
-                         "--jobs", "JOBS", "--no-figure"], {}),
+ARCHIVE = "gpu-session.tar.gz"
+LIMIT = 15 * 2 ** 20         # bytes in the archive: what a borrowed machine sends back is at most 16 MiB a file
+LEFT_MAX = 4096              # bytes of left-out.txt at most (longer: cut, with the number of the others)
+GRACE, LEADERBOARD_GRACE = 5, 30   # seconds from a step's SIGINT to its SIGKILL
+REAP = 2                     # seconds to wait for a killed step to be reaped
+PACK = 20                    # seconds kept for packing at the end
+MIN_CAP = 10                 # seconds: a step with less is not started
+MAX_MINUTES = 10             # what one command may run on a borrowed machine
+
+Step = collections.namedtuple("Step", "name cap source cmd")   # cap in seconds (None: what is left)
+STEPS = [  # DATA, OUT and JOBS are filled in; XDIST becomes -n 8 where pytest-xdist is importable
+    Step("tests", 105, "measured: 81 s with pytest -q -n 8 (H200, torch 2.11.0+cu130, commit 8f6fd46, "
+         "2026-11-26); cap 1.3x that; without xdist unmeasured", [
+             "-m", "pytest", "-q", "-p", "no:cacheprovider", "XDIST"]),
+    Step("gpu_check", 180, "a cap, unmeasured: the H200's whole run (2026-11-26) was cut by a time limit "
+         "before its end; here 3 timed rounds (default 10) and 5 FedIPG rounds (default 100)", [
+             "benchmark/gpu_check.py", "--data-root", "DATA", "--rounds", "3", "--ipg-rounds", "5",
+             "--out", "OUT/gpu_check.json"]),
+    Step("speed-rmnist", 60, "estimated ~30 s: 7 passes (1 warm-up, 6 timed) x 2.6 s (H200 rounds, 2026-11-26: "
+         "FedAvg 0.18 s x 3 ways, FedIIR 0.38, FedIPG 1.12; FedOMG x 2 and the bare loop taken as FedAvg's) "
+         "+ ~10 s start-up (imports and full MNIST: 4 s on a 2-core CPU; CUDA's unmeasured); cap 2x that", [
+             "benchmark/speed.py", "--setting", "rmnist", "--data-root", "DATA", "--rounds", "6",
+             "--json", "OUT/speed-rmnist.json"]),
+    Step("speed-fl", 90, "a cap, unmeasured: --rounds 2 did not finish within 100 s on the H200 "
+         "(2026-11-26)", [
+             "benchmark/speed.py", "--setting", "fl", "--data-root", "DATA", "--rounds", "2",
+             "--json", "OUT/speed-fl.json"]),
+    Step("leaderboard", None, "what is left before packing (the runs resume from their checkpoints)", [
+        "benchmark/leaderboard.py", "--data-root", "DATA", "--where", "gpu", "--jobs", "JOBS", "--no-figure"]),
 ]
+STOP = []                    # the signals this command received (SIGINT, SIGTERM)
+
+
+def grace(name):
+    return LEADERBOARD_GRACE if name == "leaderboard" else GRACE
 
 
 def fill(cmd, a):
-    return [{"DATA": a.data_root, "OUT": str(a.out_dir)}.get(x, x).replace("OUT/", f"{a.out_dir}/")
-            .replace("JOBS", str(a.jobs)) for x in cmd]
+    """The step's command line, run from the repository root."""
+    xdist = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+    out = [sys.executable]
+    for x in cmd:
+        out += xdist if x == "XDIST" else [{"DATA": str(a.data_root), "JOBS": str(a.jobs)}.get(x, x)
+                                           .replace("OUT/", f"{a.out_dir}/")]
+    return out
+
+
+def needs(step):
+    """Seconds a step needs before packing: its cap (the leaderboard: MIN_CAP), its grace and REAP."""
+    return (step.cap or MIN_CAP) + grace(step.name) + REAP
+
+
+def cap_for(step, left):
+    """The cap (seconds) the step runs with when `left` seconds remain before packing, or None: it
+    does not fit (its cap, its grace and REAP)."""
+    cap = left - grace(step.name) - REAP if step.cap is None else step.cap
+    return cap if cap >= MIN_CAP and cap + grace(step.name) + REAP <= left else None
+
+
+def descendants(pid):
+    """Every process below `pid`, in any session (Linux /proc; elsewhere none)."""
+    children = collections.defaultdict(list)
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for d in entries:
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children[ppid].append(int(d))
+    found, todo = [], [pid]
+    while todo:
+        for c in children[todo.pop()]:
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def kill_tree(pid):
+    """SIGKILL the process group `pid` and every process below it (the leaderboard's runs have
+    sessions of their own): the group is stopped first, so that it starts no process meanwhile."""
+    def group(sig):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    group(signal.SIGSTOP)
+    below = descendants(pid)
+    group(signal.SIGKILL)
+    for p in below:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_step(name, cmd, out_dir, cap, grace_s=GRACE, env=None):
+    """Run one step, its output in out_dir/<name>.log; at `cap` seconds (or at a signal to this command)
+    SIGINT to its process group, SIGKILL (kill_tree) grace_s seconds later (at once at a second signal).
+    Returns (exit status, how it ended: "" on its own, else what stopped it)."""
+    with open(Path(out_dir) / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+        t0, asked, signals, how = time.monotonic(), None, len(STOP), ""
+        while proc.poll() is None:
+            now = time.monotonic()
+            if asked is None and (now - t0 >= cap or len(STOP) > signals):
+                asked, signals = now, len(STOP)
+                how = f"SIGINT at its cap ({cap / 60:.2f} min)" if not STOP else \
+                    f"SIGINT ({signal.Signals(STOP[0]).name} to gpu_session.py)"
+                try:
+                    os.killpg(proc.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+            elif asked is not None and (now - asked >= grace_s or len(STOP) > signals):
+                kill_tree(proc.pid)
+                how += f", SIGKILL {now - asked:.0f} s later"
+                try:
+                    proc.wait(timeout=REAP)
+                except subprocess.TimeoutExpired:
+                    how += f", not reaped {REAP} s later"
+                break
+            time.sleep(0.05)
+        return proc.returncode, how
 
 
 def unpack(out_dir):
-    """Unpack earlier archives of this DIR2 into the checkout (their paths are relative to it)."""
-    for f in sorted(out_dir.glob("gpu-session-*.tar.gz")):
+    """Unpack the archive of an earlier call with this DIR2 into the checkout (its paths are relative to
+    it): an earlier version's parts gpu-session-K.tar.gz first, then gpu-session.tar.gz."""
+    parts = sorted(out_dir.glob("gpu-session-*.tar.gz"), key=lambda f: (len(f.name), f.name))
+    for f in parts + [f for f in [out_dir / ARCHIVE] if f.is_file()]:
         with tarfile.open(f) as t:
             t.extractall(ROOT, filter="data")
         print(f"unpacked {f.name}", flush=True)
 
 
-def pack(out_dir):
-    """The step files and the leaderboard's results into archives of at most PART bytes each."""
-    files = [p for p in out_dir.iterdir() if p.suffix in (".json", ".log")]
-    files += [p for p in LEADERBOARD.rglob("*") if p.is_file() and p.suffix in (".json", ".log", ".ckpt")]
+def bound(n, arcname):
+    """The most one member of n bytes can add to the archive: its tar header(s) (a long name takes a
+    pax header), its data padded to 512, deflate's worst case (stored blocks) and a sync flush."""
+    raw = 3 * 512 + 2 * len(arcname.encode()) + -(-n // 512) * 512
+    return raw + raw // 1000 + 64
+
+
+END = 10240 + 1024 + (10240 + 1024) // 1000 + 64 + 8   # the tar's end blocks and record padding, gzip's trailer
+
+
+def pack(out_dir, until=None):
+    """One archive out_dir/gpu-session.tar.gz of at most LIMIT bytes: out_dir's logs and JSONs, then the
+    leaderboard's JSONs and logs, then its checkpoints, each group smallest first, each file while it
+    fits (and while time.monotonic() < until); the others are named, one line each and in
+    gpu-session/left-out.txt. Replaces the archives of an earlier call. Returns the files left out."""
+    def arcname(p):
+        return os.path.relpath(p, ROOT) if p.is_relative_to(ROOT) else f"gpu-session/{p.name}"
+    board = [p for p in LEADERBOARD.rglob("*") if p.is_file()] if LEADERBOARD.is_dir() else []
+    groups = [[p for p in out_dir.iterdir() if p.is_file() and p.suffix in (".json", ".log")],
+              [p for p in board if p.suffix in (".json", ".log")],
+              [p for p in board if p.suffix == ".ckpt"]]
+    reserve = END + bound(LEFT_MAX, "gpu-session/left-out.txt")
+    tmp, left_out = out_dir / (ARCHIVE + ".part"), []
+    with open(tmp, "wb") as raw:
+        gz = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0)
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as t:
+            for group in groups:
+                for p in sorted(group, key=lambda p: (p.stat().st_size, str(p))):
+                    name, n = arcname(p), p.stat().st_size
+                    if until is not None and time.monotonic() >= until:
+                        left_out.append((p, "no time left to pack it"))
+                    elif raw.tell() + bound(n, name) + reserve > LIMIT:
+                        left_out.append((p, f"{n:,} bytes: more than is left of the archive's {LIMIT:,}"))
+                    else:
+                        body = p.read_bytes()                        # as read now: a file that changes cannot
+                        info = t.gettarinfo(p, name)                 # break the archive
+                        info.size, info.mtime = len(body), int(info.mtime)    # (a float mtime: a pax header)
+                        t.addfile(info, io.BytesIO(body))
+                        gz.flush()                                   # raw.tell() is now what is written
+            text = "".join(f"{arcname(p)}: {why}\n" for p, why in left_out)
+            if len(text.encode()) > LEFT_MAX:
+                text = text.encode()[:LEFT_MAX - 64].decode(errors="ignore").rsplit("\n", 1)[0] + \
+                    f"\n... {len(left_out)} files left out in all\n"
+            info = tarfile.TarInfo("gpu-session/left-out.txt")
+            info.size, info.mtime = len(text.encode()), int(time.time())
+            t.addfile(info, io.BytesIO(text.encode()))
+        gz.close()
+    os.replace(tmp, out_dir / ARCHIVE)
     for old in out_dir.glob("gpu-session-*.tar.gz"):
         old.unlink()
-    parts, size, left_out = [[]], 0, []
-    for p in sorted(files, key=lambda p: p.stat().st_size):
-        n = p.stat().st_size
-        if n > PART:
-            left_out.append(p)
-            continue
-        if size + n > PART and parts[-1]:
-            parts.append([])
-            size = 0
-        parts[-1].append(p)
-        size += n
-    for k, group in enumerate(parts):
-        with tarfile.open(out_dir / f"gpu-session-{k}.tar.gz", "w:gz") as t:
-            for p in group:
-                t.add(p, arcname=os.path.relpath(p, ROOT) if p.is_relative_to(ROOT) else f"gpu-session/{p.name}")
-    for p in left_out:
-        print(f"left out of the archive (over {PART >> 20} MB): {p}", flush=True)
-    return len(parts)
+    for p, why in left_out:
+        print(f"left out of {ARCHIVE}: {arcname(p)} ({why})", flush=True)
+    return [p for p, _ in left_out]
 
 
-def run_step(name, cmd, env, out_dir, seconds):
-    """Run one step for at most `seconds`; then interrupt it (SIGINT to its process group: every
-    method script stops after its last checkpoint) and wait for it to end."""
-    with open(out_dir / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **env),
-                                start_new_session=True)
-        try:
-            return proc.wait(timeout=max(1, seconds))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                return proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                return proc.wait()
+def plan(steps, seconds):
+    """The dry run's schedule: each step as if it ran to its cap and its grace."""
+    left, out = seconds - PACK, []
+    for s in steps:
+        cap = cap_for(s, left)
+        out.append((s, cap, left))
+        left -= cap + grace(s.name) + REAP if cap else 0
+    return out
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="gpu_session.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="gpu_session.py", description=__doc__.splitlines()[0])
     p.add_argument("--data-root", required=True, help="full MNIST (python data.py --download mnist --data-root DIR)")
-    p.add_argument("--out-dir", required=True, help="step logs and JSONs, and the archives to bring home")
-    p.add_argument("--minutes", type=float, default=25, help="the whole budget, packing included")
+    p.add_argument("--out-dir", required=True, help="step logs and JSONs, and the archive to bring home")
+    p.add_argument("--minutes", type=finite, default=9,
+                   help=f"the whole command, packing included (at most {MAX_MINUTES}: one command's limit)")
     p.add_argument("--jobs", type=int, default=12, help="leaderboard runs at once on the GPU")
-    p.add_argument("--skip", nargs="*", default=[], choices=[s[0] for s in STEPS], help="steps to leave out")
-    p.add_argument("--dry-run", action="store_true", help="list the steps and their estimated minutes, run nothing")
+    p.add_argument("--skip", nargs="+", default=[], choices=[s.name for s in STEPS], help="steps to leave out")
+    p.add_argument("--dry-run", action="store_true", help="list the steps, their caps and the caps' sources; run "
+                   "nothing")
     a = p.parse_args(argv)
-    if a.minutes <= 0 or a.jobs < 1:
-        p.exit(2, "gpu_session.py: error: --minutes and --jobs must be positive\n")
-    a.out_dir = Path(a.out_dir).resolve()
-    steps = [s for s in STEPS if s[0] not in a.skip]
+    if not 0 < a.minutes <= MAX_MINUTES:
+        p.error(f"--minutes must be above 0 and at most {MAX_MINUTES}, got {a.minutes:g}")
+    if a.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {a.jobs}")
+    start = time.monotonic()
+    a.out_dir, a.data_root = Path(a.out_dir).resolve(), Path(a.data_root).resolve()
+    steps = [s for s in STEPS if s.name not in a.skip]
     if a.dry_run:
-        left = a.minutes - 1                                    # a minute for packing
-        for name, est, cmd, env in steps:
-            fits = "runs" if est <= left or name == "leaderboard" else "skipped (budget)"
-            print(f"{name:12s} ~{est:>2d} min  {fits:16s} " + " ".join(f"{k}={v}" for k, v in env.items())
-                  + " ".join(fill(cmd, a)).replace(sys.executable, "python"))
-            left -= est if fits == "runs" else 0
-        return steps
+        return dry_run(steps, a)
     import torch
     if not torch.cuda.is_available():
         print("gpu_session.py: error: no CUDA device is visible (this command is for a GPU machine; "
               "--dry-run lists its steps anywhere)", file=sys.stderr)
         sys.exit(2)
-    if not Path(a.data_root).is_dir():
-        p.exit(2, f"gpu_session.py: error: --data-root {a.data_root} is not a folder\n")
+    if not a.data_root.is_dir():
+        p.error(f"--data-root {a.data_root} is not a folder")
     a.out_dir.mkdir(parents=True, exist_ok=True)
+    STOP.clear()
+    handlers = {s: signal.signal(s, lambda signum, frame: STOP.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        session(a, steps, start, start + 60 * a.minutes)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    if STOP:
+        sys.exit(128 + STOP[0])
+
+
+def session(a, steps, start, end):
+    """Unpack, the steps in order within their caps, then pack; ends by `end` (time.monotonic())."""
+    own = open(a.out_dir / "gpu_session.log", "w")
+
+    def say(line):
+        print(line, flush=True)
+        own.write(line + "\n")
+        own.flush()
     unpack(a.out_dir)
-    end = time.monotonic() + 60 * (a.minutes - 1)
-    for name, est, cmd, env in steps:
-        left = end - time.monotonic()
-        if name != "leaderboard" and est * 60 > left:
-            print(f"{name}: skipped (~{est} min, {left / 60:.1f} left)", flush=True)
+    for s in steps:
+        left = end - PACK - time.monotonic()
+        cap = cap_for(s, left)
+        if STOP:
+            say(f"{s.name}: not started ({signal.Signals(STOP[0]).name})")
             continue
+        if cap is None:
+            say(f"{s.name}: skipped, it does not fit: it needs {needs(s) / 60:.2f} min, {left / 60:.2f} left "
+                "before packing")
+            continue
+        cmd = fill(s.cmd, a)
+        say(f"{s.name}: {' '.join(cmd)} (cap {cap / 60:.2f} min)")
         t0 = time.monotonic()
-        rc = run_step(name, fill(cmd, a), env, a.out_dir, left)
-        print(f"{name}: exit {rc} after {(time.monotonic() - t0) / 60:.1f} min (log: {a.out_dir / name}.log)", flush=True)
-    n = pack(a.out_dir)
-    print(f"packed {n} archive(s) in {a.out_dir}", flush=True)
+        rc, how = run_step(s.name, cmd, a.out_dir, cap, grace(s.name))
+        say(f"{s.name}: exit {rc} after {(time.monotonic() - t0) / 60:.2f} min" + (f", {how}" if how else "")
+            + f" (log: {a.out_dir / s.name}.log)")
+    own.close()
+    pack(a.out_dir, until=end - PACK / 4)
+    print(f"packed {a.out_dir / ARCHIVE} ({(a.out_dir / ARCHIVE).stat().st_size / 2 ** 20:.1f} MiB) after "
+          f"{time.monotonic() - start:.1f} s of {end - start:.0f}", flush=True)
+
+
+def dry_run(steps, a):
+    """Print the schedule as if every step ran to its cap; returns [(step, cap or None)]."""
+    print(f"gpu_session.py: {a.minutes:g} min in all; each step stops at its cap (SIGINT to its process group, "
+          f"SIGKILL {GRACE} s later, the leaderboard's {LEADERBOARD_GRACE} s; {REAP} s to reap), then "
+          f"packing ({PACK} s)")
+    rows, caps, stops = plan(steps, 60 * a.minutes), 0, 0
+    for s, cap, left in rows:
+        if cap:
+            caps, stops = caps + cap, stops + grace(s.name) + REAP
+            what = f"cap {cap / 60:5.2f} min  runs   "
+        else:
+            what = f"skipped: needs {needs(s) / 60:.2f} min, {max(left, 0) / 60:.2f} left"
+        print(f"{s.name:12s} {what}  source: {s.source}")
+        print(f"{'':13s}{' '.join(fill(s.cmd, a)).replace(sys.executable, 'python')}")
+    print(f"{'packing':12s} {PACK / 60:.2f} min: one archive {ARCHIVE} of at most {LIMIT / 2 ** 20:g} MiB")
+    print(f"{'total':12s} {(caps + stops + PACK) / 60:.2f} min = caps {caps / 60:.2f} + stopping {stops / 60:.2f} "
+          f"+ packing {PACK / 60:.2f} (at most --minutes {a.minutes:g})")
+    return [(s, cap) for s, cap, _ in rows]
 
 
 if __name__ == "__main__":
