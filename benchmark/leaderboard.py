@@ -287,8 +287,9 @@ def still_to_run(benches, out_dir, seeds):
         cmd = f"python benchmark/leaderboard.py --data-root DIR --only {b}" + (" --jobs 2" if where == "cpu" else "")
         out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`, {where}): {', '.join(rows)} — `{cmd}`")
     if any(BENCHMARKS[b][3] == "gpu" for b in todo):
-        out.append("\nOn a borrowed GPU, every missing GPU cell within its time, resumable: "
-                   "`python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --minutes 25`.")
+        out.append("\nOn a borrowed GPU (one command of 9 minutes, the suite and the GPU checks first; the cells get "
+                   "what is left and resume from their checkpoints in the next session): "
+                   "`python benchmark/gpu_session.py --data-root DIR --out-dir DIR2`.")
     return "\n".join(out) + "\n"
 
 
