@@ -5,7 +5,6 @@ seconds per round and bytes per round, and whether the two end with the same mod
     python flower/overhead.py                           # synthetic, 3 clients, 3 rounds
     python flower/overhead.py --dataset rmnist --clients 5 --rounds 2 --methods fedavg fediir
 """
-import argparse
 import importlib
 import json
 import sys
@@ -24,18 +23,23 @@ import fl_adapter  # noqa: E402
 def argv_of(method, a):
     argv = ["--dataset", a.dataset, "--test-domain", "0", "--clients", str(a.clients), "--eval-every", str(a.rounds)]
     if method == "fedloe":       # its rounds are its communications: one of stage 1, the rest stage 2
-        return argv + ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", str(a.rounds - 1),
-                       "--stage2-comms", str(a.rounds - 1)]
+        small = ["--batch-size", "64"] if a.dataset == "synthetic" else []   # (its 128: more than a client holds)
+        return argv + small + ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", str(a.rounds - 1),
+                               "--stage2-comms", str(a.rounds - 1)]
     return argv + ["--rounds", str(a.rounds)]
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from data import Parser      # (fl_adapter put the repository on the path) bad input: one line, exit 2
+    p = Parser(prog="overhead.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--methods", nargs="+", default=list(fl_adapter.METHODS))
+    p.add_argument("--methods", nargs="+", default=list(fl_adapter.METHODS), choices=list(fl_adapter.METHODS))
     a = p.parse_args()
+    if a.clients < 1 or a.rounds < 2:
+        p.error(f"--clients must be positive and --rounds at least 2 (FedLOE: one stage-1 communication, the "
+                f"rest stage 2), got {a.clients} and {a.rounds}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for m in a.methods:
