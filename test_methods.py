@@ -56,6 +56,7 @@ import fedloe_stage2  # noqa: E402
 import fedomg_readings as readings  # noqa: E402  (Eq. 15–17 as printed, the exact solver, ...)
 import gpu_check  # noqa: E402
 import gpu_session  # noqa: E402
+import speed  # noqa: E402
 import irm_central  # noqa: E402
 import leaderboard  # noqa: E402
 import mcmahan_fig1  # noqa: E402
@@ -6833,6 +6834,12 @@ BAD_INPUT = [   # (script, its main, argv (run in an empty folder), words of the
                                            "--stage2-comms", "0"], "--stage2-comms 0 leaves no stage 2 to run"),
     ("fedloe_spawn", fedloe_spawn.main, ["--spawn", "x"], "argument --spawn: invalid int value: 'x'"),
     ("fedloe_spawn", fedloe_spawn.main, ["--dataset", "rmnistt"], "unknown dataset 'rmnistt'"),
+    ("speed", speed.main, ["--rounds", "0"], "--rounds must be positive, got 0"),
+    ("speed", speed.main, ["--setting", "xx"], "argument --setting: invalid choice: 'xx'"),
+    ("speed", speed.main, ["--clients", "5000"], "--clients 5000 leaves clients fewer training examples than one "
+                                                 "minibatch"),
+    ("gpu_check", gpu_check.main, ["--rounds", "0"], "--rounds and --ipg-rounds must be positive"),
+    ("gpu_check", gpu_check.main, ["--checks", "all"], "argument --checks: invalid choice: 'all'"),
 ]
 
 

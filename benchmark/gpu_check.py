@@ -27,7 +27,6 @@ On a CUDA machine, in one process (method scripts are called in-process, their o
 Prints one table (check, measured, target, ok) and writes it as JSON (--out). Exit status 0 when
 every check holds, 1 when one fails, 2 without a CUDA device.
 """
-import argparse
 import contextlib
 import dataclasses
 import io
@@ -400,7 +399,7 @@ def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds):
 # ------------------------------------------------------------------------------------------ main
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
+    p = data.Parser(prog="gpu_check.py", description=__doc__.splitlines()[0])   # bad input: one line, exit 2
     p.add_argument("--data-root", default=None, help="full MNIST for RotatedMNIST and RC-MNIST (default: the "
                    "embedded digits); the PACS tree is always generated")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_check.json"))
@@ -409,11 +408,11 @@ def main(argv=None):
     p.add_argument("--checks", nargs="+", default=["runs", "cpu", "speed"], choices=["runs", "cpu", "speed"],
                    help="which of the checks to run (default: all; e.g. --checks cpu under NVIDIA_TF32_OVERRIDE=0)")
     a = p.parse_args(argv)
+    if a.rounds < 1 or a.ipg_rounds < 1:
+        p.error("--rounds and --ipg-rounds must be positive")
     if not torch.cuda.is_available():
         print("gpu_check.py: no CUDA device is visible; the CPU path is checked by pytest", file=sys.stderr)
         sys.exit(2)
-    if a.rounds < 1 or a.ipg_rounds < 1:
-        p.exit(2, "gpu_check.py: error: --rounds and --ipg-rounds must be positive\n")
     about = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "data_root": a.data_root,
              "tolerances": TOL, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     with tempfile.TemporaryDirectory() as tmp:

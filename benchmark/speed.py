@@ -27,7 +27,6 @@ not bit for bit).
     python benchmark/speed.py --setting fl --curve 20
     python benchmark/speed.py --json speed.json     # also the timings, for report.py --speed (bar chart)
 """
-import argparse
 import copy
 import dataclasses
 import json
@@ -65,11 +64,11 @@ def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):
 SETTINGS = {"rmnist": "rmnist", "fl": "mnist"}   # --setting -> dataset
 
 
-def setup(method, doc, add_args=None, own_args=None):
+def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None):
     """The shared CLI of the speed scripts (own_args adds a script's own flags) and what they time:
     `method`'s arguments resolved for the setting's dataset (rmnist: test domain 0 held out; fl: the
     label-skew clients), the federation, the model and a context on --device."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p = data.Parser(prog=prog or Path(sys.argv[0]).name, description=doc.splitlines()[0])   # bad input: one line
     p.add_argument("--setting", default="rmnist", choices=list(SETTINGS),
                    help="rmnist: RotatedMNIST, 50 clients, 5 sampled; fl: FedOMG's MNIST label skew, 100 / 20")
     p.add_argument("--data-root", default=None, help="full MNIST (default: the embedded 5,000 digits)")
@@ -82,7 +81,10 @@ def setup(method, doc, add_args=None, own_args=None):
                    help="wall-clock, or this process's CPU time (steadier on a loaded machine; CPU only)")
     if own_args:
         own_args(p)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    for flag in ("clients", "sample", "rounds"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag} must be positive, got {getattr(a, flag)}")
     a.clock = time.process_time if a.clock == "cpu" and a.device == "cpu" else time.perf_counter
     a.dataset = SETTINGS[a.setting]
     a.rounds = a.rounds or (6 if a.setting == "rmnist" else 2)
@@ -91,12 +93,16 @@ def setup(method, doc, add_args=None, own_args=None):
     parser = common.make_parser(method, doc)
     if add_args:
         add_args(parser)
-    args = common.resolve(parser.parse_args(method_argv(a)), "speed")
-    common.set_deterministic()                     # as the method scripts run by default
-    a.clients, a.sample = args.clients, args.sample
-    ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
-    dev = torch.device(a.device)
-    fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else data.federate_fixed(ds, 0, dev)
+    try:                                           # what the method script would refuse: one line, exit 2
+        args = common.resolve(parser.parse_args(method_argv(a)), "speed")
+        common.set_deterministic()                 # as the method scripts run by default
+        a.clients, a.sample = args.clients, args.sample
+        ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
+        data.test_domains(args, ds)                # the clients the data hold (as the method scripts check)
+        dev = torch.device(a.device)
+        fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else data.federate_fixed(ds, 0, dev)
+    except data.UserError as e:
+        p.error(str(e))
     torch.manual_seed(0)
     model = common.build_model(args, ds).to(dev)
     ctx = common.make_context(args, fed, model)
@@ -113,7 +119,7 @@ def way(ctx, mode, args=None):
 
 
 def method_argv(a):
-    argv = ["--dataset", a.dataset, "--device", a.device]
+    argv = ["--dataset", a.dataset, "--device", a.device] + (["--test-domain", "0"] if a.setting == "rmnist" else [])
     argv += ["--data-root", a.data_root] if a.data_root else []
     return argv + sum((["--" + k, str(getattr(a, k))] for k in ("clients", "sample") if getattr(a, k)), [])
 
@@ -188,11 +194,11 @@ def curves(a, args, fed, model, ctx, rounds):
         print()
 
 
-def main():
+def main(argv=None):
     def own(p):
         p.add_argument("--json", default=None, help="also write every timed round here")
         p.add_argument("--curve", type=int, default=0, help="instead of timing: R rounds, accuracy both ways")
-    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own)
+    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own, argv, "speed.py")
     if a.curve:
         return curves(a, args, fed, model, ctx, a.curve)
     ways = {m: way(ctx, m) for m in ("off", "on", "auto")}

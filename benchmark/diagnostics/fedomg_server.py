@@ -7,7 +7,6 @@ Eq. 16) for U = 3, 20 and 100 participating clients.
 
     python benchmark/diagnostics/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] [--rounds 2]
 """
-import argparse
 import contextlib
 import statistics
 import sys
@@ -37,12 +36,14 @@ def swapped(module, functions):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = data.Parser(prog="fedomg_server.py", description=__doc__.splitlines()[0])   # bad input: one line, exit 2
     p.add_argument("--solver", default="sgd", choices=["sgd", "exact"])
     p.add_argument("--server-rule", default="code", choices=["code", "paper"])
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per U")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
+    if a.rounds < 1:
+        p.error(f"--rounds must be positive, got {a.rounds}")
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     timed = []
