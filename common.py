@@ -839,11 +839,11 @@ def make_context(args, fed, model, engine=None):
 
 
 def global_model(args, ds, device):
-    """The initial global model, seeded by --seed, on the device (channels-last for the ResNets on CUDA)."""
+    """The initial global model (seeded by --seed) on the device, channels-last where faster (docs/gpu-and-speed.md)."""
     torch.manual_seed(args.seed)
     model = build_model(args, ds).to(device)
-    return model.to(memory_format=torch.channels_last) if args.model.startswith("resnet") and device.type == "cuda" \
-        else model
+    nhwc = args.model.startswith("resnet") and device.type == "cuda" or args.model == "convnet" and device.type == "cpu"
+    return model.to(memory_format=torch.channels_last) if nhwc else model
 
 
 def checked_round(round_fn, t, model, fed, args, state, ctx, saved):

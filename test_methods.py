@@ -6854,6 +6854,22 @@ def test_benchmark_scripts_refuse_bad_input_in_one_line_before_any_work(script, 
     assert "Traceback" not in line and not list(tmp_path.iterdir())
 
 
+def test_run_local_without_flower_says_what_to_install(tmp_path, monkeypatch, capsys):
+    """flower/run_local.py where Flower is not installed (an import of flwr fails): one line that names the
+    requirements file, exit 2, no SuperLink started and nothing written."""
+    spec = importlib.util.spec_from_file_location("run_local_bare", HERE / "flower" / "run_local.py")
+    run_local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_local)
+    monkeypatch.setitem(sys.modules, "flwr", None)                   # `import flwr` raises ImportError
+    monkeypatch.chdir(tmp_path)
+    started = mock.Mock(side_effect=AssertionError("a process was started"))
+    monkeypatch.setattr(subprocess, "Popen", started)
+    assert run_local.main(["--method", "fedavg", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["run_local.py: error: Flower is not installed here: pip install -r flower/requirements.txt"]
+    assert not started.called and not list(tmp_path.iterdir())
+
+
 def test_benchmark_inputs_are_checked_before_any_figure_or_run(tmp_path, capsys):
     """The refusals that need something on disk: report.py refuses a bad --speed file before it draws the folders'
     figures; rcmnist_ptest.py a run of another dataset, or one without its checkpoint, before scoring any; run.py a

@@ -103,8 +103,7 @@ def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None):
         fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else data.federate_fixed(ds, 0, dev)
     except data.UserError as e:
         p.error(str(e))
-    torch.manual_seed(0)
-    model = common.build_model(args, ds).to(dev)
+    model = common.global_model(args, ds, dev)    # as the method scripts make it (seed 0; its memory format)
     ctx = common.make_context(args, fed, model)
     a.source = ds.source
     return a, args, fed, model, ctx
