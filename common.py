@@ -190,12 +190,11 @@ class Site:
     prep: object
     amp: bool = False
 
+    autocast = Context.autocast
+
     @property
     def stacked(self):
         return isinstance(self.client, list)
-
-    def autocast(self):
-        return torch.autocast("cuda", torch.bfloat16) if self.amp else contextlib.nullcontext()
 
 
 def sample_clients(ctx, P, C):
@@ -554,23 +553,28 @@ def save_checkpoint(path, blob):
 
 @contextlib.contextmanager
 def claimed(args):
-    """--out for this run alone, while it runs: refused if another live process holds its lock (<out>.lock,
-    its pid), taken over from a dead one, released however the run ends; and never a silent replacement of
-    a complete result or of an interrupted run's checkpoint (--resume continues it, --overwrite replaces)."""
+    """--out for this run alone: refused while another run holds its lock (<out>.lock: pid@host; one on another
+    host sharing the disk is never judged dead), taken over from a dead run of this host, released however the run
+    ends; and no silent replacement of a result or of an interrupted run's checkpoint (--resume, --overwrite)."""
     check_out(args.out)
     lock, ckpt = Path(f"{args.out}.lock"), Path(args.out).with_suffix(".ckpt")
-    for _ in range(2):
+    host = platform.node()
+    for _ in range(3):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            with open(lock, "x") as f:                  # exclusive creation: one run makes it
+                f.write(f"{os.getpid()}@{host}")
             break
         except FileExistsError:
-            other = lock.read_text().strip() if lock.exists() else ""
-            if other.isdigit() and alive(int(other)):
-                raise UserError(f"--out {args.out} is in use by another run (pid {other}); wait for it to end "
-                                f"or give another --out") from None
-            lock.unlink(missing_ok=True)                # a dead run's: taken over
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
+            try:
+                pid, _, where = lock.read_text().strip().partition("@")
+            except FileNotFoundError:                   # released meanwhile
+                continue
+            if not pid.isdigit() or where not in ("", host) or alive(int(pid)):   # starting, elsewhere, alive
+                raise UserError(f"--out {args.out} is in use by another run (pid {pid or '?'} on {where or host}): "
+                                f"wait for it to end, or give another --out (that run gone? delete {lock})") from None
+            lock.unlink(missing_ok=True)                # a dead run's on this machine: taken over
+    else:
+        raise UserError(f"--out {args.out}: its lock {lock} keeps changing hands; give another --out")
     try:
         if args.overwrite and args.resume:
             raise UserError("--overwrite starts again, --resume continues: give one of them")
@@ -598,12 +602,11 @@ def complete(path):
 def alive(pid):
     """Whether a process of that id runs on this machine."""
     try:
-        os.kill(pid, 0)
+        return os.kill(pid, 0) is None
+    except PermissionError:                             # alive, another user's
+        return True
     except ProcessLookupError:
         return False
-    except PermissionError:                             # alive, another user's
-        pass
-    return True
 
 
 def load_checkpoint(path, args):
@@ -612,7 +615,7 @@ def load_checkpoint(path, args):
         saved = blob["args"]
     except Exception as e:
         raise UserError(f"corrupt checkpoint {path} ({type(e).__name__}); delete it or run without --resume")
-    if "gen" in blob:    # one minibatch stream shared by all clients: the code before commit STREAMS
+    if "gen" in blob:    # one minibatch stream shared by all clients: the code before commit 3c1e8ca
         raise UserError(f"--resume: {path} was made when the clients shared one random stream; this code gives each "
                         f"client its own, so that run cannot be continued: start it again without --resume")
     now = identity(args)
@@ -629,9 +632,7 @@ def to_device(obj, device):
         return obj.to(device)
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
+    return type(obj)(to_device(v, device) for v in obj) if isinstance(obj, (list, tuple)) else obj
 
 
 def identity(args):
@@ -992,8 +993,7 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         kept = f"the last checkpoint is {ckpt}" if ckpt is not None and ckpt.exists() else "nothing was saved"
-        print(f"\n{method}.py: interrupted; {kept}; continue with the same arguments and --resume",
-              file=sys.stderr)
+        print(f"\n{method}.py: interrupted; {kept}; continue with the same arguments and --resume", file=sys.stderr)
         sys.exit(130)
     finally:
         for s, h in handlers.items():

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import signal
@@ -1122,8 +1123,9 @@ def test_a_second_run_never_replaces_the_first_unasked(tmp_path, monkeypatch, ca
 
 def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
     """A second run on an --out that a live run holds is refused at its start in one line; the first one's
-    lock goes when it ends, however it ends (here SIGTERM: exit 143); a lock left by a dead process is
-    taken over. Temporary files carry the writer's pid."""
+    lock (pid@host) goes when it ends, however it ends (here SIGTERM: exit 143); a lock of another host, or
+    one still being written, is never taken; one left by a dead process of this host is. Temporary files
+    carry the writer's pid."""
     out = tmp_path / "r.json"
     argv = QUICK + ["--rounds", "500", "--eval-every", "250", "--test-domain", "0", "--out", str(out)]
     p = subprocess.Popen([sys.executable, str(HERE / "fedavg.py")] + argv, stdout=subprocess.PIPE,
@@ -1134,10 +1136,11 @@ def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
             if lock.exists() and lock.read_text():
                 break
             time.sleep(0.1)
-        assert lock.read_text() == str(p.pid)
+        host = platform.node()
+        assert lock.read_text() == f"{p.pid}@{host}"
         line = fails(fedavg.main, argv, capsys)
-        assert line == f"fedavg.py: error: --out {out} is in use by another run (pid {p.pid}); wait for it to end " \
-                       f"or give another --out"
+        assert line == f"fedavg.py: error: --out {out} is in use by another run (pid {p.pid} on {host}): wait for " \
+                       f"it to end, or give another --out (that run gone? delete {lock})"
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 143 and "stopped by SIGTERM" in p.stderr.read()
     finally:
@@ -1145,7 +1148,10 @@ def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
     assert not lock.exists()
     dead = subprocess.Popen(["true"])
     dead.wait()
-    lock.write_text(str(dead.pid))                                    # a run that died without cleaning up
+    for held in (f"{dead.pid}@elsewhere", ""):    # another host sharing the disk; a lock being written
+        lock.write_text(held)
+        assert "is in use by another run" in fails(fedavg.main, argv, capsys) and lock.read_text() == held
+    lock.write_text(f"{dead.pid}@{platform.node()}")                  # a run that died without cleaning up
     res = fedavg.main(argv[:-2] + ["--out", str(out), "--rounds", "1", "--eval-every", "1", "--overwrite"])
     assert res["complete"] and not lock.exists()
     assert not list(tmp_path.glob("*.tmp")) and f"{{path}}.{{os.getpid()}}.tmp" in inspect.getsource(common.write_json)
