@@ -651,11 +651,11 @@ def device_name(device):
         return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def provenance(method, argv, device):
+def provenance(method, argv, device, own=()):
     """What a reader needs to redo a result: the versions, the device by name, the commit of this checkout (and
-    whether tracked files differ from it; none outside git, or where this project is not the top of the git work
-    tree: a copy inside another repository, whose commit says nothing of it), the command line, and the streams
-    the clients drew from (each its own: common.stream)."""
+    whether tracked files other than the run's own outputs `own` differ from it; none outside git, or where this
+    project is not the top of its git work tree: a copy inside another repository, whose commit says nothing of
+    it), the command line, and the streams the clients drew from (each its own: common.stream)."""
     here = Path(__file__).resolve().parent
     commit = dirty = None
     try:
@@ -663,7 +663,8 @@ def provenance(method, argv, device):
         top = git("rev-parse", "--show-toplevel")
         if top.returncode == 0 and Path(top.stdout.strip()).resolve() == here:
             commit = git("rev-parse", "HEAD").stdout.strip() or None
-            dirty = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip()) if commit else None
+            changed = {here / c[3:] for c in git("status", "--porcelain", "-z", "-uno").stdout.split("\0") if c}
+            dirty = commit and bool(changed - {Path(o).resolve() for o in own})   # a run's own outputs: not the code
     except (OSError, subprocess.SubprocessError):
         pass
     import numpy
@@ -703,7 +704,7 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
     device, ckpt_path = torch.device(args.device), str(Path(args.out).with_suffix(".ckpt"))
     results = {"method": method, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
                "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None, "complete": False,
-               "provenance": provenance(method, sys.argv[1:] if argv is None else argv, device)}
+               "provenance": provenance(method, sys.argv[1:] if argv is None else argv, device, (args.out, ckpt_path))}
     blob = load_checkpoint(ckpt_path, args) if args.resume and os.path.exists(ckpt_path) else None
     if blob is not None:
         results["domains"] = blob["finished"]
@@ -951,8 +952,7 @@ class Progress:
 
 
 def print_table(results):
-    rows = results["domains"]
-    width = max([11] + [len(k) for k in rows])
+    rows, width = results["domains"], max([11] + [len(k) for k in results["domains"]])
     sel = "(last)" if results["args"].get("select") == "last" else "(best val)"
     print(f"\n{'test domain':<{width}}  test acc {sel:<10}  last round  best round")
     for name, r in rows.items():

@@ -1355,11 +1355,13 @@ def test_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
 
 def test_provenance_records_a_commit_only_where_the_project_is_the_top_of_its_git_tree(tmp_path):
     """A copy of the project inside another repository records no commit (that repository's says nothing of
-    the project); the project at the top of its own repository records its HEAD, and whether it is dirty."""
+    the project); the project at the top of its own repository records its HEAD, and whether it is dirty: its
+    tracked files differ, the run's own outputs (a committed result regenerated in place) aside."""
     git = lambda where, *a: subprocess.run(["git", "-C", str(where), "-c", "user.name=t", "-c", "user.email=t@t",
                                             *a], capture_output=True, text=True, check=True).stdout.strip()
-    def commit_of(project):
-        code = "import common, torch, json; print(json.dumps(common.provenance('fedavg', [], torch.device('cpu'))))"
+    def commit_of(project, *own):
+        code = (f"import common, torch, json; print(json.dumps(common.provenance('fedavg', [], torch.device('cpu'), "
+                f"{own!r})))")
         p = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr[-2000:]
         prov = json.loads(p.stdout.splitlines()[-1])
@@ -1378,8 +1380,14 @@ def test_provenance_records_a_commit_only_where_the_project_is_the_top_of_its_gi
     git(alone, "add", ".")
     git(alone, "commit", "-qm", "the project alone")
     assert commit_of(alone) == (git(alone, "rev-parse", "HEAD"), False)
+    (alone / "r.json").write_text("{}")                              # a committed result, rewritten by its run:
+    git(alone, "add", "r.json")                                       # the run's own output is not the code
+    git(alone, "commit", "-qm", "a result")
+    (alone / "r.json").unlink()                                       # (--overwrite removes it first)
+    assert commit_of(alone, "r.json") == (git(alone, "rev-parse", "HEAD"), False)
+    assert commit_of(alone)[1] is True
     (alone / "data.py").write_text((alone / "data.py").read_text() + "\n")
-    assert commit_of(alone) == (git(alone, "rev-parse", "HEAD"), True)
+    assert commit_of(alone, "r.json") == (git(alone, "rev-parse", "HEAD"), True)
 
 
 def test_results_say_where_they_came_from_and_the_last_line_where_the_checkpoint_is(tmp_path, capsys):
