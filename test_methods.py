@@ -5491,6 +5491,26 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     assert set(ratios) == {"fediir", "fedipg", "fedomg"} and all(v > 0 for v in ratios.values())
 
 
+def test_aten_count_counts_the_convnet_as_a_cuda_run_holds_it(tmp_path, monkeypatch):
+    """The counts stand for a GPU's launches: the ConvNet counted NCHW, as on CUDA, not in the CPU's
+    channels-last (common.global_model), whose layout copies only the CPU makes; the method scripts' own
+    CPU runs keep channels-last, and common.global_model is put back after the count."""
+    seen, real, made = [], common.checked_round, common.global_model
+
+    @functools.wraps(real)                                            # its signature, which count() binds
+    def spy(round_fn, t, model, *a, **k):
+        conv = [p for p in model.parameters() if p.dim() == 4][-1]      # (the first: one channel, both at once)
+        seen.append((conv.is_contiguous(), conv.is_contiguous(memory_format=torch.channels_last)))
+        return real(round_fn, t, model, *a, **k)
+    monkeypatch.setattr(common, "checked_round", spy)
+    aten_count.count("fedavg", R=1)
+    assert seen == [(True, False)] and common.global_model is made
+    seen.clear()
+    run(fedavg.main, ["--dataset", "rmnist", "--clients", "50", "--sample", "1", "--rounds", "1", "--eval-every", "1",
+                      "--test-domain", "0", "--device", "cpu"], tmp_path)
+    assert seen == [(False, True)]                                    # the CPU's own run: channels-last
+
+
 def test_aten_count_counts_one_round_with_its_backward_pass(tmp_path, monkeypatch, capsys):
     """benchmark/aten_count.py on the embedded digits, round 1 (the cheapest): totals, ratios and the table; the
     backward pass counted (a threshold_backward per ReLU of a step, by both counters); twice the local epochs,

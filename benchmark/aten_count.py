@@ -216,6 +216,13 @@ class Unhooked(Exception):
     """The counted round never went through common.checked_round: the skeleton calls its rounds another way."""
 
 
+def nchw(model):
+    """The ConvNet as a CUDA run holds it, NCHW: the CPU's channels-last (common.global_model) adds CPU-only
+    layout copies (FedIPG --local-step sgd: +276 leaf ops a round on the embedded digits, 2026-11-26), and the
+    count stands for a GPU's launches."""
+    return model.to(memory_format=torch.contiguous_format)
+
+
 def count(label, data_root=None, R=2, counter="profiler", extra=()):
     """Runs `label`'s script (RUNS) in this process up to round R and counts round R's aten ops: {"ops": the
     round's ops by name, "compute": those that do work, "check": the ops of the skeleton's check of the round
@@ -240,17 +247,19 @@ def count(label, data_root=None, R=2, counter="profiler", extra=()):
 
     t0, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(THREADS)
+    global_model = common.global_model
     with tempfile.TemporaryDirectory() as tmp:
         argv = [*SETTING, *flags(R), *extra, "--out", str(Path(tmp) / f"{label}.json")]
         argv += ["--data-root", str(data_root)] if data_root else []
         common.checked_round = wrapped
+        common.global_model = lambda *a: nchw(global_model(*a))
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 main(argv)
         except Counted:
             pass
         finally:
-            common.checked_round = checked_round
+            common.checked_round, common.global_model = checked_round, global_model
             torch.set_num_threads(threads)
     if "args" not in seen:
         raise Unhooked(f"{label}: round {R} never went through common.checked_round; nothing was counted")
