@@ -18,6 +18,7 @@ import io
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -192,18 +193,22 @@ class Node:
 
 
 _NODES = {}   # (args, init, domain, partition) -> Node: reused while this process lives (one run)
+_NODES_LOCK = threading.Lock()   # nodes that answer in threads of one process (simulation engines)
 
 
 def node_for(req, context):
+    """This node's client: made once per run and held-out domain (under the lock: the seeded model and the
+    dropping of another run's nodes are one at a time), then reused."""
     key = (req["args"], req["init"], req["domain"], int(context.node_config["partition-id"]))
-    if key not in _NODES:
-        args = argparse.Namespace(**json.loads(req["args"]))
-        if "data-root" in context.node_config:            # this device's copy of the data
-            args.data_root = str(context.node_config["data-root"])
-        for old in [k for k in _NODES if k[:3] != key[:3]]:   # another run or held-out domain's
-            del _NODES[old]
-        _NODES[key] = Node(req["init"], args, req["domain"], key[3])
-    return _NODES[key]
+    with _NODES_LOCK:
+        if key not in _NODES:
+            args = argparse.Namespace(**json.loads(req["args"]))
+            if "data-root" in context.node_config:            # this device's copy of the data
+                args.data_root = str(context.node_config["data-root"])
+            for old in [k for k in _NODES if k[:3] != key[:3]]:   # another run or held-out domain's
+                del _NODES[old]
+            _NODES[key] = Node(req["init"], args, req["domain"], key[3])
+        return _NODES[key]
 
 
 def work(msg, context):

@@ -1,5 +1,6 @@
 """The Flower App (docs/flower.md): every method through Flower's message round trip equals the method
 file's own run, bit for bit; run_local.py's real processes (FLOWER_DEPLOY=1) and its bad input."""
+import concurrent.futures
 import importlib
 import json
 import os
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,30 @@ def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
         assert sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2] and overlap(link.spans[t], "slow_client_update"), link.spans[t]
     own, fl = (torch.load(tmp_path / f"{k}.ckpt", weights_only=True)["model"] for k in ("own", "flower"))
     assert all(torch.equal(v, fl[k]) for k, v in own.items())
+
+
+def test_nodes_in_threads_of_one_process_make_their_clients_one_at_a_time(monkeypatch):
+    """Nodes that answer in threads of one process (as a simulation engine's do) share its table of clients:
+    making a client (its seeded model) and dropping another run's are one at a time, so that no two threads
+    drop the same stale client (a KeyError once seen in CI) nor seed the one global generator at once; each
+    node still gets its own client, made once."""
+    inside, most, made = [0], [0], []
+
+    class Slow:
+        def __init__(self, init, args, domain, partition):
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            made.append(partition)
+            inside[0] -= 1
+    monkeypatch.setattr(fl_adapter, "Node", Slow)
+    monkeypatch.setattr(fl_adapter, "_NODES", {("an earlier run", None, "0", 0): object()})
+    req = {"args": json.dumps({"seed": 0}), "init": None, "domain": "0"}
+    ctx = lambda p: types.SimpleNamespace(node_config={"partition-id": p})
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        nodes = list(pool.map(lambda p: fl_adapter.node_for(req, ctx(p % 3)), range(6)))
+    assert most[0] == 1 and sorted(made) == [0, 1, 2] and len(fl_adapter._NODES) == 3
+    assert all(nodes[p] is nodes[p + 3] for p in range(3))
 
 
 # ------------------------------------------------------------------------------- run_local.py
