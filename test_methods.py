@@ -1,4 +1,4 @@
-"""The test suite: pytest -q (no GPU, no network; under five minutes on 2 CPU cores).
+"""The test suite: pytest -q -n auto (no GPU, no network; under five minutes on 2 CPU cores).
 
 Most runs call a method's main() in-process on the synthetic domains or the embedded digits; a few
 run the scripts as subprocesses to check what a user sees (one line on stderr, the exit code).
@@ -48,6 +48,10 @@ import fedomg
 import perinvfl
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")  # torchvision 0.29
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):     # pytest -n N: the cores shared among the N workers and the
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))   # scripts they start
+    torch.set_num_threads(THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "benchmark"), str(HERE / "benchmark" / "diagnostics")]
 import aten_count  # noqa: E402
@@ -711,6 +715,21 @@ def real_images():
         why = (f"the real images are not in {script.DEST.relative_to(HERE)} and fetching them failed ({e}); get them "
                f"with: python .ci/real_images.py")
         pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
+
+
+def test_real_images_fetched_by_two_workers_at_once_end_whole(tmp_path):
+    """pytest -n: two workers may fetch the photos at once; the second to finish keeps the first's folder (its own
+    rename would fail on a folder already there), and nothing of either is half in place."""
+    settle = real_images_script().settle
+    first, second, dest = tmp_path / "a", tmp_path / "b", tmp_path / "zdata"
+    for src, mark in ((first, "1"), (second, "2")):
+        (src / "pacs_mini_10").mkdir(parents=True)
+        (src / "pacs_mini_10" / "mark").write_text(mark)
+    assert settle(first, dest) == dest and settle(second, dest) == dest
+    assert (dest / "pacs_mini_10" / "mark").read_text() == "1" and not first.exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):                                      # a real failure still raises
+        settle(second, tmp_path / "file" / "zdata")
 
 
 def real_tree(zdata, root, dataset, source):

