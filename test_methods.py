@@ -6225,6 +6225,9 @@ def test_leaderboard_runs_the_missing_cells_once_then_writes_the_table(tiny_boar
     acc = [100 * json.loads((board / "syn-0" / f"fediir-seed{s}.json").read_text())["mean_test_acc"] for s in (0, 1)]
     assert f"{sum(acc) / 2:.1f} ±" in rows["fediir"].split(" | ")[1]
     assert readme.endswith("## Still to run\n\nEvery cell has its seeds.\n")
+    for only in (["--only", "syn-1"], ["--where", "cpu"]):           # they choose the runs, never the columns
+        assert leaderboard.main(tiny_board + only).splitlines()[0] == text.splitlines()[0]
+        assert (board / "README.md").read_text() == readme
 
 
 def test_leaderboard_sources_of_a_benchmark_without_arguments_have_no_stray_space(monkeypatch, tmp_path):
