@@ -6926,6 +6926,23 @@ def test_run_local_without_flower_says_what_to_install(tmp_path, monkeypatch, ca
     assert not started.called and not list(tmp_path.iterdir())
 
 
+def test_speed_json_holds_every_timed_round_and_where_it_was_made(tmp_path, capsys):
+    """speed.py --json: each variant's timed rounds and the provenance of a method script's results (the device,
+    the versions, the commit, no machine path), so that report.py's tables say where their times come from;
+    --help says what speed.py is, not what FedAvg is."""
+    out = tmp_path / "speed.json"
+    speed.main(["--rounds", "1", "--sample", "1", "--device", "cpu", "--clock", "cpu", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert {"FedAvg, one after another", "FedIIR", "FedOMG", "FedIPG", "bare training loop"} <= set(r["seconds"])
+    assert all(len(v) == 1 and v[0] > 0 for v in r["seconds"].values())
+    prov = r["provenance"]
+    assert prov["command"].startswith("python benchmark/speed.py --rounds 1") and prov["device"] and prov["torch"]
+    assert bench_report.provenance(out) == [(torch.__version__, np.__version__, prov["device"], prov["date"], True)]
+    with pytest.raises(SystemExit):
+        speed.main(["--help"])
+    assert "How much the harness costs" in capsys.readouterr().out
+
+
 def test_benchmark_inputs_are_checked_before_any_figure_or_run(tmp_path, capsys):
     """The refusals that need something on disk: report.py refuses a bad --speed file before it draws the folders'
     figures; rcmnist_ptest.py a run of another dataset, or one without its checkpoint, before scoring any; run.py a

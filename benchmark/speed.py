@@ -64,11 +64,11 @@ def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):
 SETTINGS = {"rmnist": "rmnist", "fl": "mnist"}   # --setting -> dataset
 
 
-def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None):
+def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about=None):
     """The shared CLI of the speed scripts (own_args adds a script's own flags) and what they time:
     `method`'s arguments resolved for the setting's dataset (rmnist: test domain 0 held out; fl: the
-    label-skew clients), the federation, the model and a context on --device."""
-    p = data.Parser(prog=prog or Path(sys.argv[0]).name, description=doc.splitlines()[0])   # bad input: one line
+    label-skew clients), the federation, the model and a context on --device; `about`: --help's first line."""
+    p = data.Parser(prog=prog or Path(sys.argv[0]).name, description=about or doc.splitlines()[0])   # one-line errors
     p.add_argument("--setting", default="rmnist", choices=list(SETTINGS),
                    help="rmnist: RotatedMNIST, 50 clients, 5 sampled; fl: FedOMG's MNIST label skew, 100 / 20")
     p.add_argument("--data-root", default=None, help="full MNIST (default: the embedded 5,000 digits)")
@@ -197,7 +197,8 @@ def main(argv=None):
     def own(p):
         p.add_argument("--json", default=None, help="also write every timed round here")
         p.add_argument("--curve", type=int, default=0, help="instead of timing: R rounds, accuracy both ways")
-    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own, argv, "speed.py")
+    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own, argv, "speed.py",
+                                      " ".join(__doc__.split("\n\n")[0].split()))
     if a.curve:
         return curves(a, args, fed, model, ctx, a.curve)
     ways = {m: way(ctx, m) for m in ("off", "on", "auto")}
@@ -239,7 +240,11 @@ def main(argv=None):
     print(f"clients at once: FedAvg {base / med['FedAvg, clients at once']:.2f}x, FedOMG "
           f"{med['FedOMG'] / med['FedOMG, clients at once']:.2f}x the speed of one client after another")
     if a.json:                                                  # machine-readable: report.py --speed draws it
-        Path(a.json).write_text(json.dumps({"setting": setting, "images_per_round": n, "seconds": times}, indent=1))
+        argv = sys.argv[1:] if argv is None else argv
+        shown = ["DIR" if i and argv[i - 1] == "--data-root" else x for i, x in enumerate(argv)]   # no machine paths
+        made = common.provenance("benchmark/speed", shown, ctx.device, (a.json,))
+        Path(a.json).write_text(json.dumps({"setting": setting, "images_per_round": n, "seconds": times,
+                                            "provenance": made}, indent=1))
         print(f"speed: {a.json}")
 
 
