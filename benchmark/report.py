@@ -1080,7 +1080,10 @@ def block_speed_glance(where):
     SOURCES.add(RESULTS / "speed.json")
     med = {k: float(np.median(v)) for k, v in sp["seconds"].items()}
     base = next(iter(med.values()))
-    ratios = ", ".join(f"{k} {v / base:.2f}×" for k, v in list(med.items())[1:])
+    ratios = ", ".join(f"{k} {v / base:.2f}×" for k, v in list(med.items())[1:] if "," not in k)   # the methods
+    once = [k for k in med if k.endswith(", clients at once")]      # (speed.py's variants: one line of their own)
+    alone = lambda name: med.get(name) or med[f"{name}, one after another"]
+    ratios += "".join(f"; {k} {alone(k.split(',')[0]) / med[k]:.2f}× the speed of one after another" for k in once)
     full = {f: np.mean([s_per_round(r) for r in committed(f)["fedavg"] if r["args"]["device"] == dev])
             for f, dev in (("rmnist50-full-0", "cuda"), ("mnist-fl-full-alpha0.5", "cuda"))}
     return [f"- One {g['device']} ({g['started'][:10]}): the harness trains DomainBed's MNIST ConvNet at {conv} "
