@@ -6455,9 +6455,9 @@ def test_gpu_session_stops_its_step_packs_and_exits_143_on_sigterm(tmp_path):
     cmd, env = gpu_session_driver(tmp_path, "1", CAP_A="30")
     proc = subprocess.Popen(cmd, env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout.readline().startswith("a: ")                      # step a started
-    deadline = time.monotonic() + 30
-    while "started" not in (tmp_path / "o" / "a.log").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    deadline, log = time.monotonic() + 30, tmp_path / "o" / "a.log"
+    while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:   # (on a busy
+        time.sleep(0.05)                                               # machine the log may come after the line)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=60)[0]
