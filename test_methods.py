@@ -6127,7 +6127,7 @@ def test_readme_test_count():
     assert p.returncode == 0 and ids, p.stdout[-2000:] + p.stderr[-2000:]
     cpu = [i for i in ids if not re.search(r"[\[-]cuda[\]-]", i)]
     tests = (HERE / "README.md").read_text().split("## Tests\n")[1].split("\n## ")[0]
-    stated = re.search(r"(\d+) tests", tests)
+    stated = re.search(r"(\d+)\s+tests", tests)                       # (a line may break between)
     assert stated and int(stated[1]) == len(cpu), \
         f"README.md's Tests section says {stated and stated[1]} tests, pytest collects {len(cpu)} (without CUDA)"
 
