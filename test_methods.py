@@ -5460,10 +5460,13 @@ def test_gpu_check_comparisons_targets_and_table(tmp_path):
     assert gpu_check.same_json(a, fake_gpu_results(loss=0.5, secs=9.5, out="b.json"))  # timings and --out aside
     assert not gpu_check.same_json(a, fake_gpu_results(loss=0.5 + 1e-7))
     assert a["domains"]["0"]["history"][1]["seconds"] == 3.0                       # the input is left alone
-    d = gpu_check.differences(a, fake_gpu_results(loss=0.50025, val=0.52))          # relative: 2.5e-4 / 0.5
-    assert math.isclose(d["loss"], 5e-4, rel_tol=1e-6) and math.isclose(d["acc"], 0.02, rel_tol=1e-6)
+    d = gpu_check.differences(a, fake_gpu_results(loss=0.50015, val=0.52))          # relative: 1.5e-4 / 0.5
+    assert math.isclose(d["loss"], 3e-4, rel_tol=1e-6) and math.isclose(d["acc"], 0.02, rel_tol=1e-6)
     assert gpu_check.within(d, gpu_check.TOL["fp32"]) and not gpu_check.within(d, {"loss": 1e-4, "acc": 0.05})
+    assert not gpu_check.within(gpu_check.differences(a, fake_gpu_results(loss=0.50025)), gpu_check.TOL["fp32"])
     assert not gpu_check.within(gpu_check.differences(a, fake_gpu_results(loss=0.5, val=0.6)), gpu_check.TOL["fp32"])
+    assert gpu_check.busy_seconds([(5, 6), (0, 2), (1, 3)]) == 4       # overlaps counted once, gaps not at all
+    assert gpu_check.busy_seconds([(0, 10), (1, 2), (3, 4)]) == 10 and gpu_check.busy_seconds([]) == 0
     rows = [gpu_check.target_row("harness", "harness", 0.95), gpu_check.target_row("harness", "harness", 0.85),
             gpu_check.target_row("FedIPG", "fedipg", 2.1), gpu_check.target_row("FedIIR", "fediir", 1.25),
             gpu_check.target_row("exit", "exit", None)]
@@ -5494,20 +5497,21 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     """The measuring code itself, on tiny settings on the CPU (its numbers mean nothing here)."""
     syn = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--sample", "2"]
     step = common.local_train
-    rows = gpu_check.check_runs([("fedipg", "fedipg", syn + gpu_check.TWO_ROUNDS["fedipg"])], "cpu", tmp_path)
+    rows = list(gpu_check.check_runs([("fedipg", "fedipg", syn + gpu_check.TWO_ROUNDS["fedipg"])], "cpu", tmp_path))
     assert [(r["check"], r["ok"]) for r in rows] == [("runs: fedipg", True), ("repeat: fedipg", True)]
     assert common.local_train is step                                               # the guards are lifted
     own = fediir.init_state
     stray = lambda *a: {**own(*a), "stray": torch.zeros(2, device="meta")}
     monkeypatch.setattr(fediir, "init_state", stray)
-    rows = gpu_check.check_runs([("fediir", "fediir", syn + ["--rounds", "1", "--gamma", "0"])], "cpu", tmp_path)
+    rows = list(gpu_check.check_runs([("fediir", "fediir", syn + ["--rounds", "1", "--gamma", "0"])], "cpu", tmp_path))
     assert rows[0]["ok"] is False and rows[0]["measured"] == "RuntimeError: off the cpu: checkpoint['state']['stray'] (meta)"
     setup = gpu_check.setting(fedavg, "fedavg", syn, "cpu", tmp_path)
     ips = gpu_check.harness_vs_bare(*setup, rounds=1)
     assert set(ips) == {"harness", "bare"} and all(v > 0 for v in ips.values())
     assert gpu_check.determinism_cost(*setup, rounds=1) > 0 and torch.are_deterministic_algorithms_enabled()
-    ratios = gpu_check.round_ratios(setup, 1, "cpu", tmp_path)
+    ratios, busy, med = gpu_check.round_ratios(setup, 1, "cpu", tmp_path)
     assert set(ratios) == {"fediir", "fedipg", "fedomg"} and all(v > 0 for v in ratios.values())
+    assert busy == dict.fromkeys(["fedavg", "fediir", "fedipg", "fedomg"]) and all(v > 0 for v in med.values())
 
 
 def test_aten_count_counts_the_convnet_as_a_cuda_run_holds_it(tmp_path, monkeypatch):
@@ -6292,28 +6296,27 @@ def test_gpu_session_dry_run_lists_the_steps_their_caps_and_sources_within_nine_
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.split()[0] in names}
     assert list(lines) == names and all("runs" in x and "source: " in x for x in lines.values())
-    assert "81 s" in lines["tests"] and "H200" in lines["tests"]                   # each cap's own source
-    assert "a cap, unmeasured" in lines["gpu_check"] and "a cap, unmeasured" in lines["speed-fl"]
-    assert "FedIPG 1.12" in lines["speed-rmnist"]
-    assert "tf32" not in out.lower() and "--where gpu" in out and "--rounds 2 --json" in out
+    assert "108 s" in lines["tests"] and "H100" in lines["tests"]                  # each cap's own measurement
+    assert "190 s cap" in lines["gpu_check"] and "56 s" in lines["speed-fl"] and "31 s" in lines["speed-rmnist"]
+    assert "tf32" not in out.lower() and "--where gpu" in out and "--rounds 1 --json" in out
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert total.startswith("total        9.00 min = caps 7.67 + stopping 1.00 + packing 0.33")
 
 
 def test_gpu_session_dry_run_skips_a_step_that_does_not_fit(capsys, tmp_path):
-    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--minutes", "3", "--dry-run"])
+    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--minutes", "3.5", "--dry-run"])
     assert {s.name: bool(cap) for s, cap in rows} == {"tests": True, "gpu_check": False, "speed-rmnist": False,
                                                       "speed-fl": False, "leaderboard": True}
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert "skipped: needs 3.12 min, 0.80 left" in lines["gpu_check"] and "runs" in lines["tests"]
+    assert "skipped: needs 3.20 min, 0.72 left" in lines["gpu_check"] and "runs" in lines["tests"]
     rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--skip", "tests", "gpu_check",
                              "--dry-run"])
     assert [s.name for s, _ in rows] == ["speed-rmnist", "speed-fl", "leaderboard"]
     capsys.readouterr()
     rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--skip", "gpu_check", "--minutes",
-                             "3.2", "--dry-run"])          # 60 s left after the tests: speed-rmnist's cap, not its stop
+                             "3.55", "--dry-run"])    # 46 s left after the tests: speed-rmnist's cap (45 s), not its stop
     assert [bool(cap) for _, cap in rows] == [True, False, False, True]
-    assert "speed-rmnist skipped: needs 1.12 min, 1.00 left" in capsys.readouterr().out
+    assert "speed-rmnist skipped: needs 0.87 min, 0.77 left" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, says", [

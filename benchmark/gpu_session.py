@@ -8,11 +8,12 @@ In order (STEPS), each with a hard cap, its estimate; each estimate's source is 
 STEPS and printed by --dry-run:
   1. tests        pytest -q (-n 8 where pytest-xdist is importable) with CUDA visible: the bit-exact
                   tests run on the CPU and on CUDA
-  2. gpu_check    benchmark/gpu_check.py --rounds 3 --ipg-rounds 5: every method on CUDA, no host sync
-                  in a local step, repeatability, CPU against GPU, speed targets
+  2. gpu_check    benchmark/gpu_check.py --rounds 3 --ipg-rounds 5 --checks cpu speed runs: CPU against
+                  GPU, speed targets, then every method on CUDA (no host sync in a local step,
+                  repeatable) until its cap; each row is kept as it is measured
   3. speed-rmnist benchmark/speed.py --setting rmnist: one client after another against all at once,
                   and every method's round, on RotatedMNIST-50
-  4. speed-fl     benchmark/speed.py --setting fl --rounds 2: the same in FedOMG's FL setting
+  4. speed-fl     benchmark/speed.py --setting fl --rounds 1: the same in FedOMG's FL setting
   5. leaderboard  benchmark/leaderboard.py --where gpu: the leaderboard's missing GPU cells (resumable),
                   for whatever time is left
 At its cap a step gets SIGINT (to its process group: pytest stops, the leaderboard's runs stop after
@@ -60,21 +61,19 @@ MAX_MINUTES = 10             # what one command may run on a borrowed machine
 
 Step = collections.namedtuple("Step", "name cap source cmd")   # cap in seconds (None: what is left)
 STEPS = [  # DATA, OUT and JOBS are filled in; XDIST becomes -n 8 where pytest-xdist is importable
-    Step("tests", 105, "measured: 81 s with pytest -q -n 8 (H200, torch 2.11.0+cu130, commit 8f6fd46, "
-         "2026-11-26); cap 1.3x that; without xdist unmeasured", [
-             "-m", "pytest", "-q", "-p", "no:cacheprovider", "XDIST"]),
-    Step("gpu_check", 180, "a cap, unmeasured: the H200's whole run (2026-11-26) was cut by a time limit "
-         "before its end; here 3 timed rounds (default 10) and 5 FedIPG rounds (default 100)", [
+    Step("tests", 140, "measured: 96 and 108 s with pytest -q -n 8, 620 tests (H100, torch 2.11.0+cu130, "
+         "2026-11-26); cap 1.3x the longer; without xdist unmeasured", [
+             "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "XDIST"]),
+    Step("gpu_check", 185, "measured: CPU against GPU, speed and 12 of the 48 runs filled a 190 s cap "
+         "(H100, 2026-11-26); the runs left are cut at the cap, each row kept as it is measured", [
              "benchmark/gpu_check.py", "--data-root", "DATA", "--rounds", "3", "--ipg-rounds", "5",
-             "--out", "OUT/gpu_check.json"]),
-    Step("speed-rmnist", 60, "estimated ~30 s: 7 passes (1 warm-up, 6 timed) x 2.6 s (H200 rounds, 2026-11-26: "
-         "FedAvg 0.18 s x 3 ways, FedIIR 0.38, FedIPG 1.12; FedOMG x 2 and the bare loop taken as FedAvg's) "
-         "+ ~10 s start-up (imports and full MNIST: 4 s on a 2-core CPU; CUDA's unmeasured); cap 2x that", [
-             "benchmark/speed.py", "--setting", "rmnist", "--data-root", "DATA", "--rounds", "6",
-             "--json", "OUT/speed-rmnist.json"]),
-    Step("speed-fl", 90, "a cap, unmeasured: --rounds 2 did not finish within 100 s on the H200 "
-         "(2026-11-26)", [
-             "benchmark/speed.py", "--setting", "fl", "--data-root", "DATA", "--rounds", "2",
+             "--checks", "cpu", "speed", "runs", "--out", "OUT/gpu_check.json"]),
+    Step("speed-rmnist", 45, "measured: 31 s with 6 timed rounds (H100, 2026-11-26); cap 1.45x that", [
+        "benchmark/speed.py", "--setting", "rmnist", "--data-root", "DATA", "--rounds", "6",
+        "--json", "OUT/speed-rmnist.json"]),
+    Step("speed-fl", 75, "measured: 56 s with its 1 timed round (H100, 2026-11-26; 2 rounds did not finish "
+         "in 80 s); cap 1.3x that", [
+             "benchmark/speed.py", "--setting", "fl", "--data-root", "DATA", "--rounds", "1",
              "--json", "OUT/speed-fl.json"]),
     Step("leaderboard", None, "what is left before packing (the runs resume from their checkpoints)", [
         "benchmark/leaderboard.py", "--data-root", "DATA", "--where", "gpu", "--jobs", "JOBS", "--no-figure"]),

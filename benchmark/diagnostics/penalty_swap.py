@@ -132,7 +132,8 @@ def swap_round(t, name, model, clients, state, args):
         opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
         if name == "irm":                 # perinvfl.py's own line-9 loss, the same operations
             params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-            loss = perinvfl.line9_loss(model, params, buffers, x, y, torch.full((len(y),), 1 / len(y)), w, WD)
+            uniform = torch.full((len(y),), 1 / len(y), device=y.device)
+            loss = perinvfl.line9_loss(model, params, buffers, x, y, uniform, w, WD)
         else:
             loss, _, P = objective(name, model, x, y, state.get("g_tilde"))
             loss = loss if w is None else (loss + w * P) / perinvfl.rescale(w)
