@@ -6333,10 +6333,10 @@ def test_gpu_session_refuses_bad_input_in_one_line(capsys, tmp_path, argv, says)
 
 
 def test_gpu_session_refuses_without_cuda_in_one_line(tmp_path):
-    if __import__("torch").cuda.is_available():
-        pytest.skip("a CUDA device is visible")
+    """No CUDA device visible (hidden from the child where the machine has one)."""
     r = subprocess.run([sys.executable, "benchmark/gpu_session.py", "--data-root", str(tmp_path), "--out-dir",
-                        str(tmp_path / "o")], cwd=HERE, capture_output=True, text=True, timeout=60)
+                        str(tmp_path / "o")], cwd=HERE, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no CUDA device" in r.stderr
     assert not (tmp_path / "o").exists()
 

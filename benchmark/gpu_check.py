@@ -453,8 +453,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("gpu_check.py: no CUDA device is visible; the CPU path is checked by pytest", file=sys.stderr)
         sys.exit(2)
-    about = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "data_root": a.data_root,
-             "tolerances": TOL, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    about = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "data_root": "full MNIST (--data-root DIR)" if a.data_root else "embedded digits",
+             "tolerances": TOL, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "streams": "per client"}
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "pacs"
         data.make_fake_tree(tree, classes=("dog", "horse", "house"), per_class=32)

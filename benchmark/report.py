@@ -134,7 +134,8 @@ def provenance(path):
     recs = [r.get("provenance")] if "provenance" in r or "runs" not in r else \
         [x.get("provenance") for x in r["runs"] if isinstance(x, dict)] or [None]
     if recs == [None] and "torch" in r and "device" in r:
-        recs = [{"torch": r["torch"], "device": r["device"], "date": str(r.get("started", ""))[:10]}]
+        recs = [{"torch": r["torch"], "device": r["device"], "date": str(r.get("started", ""))[:10],
+                 **({"streams": r["streams"]} if "streams" in r else {})}]
     return [(p.get("torch"), p.get("numpy"), p.get("device"), p.get("date"), "streams" in p) if isinstance(p, dict)
             else None for p in recs]
 
@@ -1066,8 +1067,13 @@ def block_gpu_check(where):
         lines.append(f"| {r['check']} | {f'{m:.3f}' if isinstance(m, float) else m} | {r['target'] or '–'} | "
                      f"{ {True: 'yes', False: '**no**', None: '–'}[r['ok']]} |")
     runs = [r for r in g["rows"] if r["check"].startswith(("runs:", "repeat:"))]
-    lines += ["", f"Besides: {len(runs)} runs and repeats (every method, 2 rounds, RotatedMNIST's ConvNet and a "
-              f"generated PACS tree's ResNet-18, fp32 and bf16), {sum(r['ok'] for r in runs)} of them passed."]
+    methods = list(dict.fromkeys(r["check"].split()[1] for r in runs))
+    cut = sum(r["ok"] is None for r in runs)
+    lines += ["", f"Besides: {len(runs)} runs and repeats ({', '.join(methods)}; 2 rounds, RotatedMNIST's ConvNet and "
+              f"a generated PACS tree's ResNet-18, fp32 and bf16), {sum(r['ok'] is True for r in runs)} of them passed"
+              + (f", {cut} cut by the time limit" if cut else "") + "."]
+    for m in g.get("made", []):
+        lines.append(f"- {m['rows']}: started {m['started']}, {m['command']}; {m['tree']}.")
     return lines
 
 
@@ -1086,12 +1092,14 @@ def block_speed_glance(where):
     ratios += "".join(f"; {k} {alone(k.split(',')[0]) / med[k]:.2f}× the speed of one after another" for k in once)
     full = {f: np.mean([s_per_round(r) for r in committed(f)["fedavg"] if r["args"]["device"] == dev])
             for f, dev in (("rmnist50-full-0", "cuda"), ("mnist-fl-full-alpha0.5", "cuda"))}
+    busy = next((r for r in rows if r["check"].startswith("FedAvg round: GPU kernel time")), None)
     return [f"- One {g['device']} ({g['started'][:10]}): the harness trains DomainBed's MNIST ConvNet at {conv} "
             f"images/s, {find('harness / bare loop, images/s: ConvNet fp32')['measured']:.3f}× a bare training loop; a "
             f"round of FedIIR costs {find('FedIIR round')['measured']:.2f}×, FedIPG "
             f"{find('FedIPG round')['measured']:.2f}×, FedOMG {find('FedOMG round')['measured']:.2f}× a FedAvg round "
-            "(RotatedMNIST-50).",
-            f"- Full MNIST on that H100, GPU shared by several runs: a RotatedMNIST-50 FedAvg round "
+            "(RotatedMNIST-50" + (f"; the GPU runs kernels {100 * busy['measured']:.0f}% of a FedAvg round" if busy
+                                  else "") + ").",
+            f"- Full MNIST on an H100 of the committed results, the GPU shared by several runs: a RotatedMNIST-50 FedAvg round "
             f"{full['rmnist50-full-0']:.1f} s, an FL-setting round (20 clients × 5 epochs) "
             f"{full['mnist-fl-full-alpha0.5']:.1f} s.",
             f"- The 2-core CPU, one thread (`benchmark/speed.py`, embedded digits, RotatedMNIST-50): a FedAvg round "

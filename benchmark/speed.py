@@ -245,7 +245,8 @@ def main(argv=None):
         argv = sys.argv[1:] if argv is None else argv
         shown = ["DIR" if i and argv[i - 1] == "--data-root" else x for i, x in enumerate(argv)]   # no machine paths
         made = common.provenance("benchmark/speed", shown, ctx.device, (a.json,))
-        Path(a.json).write_text(json.dumps({"setting": setting, "images_per_round": n, "seconds": times,
+        where = setting.replace(f" under {a.data_root} (", " under DIR (") if a.data_root else setting   # no machine path
+        Path(a.json).write_text(json.dumps({"setting": where, "images_per_round": n, "seconds": times,
                                             "provenance": made}, indent=1))
         print(f"speed: {a.json}")
 
