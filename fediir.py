@@ -113,12 +113,15 @@ def classifier_gradient(site, sent):
     minibatches of the local batch size, on the inputs its local steps train on (the code's g_bar
     pass: the photos augmented, from the client's own stream; the digits draw nothing), and their
     number."""
-    model, client = site.model, site.client
+    model, client, b = site.model, site.client, site.args.batch_size
     common.set_flat(model, sent["theta"])
     model.train()
-    with torch.no_grad(), site.autocast():                   # Φ(x) in large chunks: fewer launches
-        z = torch.cat([model.featurizer(site.prep(client.x[i:i + 256], train=True, gen=site.gen))
-                       for i in range(0, client.n, 256)])
+    # Φ(x) in chunks: with BatchNorm the code's minibatches (their statistics); else large ones
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        b = max(b, 2 ** 21 // client.x[0].numel())                # (fewer launches)
+    with torch.no_grad(), site.autocast():
+        z = torch.cat([model.featurizer(site.prep(client.x[i:i + b], train=True, gen=site.gen))
+                       for i in range(0, client.n, b)])
     z = z.to(sent["theta"].dtype)                            # (bf16 under --amp)
     grad, count = classifier_grads(model.classifier, z, client.y, site.args.batch_size)
     return {"grad": grad, "count": count}
