@@ -5514,6 +5514,39 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     assert busy == dict.fromkeys(["fedavg", "fediir", "fedipg", "fedomg"]) and all(v > 0 for v in med.values())
 
 
+def test_gpu_check_stops_when_a_method_script_stops_at_a_signal(tmp_path, monkeypatch, capsys):
+    """A method script stopped by SIGINT / SIGTERM (exit 130 / 143, after its round) stops gpu_check too,
+    with the rows measured before it written; a script's own error (exit 2) is a row's reason instead.
+    main() is run with CUDA faked: the sections are stand-ins."""
+    def stops(code):
+        def main(argv):
+            print("fedavg.py: its own line", file=sys.stderr)
+            raise SystemExit(code)
+        return main
+    syn = [("fedavg", "fedavg", ["--dataset", "synthetic"])]
+    monkeypatch.setattr(fedavg, "main", stops(2))
+    rows = list(gpu_check.check_runs(syn, "cpu", tmp_path))
+    assert rows[0]["ok"] is False and rows[0]["measured"] == "fedavg.py: its own line"
+    for code in (130, 143):
+        monkeypatch.setattr(fedavg, "main", stops(code))
+        with pytest.raises(SystemExit) as e:
+            list(gpu_check.check_runs(syn, "cpu", tmp_path))
+        assert e.value.code == code
+
+    def section(tmp, methods=None):
+        yield {"check": "cpu vs gpu: fedavg fp32", "measured": "loss 0", "target": "", "ok": True}
+        raise SystemExit(143)
+    monkeypatch.setattr(gpu_check, "check_cpu_gpu", section)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a stand-in")
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--checks", "cpu", "--out", str(tmp_path / "g.json")])
+    assert e.value.code == 143
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"gpu_check.py: stopped by SIGTERM; the 1 rows measured before it: {tmp_path / 'g.json'}"
+    assert [r["check"] for r in json.loads((tmp_path / "g.json").read_text())["rows"]] == ["cpu vs gpu: fedavg fp32"]
+
+
 def test_aten_count_counts_the_convnet_as_a_cuda_run_holds_it(tmp_path, monkeypatch):
     """The counts stand for a GPU's launches: the ConvNet counted NCHW, as on CUDA, not in the CPU's
     channels-last (common.global_model), whose layout copies only the CPU makes; the method scripts' own
@@ -6404,11 +6437,15 @@ def test_gpu_session_unpacks_an_earlier_versions_parts_then_its_archive(tmp_path
 
 
 def test_gpu_session_interrupts_a_step_at_its_cap(tmp_path):
-    """(The steps are programs that start in milliseconds: a Python child could lose a SIGINT that
-    arrives while its interpreter starts, as one did once on the loaded 2-core CI machine.)"""
+    """Also where this process ignores SIGINT, as a background job of a non-interactive shell does (and
+    passes on to its children): the step gets SIGINT's default action back (default_sigint)."""
     sleeper = ["sleep", "60"]
-    t0 = time.monotonic()
-    rc, how = gpu_session.run_step("s", sleeper, tmp_path, cap=1, grace_s=20)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        t0 = time.monotonic()
+        rc, how = gpu_session.run_step("s", sleeper, tmp_path, cap=1, grace_s=20)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert time.monotonic() - t0 < 6 and rc == -signal.SIGINT and how == "SIGINT at its cap (0.02 min)"
     deaf = ["sh", "-c", "trap '' INT; echo deaf; sleep 60"]                         # SIGKILL after the grace
     t0 = time.monotonic()

@@ -25,7 +25,8 @@ On a CUDA machine, in one process (method scripts are called in-process, their o
             sampled, as benchmark/speed.py); FedIPG --exit auto against --exit off over a whole run;
             a FedAvg round deterministic (the default) against --nondeterministic.
 Prints one table (check, measured, target, ok) and writes it as JSON (--out). Exit status 0 when
-every check holds, 1 when one fails, 2 without a CUDA device.
+every check holds, 1 when one fails, 2 without a CUDA device; each row is written as it is measured,
+and Ctrl-C or SIGTERM (after the method run in progress ends its round) stops it there: 130 / 143.
 """
 import contextlib
 import dataclasses
@@ -144,6 +145,8 @@ def attempt(fn):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             return fn(), None
     except SystemExit as e:       # a script's own error: its one line is on stderr
+        if e.code in (130, 143):  # the script stopped at a signal (SIGINT, SIGTERM): so does the check
+            raise
         return None, (err.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1]
     except Exception as e:
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -463,12 +466,19 @@ def main(argv=None):
                     "cpu": lambda: check_cpu_gpu(tmp, methods=a.methods),
                     "speed": lambda: check_speed("cuda", tmp, tree, a.data_root, a.rounds, a.ipg_rounds)}
         rows = []
-        for name in dict.fromkeys(a.checks):           # in the order given; each row is written as it comes,
-            print(f"gpu_check on {about['device']}: {name} ...", file=sys.stderr, flush=True)
-            for row in sections[name]():               # so a run cut short keeps what it measured
-                rows.append(row)
-                print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
-                write_report(a.out, rows, about)
+        try:
+            for name in dict.fromkeys(a.checks):       # in the order given; each row is written as it comes,
+                print(f"gpu_check on {about['device']}: {name} ...", file=sys.stderr, flush=True)
+                for row in sections[name]():           # so a run cut short keeps what it measured
+                    rows.append(row)
+                    print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+                    write_report(a.out, rows, about)
+        except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, or a method script stopped by a signal
+            code = e.code if isinstance(e, SystemExit) else 130
+            write_report(a.out, rows, about)
+            print(f"gpu_check.py: stopped by {'SIGTERM' if code == 143 else 'SIGINT'}; the {len(rows)} rows "
+                  f"measured before it: {a.out}", file=sys.stderr)
+            sys.exit(code)
     write_report(a.out, rows, about)
     print(f"{about['device']}, torch {about['torch']}\n\n{format_table(rows)}\n\nwritten: {a.out}")
     sys.exit(0 if all(r["ok"] is not False for r in rows) else 1)

@@ -147,13 +147,20 @@ def kill_tree(pid):
             pass
 
 
+def default_sigint():
+    """In a step's process before it runs: SIGINT's default action. main's own handlers give the steps that
+    anyway (exec resets a caught signal); run_step called without them, from a process that ignores SIGINT
+    (a background job of a non-interactive shell, say), would pass the ignoring on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_step(name, cmd, out_dir, cap, grace_s=GRACE, env=None):
     """Run one step, its output in out_dir/<name>.log; at `cap` seconds (or at a signal to this command)
     SIGINT to its process group, SIGKILL (kill_tree) grace_s seconds later (at once at a second signal).
     Returns (exit status, how it ended: "" on its own, else what stopped it)."""
     with open(Path(out_dir) / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=env)
+                                env=env, preexec_fn=default_sigint)
         t0, asked, signals, how = time.monotonic(), None, len(STOP), ""
         while proc.poll() is None:
             now = time.monotonic()
