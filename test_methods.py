@@ -5500,6 +5500,12 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     rows = list(gpu_check.check_runs([("fedipg", "fedipg", syn + gpu_check.TWO_ROUNDS["fedipg"])], "cpu", tmp_path))
     assert [(r["check"], r["ok"]) for r in rows] == [("runs: fedipg", True), ("repeat: fedipg", True)]
     assert common.local_train is step                                               # the guards are lifted
+    load = data.load
+    with gpu_check.loaded_once():                                # the runs read and build a dataset once
+        assert data.load("synthetic", None, 0) is data.load("synthetic", None, 0)
+    assert data.load is load and data.load("synthetic", None, 0) is not data.load("synthetic", None, 0)
+    rm = {label: argv for label, _, argv in gpu_check.cases(tmp_path) if " rmnist " in label}
+    assert all(("--sample" in argv) == (not label.startswith("fedloe")) for label, argv in rm.items())
     own = fediir.init_state
     stray = lambda *a: {**own(*a), "stray": torch.zeros(2, device="meta")}
     monkeypatch.setattr(fediir, "init_state", stray)
