@@ -487,12 +487,13 @@ def main(argv=None):
                     "speed": lambda: check_speed("cuda", tmp, tree, a.data_root, a.rounds, a.ipg_rounds)}
         rows = []
         try:
-            for name in dict.fromkeys(a.checks):       # in the order given; each row is written as it comes,
-                print(f"gpu_check on {about['device']}: {name} ...", file=sys.stderr, flush=True)
-                for row in sections[name]():           # so a run cut short keeps what it measured
-                    rows.append(row)
-                    print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
-                    write_report(a.out, rows, about)
+            with loaded_once():                        # every section's datasets read once
+                for name in dict.fromkeys(a.checks):   # in the order given; each row is written as it comes,
+                    print(f"gpu_check on {about['device']}: {name} ...", file=sys.stderr, flush=True)
+                    for row in sections[name]():       # so a run cut short keeps what it measured
+                        rows.append(row)
+                        print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+                        write_report(a.out, rows, about)
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, or a method script stopped by a signal
             code = e.code if isinstance(e, SystemExit) else 130
             write_report(a.out, rows, about)
