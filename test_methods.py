@@ -2726,6 +2726,27 @@ def test_fediir_gbar_sees_augmented_inputs_on_photos_by_default(tmp_path):
     assert (got["augmented"] - got["plain"]).abs().max() > 1e-4
 
 
+def test_fediir_gbar_pass_keeps_the_minibatches_of_a_batchnorm(tmp_path):
+    """With BatchNorm in the featurizer the g_bar pass runs it on the code's minibatches (their statistics,
+    train mode, as mean_grad); on larger chunks, as it does without BatchNorm, the features would differ."""
+    fed, model, ctx = photo_setup(tmp_path)
+    torch.manual_seed(0)
+    d = model.classifier.in_features
+    nn = torch.nn
+    model.featurizer = nn.Sequential(nn.Conv2d(3, d, 3), nn.BatchNorm2d(d), nn.ReLU(), common.GlobalMean(),
+                                     nn.Flatten())
+    ctx = dataclasses.replace(tiny_ctx(ctx.args, fed, model), prep=data.make_prep("pacs", "cpu"))
+    S, prep = [0, 2], data.make_prep("pacs", "cpu")
+    assert all(fed.clients[c].n > ctx.args.batch_size for c in S)                 # several minibatches each
+    b, replay = ctx.args.batch_size, [common.stream(0, fed.name, 1, c, "classifier_gradient", "cpu") for c in S]
+    augmented = [torch.cat([prep(x[i:i + b], train=True, gen=g) for i in range(0, len(x), b)])   # (drawn a
+                 for x, g in ((fed.clients[c].x, g) for c, g in zip(S, replay))]              # minibatch at a time)
+    up = common.on_clients(fediir.classifier_gradient, S, {"theta": common.get_flat(model)}, 1, ctx)
+    got = sum(r["grad"] for r in up) / sum(r["count"] for r in up)
+    model.train()
+    assert torch.allclose(got, mean_batch_gradient(model, augmented, S, fed, b), atol=1e-6)
+
+
 # FedIIR copied: its plain functions (classifier_grads, gbar_update, iir_penalty, iir_objective,
 # server_update) lifted by their source into a torch-only namespace, driven for two rounds by a loop written
 # here (the test's own model, three ragged clients of its own data, no common.py, no data.py), and checked
