@@ -170,10 +170,8 @@ def tangent(layers, x):
             da = torch.addcmul(z, dxh.view_as(a), (rstd * gamma).reshape(shape))
         elif da is a and m.bias is not None:
             da = 2 * z - m.bias.view(-1, *[1] * (z.dim() - 2))   # W a + z = 2z − b
-        else:
-            Wda = m._conv_forward(da, m.weight, None) if isinstance(m, nn.Conv2d) else \
-                F.linear(da, m.weight)
-            da = z + Wda
+        else:                                                 # ż = W ȧ + z (W: no bias)
+            da = z + (m._conv_forward if isinstance(m, nn.Conv2d) else F.linear)(da, m.weight, None)
         a = z
     return a, da
 
@@ -207,8 +205,10 @@ def chain(model):
 
 
 def in_chunks(site, train=False):
-    """The client's whole split in order, in chunks of --batch-size (train: augmented)."""
-    client, b, gen = site.client, site.args.batch_size, site.gen if train else None
+    """The client's whole split in order (train: augmented), in chunks of --batch-size or, if more,
+    of 2^18 input values (334 digits: fewer launches; about 1.5 GB of graph at λ > 0)."""
+    client, gen = site.client, site.gen if train else None
+    b = max(site.args.batch_size, 2 ** 18 // client.x[0].numel())
     for s in range(0, client.n, b):
         yield site.prep(client.x[s:s + b], train=train, gen=gen), client.y[s:s + b]
 

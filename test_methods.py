@@ -4697,12 +4697,31 @@ def test_fedipg_client_gradient_is_the_full_batch_gradient():
     fed, model = tiny_federation((7, 10)), tiny_model()
     client, args = fed.clients[1], ipg_args(batch_size=3)
     site = common.site(tiny_ctx(args, fed, model), 1, 1, "risk_gradient")
-    g = fedipg.full_gradient(model, fedipg.in_chunks(site), client.n)[0]        # four chunks, the last of 1
     m = copy.deepcopy(model)
     loss = F.cross_entropy(m(client.x.float() / 255), client.y)
     expected = torch.cat([v.reshape(-1) for v in torch.autograd.grad(loss, list(m.parameters()))])
-    assert torch.allclose(g, expected, atol=1e-6) and g.abs().max() > 1e-3
+    by_3 = [(site.prep(client.x[s:s + 3]), client.y[s:s + 3]) for s in range(0, 10, 3)]
+    for parts in (by_3, fedipg.in_chunks(site)):           # four chunks, the last of 1; in_chunks: one
+        g = fedipg.full_gradient(model, parts, client.n)[0]
+        assert torch.allclose(g, expected, atol=1e-6) and g.abs().max() > 1e-3
     assert torch.equal(common.get_flat(model), common.get_flat(m))              # no step taken
+
+
+@pytest.mark.parametrize("shape,n,b,sizes", [((1, 28, 28), 700, 64, [334, 334, 32]),   # digits: 2^18 values
+                                             ((1, 28, 28), 700, 400, [400, 300]),      # a batch size above
+                                             ((3, 224, 224), 70, 32, [32, 32, 6]),     # photos: the batch size
+                                             ((1, 4, 4), 10, 3, [10])])
+def test_fedipg_in_chunks_are_the_batch_size_or_2_18_input_values_if_more(shape, n, b, sizes):
+    """The whole split once and in order (each example holds its index), in chunks of --batch-size or,
+    where that is more, of 2^18 input values: fewer, larger chunks for small inputs."""
+    x = torch.arange(n).view(n, 1, 1, 1).expand(n, *shape)
+    client = types.SimpleNamespace(x=x, y=torch.arange(n), n=n)
+    site = types.SimpleNamespace(client=client, args=types.SimpleNamespace(batch_size=b), gen=None,
+                                 prep=lambda x, train=False, gen=None: x)
+    got = list(fedipg.in_chunks(site, train=True))
+    assert [len(y) for _, y in got] == sizes and [len(x) for x, _ in got] == sizes
+    assert torch.equal(torch.cat([y for _, y in got]), torch.arange(n))
+    assert torch.equal(torch.cat([x[:, 0, 0, 0] for x, _ in got]), torch.arange(n))
 
 
 def ipg_warmup_round(**kw):
@@ -4891,7 +4910,9 @@ W, T, LAM = 2, 2, 0.5
 
 
 def chunks(x, y, b):
-    """The client's whole split, in order, in chunks of b, pixels / 255."""
+    """The client's whole split, in order, in chunks of b or, if more, of 2^18 input values (as
+    fedipg.in_chunks), pixels / 255."""
+    b = max(b, 2 ** 18 // x[0].numel())
     return [(x[s:s + b].float() / 255, y[s:s + b]) for s in range(0, len(y), b)]
 
 
