@@ -5559,6 +5559,11 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     assert gpu_check.determinism_cost(*setup, rounds=1) > 0 and torch.are_deterministic_algorithms_enabled()
     ratios, busy, med = gpu_check.round_ratios(setup, 1, "cpu", tmp_path)
     assert set(ratios) == {"fediir", "fedipg", "fedomg"} and all(v > 0 for v in ratios.values())
+    chunks, calls = fedipg.in_chunks, []
+    monkeypatch.setattr(fedipg, "in_chunks", lambda site, train=False: calls.append(site) or chunks(site, train))
+    paper = gpu_check.setting(fedipg, "fedipg", syn + ["--local-step", "paper"], "cpu", tmp_path)
+    assert gpu_check.chunk_cost(paper, rounds=1) > 0 and len(calls) == 2 * 2    # the large chunks: 2 rounds
+    assert fedipg.in_chunks is not chunks and fedipg.in_chunks.__name__ == "<lambda>"   # put back
     assert busy == dict.fromkeys(["fedavg", "fediir", "fedipg", "fedomg"]) and all(v > 0 for v in med.values())
 
 

@@ -398,6 +398,30 @@ def determinism_cost(args, fed, model, ctx, rounds):
     return statistics.median(times["on"]) / statistics.median(times["off"])
 
 
+def chunk_cost(setup, rounds):
+    """Median seconds of a FedIPG --local-step paper round in fedipg.in_chunks' chunks (--batch-size
+    or 2^18 input values, if more) over one in chunks of --batch-size, alternated: what the larger
+    chunks (fewer launches; slower on the CPU) buy."""
+    args, fed, model, ctx = setup
+    state, own = fedipg.init_state(model, fed, args, ctx), fedipg.in_chunks
+
+    def by_batch(site, train=False):
+        client, b, gen = site.client, site.args.batch_size, site.gen if train else None
+        for s in range(0, client.n, b):
+            yield site.prep(client.x[s:s + b], train=train, gen=gen), client.y[s:s + b]
+
+    def chunked(chunks):
+        def round_fn(r):
+            fedipg.in_chunks = chunks
+            try:
+                return fedipg.fedipg_round(r, model, fed, args, state, ctx)
+            finally:
+                fedipg.in_chunks = own
+        return round_fn
+    times = alternate({"large": chunked(own), "batch": chunked(by_batch)}, ctx, rounds)
+    return statistics.median(times["large"]) / statistics.median(times["batch"])
+
+
 def exit_cost(argv, device, tmp):
     """Seconds of a whole FedIPG run with --exit auto over one without (the same clients take part)."""
     secs = {}
@@ -427,6 +451,10 @@ def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds):
         yield row if key == "fedavg" else {**row, "target": "", "ok": None}
     if why:
         yield {"check": "round ratios", "measured": why, "target": "", "ok": False}
+    paper = setting(fedipg, "fedipg", rm + ["--local-step", "paper"], device, tmp)
+    cost, why = attempt(lambda: chunk_cost(paper, rounds))
+    yield {"check": "FedIPG --local-step paper round: chunks of 2^18 values / of --batch-size",
+           "measured": why or cost, "target": "", "ok": False if why else None}
     for label, argv, variant in (("ConvNet fp32", rm, None), ("ConvNet bf16", rm + ["--amp"], None),
                                  ("ResNet-18 fp32 NCHW", pacs, "nchw"), ("ResNet-18 fp32 channels-last", pacs, None),
                                  ("ResNet-18 bf16 channels-last", pacs + ["--amp"], None)):
