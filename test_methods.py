@@ -6988,7 +6988,10 @@ BAD_INPUT = [   # (script, its main, argv (run in an empty folder), words of the
     ("speed", speed.main, ["--setting", "xx"], "argument --setting: invalid choice: 'xx'"),
     ("speed", speed.main, ["--clients", "5000"], "--clients 5000 leaves clients fewer training examples than one "
                                                  "minibatch"),
-    ("gpu_check", gpu_check.main, ["--rounds", "0"], "--rounds and --ipg-rounds must be positive"),
+    ("gpu_check", gpu_check.main, ["--rounds", "0"],
+     "--rounds, --ratio-rounds and --ipg-rounds must be positive"),
+    ("gpu_check", gpu_check.main, ["--ratio-rounds", "0"],
+     "--rounds, --ratio-rounds and --ipg-rounds must be positive"),
     ("gpu_check", gpu_check.main, ["--checks", "all"], "argument --checks: invalid choice: 'all'"),
 ]
 

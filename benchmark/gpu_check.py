@@ -431,12 +431,14 @@ def exit_cost(argv, device, tmp):
     return secs["auto"] / secs["off"]
 
 
-def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds):
-    """Section 4: a row for each measurement, as it is made."""
+def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds, ratio_rounds=None):
+    """Section 4: a row for each measurement, as it is made (ratio_rounds: of the round ratios, the
+    kernel shares and the chunk cost; default rounds)."""
+    ratio_rounds = ratio_rounds or rounds
     mnist = ["--data-root", data_root] if data_root else []
     rm = ["--dataset", "rmnist", "--test-domain", "0", "--clients", "50", "--sample", "5"] + mnist
     pacs = ["--dataset", "pacs", "--data-root", str(pacs_root), "--no-pretrained", "--test-domain", "photo"]
-    ratios, why = attempt(lambda: round_ratios(setting(fedavg, "fedavg", rm, device, tmp), rounds, device, tmp))
+    ratios, why = attempt(lambda: round_ratios(setting(fedavg, "fedavg", rm, device, tmp), ratio_rounds, device, tmp))
     ratios, busy, med = ratios or ({}, {}, {})
     for name, key in (("FedIIR", "fediir"), ("FedIPG", "fedipg")):
         yield target_row(f"{name} round / FedAvg round (RotatedMNIST-50)", key, ratios.get(key))
@@ -452,7 +454,7 @@ def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds):
     if why:
         yield {"check": "round ratios", "measured": why, "target": "", "ok": False}
     paper = setting(fedipg, "fedipg", rm + ["--local-step", "paper"], device, tmp)
-    cost, why = attempt(lambda: chunk_cost(paper, rounds))
+    cost, why = attempt(lambda: chunk_cost(paper, ratio_rounds))
     yield {"check": "FedIPG --local-step paper round: chunks of 2^18 values / of --batch-size",
            "measured": why or cost, "target": "", "ok": False if why else None}
     for label, argv, variant in (("ConvNet fp32", rm, None), ("ConvNet bf16", rm + ["--amp"], None),
@@ -493,14 +495,16 @@ def main(argv=None):
                    "embedded digits); the PACS tree is always generated")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_check.json"))
     p.add_argument("--rounds", type=int, default=10, help="timed rounds of each speed variant")
+    p.add_argument("--ratio-rounds", type=int, default=None, help="timed rounds of the method round ratios, "
+                   "kernel shares and FedIPG's chunks (default: --rounds)")
     p.add_argument("--ipg-rounds", type=int, default=100, help="rounds of the whole FedIPG runs (--exit auto / off)")
     p.add_argument("--checks", nargs="+", default=["runs", "cpu", "speed"], choices=["runs", "cpu", "speed"],
                    help="which of the checks to run, in this order (default: all)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
                    help="the methods of the runs and cpu checks (default: all six)")
     a = p.parse_args(argv)
-    if a.rounds < 1 or a.ipg_rounds < 1:
-        p.error("--rounds and --ipg-rounds must be positive")
+    if a.rounds < 1 or a.ipg_rounds < 1 or (a.ratio_rounds is not None and a.ratio_rounds < 1):
+        p.error("--rounds, --ratio-rounds and --ipg-rounds must be positive")
     if not torch.cuda.is_available():
         print("gpu_check.py: no CUDA device is visible; the CPU path is checked by pytest", file=sys.stderr)
         sys.exit(2)
@@ -512,7 +516,8 @@ def main(argv=None):
         data.make_fake_tree(tree, classes=("dog", "horse", "house"), per_class=32)
         sections = {"runs": lambda: check_runs(cases(tree, a.data_root, a.methods), "cuda", tmp),
                     "cpu": lambda: check_cpu_gpu(tmp, methods=a.methods),
-                    "speed": lambda: check_speed("cuda", tmp, tree, a.data_root, a.rounds, a.ipg_rounds)}
+                    "speed": lambda: check_speed("cuda", tmp, tree, a.data_root, a.rounds, a.ipg_rounds,
+                                                        a.ratio_rounds)}
         rows = []
         try:
             with loaded_once():                        # every section's datasets read once

@@ -8,8 +8,9 @@ In order (STEPS), each with a hard cap, its estimate; each estimate's source is 
 STEPS and printed by --dry-run:
   1. tests        pytest -q (-n 8 where pytest-xdist is importable) with CUDA visible: the bit-exact
                   tests run on the CPU and on CUDA
-  2. gpu_check    benchmark/gpu_check.py --rounds 3 --ipg-rounds 5 --checks cpu speed runs: CPU against
-                  GPU, speed targets, then every method on CUDA (no host sync in a local step,
+  2. gpu_check    benchmark/gpu_check.py --rounds 3 --ratio-rounds 10 --ipg-rounds 5 --checks cpu speed
+                  runs: CPU against GPU, speed targets (the method rounds' ratios over 10 rounds: 3
+                  left FedIPG's unsettled), then every method on CUDA (no host sync in a local step,
                   repeatable) until its cap; each row is kept as it is measured
   3. speed-rmnist benchmark/speed.py --setting rmnist: one client after another against all at once,
                   and every method's round, on RotatedMNIST-50
@@ -67,8 +68,8 @@ STEPS = [  # DATA, OUT and JOBS are filled in; XDIST becomes -n 8 where pytest-x
     Step("gpu_check", 185, "measured: CPU against GPU, speed and 12 of the 48 runs filled a 190 s cap "
          "(H100, 2026-11-26; the runs since lighter: 5 of 50 clients, each dataset loaded once); the runs "
          "left are cut at the cap, each row kept as it is measured", [
-             "benchmark/gpu_check.py", "--data-root", "DATA", "--rounds", "3", "--ipg-rounds", "5",
-             "--checks", "cpu", "speed", "runs", "--out", "OUT/gpu_check.json"]),
+             "benchmark/gpu_check.py", "--data-root", "DATA", "--rounds", "3", "--ratio-rounds", "10",
+             "--ipg-rounds", "5", "--checks", "cpu", "speed", "runs", "--out", "OUT/gpu_check.json"]),
     Step("speed-rmnist", 45, "measured: 31 s with 6 timed rounds (H100, 2026-11-26); cap 1.45x that", [
         "benchmark/speed.py", "--setting", "rmnist", "--data-root", "DATA", "--rounds", "6",
         "--json", "OUT/speed-rmnist.json"]),
