@@ -5672,6 +5672,25 @@ def test_aten_count_counts_one_round_with_its_backward_pass(tmp_path, monkeypatc
         "aten_count.py: error: fedavg: --lr must be positive, got -1.0\n"
 
 
+def test_aten_count_counts_the_clients_at_once_as_cuda_runs_them(tmp_path, monkeypatch, capsys):
+    """--parallel-clients on: the sampled clients' steps as one vmap each (common.at_once, entered once a
+    round), fewer ops than one client after another; a run that trains one client after another only is
+    named, not counted, and not fatal; the JSON says which way."""
+    stacked, at_once = [], common.at_once
+    monkeypatch.setattr(common, "at_once", lambda site, *a, **k: stacked.append(len(site.client)) or
+                        at_once(site, *a, **k))
+    out = tmp_path / "counts.json"
+    runs = aten_count.main(["--methods", "fedavg", "fedipg-paper", "--round", "1", "--parallel-clients", "on",
+                            "--json", str(out)])
+    d = json.loads(out.read_text())
+    assert stacked == [5] and list(runs) == ["fedavg"] and d["parallel_clients"] == "on"
+    assert "one client after another" in d["not_counted"]["fedipg-paper"] and "clients at once" in d["what"]
+    assert "aten_count.py: fedipg-paper not counted: --parallel-clients on" in capsys.readouterr().err
+    one_by_one = aten_count.count("fedavg", R=1)
+    assert stacked == [5] and runs["fedavg"]["args"]["parallel_clients"] == "on"
+    assert one_by_one["args"]["parallel_clients"] == "off" and runs["fedavg"]["total"] < one_by_one["ops"].total()
+
+
 def test_sensitivity_moves_runs_only_by_the_given_scale(monkeypatch):
     """s = 0 reproduces every tiny case exactly (the CPU is deterministic, the wrapper adds nothing);
     s = 1e-3 moves them; the original build_model is restored."""

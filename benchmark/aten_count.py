@@ -8,10 +8,13 @@ count is the same from run to run.
     python benchmark/aten_count.py                              # embedded 5,000 digits, every method
     python benchmark/aten_count.py --data-root DIR              # full MNIST under DIR: the papers' scale
     python benchmark/aten_count.py --methods fedavg fedipg --round 3 --json counts.json
+    python benchmark/aten_count.py --data-root DIR --parallel-clients on   # the sampled clients at once (CUDA's)
 
 Every run is RotatedMNIST-50 (--dataset rmnist --clients 50 --test-domain 0 --device cpu --seed 0) with the
-method's own rmnist defaults and 5 clients sampled a round; FedLOE samples none (every client, every
-communication): its rounds here are stage 1 communications of one local epoch each (RUNS says what each run is).
+method's own rmnist defaults and 5 clients sampled a round, one client after another (--parallel-clients on: all
+at once, one vmap per step, as on CUDA by default; a run that cannot is named and not counted); FedLOE samples
+none (every client, every communication): its rounds here are stage 1 communications of one local epoch each
+(RUNS says what each run is).
 The method script's own main(argv) runs in this process with common.checked_round, through which the skeleton
 calls a method's round function, wrapped: round --round (default 2, so that one-time setup is out) runs under
 the counter, the skeleton's check of it, evaluation and checkpoints do not, and the run stops right after it.
@@ -319,6 +322,8 @@ def parse(argv):
                                                         "once, before or in its first round, is out)")
     p.add_argument("--counter", default="profiler", choices=["profiler", "dispatch"],
                    help="profiler: torch.profiler's leaf aten ops (default); dispatch: ops below autograd")
+    p.add_argument("--parallel-clients", default="off", choices=["off", "on"],
+                   help="off: one client after another (default); on: all at once, as CUDA runs them")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the counts as JSON here")
     args = p.parse_args(argv)
     unknown = [m for m in args.methods if m not in RUNS]
@@ -353,11 +358,13 @@ def main(argv=None):
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                r = count(label, args.data_root, args.round, args.counter)
+                r = count(label, args.data_root, args.round, args.counter,
+                          ["--parallel-clients", args.parallel_clients])
         except SystemExit as e:                     # the script's own error, one line: passed on as ours
             line = (err.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1].split(": error: ", 1)[-1]
-            if not named and e.code == 2:       # all runs by default: one the data cannot hold is named, not fatal
-                refused[label] = line           # (FedLOE on the embedded digits: 50 clients too many)
+            if e.code == 2 and (not named or "--parallel-clients on" in line):   # by default, all runs: one the
+                refused[label] = line     # data cannot hold (FedLOE on the embedded digits: 50 clients too many),
+                #                           or any that trains one client after another only, is named, not fatal
                 print(f"aten_count.py: {label} not counted: {line}", file=sys.stderr, flush=True)
                 continue
             print(f"aten_count.py: error: {label}: {line}", file=sys.stderr)
@@ -376,10 +383,12 @@ def main(argv=None):
         for key in ("total", "compute"):
             r[f"{key}_x_fedavg"] = round(r[key] / base[key], 3) if base else None
     data = "full MNIST (--data-root)" if args.data_root else "embedded 5,000 digits"
+    how = "the sampled clients at once" if args.parallel_clients == "on" else "one client after another"
     about = {"what": f"aten ops of round {args.round} of each run ({args.counter} counter), RotatedMNIST-50 "
-                     f"(test domain 0), {data}, on the CPU: the method's round function; the skeleton's check "
+                     f"(test domain 0), {data}, on the CPU, {how}: the method's round function; the skeleton's check "
                      f"of the round (each run's 'check'), evaluation and checkpoints not counted",
              "counter": args.counter, "round": args.round, "data": data, "setting": " ".join(SETTING),
+             "parallel_clients": args.parallel_clients,
              "provenance": made, "not_counted": refused}
     if args.json:
         with open(args.json, "w") as f:
