@@ -362,9 +362,10 @@ def main(argv=None):
                           ["--parallel-clients", args.parallel_clients])
         except SystemExit as e:                     # the script's own error, one line: passed on as ours
             line = (err.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1].split(": error: ", 1)[-1]
-            if e.code == 2 and (not named or "--parallel-clients on" in line):   # by default, all runs: one the
-                refused[label] = line     # data cannot hold (FedLOE on the embedded digits: 50 clients too many),
-                #                           or any that trains one client after another only, is named, not fatal
+            if e.code == 2 and (not named or "--parallel-clients on" in line):
+                # named, not fatal: by default (all runs) one the data cannot hold (FedLOE on the embedded
+                # digits: 50 clients too many); with --parallel-clients on, one that cannot train at once
+                refused[label] = line
                 print(f"aten_count.py: {label} not counted: {line}", file=sys.stderr, flush=True)
                 continue
             print(f"aten_count.py: error: {label}: {line}", file=sys.stderr)
@@ -385,8 +386,8 @@ def main(argv=None):
     data = "full MNIST (--data-root)" if args.data_root else "embedded 5,000 digits"
     how = "the sampled clients at once" if args.parallel_clients == "on" else "one client after another"
     about = {"what": f"aten ops of round {args.round} of each run ({args.counter} counter), RotatedMNIST-50 "
-                     f"(test domain 0), {data}, on the CPU, {how}: the method's round function; the skeleton's check "
-                     f"of the round (each run's 'check'), evaluation and checkpoints not counted",
+                     f"(test domain 0), {data}, on the CPU, {how}: the method's round function; the skeleton's "
+                     f"check of the round (each run's 'check'), evaluation and checkpoints not counted",
              "counter": args.counter, "round": args.round, "data": data, "setting": " ".join(SETTING),
              "parallel_clients": args.parallel_clients,
              "provenance": made, "not_counted": refused}
