@@ -432,8 +432,8 @@ def exit_cost(argv, device, tmp):
 
 
 def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds, ratio_rounds=None):
-    """Section 4: a row for each measurement, as it is made (ratio_rounds: of the round ratios, the
-    kernel shares and the chunk cost; default rounds)."""
+    """Section 4: a row for each measurement, as it is made (ratio_rounds: of the method round ratios
+    and kernel shares; default rounds)."""
     ratio_rounds = ratio_rounds or rounds
     mnist = ["--data-root", data_root] if data_root else []
     rm = ["--dataset", "rmnist", "--test-domain", "0", "--clients", "50", "--sample", "5"] + mnist
@@ -453,8 +453,8 @@ def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds, ratio_rou
         yield row if key == "fedavg" else {**row, "target": "", "ok": None}
     if why:
         yield {"check": "round ratios", "measured": why, "target": "", "ok": False}
-    paper = setting(fedipg, "fedipg", rm + ["--local-step", "paper"], device, tmp)
-    cost, why = attempt(lambda: chunk_cost(paper, ratio_rounds))
+    paper = rm + ["--local-step", "paper"]
+    cost, why = attempt(lambda: chunk_cost(setting(fedipg, "fedipg", paper, device, tmp), rounds))
     yield {"check": "FedIPG --local-step paper round: chunks of 2^18 values / of --batch-size",
            "measured": why or cost, "target": "", "ok": False if why else None}
     for label, argv, variant in (("ConvNet fp32", rm, None), ("ConvNet bf16", rm + ["--amp"], None),
@@ -495,8 +495,8 @@ def main(argv=None):
                    "embedded digits); the PACS tree is always generated")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu_check.json"))
     p.add_argument("--rounds", type=int, default=10, help="timed rounds of each speed variant")
-    p.add_argument("--ratio-rounds", type=int, default=None, help="timed rounds of the method round ratios, "
-                   "kernel shares and FedIPG's chunks (default: --rounds)")
+    p.add_argument("--ratio-rounds", type=int, default=None, help="timed rounds of the method round ratios "
+                   "and kernel shares (default: --rounds)")
     p.add_argument("--ipg-rounds", type=int, default=100, help="rounds of the whole FedIPG runs (--exit auto / off)")
     p.add_argument("--checks", nargs="+", default=["runs", "cpu", "speed"], choices=["runs", "cpu", "speed"],
                    help="which of the checks to run, in this order (default: all)")
