@@ -268,6 +268,10 @@ def check_parallel(args, method, supported):
         raise UserError(f"--parallel-clients on: not for {args.dataset} (each client's augmentation draws from its "
                         f"own stream, and a ResNet fills a GPU alone); use off")
     args.parallel_clients = "on" if supported and parallel(args) else "off"
+    if getattr(args, "compile", False) and args.parallel_clients == "off":     # (--compile: the stacked step)
+        raise UserError(f"--compile: {method} {reason}, and --compile compiles the step of clients trained at once"
+                        if reason else "--compile compiles the step of the clients trained at once: add "
+                        "--parallel-clients on (the default on CUDA)")
 
 
 # ------------------------------------------------------------------------------ local training
@@ -373,15 +377,18 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
         for p, m in zip(params.values(), kept.split(sizes, 1)):
             opt.state[p]["momentum_buffer"] = m.reshape(p.shape).clone()
     grad_and_loss = torch.func.vmap(torch.func.grad_and_value(functools.partial(objective, model)))
+    if getattr(args, "compile", False):      # on all C clients at every step: one shape, one graph
+        grad_and_loss = compiled(grad_and_loss, device)
     model.train()
     total = torch.zeros(C, device=device)
     for k in range(K):
         m = sum(s > k for s in steps_of)                                # the first m clients still train
-        x = site.prep(X[plan[k, :m].reshape(-1)], train=True)
+        r = C if getattr(args, "compile", False) else m                 # compiled: the others weigh 0
+        x = site.prep(X[plan[k, :r].reshape(-1)], train=True)
         with site.autocast():
-            grads, losses = grad_and_loss({n: p[:m] for n, p in params.items()}, {n: b[:m] for n, b in buffers.items()},
-                                          x.view(m, -1, *x.shape[1:]), Y[plan[k, :m]], weight[k, :m])
-        total[:m] += losses.detach().float()
+            grads, losses = grad_and_loss({n: p[:r] for n, p in params.items()}, {n: b[:r] for n, b in buffers.items()},
+                                          x.view(r, -1, *x.shape[1:]), Y[plan[k, :r]], weight[k, :r])
+        total[:m] += (losses if r == m else losses[:m]).detach().float()
         if m == C:
             for name, p in params.items():
                 p.grad = grads[name]
@@ -390,7 +397,7 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
         held = [(t, t[m:].clone()) for p in params.values()     # the clients that are done, to put back
                 for t in (p, *(v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape))]
         for name, p in params.items():
-            p.grad = torch.cat([grads[name], grads[name].new_zeros(C - m, *p.shape[1:])])
+            p.grad = grads[name] if r == C else torch.cat([grads[name], grads[name].new_zeros(C - m, *p.shape[1:])])
         opt.step()
         for t, rows in held:
             t[m:] = rows
@@ -401,6 +408,16 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
             states[i]["momentum"] = kept[j].clone()
     thetas, losses = torch.cat([p.detach().reshape(C, -1) for p in params.values()], 1), total / count
     return torch.stack([thetas[j] for j in back]), torch.stack([losses[j] for j in back])
+
+
+def compiled(step, device):
+    """torch.compile(step) as one graph: on CUDA a CUDA graph, replayed (each call's outputs overwrite the last's,
+    which at_once has used); in a deterministic run Inductor picks its kernels without timing them."""
+    import torch._inductor.config as inductor
+    if hasattr(inductor, "deterministic"):                                          # (not in older torch)
+        inductor.deterministic = torch.are_deterministic_algorithms_enabled()
+    fn = torch.compile(step, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True)
+    return lambda *a: (torch.compiler.cudagraph_mark_step_begin(), fn(*a))[1]
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -458,6 +475,8 @@ def make_parser(method, doc):
       help="CUDA: let cuDNN and cuBLAS pick their fastest kernels; two runs then differ (README: GPU)")
     a("--parallel-clients", default="auto", choices=["auto", "on", "off"],
       help="train the sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
+    a("--compile", action="store_true", help="torch.compile the step of the clients trained at once, on all of them "
+      "while any trains (CUDA: a CUDA graph); other floats than the eager step's (docs/gpu-and-speed.md)")
     a("--out", default=None, help="results JSON, default results/<method>-<dataset>-seed<seed>.json; "
                                   "the checkpoint is <out>.ckpt")
     a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")

@@ -20,8 +20,6 @@ reached 32.0% at RotatedMNIST-50, 0°, where FedAvg reaches 84.2: docs/fedipg.md
 middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
 silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP.
 """
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,8 +62,8 @@ def client_update(site, sent):
     Replies Δ_i and the mean loss (paper: f_i(w))."""
     args, model, w = site.args, site.model, sent["w"]
     if args.local_step == "sgd":
-        f = functools.partial(f_i, lam=args.lam, layers=chain(model))
-        w_i, loss = common.local_train(site, w, f)
+        layers = chain(model)
+        w_i, loss = common.local_train(site, w, lambda *a: f_i(*a, lam=args.lam, layers=layers))
         return {"delta": w_i - w, "loss": loss}
     common.set_flat(model, w)
     grad, loss = full_gradient(model, in_chunks(site, train=True), site.client.n, args.lam,
@@ -281,7 +279,9 @@ def check(args):
     for bad, message in ((not args.lam >= 0, f"--lam must be >= 0, got {args.lam}"),
                          (args.exit == "auto" and args.exit_warmup < 1,
                           f"--exit-warmup must be at least 1, got {args.exit_warmup}"),
-                         (not args.exit_L > 0, f"--exit-L must be positive, got {args.exit_L}")):
+                         (not args.exit_L > 0, f"--exit-L must be positive, got {args.exit_L}"),
+                         (args.compile, "--compile: f_i builds a module at each call, which "
+                          "torch.compile cannot trace as one graph; leave it out")):
         if bad:
             raise common.UserError(message)
 

@@ -29,6 +29,7 @@ Prints one table (check, measured, target, ok) and writes it as JSON (--out). Ex
 every check holds, 1 when one fails, 2 without a CUDA device; each row is written as it is measured,
 and Ctrl-C or SIGTERM (after the method run in progress ends its round) stops it there: 130 / 143.
 """
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -384,6 +385,35 @@ def round_ratios(setup, rounds, device, tmp):
     return ratios, busy, med
 
 
+def compile_cost(setup, rounds):
+    """A FedAvg round with its clients at once and --compile (CUDA: CUDA graphs) against one without,
+    alternated on the same sampled clients: (median compiled / eager, the compiled round's kernel share
+    as round_ratios measures it (None on the CPU), the first compiled round's seconds (the compiling),
+    whether two compiled rounds from the same model and sampler give the same model bit for bit)."""
+    args, fed, model, ctx = setup
+
+    def fedavg_round(compile):                    # the clients at once, with or without --compile
+        a = argparse.Namespace(**{**vars(args), "parallel_clients": "on", "compile": compile})
+        c = way(ctx, "on", a)
+        return lambda r: fedavg.fedavg_round(r, model, fed, a, {}, c)
+    compiled, eager = fedavg_round(True), fedavg_round(False)
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    compiled(0)
+    sync()
+    first = time.perf_counter() - start
+    times = alternate({"compiled": compiled, "eager": eager}, ctx, rounds)
+    med = statistics.median(times["compiled"])
+    busy = kernel_seconds(lambda: compiled(rounds + 2), ctx)
+    theta, drawn, ends = common.get_flat(model).clone(), ctx.sampler.get_state(), []
+    for _ in range(2):
+        common.set_flat(model, theta)
+        ctx.sampler.set_state(drawn)
+        compiled(rounds + 3)
+        ends.append(common.get_flat(model).clone())
+    return med / statistics.median(times["eager"]), busy and busy / med, first, torch.equal(*ends)
+
+
 def determinism_cost(args, fed, model, ctx, rounds):
     """Median seconds of a FedAvg round in deterministic mode over one with --nondeterministic."""
     def mode(on):
@@ -453,6 +483,15 @@ def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds, ratio_rou
         yield row if key == "fedavg" else {**row, "target": "", "ok": None}
     if why:
         yield {"check": "round ratios", "measured": why, "target": "", "ok": False}
+    cost, why = attempt(lambda: compile_cost(setting(fedavg, "fedavg", rm, device, tmp), ratio_rounds))
+    ratio, busy, first, same = cost or (None, None, None, None)
+    yield {"check": "FedAvg round --compile / without (RotatedMNIST-50, at once)" +
+           (f"; its first round {first:.1f} s" if cost else ""), "measured": why or ratio, "target": "",
+           "ok": False if why else None}
+    if cost:
+        yield target_row("FedAvg round --compile: GPU kernel time / wall", "busy", busy)
+        yield {"check": "FedAvg round --compile, twice from one start", "measured": "identical" if same else
+               "differs", "target": "identical", "ok": same}
     paper = rm + ["--local-step", "paper"]
     cost, why = attempt(lambda: chunk_cost(setting(fedipg, "fedipg", paper, device, tmp), rounds))
     yield {"check": "FedIPG --local-step paper round: chunks of 2^18 values / of --batch-size",
