@@ -389,8 +389,13 @@ def compile_cost(setup, rounds):
     """A FedAvg round with its clients at once and --compile (CUDA: CUDA graphs) against one without,
     alternated on the same sampled clients: (median compiled / eager, the compiled round's kernel share
     as round_ratios measures it (None on the CPU), the first compiled round's seconds (the compiling),
-    whether two compiled rounds from the same model and sampler give the same model bit for bit)."""
+    whether two compiled rounds from the same model and sampler give the same model bit for bit). Where
+    Inductor would run the step without a CUDA graph, it raises instead (cudagraph_or_error): the reason
+    becomes the row."""
+    import torch._inductor.config as inductor
     args, fed, model, ctx = setup
+    strict = inductor.patch({"triton.cudagraph_or_error": True}) if hasattr(inductor.triton, "cudagraph_or_error") \
+        else contextlib.nullcontext()
 
     def fedavg_round(compile):                    # the clients at once, with or without --compile
         a = argparse.Namespace(**{**vars(args), "parallel_clients": "on", "compile": compile})
@@ -398,19 +403,20 @@ def compile_cost(setup, rounds):
         return lambda r: fedavg.fedavg_round(r, model, fed, a, {}, c)
     compiled, eager = fedavg_round(True), fedavg_round(False)
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-    start = time.perf_counter()
-    compiled(0)
-    sync()
-    first = time.perf_counter() - start
-    times = alternate({"compiled": compiled, "eager": eager}, ctx, rounds)
-    med = statistics.median(times["compiled"])
-    busy = kernel_seconds(lambda: compiled(rounds + 2), ctx)
-    theta, drawn, ends = common.get_flat(model).clone(), ctx.sampler.get_state(), []
-    for _ in range(2):
-        common.set_flat(model, theta)
-        ctx.sampler.set_state(drawn)
-        compiled(rounds + 3)
-        ends.append(common.get_flat(model).clone())
+    with strict:
+        start = time.perf_counter()
+        compiled(0)
+        sync()
+        first = time.perf_counter() - start
+        times = alternate({"compiled": compiled, "eager": eager}, ctx, rounds)
+        med = statistics.median(times["compiled"])
+        busy = kernel_seconds(lambda: compiled(rounds + 2), ctx)
+        theta, drawn, ends = common.get_flat(model).clone(), ctx.sampler.get_state(), []
+        for _ in range(2):
+            common.set_flat(model, theta)
+            ctx.sampler.set_state(drawn)
+            compiled(rounds + 3)
+            ends.append(common.get_flat(model).clone())
     return med / statistics.median(times["eager"]), busy and busy / med, first, torch.equal(*ends)
 
 
