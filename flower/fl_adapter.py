@@ -141,7 +141,7 @@ class Link:
 def serve(grid, method, argv, wait=600.0):
     """The ServerApp's work: `method`'s own main(argv), common.on_clients' engine a Link. Returns (results, link)."""
     mod = importlib.import_module(method)
-    link, run = Link(grid, wait), common.run
+    link, run, parallel = Link(grid, wait), common.run, common.parallel
 
     def flower_run(name, args, round_fn, init_state, evaluate_fn, argv=None, engine=None):
         if args.parallel_clients == "on":
@@ -149,10 +149,11 @@ def serve(grid, method, argv, wait=600.0):
         link.args, link.out, link.init = json.dumps(vars(args)), args.out, name_of(init_state)  # the nodes' setup
         return run(name, args, round_fn, init_state, evaluate_fn, argv, engine=link)
     common.run = flower_run
+    common.parallel = lambda args: args.parallel_clients == "on"    # auto: off here, on a GPU too (refused if on)
     try:
         return mod.main(argv), link
     finally:
-        common.run = run
+        common.run, common.parallel = run, parallel
 
 
 def report(link):

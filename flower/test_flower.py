@@ -66,6 +66,29 @@ def history(res):
     return [{k: v for k, v in row.items() if k != "seconds"} for d in res["domains"].values() for row in d["history"]]
 
 
+def test_flower_takes_auto_as_one_client_per_node_on_a_gpu_too(tmp_path, monkeypatch, capsys):
+    """--parallel-clients auto is on for CUDA in the method files; on Flower every client trains on its own
+    node, so there auto is off whatever the device, and on (or --compile, which needs it) is refused."""
+    seen = {}
+    gpu = lambda mode: types.SimpleNamespace(parallel_clients=mode, device="cuda", dataset="synthetic", model="cnn")
+
+    def probe(argv):
+        seen.update(auto=fl_adapter.common.parallel(gpu("auto")), on=fl_adapter.common.parallel(gpu("on")))
+    monkeypatch.setattr(fedavg, "main", probe)
+    fl_adapter.serve(None, "fedavg", [])
+    assert seen == {"auto": False, "on": True} and fl_adapter.common.parallel(gpu("auto"))    # and put back
+    monkeypatch.undo()
+    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
+    for extra, expect in ((["--parallel-clients", "on"], "--parallel-clients on: on Flower every client trains on "
+                                                          "its own node; use off"),
+                          (["--compile"], "--compile compiles the step of the clients trained at once")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + extra + ["--out", str(tmp_path / "r.json")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and expect in err[0]
+
+
 @pytest.mark.parametrize("method", list(ARGV))
 def test_flower_equals_the_method_file(method, tmp_path):
     """torch.equal: the same operations in the same order (the method's client functions on the node,
