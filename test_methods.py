@@ -1975,6 +1975,21 @@ def test_compiled_step_is_one_graph_matches_the_clients_one_after_another_and_re
     assert counters["stats"]["unique_graphs"] == 1                    # the second run: no recompilation
 
 
+@on_every_device
+def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypatch, device):
+    """A --compile run (FedAvg, 3 of 4 clients at once; on CUDA the step replayed as a CUDA graph) twice: the
+    same results bit for bit; cut after round 2 and resumed: the uninterrupted results. Its args say so."""
+    argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--device", device,
+                    "--parallel-clients", "on", "--compile"]
+    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
+    assert full["args"]["compile"] is True and full["domains"]["style0"]["test_acc"] > 0.5
+    again, _ = run(fedavg.main, argv, tmp_path, "again.json")
+    assert strip_times(again) == strip_times(full)
+    resumed = interrupted_then_resumed(fedavg.main, argv, str(tmp_path / "cut.json"), monkeypatch,
+                                       lambda blob: blob["round"] == 2)
+    assert strip_times(resumed) == strip_times(full)
+
+
 @pytest.mark.parametrize("name,argv,rounds,tol", [
     ("fediir", ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9", "--weight-decay", "1e-2",
                 "--gamma", "1", "--ema", "0.5"], 2, (1e-6, 1e-5)),
