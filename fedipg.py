@@ -91,10 +91,12 @@ def f_i(model, params, buffers, x, y, w, lam, layers=None):
     def f():
         R, d = risk_and_d(model, x, y, w, layers, lam)
         return R if lam == 0 else R + lam * d * d
-    call = torch.nn.Module()                                  # f as a forward beside the model
-    call.model, call.forward = model, f
     named = {"model." + k: v for d in (params, buffers) for k, v in d.items()}
-    return torch.func.functional_call(call, named, ())
+    return torch.func.functional_call(Beside({"model": model}), named, (f,))     # f at `params`
+
+
+class Beside(torch.nn.ModuleDict):   # {"model": model}; forward(f) = f(), torch.compile traces it
+    forward = staticmethod(lambda f: f())
 
 
 def full_gradient(model, chunks, n, lam=0.0, layers=None, autocast=None):
@@ -279,9 +281,7 @@ def check(args):
     for bad, message in ((not args.lam >= 0, f"--lam must be >= 0, got {args.lam}"),
                          (args.exit == "auto" and args.exit_warmup < 1,
                           f"--exit-warmup must be at least 1, got {args.exit_warmup}"),
-                         (not args.exit_L > 0, f"--exit-L must be positive, got {args.exit_L}"),
-                         (args.compile, "--compile: f_i builds a module at each call, which "
-                          "torch.compile cannot trace as one graph; leave it out")):
+                         (not args.exit_L > 0, f"--exit-L must be positive, got {args.exit_L}")):
         if bad:
             raise common.UserError(message)
 
