@@ -5661,6 +5661,8 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     ratio, busy, first, same = gpu_check.compile_cost(setup, rounds=1)
     assert ratio > 0 and busy is None and first > 0 and same is True and counters["stats"]["unique_graphs"] >= 1
     assert not setup[0].compile and setup[0].parallel_clients == "auto"            # the setting itself unchanged
+    ratio, first = gpu_check.compiled_ratio(syn, "cpu", tmp_path, rounds=1)          # FedIPG's step compiles too
+    assert ratio > 0 and first > 0 and counters["stats"]["unique_graphs"] >= 2
 
 
 def test_gpu_check_stops_when_a_method_script_stops_at_a_signal(tmp_path, monkeypatch, capsys):

@@ -420,6 +420,27 @@ def compile_cost(setup, rounds):
     return med / statistics.median(times["eager"]), busy and busy / med, first, torch.equal(*ends)
 
 
+def compiled_ratio(argv, device, tmp, rounds):
+    """FedIPG's round over FedAvg's, both with --compile and their clients at once, alternated on the
+    same sampled clients after a first (compiling) round of each: (ratio, FedIPG's first round in s)."""
+    args, fed, model, ctx = setting(fedavg, "fedavg", argv, device, tmp)
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    variants, first = {}, {}
+    for module, a in ((fedavg, args), (fedipg, resolved(fedipg, "fedipg", argv, device, tmp))):
+        a = argparse.Namespace(**{**vars(a), "parallel_clients": "on", "compile": True})
+        c = way(ctx, "on", a)
+        state = module.init_state(model, fed, a, c) if hasattr(module, "init_state") else {}
+        name = module.__name__
+        variants[name] = functools.partial(getattr(module, f"{name}_round"), model=model, fed=fed, args=a,
+                                           state=state, ctx=c)
+        start = time.perf_counter()
+        variants[name](0)
+        sync()
+        first[name] = time.perf_counter() - start
+    times = alternate(variants, ctx, rounds)
+    return statistics.median(times["fedipg"]) / statistics.median(times["fedavg"]), first["fedipg"]
+
+
 def determinism_cost(args, fed, model, ctx, rounds):
     """Median seconds of a FedAvg round in deterministic mode over one with --nondeterministic."""
     def mode(on):
@@ -502,6 +523,10 @@ def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds, ratio_rou
     cost, why = attempt(lambda: chunk_cost(setting(fedipg, "fedipg", paper, device, tmp), rounds))
     yield {"check": "FedIPG --local-step paper round: chunks of 2^18 values / of --batch-size",
            "measured": why or cost, "target": "", "ok": False if why else None}
+    ratio, why = attempt(lambda: compiled_ratio(rm, device, tmp, ratio_rounds))
+    row = target_row("FedIPG round / FedAvg round, both --compile (RotatedMNIST-50)" +
+                     (f"; FedIPG's first round {ratio[1]:.1f} s" if ratio else ""), "fedipg", ratio and ratio[0])
+    yield {**row, "measured": why, "ok": False} if why else row
     for label, argv, variant in (("ConvNet fp32", rm, None), ("ConvNet bf16", rm + ["--amp"], None),
                                  ("ResNet-18 fp32 NCHW", pacs, "nchw"), ("ResNet-18 fp32 channels-last", pacs, None),
                                  ("ResNet-18 bf16 channels-last", pacs + ["--amp"], None)):
