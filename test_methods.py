@@ -1977,10 +1977,10 @@ def test_compiled_step_is_one_graph_matches_the_clients_one_after_another_and_re
 
 @on_every_device
 def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypatch, device):
-    """A --compile run (FedAvg, 3 of 4 clients at once; on CUDA the step replayed as a CUDA graph) twice: the
+    """A --compile run (FedAvg, 4 of 5 clients at once; on CUDA the step replayed as a CUDA graph) twice: the
     same results bit for bit; cut after round 2 and resumed: the uninterrupted results. Its args say so."""
-    argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--device", device,
-                    "--parallel-clients", "on", "--compile"]
+    argv = QUICK + ["--clients", "5", "--sample", "4", "--model", "cnn", "--batch-size", "16", "--test-domain", "0",
+                    "--device", device, "--parallel-clients", "on", "--compile"]   # (the float32 test's graph)
     full, _ = run(fedavg.main, argv, tmp_path, "full.json")
     assert full["args"]["compile"] is True and full["domains"]["style0"]["test_acc"] > 0.5
     again, _ = run(fedavg.main, argv, tmp_path, "again.json")
@@ -5658,10 +5658,12 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
     assert busy == dict.fromkeys(["fedavg", "fediir", "fedipg", "fedomg"]) and all(v > 0 for v in med.values())
     from torch._dynamo.utils import counters
     counters.clear()
+    cnn = syn[:4] + ["--clients", "5", "--sample", "4", "--model", "cnn", "--batch-size", "16"]  # (shared graphs)
+    setup = gpu_check.setting(fedavg, "fedavg", cnn, "cpu", tmp_path)
     ratio, busy, first, same = gpu_check.compile_cost(setup, rounds=1)
     assert ratio > 0 and busy is None and first > 0 and same is True and counters["stats"]["unique_graphs"] >= 1
     assert not setup[0].compile and setup[0].parallel_clients == "auto"            # the setting itself unchanged
-    ratio, first = gpu_check.compiled_ratio(syn, "cpu", tmp_path, rounds=1)          # FedIPG's step compiles too
+    ratio, first = gpu_check.compiled_ratio(cnn, "cpu", tmp_path, rounds=1)          # FedIPG's step compiles too
     assert ratio > 0 and first > 0 and counters["stats"]["unique_graphs"] >= 2
 
 

@@ -67,8 +67,8 @@ STEPS = [  # DATA, OUT and JOBS are filled in; XDIST becomes -n 8 where pytest-x
              "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "XDIST"]),
     Step("gpu_check", 185, "measured: CPU against GPU, speed and 12 of the 48 runs filled a 190 s cap "
          "(H100, 2026-11-26; the runs since lighter: 5 of 50 clients, each dataset loaded once; the speed "
-         "rows since heavier by --compile's FedAvg rounds, whose compiling is unmeasured on a GPU: 33 s on "
-         "the 2-core CPU); the runs left are cut at the cap, each row kept as it is measured", [
+         "rows since heavier by --compile's FedAvg and FedIPG rounds, whose compiling is unmeasured on a GPU: "
+         "33 s and 32 s on the 2-core CPU); the runs left are cut at the cap, each row kept as it is measured", [
              "benchmark/gpu_check.py", "--data-root", "DATA", "--rounds", "3", "--ratio-rounds", "10",
              "--ipg-rounds", "5", "--checks", "cpu", "speed", "runs", "--out", "OUT/gpu_check.json"]),
     Step("speed-rmnist", 45, "measured: 31 s with 6 timed rounds (H100, 2026-11-26); cap 1.45x that", [
