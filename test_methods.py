@@ -1993,17 +1993,17 @@ def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(tmp_path,
 @pytest.mark.parametrize("name,argv,rounds,tol", [
     ("fediir", ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9", "--weight-decay", "1e-2",
                 "--gamma", "1", "--ema", "0.5"], 2, (1e-6, 1e-5)),
-    ("fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--weight-decay", "1e-2"], 3, (1e-7, 2e-5)),
+    ("fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--weight-decay", "1e-2"], 3, (2e-7, 2e-5)),
     ("fedloe", ["--clients", "5", "--batch-size", "16", "--stage1-epochs", "4", "--stage1-comms", "2",
                 "--weight-decay", "1e-3", "--lr", "1e-3"], 2, (3e-5, 1e-4))])
 def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(name, argv, rounds, tol, tmp_path,
-                                                                             monkeypatch):
+                                                                             monkeypatch, dtype):
     """--compile beyond FedAvg: FedIIR's nested-grad penalty, FedOMG's kept momentum, FedLOE's stage 1
     (Adam), each traced as one graph (fullgraph) and as close to the clients one after another as the
-    eager step at once, in float32 on the CPU: the tolerances of their test_parallel_* tests. Measured
-    (2 threads, Intel Xeon), θ / update, compiled against eager at once: FedIIR 2.0e-8 / 3.6e-7 against
-    1.9e-8 / 3.5e-7, FedOMG 1.0e-8 / 9.1e-7 against 1.0e-8 / 9.0e-7, FedLOE 3.6e-7 / 1.1e-6 against
-    6.1e-7 / 1.9e-6."""
+    eager step at once, on the CPU. Relative θ / update, the larger of 1 and 2 threads (Intel Xeon).
+    float32: FedIIR 2.0e-8 / 3.6e-7, FedOMG 1.3e-8 / 7.6e-7, FedLOE 3.6e-7 / 1.1e-6 (eager at once, 2
+    threads: 1.9e-8 / 3.5e-7, 1.0e-8 / 9.0e-7, 6.1e-7 / 1.9e-6); tolerances those of their test_parallel_*
+    tests, FedOMG's θ 2e-7 (16x). float64: at most 2.4e-15 / 7.7e-15 (tolerance 1e-12)."""
     from torch._dynamo.utils import counters
     module = {"fediir": fediir, "fedomg": fedomg, "fedloe": fedloe}[name]
     args = method_args(module, name, argv + ["--compile"], tmp_path)
@@ -2012,7 +2012,7 @@ def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(name,
     out = both_ways(getattr(module, f"{name}_round"), args, rounds, monkeypatch,   # (as their test_parallel_*)
                     fediir.init_state if name == "fediir" else lambda *a: {})
     assert counters["stats"]["unique_graphs"] == 1
-    assert_same_to_tolerance(out, params=tol[0], update=tol[1])
+    assert_same_to_tolerance(out, **(dict(params=tol[0], update=tol[1]) if dtype == torch.float32 else F64))
 
 
 @pytest.mark.parametrize("method,argv,message", [
@@ -5053,20 +5053,22 @@ def test_fedipg_copied(local_step, penalty, L, monkeypatch):
     assert (w - flat(own_model())).abs().max() > 1e-3                                    # it trained
 
 
-def test_compiled_fedipg_step_is_one_graph_and_matches_the_clients_one_after_another(tmp_path, monkeypatch,
-                                                                                     float64):
+def test_compiled_fedipg_step_is_one_graph_and_matches_the_clients_one_after_another(tmp_path, monkeypatch, dtype):
     """--compile with FedIPG's sgd step (Eq. 9 through the tangent; f_i's Beside module, whose forward is
-    fixed on the class, lets torch.compile trace it as one graph), 2 rounds in float64 on the CPU: as
-    test_parallel_fedipg_penalty_matches_sequential's float64 bounds. Measured (2 threads): θ 1.2e-16,
-    update 2.3e-15, max |Δθ| 1.7e-16 (eager at once: 1.0e-16, 1.8e-15, 9.4e-17)."""
+    fixed on the class, lets torch.compile trace it as one graph), 2 rounds on the CPU, with the bounds of
+    test_parallel_fedipg_penalty_matches_sequential. Measured at 1 / 2 threads, relative θ, update, max
+    |Δθ|: float64 1.2e-16, 2.3e-15, 1.7e-16 (eager at once: 1.0e-16, 1.8e-15, 9.4e-17); float32 2.8e-8 /
+    3.2e-8, 8.8e-7 / 9.9e-7, 2.2e-8, losses 1.2e-7: far inside the coarse float32 bounds, which a ReLU or
+    max-pool kink within rounding of zero needs (eager at once reached 5.5e-5 at 2 threads)."""
     from torch._dynamo.utils import counters
     args = method_args(fedipg, "fedipg", SGD + IPG + ["--compile"], tmp_path)
     torch._dynamo.reset()
     counters.clear()
     out = both_ways(fedipg.fedipg_round, args, 2, monkeypatch, fedipg.init_state)
     assert counters["stats"]["unique_graphs"] == 1
-    assert_same_to_tolerance(out, **F64)
-    assert max_abs(out) < 1e-13
+    f32 = dtype == torch.float32
+    assert_same_to_tolerance(out, **(dict(params=1e-3, update=5e-2, losses=2e-4) if f32 else F64))
+    assert max_abs(out) < (1e-3 if f32 else 1e-13)
 
 
 @pytest.mark.parametrize("form", ["tangent", "jvp"])
