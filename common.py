@@ -377,13 +377,13 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
         for p, m in zip(params.values(), kept.split(sizes, 1)):
             opt.state[p]["momentum_buffer"] = m.reshape(p.shape).clone()
     grad_and_loss = torch.func.vmap(torch.func.grad_and_value(functools.partial(objective, model)))
-    if getattr(args, "compile", False):      # on all C clients at every step: one shape, one graph
-        grad_and_loss = compiled(grad_and_loss, device)
+    every = getattr(args, "compile", False)  # compiled: on all C clients at every step (one shape, one graph)
+    grad_and_loss = compiled(grad_and_loss, device) if every else grad_and_loss
     model.train()
     total = torch.zeros(C, device=device)
     for k in range(K):
         m = sum(s > k for s in steps_of)                                # the first m clients still train
-        r = C if getattr(args, "compile", False) else m                 # compiled: the others weigh 0
+        r = C if every else m                                           # (those done weigh 0)
         x = site.prep(X[plan[k, :r].reshape(-1)], train=True)
         with site.autocast():
             grads, losses = grad_and_loss({n: p[:r] for n, p in params.items()}, {n: b[:r] for n, b in buffers.items()},
