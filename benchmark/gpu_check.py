@@ -385,6 +385,24 @@ def round_ratios(setup, rounds, device, tmp):
     return ratios, busy, med
 
 
+def at_once_round(module, args, model, fed, ctx, compile):
+    """Round t -> `module`'s round with its clients at once, with or without --compile, on `ctx`'s sampler."""
+    a = argparse.Namespace(**{**vars(args), "parallel_clients": "on", "compile": compile})
+    c = way(ctx, "on", a)
+    state = module.init_state(model, fed, a, c) if hasattr(module, "init_state") else {}
+    return functools.partial(getattr(module, f"{module.__name__}_round"), model=model, fed=fed, args=a,
+                             state=state, ctx=c)
+
+
+def first_seconds(round_fn, ctx):
+    """Seconds of round_fn(0), the device synchronised: a first round, with its compiling."""
+    start = time.perf_counter()
+    round_fn(0)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def compile_cost(setup, rounds):
     """A FedAvg round with its clients at once and --compile (CUDA: CUDA graphs) against one without,
     alternated on the same sampled clients: (median compiled / eager, the compiled round's kernel share
@@ -396,18 +414,9 @@ def compile_cost(setup, rounds):
     args, fed, model, ctx = setup
     strict = inductor.patch({"triton.cudagraph_or_error": True}) if hasattr(inductor.triton, "cudagraph_or_error") \
         else contextlib.nullcontext()
-
-    def fedavg_round(compile):                    # the clients at once, with or without --compile
-        a = argparse.Namespace(**{**vars(args), "parallel_clients": "on", "compile": compile})
-        c = way(ctx, "on", a)
-        return lambda r: fedavg.fedavg_round(r, model, fed, a, {}, c)
-    compiled, eager = fedavg_round(True), fedavg_round(False)
-    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    compiled, eager = (at_once_round(fedavg, args, model, fed, ctx, c) for c in (True, False))
     with strict:
-        start = time.perf_counter()
-        compiled(0)
-        sync()
-        first = time.perf_counter() - start
+        first = first_seconds(compiled, ctx)
         times = alternate({"compiled": compiled, "eager": eager}, ctx, rounds)
         med = statistics.median(times["compiled"])
         busy = kernel_seconds(lambda: compiled(rounds + 2), ctx)
@@ -424,19 +433,9 @@ def compiled_ratio(argv, device, tmp, rounds):
     """FedIPG's round over FedAvg's, both with --compile and their clients at once, alternated on the
     same sampled clients after a first (compiling) round of each: (ratio, FedIPG's first round in s)."""
     args, fed, model, ctx = setting(fedavg, "fedavg", argv, device, tmp)
-    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-    variants, first = {}, {}
-    for module, a in ((fedavg, args), (fedipg, resolved(fedipg, "fedipg", argv, device, tmp))):
-        a = argparse.Namespace(**{**vars(a), "parallel_clients": "on", "compile": True})
-        c = way(ctx, "on", a)
-        state = module.init_state(model, fed, a, c) if hasattr(module, "init_state") else {}
-        name = module.__name__
-        variants[name] = functools.partial(getattr(module, f"{name}_round"), model=model, fed=fed, args=a,
-                                           state=state, ctx=c)
-        start = time.perf_counter()
-        variants[name](0)
-        sync()
-        first[name] = time.perf_counter() - start
+    variants = {"fedavg": at_once_round(fedavg, args, model, fed, ctx, True),
+                "fedipg": at_once_round(fedipg, resolved(fedipg, "fedipg", argv, device, tmp), model, fed, ctx, True)}
+    first = {k: first_seconds(fn, ctx) for k, fn in variants.items()}
     times = alternate(variants, ctx, rounds)
     return statistics.median(times["fedipg"]) / statistics.median(times["fedavg"]), first["fedipg"]
 
