@@ -57,9 +57,8 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None):
 
 @common.stackable                # --local-step sgd with --parallel-clients on: all clients at once
 def client_update(site, sent):
-    """Step 2 on client i from the w = w^{t−τ_i} it received: --local-step sgd, --local-epochs of
-    minibatch SGD on f_i; paper, one step w − η (∇f_i(w) + wd·w) on its whole split (Eq. 2).
-    Replies Δ_i and the mean loss (paper: f_i(w))."""
+    """Step 2 on client i from the w = w^{t−τ_i} it received; Δ_i and the mean loss up. sgd:
+    --local-epochs of minibatch SGD on f_i; paper: w − η (∇f_i(w) + wd·w), whole split (Eq. 2)."""
     args, model, w = site.args, site.model, sent["w"]
     if args.local_step == "sgd":
         layers = chain(model)
@@ -140,12 +139,13 @@ def tangent(layers, x):
     x̂ mean(x̂ ȧ)) + y. ReLU, pools, mean, flatten: as they map a (ReLU: ȧ ⊙ 1[a > 0])."""
     a, da, nn = x, None, torch.nn                     # (copied alone it needs torch only)
     for m in layers:
-        if isinstance(m, nn.GroupNorm) and da is not None:  # x̂'s statistics first, as autograd
+        if isinstance(m, nn.GroupNorm) and da is not None:  # z = γ x̂ + β from x̂'s statistics
             N, G, shape = a.shape[0], m.num_groups, a.shape[:2] + (1,) * (a.dim() - 2)
             xc = a.reshape(N, G, -1) - a.reshape(N, G, -1).mean(-1, keepdim=True)
             rstd = ((xc * xc).mean(-1, keepdim=True) + m.eps).rsqrt()
-            gamma = m.weight.view(1, G, -1)
-        if isinstance(m, nn.MaxPool2d):                       # (its argmax positions as well)
+            gamma, scale = m.weight.view(1, G, -1), (rstd * m.weight.view(1, G, -1)).reshape(shape)
+            z, idx = torch.addcmul(m.bias.view(shape[1:]), xc.view_as(a), scale), None
+        elif isinstance(m, nn.MaxPool2d):                     # (its argmax positions as well)
             z, idx = F.max_pool2d(a, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode,
                                   return_indices=True)
         else:
@@ -167,7 +167,7 @@ def tangent(layers, x):
             dg = da.reshape(N, G, -1)                         # x̂ mean(x̂ ȧ) = xc rstd² mean(xc ȧ)
             dxh = torch.addcmul(dg - dg.mean(-1, keepdim=True), xc,
                                 rstd * rstd * (xc * dg).mean(-1, keepdim=True), value=-1)
-            da = torch.addcmul(z, dxh.view_as(a), (rstd * gamma).reshape(shape))
+            da = torch.addcmul(z, dxh.view_as(a), scale)
         elif da is a and m.bias is not None:
             da = 2 * z - m.bias.view(-1, *[1] * (z.dim() - 2))   # W a + z = 2z − b
         else:                                                 # ż = W ȧ + z (W: no bias)
