@@ -5,19 +5,21 @@ round_fn(t, model, fed, args, state, ctx) runs one communication round and retur
 loss}; optional init_state(model, fed, args, ctx) -> state and evaluate_fn(model, fed, args, state, ctx) ->
 (val_acc, test_acc, per-test-set accs[, extra]). The contract in full: docs/protocol.md ("Adding a method").
 """
+import harness  # first: a Ctrl-C during the imports below is one line, exit 130
 import contextlib
 import copy
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ import torch.utils.deterministic
 
 import data
 from data import Parser, UserError, finite
+from harness import outputs
+from harness.progress import Progress
 
 # cuBLAS reproduces its matrix products only with a fixed workspace, and it reads this setting once,
 # when CUDA starts: so it is set here, at import, before anything touches the GPU (a value the user
@@ -477,11 +481,14 @@ def make_parser(method, doc):
       help="train the sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
     a("--compile", action="store_true", help="torch.compile the step of the clients trained at once, on all of them "
       "while any trains (CUDA: a CUDA graph); other floats than the eager step's (docs/gpu-and-speed.md)")
-    a("--out", default=None, help="results JSON, default results/<method>-<dataset>-seed<seed>.json; "
-                                  "the checkpoint is <out>.ckpt")
-    a("--resume", action="store_true", help="continue from <out>.ckpt if it exists")
-    a("--overwrite", action="store_true",
-      help="replace a complete result, or an interrupted run's checkpoint, at --out (refused without it)")
+    a("--out", default=None, help="results JSON, default results/<method>-<dataset>-<test domain>-seed<seed>-"
+      "<digest of the other arguments>.json; the checkpoint is <out>.ckpt (docs/results-format.md)")
+    a("--resume", action="store_true", help="continue from <out>.ckpt (refused without one); with --overwrite: "
+      "continue an interrupted replacement (<out>.next.ckpt)")
+    a("--overwrite", action="store_true", help="replace a complete result, or an interrupted run, at --out, "
+      "once the new run completes (refused without it)")
+    a("--allow-code-change", action="store_true", help="--resume a checkpoint made with other code (refused "
+      "without it); the result then records both versions of the code and says it is mixed")
     a("--checkpoint-minutes", type=finite, default=5.0,
       help="a checkpoint at least this often while training, besides each evaluation's")
     return p
@@ -533,115 +540,79 @@ def resolve(args, method, defaults=None):
             (args.amp and args.device != "cuda", "--amp needs a CUDA device")]:
         if bad:
             raise UserError(message)
-    args.out = os.path.normpath(args.out or f"results/{method}-{args.dataset}-seed{args.seed}.json")
+    args.out = os.path.normpath(args.out or default_out(method, args))
     if not args.checkpoint_minutes > 0:
         raise UserError(f"--checkpoint-minutes must be positive, got {args.checkpoint_minutes}")
     return args
 
 
-def check_out(out):
-    """Refuse, before any work, an --out that could not take the results or the checkpoint beside it:
-    a folder, a path under a file, a folder that cannot be written."""
-    out = Path(out)
-    for path in (out, out.with_suffix(".ckpt")):
-        if path.is_dir():
-            raise UserError(f"--out {out}: {path} is a folder; give a file name, e.g. {out / 'results.json'}")
-    above = next((q for q in out.parents if q.exists()), Path("."))
-    if not above.is_dir():
-        raise UserError(f"--out {out}: {above} is not a folder")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".probe-"):
-            pass
-    except OSError as e:
-        raise UserError(f"cannot write --out {out}: {e.strerror or e}")
+NOT_IN_THE_NAME = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes", "data_root",
+                   "dataset", "test_domain", "seed")
+
+
+def default_out(method, args):
+    """results/<method>-<dataset>-<test domain>-seed<seed>-<digest>.json: every choice of the command line
+    that names another experiment, the arguments other than those four as a digest of their values."""
+    rest = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_IN_THE_NAME}
+    digest = hashlib.sha256(json.dumps(rest, default=str).encode()).hexdigest()[:8]
+    test = re.sub(r"[^\w.+-]", "_", str(args.test_domain))
+    return f"results/{method}-{args.dataset}-{test}-seed{args.seed}-{digest}.json"
 
 
 # ------------------------------------------------------------------- results and checkpoints
+# What a run owns and the rules that guard it: harness/outputs.py.
 
-def write_json(path, obj):
-    with open(tmp := f"{path}.{os.getpid()}.tmp", "w") as f:      # this process's own: never another run's
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+check_out, write_json, complete = outputs.check_out, outputs.write_json, outputs.complete
 
 
 def save_checkpoint(path, blob):
-    torch.save(blob, tmp := f"{path}.{os.getpid()}.tmp")
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def claimed(args):
-    """--out for this run alone: refused while another run holds its lock (<out>.lock: pid@host; one on another
-    host sharing the disk is never judged dead), taken over from a dead run of this host, released however the run
-    ends; and no silent replacement of a result or of an interrupted run's checkpoint (--resume, --overwrite)."""
-    check_out(args.out)
-    lock, ckpt = Path(f"{args.out}.lock"), Path(args.out).with_suffix(".ckpt")
-    host = platform.node()
-    for _ in range(3):
-        try:
-            with open(lock, "x") as f:                  # exclusive creation: one run makes it
-                f.write(f"{os.getpid()}@{host}")
-            break
-        except FileExistsError:
-            try:
-                pid, _, where = lock.read_text().strip().partition("@")
-            except FileNotFoundError:                   # released meanwhile
-                continue
-            if not pid.isdigit() or where not in ("", host) or alive(int(pid)):   # starting, elsewhere, alive
-                raise UserError(f"--out {args.out} is in use by another run (pid {pid or '?'} on {where or host}): "
-                                f"wait for it to end, or give another --out (that run gone? delete {lock})") from None
-            lock.unlink(missing_ok=True)                # a dead run's on this machine: taken over
-    else:
-        raise UserError(f"--out {args.out}: its lock {lock} keeps changing hands; give another --out")
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        if args.overwrite and args.resume:
-            raise UserError("--overwrite starts again, --resume continues: give one of them")
-        if args.overwrite:                              # asked for: the old result and checkpoint go
-            for old in (Path(args.out), ckpt):
-                old.unlink(missing_ok=True)
-        elif not args.resume and complete(args.out):
-            raise UserError(f"{args.out} holds a complete result; give another --out, or --overwrite to replace it")
-        elif not args.resume and (ckpt.exists() or Path(args.out).exists()):
-            raise UserError(f"{args.out} holds an interrupted run ({ckpt} is its checkpoint): continue it with "
-                            f"--resume, or start again with --overwrite")
-        yield
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
     finally:
-        lock.unlink(missing_ok=True)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
-def complete(path):
-    """Whether the results file at `path` holds a finished run."""
-    try:
-        return bool(json.loads(Path(path).read_text()).get("complete"))
-    except (OSError, ValueError, AttributeError):
-        return False
+def code_files(round_fn):
+    """The code a run's numbers come from: the method's file, common.py and data.py, by a digest each."""
+    here = Path(__file__).resolve().parent
+    files = {Path(inspect.getfile(round_fn)).resolve(), here / "common.py", here / "data.py"}
+    return {os.path.relpath(f, here): hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in sorted(files)}
 
 
-def alive(pid):
-    """Whether a process of that id runs on this machine."""
-    try:
-        return os.kill(pid, 0) is None
-    except PermissionError:                             # alive, another user's
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def load_checkpoint(path, args):
+def load_checkpoint(path, args, method=None, code=None):
+    """The checkpoint at `path`, refused in one line where it cannot continue this run: unreadable, made
+    by another method, with other arguments, or (unless --allow-code-change) with other code. `code`:
+    this run's code_files."""
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
         saved = blob["args"]
     except Exception as e:
-        raise UserError(f"corrupt checkpoint {path} ({type(e).__name__}); delete it or run without --resume")
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: truncated, or not a checkpoint): "
+                        f"--overwrite starts the run again and replaces it once complete") from None
     if "gen" in blob:    # one minibatch stream shared by all clients: the code before commit 3c1e8ca
         raise UserError(f"--resume: {path} was made when the clients shared one random stream; this code gives each "
-                        f"client its own, so that run cannot be continued: start it again without --resume")
+                        f"client its own, so that run cannot be continued: start it again with --overwrite")
+    if method and blob.get("method", method) != method:
+        raise UserError(f"--resume: {path} is {blob['method']}'s checkpoint, not {method}'s; give "
+                        f"{blob['method']}.py the same arguments, or another --out")
     now = identity(args)
-    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k != "data_root")
     if diff:
         raise UserError(f"--resume: {path} was made with other arguments ("
                         + ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff) + ")")
+    if code is not None:
+        made = blob.get("code", [{}])[-1]
+        changed = sorted(k for k in set(made.get("files", {})) | set(code)
+                         if made.get("files", {}).get(k) != code.get(k))
+        if changed and not args.allow_code_change:
+            what = (f"{', '.join(changed)} changed since (commit {made.get('commit') or '?'}"
+                    f"{', dirty' if made.get('dirty') else ''})") if made else \
+                "it was made before checkpoints recorded their code"
+            raise UserError(f"--resume: {path} was made with other code: {what}; --allow-code-change "
+                            f"continues it anyway, the result then recorded as mixed code")
     return blob
 
 
@@ -655,8 +626,10 @@ def to_device(obj, device):
 
 
 def identity(args):
-    """The arguments that decide the numbers of a run (not --resume, --overwrite, --out, --checkpoint-minutes)."""
-    return {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "out", "checkpoint_minutes")}
+    """The arguments that decide the numbers of a run (not --resume, --overwrite, --allow-code-change, --out,
+    --checkpoint-minutes)."""
+    return {k: v for k, v in vars(args).items()
+            if k not in ("resume", "overwrite", "allow_code_change", "out", "checkpoint_minutes")}
 
 
 def device_name(device):
@@ -711,28 +684,45 @@ def set_deterministic(on=True):
     torch.backends.cudnn.allow_tf32 = False            # --amp is the fast, lower-precision path
 
 
-def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None, engine=None):
+def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, argv=None, engine=None, plan=None):
     """Load, then for every held-out domain: federate and train_domain; results JSON and checkpoint.
     argv: the command line, recorded in the provenance; engine: on_clients' (default: one_by_one, or
-    all_at_once with --parallel-clients on; flower/ passes its own)."""
+    all_at_once with --parallel-clients on; flower/ passes its own); plan: what to do with --out's files
+    (harness/outputs.py, claim; None: continue <out>.ckpt with --resume, and write it)."""
+    if plan is None:
+        files = outputs.Files(args.out)
+        plan = outputs.Plan(files, read=files.ckpt if args.resume and files.ckpt.exists() else None,
+                            write=files.ckpt)
     set_deterministic(not args.nondeterministic)      # before the model or anything else meets CUDA
     ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                    p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
     print(f"data: {ds.source}\ndata: {data.counts(ds)}", flush=True)
     todo = data.test_domains(args, ds)
-    device, ckpt_path = torch.device(args.device), str(Path(args.out).with_suffix(".ckpt"))
+    device, ckpt_path, code = torch.device(args.device), str(plan.write), code_files(round_fn)
+    blob = load_checkpoint(plan.read, args, method, code) if plan.read is not None else None
+    if blob is not None and not plan.replacing and outputs.complete(args.out):
+        print(f"{args.out} is complete, and its checkpoint was made with these arguments: nothing to continue")
+        return outputs.read_result(args.out)
     results = {"method": method, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
                "source": ds.source, "protocol": ds.protocol, "domains": {}, "mean_test_acc": None, "complete": False,
-               "provenance": provenance(method, sys.argv[1:] if argv is None else argv, device, (args.out, ckpt_path))}
-    blob = load_checkpoint(ckpt_path, args) if args.resume and os.path.exists(ckpt_path) else None
+               "provenance": provenance(method, sys.argv[1:] if argv is None else argv, device,
+                                        (args.out, plan.files.ckpt, plan.files.next))}
+    made = {k: results["provenance"][k] for k in ("commit", "dirty")}
+    versions = blob.get("code", []) if blob is not None else []
+    if not versions or versions[-1].get("files") != code:
+        versions = versions + [dict(made, files=code)]
+    results["provenance"]["code"] = code
+    if len(versions) > 1:            # --allow-code-change: both versions recorded, the result marked mixed
+        results["provenance"]["mixed_code"] = versions
+        print(f"note: continuing under other code than {plan.read} was made with; the result records both "
+              f"(provenance: mixed_code)")
     if blob is not None:
         results["domains"] = blob["finished"]
-        print(f"resuming from {ckpt_path}: {len(blob['finished'])} domain(s) done, "
+        print(f"resuming from {plan.read}: {len(blob['finished'])} domain(s) done, "
               f"'{blob['domain']}' at round {blob['round']}")
-    elif args.resume:
-        print(f"note: no checkpoint at {ckpt_path}; starting from the beginning")
     print(f"{method} on {args.dataset}: {args.clients} clients, {args.sample} per round, {args.rounds} rounds, "
           f"{args.local_epochs} local epoch(s), lr {args.lr}, batch {args.batch_size}, device {device}")
+    own = {"method": method, "code": versions}
     for k, test in enumerate(todo):
         if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
             continue                                            # finished before a --resume
@@ -742,21 +732,23 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
         try:
             with Progress():
                 results["domains"][fed.name] = train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn,
-                                                            resume, results, ckpt_path, len(todo) - k - 1, engine)
+                                                            resume, results, ckpt_path, len(todo) - k - 1, engine,
+                                                            own)
         except NonFinite as e:   # name only the files this run wrote (or resumed from), never an older run's
             done = bool(results["domains"])                     # finished here, or before the --resume
             kept = [f"the last good checkpoint ({ckpt_path})"] * (blob is not None or done or e.saved) + \
-                   [f"the results of the finished test domains ({args.out})"] * done
+                   [f"the results of the finished test domains ({args.out})"] * (done and not plan.replacing)
             raise NonFinite(f"{e}; stopped; " + (" and ".join(kept) + " are kept" if kept else
                                                   "nothing of this run was saved")) from None
-        write_json(args.out, with_mean(results))
+        if not plan.replacing:       # an --overwrite writes --out once complete, not before
+            write_json(args.out, with_mean(results))
     results["complete"] = True                                  # every held-out domain is done
-    write_json(args.out, with_mean(results))
+    outputs.finish(plan, with_mean(results))
     print_table(results)
     print(f"results: {args.out}")
-    if os.path.exists(ckpt_path):    # the only copy of the trained model: kept, and said what it costs
-        print(f"checkpoint: {ckpt_path} ({size(ckpt_path)}: the final model and the method's state; "
-              f"--resume continues from it; delete it if you do not need the model)")
+    if plan.files.ckpt.exists():    # the only copy of the trained model: kept, and said what deleting it loses
+        print(f"checkpoint: {plan.files.ckpt} ({size(plan.files.ckpt)}): the final model and the method's state, "
+              f"the only copy of the trained model; deleting it loses the model, not the results")
     return results
 
 
@@ -767,7 +759,7 @@ def with_mean(results):
 
 
 def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resume, results, ckpt_path, remaining,
-                 engine=None):
+                 engine=None, own=None):
     """T rounds on one federation: a round, every args.eval_every rounds an evaluation, the best kept, a checkpoint
     at each evaluation and every --checkpoint-minutes between them; a stop signal ends it after its round's
     checkpoint (Stopped)."""
@@ -776,7 +768,8 @@ def train_domain(method, args, ds, fed, round_fn, init_state, evaluate_fn, resum
 
     def checkpoint(t):
         nonlocal saved, saved_at
-        save_checkpoint(ckpt_path, {"args": identity(args), "finished": results["domains"], "domain": fed.name,
+        save_checkpoint(ckpt_path, {**(own or {}), "args": identity(args), "finished": results["domains"],
+                                    "domain": fed.name,
                                     "round": t, "model": model.state_dict(), "state": state, "losses": losses,
                                     "sampler": ctx.sampler.get_state(), "torch_rng": torch.get_rng_state(),
                                     "history": history, "best": best, "seconds": pace.seconds(ctx.device)})
@@ -940,36 +933,6 @@ def domain_result(ds, fed, history, best):
     return out
 
 
-class Progress:
-    """On a terminal, stdout while a domain trains (with Progress(): ...): `show` writes a line that the next
-    one overwrites; other output erases it first. A log file or a pipe gets none of it."""
-
-    def __init__(self):
-        self.stream, self.shown = sys.stdout, False
-
-    def __enter__(self):
-        if getattr(self.stream, "isatty", lambda: False)():
-            sys.stdout = self
-
-    def __exit__(self, *exc):
-        if self.shown:
-            self.show("")
-        sys.stdout = self.stream
-
-    def show(self, text):
-        self.stream.write("\r\x1b[K" + text)
-        self.stream.flush()
-        self.shown = bool(text)
-
-    def write(self, text):
-        if text and self.shown:
-            self.show("")
-        return self.stream.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
 def print_table(results):
     rows, width = results["domains"], max([11] + [len(k) for k in results["domains"]])
     sel = "(last)" if results["args"].get("select") == "last" else "(best val)"
@@ -985,35 +948,45 @@ def main(method, doc, round_fn, argv=None, add_args=None, defaults=None, init_st
          evaluate_fn=evaluate_global, check=None, parallel_clients=False):
     """The entry point of every method script: bad input -> one line on stderr and exit 2, a non-finite loss or
     server quantity -> exit 1. parallel_clients: a bool, or check_parallel's `supported` function."""
-    p = make_parser(method, doc)
-    if add_args:
-        add_args(p)
-    help_defaults(p, method, defaults)
-    argv = sys.argv[1:] if argv is None else argv
-    args = p.parse_args(argv)
-    ckpt, handlers = None, {}
+    plan, handlers = None, {}
+
+    def how():                   # how to continue, and what stays meanwhile
+        if plan is None or not plan.write.exists():
+            return "nothing was saved" + ("; the older result and checkpoint are as they were"
+                                          if plan is not None and plan.replacing else "")
+        if plan.replacing:
+            return (f"its checkpoint: {plan.write}; the older result and checkpoint at {plan.files.out} stay "
+                    f"as they were; continue the replacement with the same arguments and --overwrite --resume")
+        return f"its checkpoint: {plan.write}; continue with the same arguments and --resume"
     try:
+        p = make_parser(method, doc)
+        if add_args:
+            add_args(p)
+        help_defaults(p, method, defaults)
+        argv = sys.argv[1:] if argv is None else argv
+        args = p.parse_args(argv)
         resolve(args, method, defaults)
         if check:
             check(args)
         check_parallel(args, method, parallel_clients)
-        ckpt = Path(args.out).with_suffix(".ckpt")
-        with claimed(args):
+        with outputs.claim(args.out, args.resume, args.overwrite) as plan:
             if threading.current_thread() is threading.main_thread():   # SIGINT, SIGTERM: after the round
                 STOP.signal = None
                 handlers = {s: signal.signal(s, stop_after_the_round) for s in (signal.SIGINT, signal.SIGTERM)}
-            return run(method, args, round_fn, init_state, evaluate_fn, argv)
+            return run(method, args, round_fn, init_state, evaluate_fn, argv, plan=plan)
     except (UserError, NonFinite) as e:
         print(f"{method}.py: error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
     except Stopped as e:
         print(f"{method}.py: stopped by {signal.Signals(e.signum).name} after round {e.t} (testing on {e.domain}); "
-              f"its checkpoint: {e.path}; continue with the same arguments and --resume", file=sys.stderr)
+              f"{how()}", file=sys.stderr)
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:
-        kept = f"the last checkpoint is {ckpt}" if ckpt is not None and ckpt.exists() else "nothing was saved"
-        print(f"\n{method}.py: interrupted; {kept}; continue with the same arguments and --resume", file=sys.stderr)
+        print(f"\n{method}.py: interrupted; {how()}", file=sys.stderr)
         sys.exit(130)
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+harness.started()   # the imports are done: Ctrl-C is the caller's again (harness/__init__.py)

@@ -24,9 +24,9 @@ Figure 1's two claims, the results and the readings: docs/fedavg.md.
     python fedavg.py --rounds 20 --test-domain 0      # a quick look
     python fedavg.py --dataset pacs --data-root ./data --clients 50
 """
+import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
 import torch
 
-import common
 
 
 # ---------------------------------------------------------------- the method as plain functions

@@ -29,10 +29,10 @@ it": docs/fediir.md.
 """
 import functools
 
+import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
 import torch
 import torch.nn.functional as F
 
-import common
 
 GAMMA = {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}  # Table 3
 

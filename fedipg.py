@@ -20,11 +20,11 @@ reached 32.0% at RotatedMNIST-50, 0°, where FedAvg reaches 84.2: docs/fedipg.md
 middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
 silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP.
 """
+import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import common
 
 BY_STEP = float("inf")   # default of --momentum and --local-epochs: set by --local-step in check()
 CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)

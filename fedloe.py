@@ -20,10 +20,10 @@ only, the paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam
 clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
 the paper-against-code discussion: docs/fedloe.md.
 """
+import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
 import torch
 import torch.nn.functional as F
 
-import common
 import data
 
 EVERY = BY_STAGES = float("inf")   # defaults of --sample, --rounds, --local-epochs: set by check()

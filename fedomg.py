@@ -27,9 +27,9 @@ Paper against code, the measurements, how to copy the server step: docs/fedomg.m
 """
 import sys
 
+import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
 import torch
 
-import common
 import data
 
 DG = dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9, weight_decay=5e-4,

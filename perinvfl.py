@@ -29,10 +29,10 @@ import copy
 import functools
 import math
 
+import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
 import torch
 import torch.nn.functional as F
 
-import common
 import data
 
 RC = dict(opt="adam", lr=4.898e-4, weight_decay=2 * 1.10794568e-3, lam=91257.186, anneal=190,

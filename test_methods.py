@@ -127,8 +127,10 @@ def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
                 check(blob)
             raise KeyboardInterrupt
     monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    for ending in ("", ".ckpt", ".next.ckpt"):                      # an earlier run of the test: gone
+        Path(f"{out}{ending}").unlink(missing_ok=True)
     with pytest.raises(SystemExit) as e:
-        main(argv + ["--out", out, "--overwrite"])                  # (an earlier cut run of the test: replaced)
+        main(argv + ["--out", out])
     assert e.value.code == 130
     monkeypatch.setattr(common, "save_checkpoint", save)
     return main(argv + ["--out", out, "--resume"])
@@ -784,7 +786,7 @@ def test_fedomg_runs_end_to_end_on_the_real_pacs_images(real_images, tmp_path, c
     assert "data: 4 domains (art_painting, cartoon, photo, sketch), 7 classes, 40 images" in lines
     d = res["domains"]["art_painting"]
     assert res["complete"] and d["train_examples"] == 27 and 0 <= d["test_acc"] <= 1
-    assert json.loads(Path(out).read_text())["complete"] and Path(out).with_suffix(".ckpt").exists()
+    assert json.loads(Path(out).read_text())["complete"] and Path(f"{out}.ckpt").exists()
 
 
 def test_class_folders_named_differently_per_domain_are_refused_in_one_line(real_images, tmp_path, capsys):
@@ -1021,7 +1023,7 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
             for k in ra:
                 same = torch.equal(ra[k], rb[k]) if torch.is_tensor(ra[k]) else ra[k] == rb[k]
                 assert same, (method, t, phase, k)
-    ckpt = [torch.load(tmp_path / f"{o}.ckpt", weights_only=True)["model"] for o in ("forward", "reverse")]
+    ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"] for o in ("forward", "reverse")]
     assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
 
 
@@ -1098,8 +1100,8 @@ def test_a_signal_stops_after_the_round_with_its_checkpoint_and_resume_gives_the
     assert e.value.code == 128 + signum
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"fedavg.py: stopped by {signal.Signals(signum).name} after round {t} (testing on {domain}); "
-                       f"its checkpoint: {tmp_path / 'cut.ckpt'}; continue with the same arguments and --resume")
-    blob = torch.load(tmp_path / "cut.ckpt", weights_only=True)
+                       f"its checkpoint: {tmp_path / 'cut.json.ckpt'}; continue with the same arguments and --resume")
+    blob = torch.load(tmp_path / "cut.json.ckpt", weights_only=True)
     assert (blob["domain"], blob["round"], len(blob["losses"])) == (domain, t, t % 3)
     assert not os.path.exists(out + ".lock") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     resumed = fedavg.main(argv + ["--out", out, "--resume"])
@@ -1119,25 +1121,36 @@ def test_a_checkpoint_every_few_minutes_between_evaluations(tmp_path, monkeypatc
 
 
 def test_a_second_run_never_replaces_the_first_unasked(tmp_path, monkeypatch, capsys):
-    """At the default --out (results/<method>-<dataset>-seed<S>.json): a second run is refused in one line and
-    the first result and checkpoint stay as they were; an interrupted run's checkpoint is refused alike
-    (--resume continues it); --overwrite replaces them."""
+    """The default --out names the dataset, the held-out domain, the seed and a digest of the other arguments:
+    the same command twice is refused in one line and the first result and checkpoint stay as they were, while
+    another held-out domain or other arguments are other files. An interrupted run is refused alike (--resume
+    continues it); --overwrite replaces them once the new run completes."""
     monkeypatch.chdir(tmp_path)
     argv = QUICK + ["--rounds", "2", "--test-domain", "0"]
     first = fedavg.main(argv)
-    out, ckpt = Path("results/fedavg-synthetic-seed0.json"), Path("results/fedavg-synthetic-seed0.ckpt")
+    out = Path(first["args"]["out"])
+    ckpt = Path(f"{out}.ckpt")
+    assert out.parent == Path("results") and out.name.startswith("fedavg-synthetic-0-seed0-")
     before = out.read_bytes(), ckpt.read_bytes()
-    line = fails(fedavg.main, argv + ["--rounds", "3"], capsys)
-    assert line == f"fedavg.py: error: {out} holds a complete result; give another --out, or --overwrite to replace it"
+    line = fails(fedavg.main, argv, capsys)
+    assert line == (f"fedavg.py: error: {out} holds a complete result; give another --out, or --overwrite to "
+                    f"replace it (it stays until the new run completes)")
     assert (out.read_bytes(), ckpt.read_bytes()) == before
+    other = fedavg.main(argv[:-1] + ["1"])["args"]["out"]                 # another held-out domain
+    longer = fedavg.main(argv + ["--rounds", "3"])["args"]["out"]          # other arguments
+    assert len({str(out), other, longer}) == 3 and Path(other).name.startswith("fedavg-synthetic-1-seed0-")
     out.write_text(json.dumps(dict(first, complete=False)))          # as a run cut short leaves it
     line = fails(fedavg.main, argv, capsys)
-    assert line == (f"fedavg.py: error: {out} holds an interrupted run ({ckpt} is its checkpoint): continue it "
-                    f"with --resume, or start again with --overwrite")
+    assert line == (f"fedavg.py: error: {out} holds an interrupted run ({ckpt}): continue it with --resume, or "
+                    f"start again with --overwrite (it replaces that run once complete)")
     line = fails(fedavg.main, argv + ["--overwrite", "--resume"], capsys)
-    assert line == "fedavg.py: error: --overwrite starts again, --resume continues: give one of them"
-    again = fedavg.main(argv + ["--rounds", "3", "--overwrite"])
-    assert again["args"]["rounds"] == 3 and json.loads(out.read_text())["complete"]
+    assert line == (f"fedavg.py: error: --overwrite --resume continues an interrupted replacement, and there is "
+                    f"none at {out}.next.ckpt: --overwrite alone starts one")
+    again = fedavg.main(argv + ["--overwrite"])
+    assert json.loads(out.read_text())["complete"] and again["args"]["out"] == str(out)
+    assert not Path(f"{out}.next.ckpt").exists() and not Path(f"{out}.lock").exists()
+    line = fails(fedavg.main, QUICK + ["--test-domain", "90"], capsys)      # its own message, not "complete"
+    assert line.startswith("fedavg.py: error: unknown test domain '90' for synthetic")
 
 
 def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
@@ -1329,7 +1342,7 @@ def test_a_non_finite_model_or_server_quantity_is_never_written_as_a_result(name
     assert f"non-finite {'model ' if where == 'model' else 'state'}" in line and "after the server step of round 2" \
         in line, line
     assert "the last good checkpoint" in line and not (tmp_path / "r.json").exists()   # round 1's checkpoint only
-    blob = torch.load(tmp_path / "r.ckpt", weights_only=True)
+    blob = torch.load(tmp_path / "r.json.ckpt", weights_only=True)
     assert blob["round"] == 1 and all(v.isfinite().all() for v in blob["model"].values() if v.is_floating_point())
 
 
@@ -1361,15 +1374,15 @@ def test_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded despite a bad --out"))
     (tmp_path / "folder").mkdir()
     (tmp_path / "afile").write_text("")
-    (tmp_path / "r.ckpt").mkdir()
+    (tmp_path / "r.json.ckpt").mkdir()
     for out, message in ((tmp_path / "folder", f"{tmp_path / 'folder'} is a folder; give a file name, e.g. "
                                                 f"{tmp_path / 'folder' / 'results.json'}"),
                          (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is not a folder"),
                          (tmp_path / "afile" / "deeper" / "x.json", f"{tmp_path / 'afile'} is not a folder"),
-                         (tmp_path / "r.json", f"{tmp_path / 'r.ckpt'} is a folder")):
+                         (tmp_path / "r.json", f"{tmp_path / 'r.json.ckpt'} is a folder")):
         line = fails(fedavg.main, ["--out", str(out)], capsys)
         assert line == f"fedavg.py: error: --out {out}: {message}" or message in line, line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder", "r.ckpt"]   # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder", "r.json.ckpt"]   # nothing written
 
 
 def test_provenance_records_a_commit_only_where_the_project_is_the_top_of_its_git_tree(tmp_path):
@@ -1390,6 +1403,7 @@ def test_provenance_records_a_commit_only_where_the_project_is_the_top_of_its_gi
         project.mkdir(parents=True)
         for name in ("common.py", "data.py"):
             shutil.copy(HERE / name, project / name)
+        shutil.copytree(HERE / "harness", project / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     git(outer, "init", "-q")
     git(outer, "add", ".")
     git(outer, "commit", "-qm", "another project, the copy inside")
@@ -1422,9 +1436,9 @@ def test_results_say_where_they_came_from_and_the_last_line_where_the_checkpoint
         assert prov["commit"] == head.strip() and isinstance(prov["dirty"], bool)
     assert json.loads(Path(out).read_text())["provenance"] == prov
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    ckpt = out[:-5] + ".ckpt"
-    assert last.startswith(f"checkpoint: {ckpt} ({common.size(ckpt)}: the final model and the method's state; "
-                           f"--resume continues from it")
+    ckpt = out + ".ckpt"
+    assert last == (f"checkpoint: {ckpt} ({common.size(ckpt)}): the final model and the method's state, the only "
+                    f"copy of the trained model; deleting it loses the model, not the results")
     assert common.size(ckpt).endswith(" kB") or common.size(ckpt).endswith(" MB")
 
 
@@ -1446,9 +1460,19 @@ def test_resume_with_other_arguments_and_corrupt_checkpoint(tmp_path, capsys):
     fedavg.main(QUICK + ["--out", out, "--test-domain", "0"])
     line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", "--lr", "0.01", "--resume"], capsys)
     assert "was made with other arguments (lr: 0.05 -> 0.01)" in line
-    Path(out).with_suffix(".ckpt").write_bytes(b"garbage")
+    ckpt = Path(f"{out}.ckpt")
+    ckpt.write_bytes(ckpt.read_bytes()[:200])                           # truncated: one way out, --overwrite
     line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", "--resume"], capsys)
-    assert "corrupt checkpoint" in line
+    assert line == (f"fedavg.py: error: {ckpt} cannot be read (RuntimeError: truncated, or not a checkpoint): "
+                    f"--overwrite starts the run again and replaces it once complete")
+    fedavg.main(QUICK + ["--out", out, "--test-domain", "0", "--overwrite"])
+    assert torch.load(ckpt, weights_only=True)["round"] == 4
+    ckpt.write_bytes(b"garbage")                                        # not a checkpoint: never touched
+    for flags in ([], ["--resume"], ["--overwrite"]):
+        line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", *flags], capsys)
+        assert line == (f"fedavg.py: error: --out {out}: {ckpt} is not a checkpoint of this project, which no run "
+                        f"replaces; nothing was touched: move it away, or give another --out")
+    assert ckpt.read_bytes() == b"garbage"
 
 
 @on_every_device
@@ -1464,7 +1488,7 @@ def test_non_finite_loss_stops_and_keeps_what_was_written(tmp_path, capsys, devi
     line = fails(lambda a: common.main("fedavg", fedavg.__doc__, poisoned, a, fedavg.add_args), argv, capsys, code=1)
     assert "non-finite loss in round 3 on client" in line and "testing on style1" in line
     assert list(json.load(open(out))["domains"]) == ["style0"]        # the finished domain is kept
-    blob = torch.load(Path(out).with_suffix(".ckpt"), weights_only=True)
+    blob = torch.load(Path(f"{out}.ckpt"), weights_only=True)
     assert (blob["domain"], blob["round"]) == ("style1", 2)            # the last good checkpoint
 
 
@@ -2026,7 +2050,7 @@ def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(name,
 def test_compile_is_refused_in_one_line_where_no_step_compiles(method, argv, message, tmp_path, capsys):
     line = fails(MAINS[method], ["--compile"] + argv + ["--out", str(tmp_path / "r.json")], capsys)
     assert line.startswith(f"{method}.py: error: ") and message in line
-    assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.ckpt").exists()
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.json.ckpt").exists()
 
 
 @on_every_device
@@ -2162,19 +2186,24 @@ def test_new_user_bad_input_is_one_line_at_once(method, argv, message, cpu_secon
         line = fails(MAINS[method], argv, capsys)
     assert time.process_time() - t < cpu_seconds
     assert message in line and line.startswith(f"{method}.py: error: ")
-    assert not (tmp_path / "r.ckpt").exists()
+    assert not (tmp_path / "r.json.ckpt").exists()
 
 
+@pytest.mark.parametrize("earlier", [False, True], ids=["fresh", "overwrite"])
 @pytest.mark.parametrize("poison_at,named,how", [
     (("style0", 1), (), "loss"),                                # before any checkpoint: none is named
     (("style0", 3), ("checkpoint",), "loss"),                   # after the round-2 checkpoint
     (("style1", 1), ("checkpoint", "results"), "loss"),         # style0 finished: both
     (("style0", 3), ("checkpoint",), "raise"),                  # a method's own check (FedLOE's φ) in round 3
 ])
-def test_non_finite_names_only_the_files_this_run_wrote(poison_at, named, how, tmp_path, capsys):
+def test_non_finite_names_only_the_files_this_run_wrote(poison_at, named, how, earlier, tmp_path, capsys):
+    """A run stopped by a non-finite number names only what it wrote. Over an earlier, different result
+    (--overwrite) it wrote no results and its checkpoint is <out>.next.ckpt: the earlier result and
+    checkpoint stay as they were."""
     out = tmp_path / "r.json"
-    out.with_suffix(".ckpt").write_bytes(b"left by an earlier, different run")
-    out.write_text("{}")
+    if earlier:
+        fedavg.main(QUICK + ["--rounds", "2", "--out", str(out)])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
     def poisoned(t, model, fed, args, state, ctx):
         if how == "raise" and (fed.name, t) == poison_at:
@@ -2185,11 +2214,14 @@ def test_non_finite_names_only_the_files_this_run_wrote(poison_at, named, how, t
             losses[c] = torch.full_like(losses[c], float("nan"))
         return losses
     line = fails(lambda a: common.main("fedavg", fedavg.__doc__, poisoned, a, fedavg.add_args),
-                 QUICK + ["--out", str(out), "--overwrite"], capsys, code=1)   # (refused without it)
+                 QUICK + ["--out", str(out)] + ["--overwrite"] * earlier, capsys, code=1)
     assert f"non-finite {'loss' if how == 'loss' else 'server weights'} in round {poison_at[1]}" in line
-    assert (f"the last good checkpoint ({out.with_suffix('.ckpt')})" in line) == ("checkpoint" in named)
-    assert (f"the results of the finished test domains ({out})" in line) == ("results" in named)
+    ckpt = f"{out}.next.ckpt" if earlier else f"{out}.ckpt"
+    assert (f"the last good checkpoint ({ckpt})" in line) == ("checkpoint" in named)
+    assert (f"the results of the finished test domains ({out})" in line) == ("results" in named and not earlier)
     assert ("nothing of this run was saved" in line) == (not named)
+    if earlier:
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
 
 
 def help_text(method, argv, capsys):
@@ -2220,7 +2252,7 @@ def test_help_shows_rmnists_defaults_the_methods_own_first(capsys):
     assert rmnist["--lr"].endswith("(default for rmnist: 0.01)") and rmnist["--local-epochs"].endswith("(default for rmnist: 1)")
     assert rmnist["--seed"].startswith("--seed SEED seeds the data split") and rmnist["--seed"].endswith("(default: 0)")
     assert rmnist["--device"].endswith("auto: cuda if one is visible, else cpu (default: auto)")
-    assert "default results/<method>-<dataset>-seed<seed>.json" in rmnist["--out"]
+    assert "default results/<method>-<dataset>-<test domain>-seed<seed>-<digest" in rmnist["--out"]
     loe = flag_blocks(help_text("fedloe", [], capsys))
     assert loe["--rounds"].endswith("(default: set by fedloe from its own flags)")
     assert loe["--sample"].endswith("(default for rmnist: set by fedloe from its own flags)")
@@ -2385,7 +2417,7 @@ def max_diff(a, b):
 
 def final_theta(out):
     """θ_T from the last checkpoint, in float64 (exact for float32 checkpoints)."""
-    blob = torch.load(out[:-5] + ".ckpt", weights_only=True)
+    blob = torch.load(out + ".ckpt", weights_only=True)
     return torch.cat([v.reshape(-1).double() for v in blob["model"].values()])
 
 
@@ -2415,7 +2447,7 @@ def test_parallel_run_matches_sequential_and_resumes_to_the_uninterrupted_number
     full, full_out = run(main, argv + ["--parallel-clients", "on"], tmp_path, "full.json")
     assert full["args"]["parallel_clients"] == "on"
     theta_tol, loss_tol = PARALLEL_RUN_TOL[main.__module__][dtype]
-    assert torch.load(full_out[:-5] + ".ckpt", weights_only=True)["model"]["classifier.weight"].dtype == dtype
+    assert torch.load(full_out + ".ckpt", weights_only=True)["model"]["classifier.weight"].dtype == dtype
     assert max_diff(final_theta(full_out), final_theta(seq_out)) < theta_tol        # θ after 4 rounds
     assert torch.allclose(history_losses(full), history_losses(seq), rtol=loss_tol, atol=0)
     if dtype == torch.float64:
@@ -3900,7 +3932,7 @@ def test_fedloe_on_mnist_label_skew(tmp_path):
     d = r["domains"]["clients"]
     assert r["args"]["sample"] == 3 and r["args"]["rounds"] == 2 and r["args"]["lr"] == 1e-3
     assert len(d["history"]) == 2 and d["last_test_acc"] == d["test_acc"]
-    blob = torch.load(str(tmp_path / "r.ckpt"), map_location="cpu", weights_only=True)
+    blob = torch.load(str(tmp_path / "r.json.ckpt"), map_location="cpu", weights_only=True)
     per, val = scored_by_hand(data.load("mnist", None, 0, clients=3, alpha=0.1), "cnn", blob["model"])
     assert d["per_client_test_acc"] == per and abs(d["val_acc"] - val) < 1e-6
 
@@ -4318,7 +4350,7 @@ def test_perinvfl_lodo_scores_nu_on_the_held_out_domain(tmp_path):
     args = types.SimpleNamespace(**res["args"])
     ds = data.load("synthetic", None, args.seed)
     fed = data.federate(ds, 1, args.clients, args.seed, "cpu")
-    blob = torch.load(out.replace(".json", ".ckpt"), map_location="cpu", weights_only=True)
+    blob = torch.load(out + ".ckpt", map_location="cpu", weights_only=True)
     assert blob["round"] == 3
     model = common.build_model(args, ds)
     model.load_state_dict(blob["model"])                                       # ν^T
@@ -5465,7 +5497,7 @@ def test_report_draws_every_figure(tmp_path, monkeypatch, capsys):
     # with a checkpoint beside every run, the p_test figure is scored by rcmnist_ptest.py's functions
     import rcmnist_ptest
     for f in rc.glob("*.json"):
-        f.with_suffix(".ckpt").write_bytes(b"")
+        Path(f"{f}.ckpt").write_bytes(b"")
     scored = {"fedavg": [[0.2, 0.3, 0.4, 0.5, 0.6, 0.9], [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]]}
     monkeypatch.setattr(rcmnist_ptest, "table", lambda paths: scored if len(paths) == 6 else {})
     p_test, table, source = bench_report.ptest_table(rc, sorted(rc.glob("*.json")))
@@ -5523,9 +5555,18 @@ start = time.time()
 time.sleep(1.0 if seed == 0 else 0.2)
 fail = os.path.exists(out + ".fail")
 json.dump({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(), "argv": a,
-           "complete": not fail}, open(out, "w"))
+           "complete": not fail, "method": "fedavg", "domains": {}, "args": json.loads(os.environ["STUB_ARGS"])},
+          open(out, "w"))
+if fail:                                          # as a run cut short leaves it: its checkpoint
+    open(out + ".ckpt", "wb").write(b"PK\x03\x04")
 sys.exit(1 if fail else 0)
 """
+
+
+def stub_args(monkeypatch, argv):
+    """The arguments the stand-in records: those fedavg.py resolves from argv (run.py compares them)."""
+    resolved, _ = bench_run.method_args("fedavg", argv)
+    monkeypatch.setenv("STUB_ARGS", json.dumps(vars(resolved)))
 
 
 def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys):
@@ -5539,6 +5580,7 @@ def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys)
             str(tmp_path), "--launcher", "multi_gpu", "--gpus", "3,5"]
     folder = tmp_path / "synthetic"
     folder.mkdir()
+    stub_args(monkeypatch, ["--dataset", "synthetic", "--seed", "0"])
     (folder / "fedavg-seed4.json.fail").write_text("")                   # this run fails the first time
     with pytest.raises(SystemExit) as e:
         bench_run.main(argv)
@@ -5557,6 +5599,8 @@ def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys)
     bench_run.main(argv)
     assert [p.name for p in folder.glob("*.json") if p.stat().st_mtime_ns != stamp[p]] == ["fedavg-seed4.json"]
     assert json.loads((folder / "fedavg-seed4.json").read_text())["complete"]
+    line = fails(bench_run.main, argv + ["--rounds", "5"], capsys)      # complete, but with other settings
+    assert f"{folder / 'fedavg-seed0.json'} is complete with other settings (--rounds 100 -> 5)" in line
     for bad, msg in ((["--gpus", "0,a"], "distinct GPU ids"), (["--gpus", "1,1"], "distinct GPU ids"),
                      (["--launcher", "local", "--gpus", "0"], "--gpus is for --launcher multi_gpu")):
         assert msg in fails(bench_run.main, argv + bad, capsys)
@@ -6882,7 +6926,7 @@ def test_irm_is_perinvfls_nu_round_for_round(tmp_path, monkeypatch):
     out = str(tmp_path / "p.json")
     perinvfl.main(["--dataset", "rcmnist", "--no-rotation", "--rounds", "3", "--anneal", "1", "--device", "cpu",
                    "--out", out])                                      # (penalty_swap's runs: swap_args' cpu)
-    nu = torch.load(str(tmp_path / "p.ckpt"), weights_only=True)["model"]
+    nu = torch.load(str(tmp_path / "p.json.ckpt"), weights_only=True)["model"]
     _, model = ps.train("irm", 0, swap_args(), log=lambda *a, **k: None)
     torch.manual_seed(0)
     nu0 = common.build_model(argparse.Namespace(model="mlp", head="linear", no_pretrained=True),
@@ -7260,7 +7304,7 @@ def test_ctrl_c_of_run_py_stops_the_method_script_at_its_checkpoint_and_the_same
     complete; the same command (here in this process) then resumes the run from that checkpoint and completes it,
     its label recorded."""
     argv = ONE_RUN + ["--rounds", "20", "--out-dir", str(tmp_path), "--", "--eval-every", "1", "--test-domain", "0"]
-    ckpt, out, log = (tmp_path / "synthetic" / f"fedavg-seed0.{x}" for x in ("ckpt", "json", "log"))
+    ckpt, out, log = (tmp_path / "synthetic" / f"fedavg-seed0.{x}" for x in ("json.ckpt", "json", "log"))
     p = subprocess.Popen([sys.executable, "benchmark/run.py", *argv], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -49,8 +49,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import harness  # noqa: E402  (first: a Ctrl-C during the imports is one line, exit 130)
 import data  # noqa: E402  (data.Parser, data.NAMES, data.UserError: the method scripts' own)
 from data import UserError  # noqa: E402
+from harness import outputs  # noqa: E402
+
+harness.started()
 
 ALL = ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"]
 SEED_LIMIT = 2 ** 31             # the method scripts' --seed range (common.resolve)
@@ -176,11 +180,16 @@ def method_args(script, args):
     return None, "returned before its run (not a method script)"
 
 
-def complete(path):
-    try:
-        return json.loads(path.read_text()).get("complete", False)
-    except (OSError, ValueError):
-        return False
+NOT_SETTINGS = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes", "data_root", "seed")
+
+
+def differing(resolved, done):
+    """The settings (flag: the complete run's value -> this command's) in which a complete run's recorded
+    arguments `done` differ from this command's resolved ones."""
+    now = {k: v for k, v in vars(resolved).items() if k not in NOT_SETTINGS}
+    was = {k: v for k, v in done.items() if k not in NOT_SETTINGS}
+    return [f"--{k.replace('_', '-')} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(was))
+            if now.get(k) != was.get(k)]
 
 
 def visible_gpus():
@@ -224,7 +233,7 @@ def stopped(signum, ended, left):
     by = {"stopped": [o for o, rc in ended if rc in ends], "finished meanwhile": [o for o, rc in ended if rc == 0]}
     by["failed"] = [o for o, rc in ended if rc not in ends and rc != 0]
     parts = [f"{k} {len(v)} run(s) ({names(v)})" for k, v in by.items() if v]
-    kept = sum(Path(o).with_suffix(".ckpt").is_file() for o in by["stopped"])
+    kept = sum(outputs.Files(o).ckpt.is_file() for o in by["stopped"])
     if by["stopped"]:
         parts[0] += f", {kept} with a checkpoint to resume from"
     parts += [f"{len(left)} not started"] if left else []
@@ -420,25 +429,42 @@ def plan(argv):
         submitit_modules()
     folder = (Path(a.out_dir) / (a.tag or (a.dataset + (f"-{a.clients}clients" if a.clients else "")))).resolve()
     above = next(q for q in [folder, *folder.parents] if q.exists())
-    if not above.is_dir() or not os.access(above, os.W_OK):
-        raise UserError(f"--out-dir {a.out_dir}: {above} is not a folder this user can write in")
+    try:                                    # a file made and gone: the folder itself is made only to run
+        if not above.is_dir():
+            raise NotADirectoryError(20, "not a folder")
+        with tempfile.NamedTemporaryFile(dir=above, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out-dir {a.out_dir}: {above} is not a folder this user can write in "
+                        f"({e.strerror})") from None
     shared = ["--dataset", a.dataset] + sum([[f"--{k}", str(v)] for k, v in
                                               (("clients", a.clients), ("sample", a.sample), ("rounds", a.rounds))
                                               if v is not None], []) + common_args
     todo, skipped = [], []
     LOADED.clear()
     for label, script, extra in variants(a.methods):
-        _, refusal = method_args(script, shared + extra + ["--seed", str(a.seeds[0]), "--resume"])
+        resolved, refusal = method_args(script, shared + extra + ["--seed", str(a.seeds[0])])
         if refusal:
             raise UserError(f"{label} ({script}.py): {refusal}")
         for seed in a.seeds:
             out = folder / f"{label}-seed{seed}.json"
             label_of[out] = label
-            if complete(out):
+            files = outputs.Files(out)
+            outputs.refuse_foreign(files)                      # a user's file where a run would write
+            if outputs.complete(out):
+                differ = differing(resolved, outputs.read_result(out)["args"])
+                if differ:
+                    raise UserError(f"{out} is complete with other settings ({', '.join(differ[:4])}"
+                                    f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}): give "
+                                    f"another --tag or --out-dir, or move it away")
                 skipped.append(out)
                 continue
+            if outputs.read_result(out) is not None and not files.ckpt.exists():
+                raise UserError(f"{out} is an unfinished run whose checkpoint {files.ckpt} is gone: move it "
+                                f"away to run it again, or give another --tag or --out-dir")
             where = os.path.relpath(out, ROOT) if out.is_relative_to(ROOT) else str(out)  # no local paths in results
-            todo.append((out, command(script, shared + extra + ["--seed", str(seed), "--out", where, "--resume"])))
+            resume = ["--resume"] if files.ckpt.exists() else []      # an interrupted run: continued
+            todo.append((out, command(script, shared + extra + ["--seed", str(seed), "--out", where, *resume])))
     LOADED.clear()                          # the runs load their own
     return a, folder, todo, skipped
 

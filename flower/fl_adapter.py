@@ -143,11 +143,11 @@ def serve(grid, method, argv, wait=600.0):
     mod = importlib.import_module(method)
     link, run, parallel = Link(grid, wait), common.run, common.parallel
 
-    def flower_run(name, args, round_fn, init_state, evaluate_fn, argv=None, engine=None):
+    def flower_run(name, args, round_fn, init_state, evaluate_fn, argv=None, engine=None, plan=None):
         if args.parallel_clients == "on":
             raise common.UserError("--parallel-clients on: on Flower every client trains on its own node; use off")
         link.args, link.out, link.init = json.dumps(vars(args)), args.out, name_of(init_state)  # the nodes' setup
-        return run(name, args, round_fn, init_state, evaluate_fn, argv, engine=link)
+        return run(name, args, round_fn, init_state, evaluate_fn, argv, engine=link, plan=plan)
     common.run = flower_run
     common.parallel = lambda args: args.parallel_clients == "on"    # auto: off here, on a GPU too (refused if on)
     try:
@@ -160,7 +160,7 @@ def report(link):
     """Per round: seconds of messages and client work, bytes, and each node's span (<out>.flower.json)."""
     rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u, "spans": link.spans.get(t, [])}
               for t, (d, u) in link.moved.items()}
-    common.write_json(str(Path(link.out).with_suffix(".flower.json")), {"rounds": rounds})
+    common.write_json(f"{link.out}.flower.json", {"rounds": rounds})
     for t in sorted(link.moved):
         down, up = link.moved[t]
         print(f"flower: round {t}: {link.times.get(t, 0.0):.2f} s of messages and client work, "

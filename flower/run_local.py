@@ -7,14 +7,19 @@ stopped again, by its process group, on success, on failure and on Ctrl-C.
 
 --nodes is the number of clients (one SuperNode each). The dataset is the synthetic one unless
 --dataset says otherwise (it needs no download; the digits' domains need --nodes >= 5). Flags after
-`--` go to the method as they are (python <method>.py --help). A complete result at --out is refused
-unless --overwrite; either way it stays until the new run is complete (the run writes beside its logs).
+`--` go to the method as they are (python <method>.py --help). --out follows the method scripts' rules
+(docs/results-format.md, "What a run owns"): its lock is held for the whole run, a complete result or an
+interrupted run there is refused unless --overwrite, and either stays until the new run is complete (the
+run writes beside its logs, and its results and checkpoint are moved to --out once complete).
 """
+import hashlib
 import contextlib
 import io
 import json
+import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,16 +30,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+import harness  # noqa: E402  (before torch: a Ctrl-C while it loads is one line, exit 130)
+from data import Parser, UserError  # noqa: E402  (bad input: one line, exit 2, not argparse's usage)
+from harness import outputs  # noqa: E402
+
+harness.started()
 METHODS = ("fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg")
 
 
-class Refused(Exception):
-    """Bad input or a failed start: one line on stderr, exit 2."""
+Refused = UserError     # bad input or a failed start: one line on stderr, exit 2
 
 
 def parse(argv):
-    sys.path.insert(0, str(ROOT))
-    from data import Parser                     # bad input: one line, exit 2 (not argparse's usage)
     p = Parser(prog="run_local.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", required=True, help=f"one of {', '.join(METHODS)}")
     p.add_argument("--nodes", type=int, default=3, help="SuperNodes = clients (default 3)")
@@ -43,14 +51,18 @@ def parse(argv):
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--test-domain", default="0")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results JSON (default results/flower-<method>-<dataset>-seed<seed>.json)")
+    p.add_argument("--out", default=None, help="results JSON (default results/flower-<method>-<dataset>-<test "
+                                               "domain>-seed<seed>-<digest of the other flags>.json)")
     p.add_argument("--port", type=int, default=None, help="the SuperLink's port (default: a free one)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the run is given up (default 3600)")
     p.add_argument("--overwrite", action="store_true", help="replace a complete result at --out (once the new "
                                                             "run is complete)")
     p.add_argument("rest", nargs="*", help="further flags of the method, after --")
     args = p.parse_args(argv)
-    args.out = str(Path(args.out or f"results/flower-{args.method}-{args.dataset}-seed{args.seed}.json").resolve())
+    rest = json.dumps([args.nodes, args.rounds, args.rest])
+    name = f"flower-{args.method}-{args.dataset}-{args.test_domain}-seed{args.seed}-" \
+        f"{hashlib.sha256(rest.encode()).hexdigest()[:8]}.json"
+    args.out = str(Path(args.out or Path("results") / name.replace("/", "_")).resolve())
     return args
 
 
@@ -69,24 +81,26 @@ def check(a):
                       "--stage2-comms, --stage2-epochs after --, not --rounds")
     if a.nodes < 1:
         raise Refused(f"--nodes must be positive, got {a.nodes}")
-    if a.timeout <= 0:
-        raise Refused(f"--timeout must be positive, got {a.timeout:g}")
+    if a.rounds is not None and a.rounds < 1:
+        raise Refused(f"--rounds must be positive, got {a.rounds}")
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        raise Refused(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
+    if a.port is not None and not 1 <= a.port <= 65535:
+        raise Refused(f"--port must be in 1..65535, got {a.port}")
     for flag in ("--resume", "--overwrite", "--out"):
         if any(r == flag or r.startswith(flag + "=") for r in a.rest):
             raise Refused(f"{flag} after --: give run_local.py's own --out and --overwrite, before --; "
                           f"it does not continue a run (--resume)")
     import importlib
 
+    outputs.check_out(a.out)
     import common
     import data
-    if not a.overwrite and common.complete(a.out):
-        raise Refused(f"{a.out} holds a complete result; give another --out, or --overwrite to replace it "
-                      f"(the older result stays until the new run is complete)")
 
     class Resolved(Exception):
         pass
 
-    def dry(method, args, *rest):   # common.run up to the split of the first held-out domain
+    def dry(method, args, *rest, **kw):   # common.run up to the split of the first held-out domain
         ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
                        p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
         data.test_domains(args, ds)
@@ -254,8 +268,47 @@ def interrupted(*_):
     raise KeyboardInterrupt
 
 
+def spans_line(r):
+    """Each node's span in one round (seconds from the round's first start: exchange, client, start-end),
+    and the exchanges whose nodes all worked at once."""
+    spans = r.get("spans", [])
+    if not spans:
+        return ""
+    t0 = min(b for _, _, b, _ in spans)
+    each = ", ".join(f"{p} client {c} {b - t0:.1f}-{e - t0:.1f}" for p, c, b, e in spans)
+    phases = {p: [(b, e) for q, _, b, e in spans if q == p] for p, *_ in spans}
+    together = [f"{len(v)} nodes ({p})" for p, v in phases.items()
+                if len(v) > 1 and max(b for b, _ in v) < min(e for _, e in v)]
+    return f"; spans (s): {each}" + (f"; working at once: {', '.join(together)}" if together else "")
+
+
+def settle(fresh, plan, logdir):
+    """The complete run in the log folder -> --out: its results (recording --out and the command that
+    names it, and the per-round timing of <out>.flower.json), then its checkpoint, by harness.outputs'
+    rules (an older result and checkpoint are replaced only now)."""
+    res = outputs.read_result(fresh)
+    res["args"]["out"] = str(plan.files.out)
+    prov = res.get("provenance", {})
+    if "command" in prov:
+        prov["command"] = prov["command"].replace(shlex.quote(str(fresh)), shlex.quote(str(plan.files.out)))
+    timing = Path(f"{fresh}.flower.json")
+    if timing.exists():
+        res["flower"] = json.loads(timing.read_text())
+    ckpt = outputs.Files(fresh).ckpt
+    if ckpt.exists():                                   # copied beside --out first: /tmp may be another disk
+        tmp = Path(f"{plan.write}.{os.getpid()}.tmp")
+        shutil.copyfile(ckpt, tmp)
+        os.replace(tmp, plan.write)
+    outputs.finish(plan, res)
+    return res
+
+
 def main(argv=None):
-    a = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        a = parse(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("run_local.py: interrupted; nothing was started", file=sys.stderr)
+        return 130
     try:
         import flwr  # noqa: F401
     except ImportError:
@@ -264,57 +317,45 @@ def main(argv=None):
         return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):     # as Ctrl-C: unwind through the finally blocks
         signal.signal(sig, interrupted)
+    logdir = None
     try:
         check(a)
         port = a.port or free_port()
         if not port_free(port):
             raise Refused(f"port {port} on 127.0.0.1 is in use; pick another --port or leave it out")
-        logdir = Path(tempfile.mkdtemp(prefix=f"flower-{a.method}-"))
-        done, a.out = Path(a.out), str(logdir / Path(a.out).name)      # the run writes beside its logs:
-        run, seconds = deploy(a, port, logdir)                          # an older result stays until then
+        with outputs.claim(a.out, resume=False, overwrite=a.overwrite) as plan:   # held for the whole run
+            logdir = Path(tempfile.mkdtemp(prefix=f"flower-{a.method}-"))
+            a.out = str(logdir / Path(a.out).name)                      # the run writes beside its logs
+            run, seconds = deploy(a, port, logdir)
+            fresh = Path(a.out)
+            if not outputs.complete(fresh):
+                tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
+                print(f"run_local.py: error: the run did not finish ({tail[0]}); logs and what it wrote: "
+                      f"{logdir}", file=sys.stderr)
+                return 1
+            res = settle(fresh, plan, logdir)
+            a.out = str(plan.files.out)
     except Refused as e:
         if str(e):
             print(f"run_local.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("run_local.py: interrupted; every process it started is stopped", file=sys.stderr)
+        print("run_local.py: interrupted; every process it started is stopped; --out is as it was",
+              file=sys.stderr)
         return 130
     except subprocess.TimeoutExpired:
         print(f"run_local.py: error: no result in {a.timeout:.0f} s; stopped (logs: {logdir})", file=sys.stderr)
         return 1
-    fresh = Path(a.out)
-    res = json.loads(fresh.read_text()) if fresh.exists() else None
-    if res is None or not res.get("complete"):
-        tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
-        print(f"run_local.py: error: the run did not finish ({tail[0]}); logs and what it wrote: {logdir}",
-              file=sys.stderr)
-        return 1
-    done.parent.mkdir(parents=True, exist_ok=True)
-    res["args"]["out"] = str(done)                                      # where it now lies
-    fresh.write_text(json.dumps(res, indent=1))
-    for suffix in (".json", ".ckpt", ".flower.json"):                   # complete: now it replaces the old
-        if fresh.with_suffix(suffix).exists():
-            os.replace(fresh.with_suffix(suffix), done.with_suffix(suffix))
-    a.out = str(done)
     for line in (run.stdout + run.stderr).splitlines():
-        if "flower: round" in line or "| val " in line:
-            print(line.split("|", 1)[-1].strip() if "flower: round" in line else line.strip())
-    timing = Path(a.out).with_suffix(".flower.json")
-    if timing.exists():
-        per = json.loads(timing.read_text())["rounds"]
-        for t, r in sorted(per.items(), key=lambda kv: int(kv[0])):
-            if int(t) > 0:
-                phases = {p for p, *_ in r.get("spans", [])}
-                spans = {p: [(b, e) for q, _, b, e in r["spans"] if q == p] for p in phases}
-                together = {p: len(v) for p, v in spans.items() if len(v) > 1 and
-                            max(b for b, _ in v) < min(e for _, e in v)}   # every node of the exchange at once
-                together = "; working at once: " + ", ".join(f"{k} nodes ({p})" for p, k in together.items()) \
-                    if together else ""
-                print(f"round {t}: {r['seconds']:.1f} s, {r['down'] / 2**20:.3f} MiB down, "
-                      f"{r['up'] / 2**20:.3f} MiB up{together}")
+        if "| val " in line:
+            print(line.strip())
+    for t, r in sorted(res.get("flower", {}).get("rounds", {}).items(), key=lambda kv: int(kv[0])):
+        if int(t) > 0:
+            print(f"round {t}: {r['seconds']:.1f} s, {r['down'] / 2**20:.3f} MiB down, "
+                  f"{r['up'] / 2**20:.3f} MiB up{spans_line(r)}")
     n = sum(len(d["history"]) for d in res["domains"].values())
     print(f"{n} evaluated round(s) in {seconds:.1f} s on {a.nodes} SuperNodes (start and stop included)")
-    print(f"results: {a.out}")
+    print(f"results: {a.out} (logs: {logdir})")
     return 0
 
 

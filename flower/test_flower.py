@@ -58,7 +58,7 @@ def run_both(method, tmp_path, argv=None):
     grid = fake_grid.FakeGrid(fl_adapter.client_app(), n)
     fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "flower.json")])
     load = lambda name: (json.loads((tmp_path / f"{name}.json").read_text()),
-                         torch.load(tmp_path / f"{name}.ckpt", weights_only=True))
+                         torch.load(tmp_path / f"{name}.json.ckpt", weights_only=True))
     return load("own"), load("flower")
 
 
@@ -140,7 +140,7 @@ def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
     _, link = fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "flower.json")])
     for t in (1, 2):
         assert sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2] and overlap(link.spans[t], "slow_client_update"), link.spans[t]
-    own, fl = (torch.load(tmp_path / f"{k}.ckpt", weights_only=True)["model"] for k in ("own", "flower"))
+    own, fl = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"] for k in ("own", "flower"))
     assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 
@@ -190,7 +190,7 @@ def flower_processes():
 
 def refused(argv, expect):
     before = flower_processes()
-    r = subprocess.run(RUN_LOCAL + argv, capture_output=True, text=True, timeout=120, cwd=HERE.parent)
+    r = subprocess.run(RUN_LOCAL + argv, capture_output=True, text=True, timeout=120, cwd=os.getcwd())
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("run_local.py: error: ") and expect in lines[0], r.stderr
@@ -212,7 +212,13 @@ def test_run_local_fedloe_rounds_from_its_stages():
 
 @pytest.mark.parametrize("argv,expect", [
     (["--nodes", "two"], "argument --nodes: invalid int value: 'two'"),
-    (["--timeout", "0"], "--timeout must be positive, got 0"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
+    (["--port", "70000"], "--port must be in 1..65535, got 70000"),
+    (["--port", "-1"], "--port must be in 1..65535, got -1"),
+    (["--rounds", "0"], "--rounds must be positive, got 0"),
+    (["--out", "/proc/version/x.json"], "/proc/version is not a folder"),
+    (["--out", "r.ckpt"], "a results file may not end in .ckpt"),
     (["--", "--resume"], "--resume after --: give run_local.py's own --out and --overwrite, before --"),
     (["--", "--out", "x.json"], "--out after --: give run_local.py's own --out"),
 ])
@@ -229,20 +235,56 @@ def test_run_local_port_in_use():
 
 
 def test_run_local_keeps_an_older_result_until_the_new_one_is_complete(tmp_path):
-    """A complete result at --out is refused without --overwrite; with it, a run that fails (here: no result
-    within --timeout 1 s) leaves that result as it was, says so in one line, and leaves no Flower process
-    running (the new run writes beside its logs, and replaces --out only once complete)."""
+    """A complete result at --out is refused without --overwrite, and so are an interrupted run's checkpoint,
+    another run's lock and a user's file; with --overwrite, a run that fails (here: no result within
+    --timeout 1 s) leaves that result as it was, says so in one line, and leaves no Flower process running
+    (the new run writes beside its logs, and replaces --out only once complete)."""
     before = flower_processes()
     out = tmp_path / "r.json"
-    out.write_text('{"complete": true, "an": "older result"}')
+    fedavg.main(["--dataset", "synthetic", "--rounds", "1", "--test-domain", "0", "--out", str(out)])
+    older = out.read_bytes(), Path(f"{out}.ckpt").read_bytes()
     refused(["--method", "fedavg", "--nodes", "2", "--out", str(out)],
             f"{out} holds a complete result; give another --out, or --overwrite to replace it")
+    lone = tmp_path / "cut.json"
+    Path(f"{lone}.ckpt").write_bytes(older[1])                       # an interrupted run's checkpoint alone
+    refused(["--method", "fedavg", "--nodes", "2", "--out", str(lone)], f"{lone} holds an interrupted run")
+    Path(f"{lone}.lock").write_text(f"{os.getpid()}@{os.uname().nodename}")    # a live run holds it
+    refused(["--method", "fedavg", "--nodes", "2", "--out", str(lone), "--overwrite"], "is in use by another run")
+    (tmp_path / "notes.txt").write_text("mine")
+    refused(["--method", "fedavg", "--nodes", "2", "--out", str(tmp_path / "notes.txt"), "--overwrite"],
+            "is not a results file of this project, which no run replaces")
     r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--out", str(out),
                                     "--timeout", "1", "--overwrite"], capture_output=True, text=True, timeout=300,
-                       cwd=HERE.parent)
+                       cwd=os.getcwd())
     assert r.returncode == 1 and r.stderr.startswith("run_local.py: error: no result in 1 s; stopped"), r.stderr
-    assert out.read_text() == '{"complete": true, "an": "older result"}' and sorted(tmp_path.iterdir()) == [out]
+    assert (out.read_bytes(), Path(f"{out}.ckpt").read_bytes()) == older
+    assert not Path(f"{out}.lock").exists() and (tmp_path / "notes.txt").read_text() == "mine"
     assert flower_processes() <= before
+
+
+def test_run_local_settles_a_complete_run_at_out_whatever_its_name(tmp_path):
+    """What run_local.py does with a complete run in its log folder: the results at --out (a name not ending in
+    .json too), recording --out and the command that names it and the per-round timing, the checkpoint at
+    <out>.ckpt; over an older result (--overwrite) both are replaced only now."""
+    import run_local
+    from harness import outputs
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    fresh = logs / "run.txt"
+    fedavg.main(["--dataset", "synthetic", "--rounds", "1", "--test-domain", "0", "--out", str(fresh)])
+    Path(f"{fresh}.flower.json").write_text(json.dumps({"rounds": {"1": {"seconds": 1.0, "down": 1, "up": 2,
+                                                                          "spans": [["train", 0, 5.0, 6.5]]}}}))
+    out = tmp_path / "final" / "result.txt"
+    for overwrite in (False, True):
+        with outputs.claim(out, overwrite=overwrite) as plan:
+            assert plan.replacing == overwrite
+            res = run_local.settle(fresh, plan, logs)
+        saved = json.loads(out.read_text())
+        assert saved == res and saved["args"]["out"] == str(out) and saved["flower"]["rounds"]["1"]["up"] == 2
+        assert f"--out {out}" in saved["provenance"]["command"] and str(fresh) not in saved["provenance"]["command"]
+        assert Path(f"{out}.ckpt").read_bytes() == Path(f"{fresh}.ckpt").read_bytes()
+        assert sorted(p.name for p in out.parent.iterdir()) == ["result.txt", "result.txt.ckpt"]
+    assert run_local.spans_line(saved["flower"]["rounds"]["1"]) == "; spans (s): train client 0 0.0-1.5"
 
 
 deploy = pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY") != "1",
@@ -267,7 +309,7 @@ def test_run_local_real_processes(method, tmp_path):
     out = tmp_path / "flower.json"
     rounds = ["--"] + LOE_STAGES if method == "fedloe" else ["--rounds", "1"]
     r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--out", str(out), "--timeout", "500"] + rounds,
-                       capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+                       capture_output=True, text=True, timeout=600, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr
     assert f"results: {out}" in r.stdout
     assert flower_processes() <= before
@@ -278,8 +320,8 @@ def test_run_local_real_processes(method, tmp_path):
                   "--out", str(tmp_path / "own.json")] + (LOE_STAGES if method == "fedloe" else ["--rounds", "1"]))
     finally:
         torch.set_num_threads(threads)
-    own = torch.load(tmp_path / "own.ckpt", weights_only=True)
-    real = torch.load(tmp_path / "flower.ckpt", weights_only=True)
+    own = torch.load(tmp_path / "own.json.ckpt", weights_only=True)
+    real = torch.load(tmp_path / "flower.json.ckpt", weights_only=True)
     for k, v in own["model"].items():
         assert torch.equal(v, real["model"][k]), f"{method}: {k} differs"
     assert history(json.loads(out.read_text())) == history(json.loads((tmp_path / "own.json").read_text()))
@@ -297,7 +339,7 @@ def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
     r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "3", "--rounds", "2", "--out", str(out),
                                     "--timeout", "500", "--", "--clients", "3", "--sample", "3",
                                     "--local-epochs", "40"],
-                       capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+                       capture_output=True, text=True, timeout=600, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr
     rounds = json.loads(out.with_suffix(".flower.json").read_text())["rounds"]
     trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items() if int(t) > 0}
@@ -313,7 +355,7 @@ def test_run_local_ctrl_c_stops_everything(tmp_path):
     before = flower_processes()
     p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5", "--out",
                                       str(tmp_path / "r.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=HERE.parent)
+                         text=True, cwd=os.getcwd())
     assert "SuperLink 127.0.0.1:" in p.stdout.readline()       # the deployment is up
     time.sleep(3)
     assert flower_processes() - before                            # ... and running

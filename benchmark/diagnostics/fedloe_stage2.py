@@ -2,8 +2,8 @@
 
     python benchmark/diagnostics/fedloe_stage2.py results/s1.json --test-domain 0 --stage1-epochs 8 --stage1-comms 2
         (then any fedloe flags) runs, for a single held-out domain,
-    1. python fedloe.py FLAGS --stage2-comms 0 --out results/s1.json --resume   (stage 1 only, "our FedAvg";
-       nothing to do if that run is complete)
+    1. python fedloe.py FLAGS --stage2-comms 0 --out results/s1.json [--resume, where its checkpoint is]
+       (stage 1 only, "our FedAvg"; nothing to do if that run is complete)
     2. for X in irm fish rex: python fedloe.py FLAGS --dg X --out results/s1-X.json, continued from a copy
        of the stage-1 checkpoint instead of from scratch.
 
@@ -43,7 +43,7 @@ def check(argv):
         if any(f == flag or f.startswith(flag + "=") for f in flags):
             raise common.UserError(f"{flag} is set here ({why}): drop it")
     for stage, extra in (("stage 1", ["--stage2-comms", "0"]), ("stage 2", ["--dg", "irm"])):
-        args, refusal = bench_run.method_args("fedloe", flags + extra + ["--resume"])
+        args, refusal = bench_run.method_args("fedloe", flags + extra)
         if refusal:
             raise common.UserError(f"fedloe.py refuses the flags for {stage}: {refusal}")
         if args.test_domain == "all":
@@ -63,10 +63,11 @@ def main(argv=None):
     except common.UserError as e:
         print(f"fedloe_stage2.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    fedloe.main(flags + ["--stage2-comms", "0", "--out", s1, "--resume"])
+    resume = ["--resume"] if Path(f"{s1}.ckpt").exists() else []     # nothing to do if that run is complete
+    fedloe.main(flags + ["--stage2-comms", "0", "--out", s1, *resume])
     strict = common.load_checkpoint
 
-    def stage2_only(path, args):                         # the stage-1 checkpoint, other stage-2 flags
+    def stage2_only(path, args, *rest):                  # the stage-1 checkpoint, other stage-2 flags
         saved = torch.load(path, map_location="cpu", weights_only=True)
         now = common.identity(args)
         diff = {k for k in set(saved["args"]) | set(now) if saved["args"].get(k) != now.get(k)} - STAGE2
@@ -78,7 +79,7 @@ def main(argv=None):
         if Path(out).exists():
             print(f"{out} exists; skipped")
             continue
-        shutil.copy(Path(s1).with_suffix(".ckpt"), Path(out).with_suffix(".ckpt"))
+        shutil.copy(f"{s1}.ckpt", f"{out}.ckpt")
         common.load_checkpoint = stage2_only
         try:
             fedloe.main(flags + ["--dg", dg, "--out", out, "--resume"])

@@ -110,7 +110,7 @@ def run_of(path):
 def checkpoint(path, args):
     """The final checkpoint beside a results file (<out>.ckpt), or UserError where it is missing or not the last
     round's (a cut or continued run)."""
-    ckpt = Path(path).with_suffix(".ckpt")
+    ckpt = Path(f"{path}.ckpt")
     try:
         blob = torch.load(ckpt, map_location="cpu", weights_only=True)     # written beside it
         last = blob["round"] == args.rounds and blob["finished"] == {}

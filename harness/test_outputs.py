@@ -1,0 +1,250 @@
+"""The rules of what a run owns (harness/outputs.py, docs/results-format.md), tested on sequences of
+operations that Hypothesis draws (a stateful test) rather than one case at a time.
+
+The operations, on FedAvg with the synthetic dataset (3 rounds): a run, with the arguments A or B
+(another learning rate), with no flag, --resume, --overwrite or both, on --out a.json, its sibling
+a.txt (the same stem) or b.json, stopped or not by SIGINT, SIGTERM or SIGKILL at a random moment;
+two runs at once; deleting a checkpoint; a foreign thing (a user's file, a folder, undecodable bytes)
+put at one of a run's paths, and taken away again. Every run is a forked process of this one
+(torch already imported), so that a signal reaches it as it would a script.
+
+After every step: (1) a complete result changes only through a completed --overwrite; (2) every
+complete result equals the uninterrupted run with its arguments; (3) nothing but runs' own files is
+made or changed, and a foreign thing is refused, in one line, and left as it was; (4) a run that ended
+normally (exit 0, 2, 130, 143) leaves no temporary file and no lock.
+
+CI runs a few dozen steps; FEDOOD_SLOW=1 runs many more (pytest -q harness/test_outputs.py).
+"""
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import fedavg  # noqa: E402
+import torch  # noqa: E402
+
+BASE = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--sample", "2",
+        "--rounds", "3", "--eval-every", "1", "--checkpoint-minutes", "60"]
+ARGS = {"A": [], "B": ["--lr", "0.1"]}
+LR = {0.05: "A", 0.1: "B"}          # a result's own record of which arguments made it
+OUTS = ["a.json", "a.txt", "b.json"]
+FLAGS = {"": [], "resume": ["--resume"], "overwrite": ["--overwrite"],
+         "both": ["--overwrite", "--resume"]}
+OWN = ("", ".ckpt", ".lock", ".next.ckpt")
+NORMAL = {0, 2, 130, 143}
+SLOW = os.environ.get("FEDOOD_SLOW") == "1"
+
+
+def launch(argv, logs, tag):
+    """fedavg.main(argv) in a forked process, its output to logs/<tag>.out and .err: its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 99
+    try:
+        torch.set_num_threads(1)
+        sys.stdout = open(logs / f"{tag}.out", "w", buffering=1)
+        sys.stderr = open(logs / f"{tag}.err", "w", buffering=1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            fedavg.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def wait(pid, seconds=120):
+    """The exit status: the code, or minus the signal that ended it."""
+    end = time.time() + seconds
+    while time.time() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"a run took more than {seconds} s")
+
+
+def numbers(result):
+    """What must equal the uninterrupted run's: the result less its timings and its provenance."""
+    r = json.loads(json.dumps(result))
+    for key in ("provenance", "label"):
+        r.pop(key, None)
+    for k in ("out", "resume", "overwrite", "allow_code_change"):
+        r["args"].pop(k, None)
+    for d in r["domains"].values():
+        for row in d["history"]:
+            row.pop("seconds")
+    return r
+
+
+REFERENCE = {}
+
+
+def reference(which):
+    """The uninterrupted run with arguments `which`, once per process."""
+    if which not in REFERENCE:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "ref.json"
+            rc = wait(launch(BASE + ARGS[which] + ["--out", str(out)], Path(tmp), "ref"))
+            assert rc == 0, (Path(tmp) / "ref.err").read_text()
+            REFERENCE[which] = numbers(json.loads(out.read_text()))
+    return REFERENCE[which]
+
+
+def snapshot(folder):
+    """{name: bytes, or 'folder'} of everything in the runs' folder."""
+    return {p.name: "folder" if p.is_dir() else p.read_bytes() for p in folder.iterdir()}
+
+
+def complete_results(folder):
+    """{--out name: its bytes} of the complete results in the runs' folder."""
+    done = {}
+    for name in OUTS:
+        try:
+            raw = (folder / name).read_bytes()
+            r = json.loads(raw)
+        except (OSError, ValueError):
+            continue
+        if isinstance(r, dict) and r.get("complete") is True:
+            done[name] = raw
+    return done
+
+
+class Outputs(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.tmp = Path(tempfile.mkdtemp(prefix="outputs-"))
+        self.folder, self.logs = self.tmp / "runs", self.tmp / "logs"
+        self.folder.mkdir()
+        self.logs.mkdir()
+        self.foreign = {}          # path name -> what was put there (bytes, or "folder")
+        self.n = 0
+
+    def teardown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def start(self, which, out, flags):
+        self.n += 1
+        argv = BASE + ARGS[which] + FLAGS[flags] + ["--out", str(self.folder / out)]
+        return launch(argv, self.logs, str(self.n)), str(self.n)
+
+    def ended(self, runs):
+        """Check each ended run [(out, flags, tag, exit status)] against the rules it can break alone."""
+        for out, flags, tag, rc in runs:
+            err = (self.logs / f"{tag}.err").read_text()
+            assert "Traceback" not in err, err
+            assert rc in NORMAL | {-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT}, (rc, err)
+            if rc == 2:
+                assert len(err.strip().splitlines()) == 1, err
+            if any(name.startswith(out) and name[len(out):] in OWN for name in self.foreign):
+                assert rc in (2, -signal.SIGKILL, -signal.SIGTERM, 130), (out, rc, err)   # refused
+            if rc in NORMAL:
+                left = [p.name for p in self.folder.iterdir()
+                        if p.name.startswith(out) and (p.name.endswith(".tmp") or
+                                                       p.name == f"{out}.lock")]
+                assert not [p for p in left if p not in self.foreign], (out, rc, left)
+
+    def changed_only_by_overwrite(self, before, runs):
+        """(1): a complete result before the step is the same after it, unless a run on its --out
+        with --overwrite ended with exit 0."""
+        after = complete_results(self.folder)
+        for name, raw in before.items():
+            if after.get(name) != raw:
+                assert name in after, f"{name}: a complete result became incomplete or went away"
+                assert any(out == name and "--overwrite" in FLAGS[flags] and rc == 0
+                           for out, flags, _, rc in runs), (name, runs)
+
+    @rule(which=st.sampled_from("AB"), out=st.sampled_from(OUTS), flags=st.sampled_from(list(FLAGS)),
+          stop=st.sampled_from([None, signal.SIGINT, signal.SIGTERM, signal.SIGKILL]),
+          after=st.floats(0.0, 1.5))
+    def run(self, which, out, flags, stop, after):
+        before = complete_results(self.folder)
+        pid, tag = self.start(which, out, flags)
+        if stop is not None:
+            time.sleep(after)
+            try:
+                os.kill(pid, stop)
+            except ProcessLookupError:
+                pass
+        runs = [(out, flags, tag, wait(pid))]
+        self.ended(runs)
+        self.changed_only_by_overwrite(before, runs)
+
+    @rule(which=st.sampled_from("AB"), out=st.sampled_from(OUTS), other=st.sampled_from(OUTS),
+          flags=st.sampled_from(["", "overwrite"]))
+    def two_at_once(self, which, out, other, flags):
+        before = complete_results(self.folder)
+        (p1, t1), (p2, t2) = self.start(which, out, flags), self.start("A", other, flags)
+        runs = [(out, flags, t1, wait(p1)), (other, flags, t2, wait(p2))]
+        self.ended(runs)
+        self.changed_only_by_overwrite(before, runs)
+
+    @rule(out=st.sampled_from(OUTS))
+    def delete_checkpoint(self, out):
+        if f"{out}.ckpt" not in self.foreign:
+            (self.folder / f"{out}.ckpt").unlink(missing_ok=True)
+
+    @rule(out=st.sampled_from(OUTS), ending=st.sampled_from(OWN),
+          thing=st.sampled_from([b"my notes\n", b"\xff\xfe\x00", "folder"]))
+    def put_foreign(self, out, ending, thing):
+        path = self.folder / f"{out}{ending}"
+        if path.exists() or path.name in self.foreign:
+            return
+        if thing == "folder":
+            path.mkdir()
+        else:
+            path.write_bytes(thing)
+        self.foreign[path.name] = thing
+
+    @rule()
+    def take_foreign_away(self):
+        for name in list(self.foreign):
+            p = self.folder / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            del self.foreign[name]
+
+    @invariant()
+    def complete_results_are_the_uninterrupted_runs(self):
+        for name, raw in complete_results(self.folder).items():
+            r = json.loads(raw)
+            assert numbers(r) == reference(LR[r["args"]["lr"]]), name
+
+    @invariant()
+    def only_own_files(self):
+        now = snapshot(self.folder)
+        for name, thing in self.foreign.items():
+            assert now.get(name) == thing, f"{name}: a foreign thing was touched"
+        for name in now:
+            if name in self.foreign:
+                continue
+            out = next((o for o in OUTS if name.startswith(o)), None)
+            rest = name[len(out):] if out else None
+            assert out and (rest in OWN or rest.endswith(".tmp")), f"{name}: not a run's own file"
+
+
+Outputs.TestCase.settings = settings(max_examples=40 if SLOW else 3, stateful_step_count=25 if SLOW else 9,
+                                     deadline=None, derandomize=not SLOW, print_blob=True)
+test_outputs_rules = Outputs.TestCase
