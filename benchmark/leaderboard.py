@@ -30,11 +30,12 @@ seeds each (the centralised reference rows are not candidates).
 Writes benchmark/results/leaderboard/README.md (the table, where each cell comes from, every cell's
 settings, the refusals) and leaderboard.{png,svg} (matplotlib, benchmark/ only).
 
-Bad input ends with one line on stderr and exit code 2 before any run starts: every benchmark's run.py
-command is planned (its methods' own checks included) before the first runs. The runs go through
-run.py in this process; Ctrl-C (SIGINT) or SIGTERM stops them as run.py does (each run gets SIGINT
-and keeps its last checkpoint), and leaderboard.py says in one line what it stopped and exits 130
-(143 for SIGTERM); the same command continues.
+Bad input ends with one line on stderr and exit code 2 before any run starts: every benchmark's
+run.py command is planned (its methods' own checks included) before the first runs, and an --out-dir
+the table could not be written in (a file, a path under a file, a folder not writable) is refused.
+The runs go through run.py in this process; Ctrl-C (SIGINT) or SIGTERM stops them as run.py does
+(each run gets SIGINT and keeps its last checkpoint), and leaderboard.py says in one line what it
+stopped and exits 130 (143 for SIGTERM); the same command continues.
 """
 import json
 import shlex
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmark")]
 import run as bench_run  # noqa: E402
 from data import Parser, UserError  # noqa: E402
+from harness import outputs  # noqa: E402
 RESULTS = ROOT / "benchmark" / "results"
 SEEDS = [0, 1, 2]
 
@@ -293,6 +295,21 @@ def still_to_run(benches, out_dir, seeds):
     return "\n".join(out) + "\n"
 
 
+def writable(out_dir, figures):
+    """Refuse, before any run, an --out-dir the table could not be written in: a file, a path
+    under a file, a folder this user cannot write in, or README.md (or a figure's name) taken by
+    something other than a file. Nothing is made: the folder is probed where it is, or else
+    where it would be made."""
+    out = Path(out_dir)
+    above = next(q for q in [out, *out.parents] if q.exists())
+    outputs.writable_folder(above, "--out-dir", out)   # it exists: probed by a file made and gone
+    for name in ["README.md"] + (["leaderboard.png", "leaderboard.svg"] if figures else []):
+        f = out / name
+        if f.exists() and not f.is_file():
+            raise UserError(f"--out-dir {out_dir}: {f} is not a file the table can be written to; "
+                            f"move it away")
+
+
 def write(benches, a):
     text, c = table(benches, a.out_dir, a.seeds)
     out = Path(a.out_dir)
@@ -334,6 +351,11 @@ def main(argv=None):
     if bad or len(set(a.seeds)) < len(a.seeds):
         p.error(f"--seed {bad[0]} is out of the methods' range [0, 2**31)" if bad else
                 f"--seeds {' '.join(map(str, a.seeds))}: a seed twice (its runs would write one file)")
+    if not a.dry_run:                            # where the table goes, before any run
+        try:
+            writable(a.out_dir, not a.no_figure)
+        except UserError as e:
+            p.error(str(e))
     benches = [b for b in (a.only or BENCHMARKS) if a.where is None or BENCHMARKS[b][3] == a.where]
     todo = {} if a.table_only else missing(benches, a.out_dir, a.seeds)
     if todo and not a.dry_run and a.data_root is None and any(BENCHMARKS[b][1] != "synthetic" for b in todo):

@@ -12,7 +12,10 @@ Without folders: every results table of the documentation, from the committed re
 Runs are grouped by folder, then by label: the one benchmark/run.py records in a run's JSON ("label"),
 else the name run.py gives its file, <label>-seed<S>.json with S the run's own seed (the committed
 folders' files are named so, by hand), else the JSON's "method" where the file has the method
-script's default name (<method>-<dataset>-seed<S>.json), else the whole file name. The std is over seeds
+script's default name (<method>-<dataset>-seed<S>.json), else the whole file name. A *.json in a
+folder that holds no complete run is skipped, not refused, and named under the folder's table
+("Left out (incomplete or unreadable)"): an incomplete run, or a file that is unreadable, not
+JSON, or JSON of another shape (a list, a number, a dict that is no run). The std is over seeds
 (n − 1 in the denominator; 0 with one seed). Images per second = training examples of the sampled
 clients × local epochs × training rounds / seconds of the run (evaluation time included; a method's
 extra passes, e.g. FedIIR's global-gradient pass, are not counted as images; FedLOE's training rounds
@@ -52,6 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import Parser, UserError  # noqa: E402  (the method scripts' own: bad input is one line, exit 2)
+from harness import outputs  # noqa: E402
 
 PAPERS = {  # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label, mean test accuracy %, source)]
     ("rmnist", "small"): [("fedavg", 94.5, "FedIIR Tab. 1"), ("fediir", 95.0, "FedIIR Tab. 1"),
@@ -91,16 +95,31 @@ def label_of(path, r):
     return stem
 
 
+def run_of(path):
+    """The results of one complete run in a *.json file, or None where it holds none: an incomplete
+    run, or a file that is not a run's results (unreadable, not JSON, or JSON of another shape: a
+    list, a number, a dict without its "args" and a non-empty "domains" of one dict per domain)."""
+    try:
+        r = json.loads(Path(path).read_text())
+    except (OSError, ValueError):                  # a folder named *.json, bytes that are not text
+        return None
+    if not isinstance(r, dict) or not r.get("complete", True):
+        return None
+    if not isinstance(r.get("args"), dict):
+        return None
+    doms = r.get("domains")
+    ok = isinstance(doms, dict) and doms and all(isinstance(d, dict) for d in doms.values())
+    return r if ok else None
+
+
 def load(folder):
-    """{label: [results]} for the results files in a folder (incomplete runs are left out); label_of names them."""
+    """({label: [results]}, [names of the *.json files left out]) for a folder: every file that
+    run_of finds no complete run in is left out (and named under the folder's table), never read
+    further; label_of names the runs."""
     runs, skipped = {}, []
     for f in sorted(Path(folder).glob("*.json")):
-        try:
-            r = json.loads(f.read_text())
-        except ValueError:
-            skipped.append(f.name)
-            continue
-        if not r.get("complete", True) or "domains" not in r:
+        r = run_of(f)
+        if r is None:
             skipped.append(f.name)
             continue
         SOURCES.add(f)
@@ -364,7 +383,7 @@ def ptest_table(folder, paths, score=True):
     checkpoints by rcmnist_ptest.py when every run has one beside its results (and score), else read
     from the ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed); (None, None, None)
     without."""
-    if score and paths and all(Path(f).with_suffix(".ckpt").is_file() for f in paths):
+    if score and paths and all(Path(f"{f}.ckpt").is_file() for f in paths):
         sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
         import rcmnist_ptest                                  # torch and the data: only when scoring
         try:
@@ -445,7 +464,8 @@ def report(folder, where=".", figures=True, score=True):
     reads the p_test table from the committed ptest.md even where checkpoints are there)."""
     runs, skipped = load(folder)
     if not runs:
-        return [f"## {folder}", "", "no complete results here", ""]
+        return [f"## {folder}", "", "no complete results here", ""] + \
+            ([f"Left out (incomplete or unreadable): {', '.join(skipped)}.", ""] if skipped else [])
     first = runs.get("fedavg", next(iter(runs.values())))[0]    # the setting's name: FedAvg's run if any
     a = first["args"]
     shape = {lab: (rs[0]["args"]["rounds"], rs[0]["args"]["local_epochs"]) for lab, rs in runs.items()}
@@ -1202,7 +1222,8 @@ def main(argv=None):
     """The command line: bad input (and a missing matplotlib) -> one line on stderr, exit 2, before anything is
     written; --check with a stale block -> exit 1."""
     p = Parser(prog="report.py", description=__doc__.splitlines()[0])
-    p.add_argument("folders", nargs="*")
+    p.add_argument("folders", nargs="*", help="folders of results JSON files (a *.json that "
+                   "holds no complete run, e.g. a JSON list, is skipped and named under its table)")
     p.add_argument("--speed", default=None, help="a benchmark/speed.py --json file: its table and bar chart")
     p.add_argument("--out", default=None, help="write the markdown here (default: print it)")
     p.add_argument("--check", action="store_true", help="without folders: exit 1 naming every generated block of "
@@ -1238,9 +1259,10 @@ def make(a):
         speed_report(a.speed, figures=False)                  # a bad file refused before any figure is drawn
     if a.out:
         out = Path(a.out)
-        if out.is_dir() or not out.parent.is_dir():
+        if out.is_dir() or not out.parent.exists():         # report.py makes no folder
             raise UserError(f"--out {a.out}: " + ("a folder; give a file name" if out.is_dir() else
                                                    f"no folder {out.parent} to write it in"))
+        outputs.writable_file(out, "--out")   # a path under a file, a device, a folder not writable
         if out.is_file() and "<!-- report:" in out.read_text():
             raise UserError(f"{a.out} holds generated blocks: python benchmark/report.py (no folders) rewrites them")
     matplotlib_figure()                                       # no matplotlib: say so before writing anything

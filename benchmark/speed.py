@@ -21,6 +21,10 @@ datasets only) do not fit these settings: their speed is in the benchmark's tabl
 at once, and prints the test accuracy after every round of both (they agree to float tolerance,
 not bit for bit).
 
+Bad input (a --json that could not be written: a folder, a path under a file, a folder this user
+cannot write in; a --curve below 1) is refused in one line on stderr, exit code 2, before any data
+is loaded or timed.
+
     python benchmark/speed.py                       # rmnist, 50 clients, 5 sampled
     python benchmark/speed.py --clients 5 --rounds 3 --clock cpu
     python benchmark/speed.py --setting fl --data-root DIR --device cuda
@@ -45,6 +49,7 @@ import fedavg  # noqa: E402
 import fediir  # noqa: E402
 import fedipg  # noqa: E402
 import fedomg  # noqa: E402
+from harness import outputs  # noqa: E402
 
 
 def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):
@@ -64,10 +69,12 @@ def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):
 SETTINGS = {"rmnist": "rmnist", "fl": "mnist"}   # --setting -> dataset
 
 
-def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about=None):
+def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about=None, check=None):
     """The shared CLI of the speed scripts (own_args adds a script's own flags) and what they time:
     `method`'s arguments resolved for the setting's dataset (rmnist: test domain 0 held out; fl: the
-    label-skew clients), the federation, the model and a context on --device; `about`: --help's first line."""
+    label-skew clients), the federation, the model and a context on --device; `about`: --help's
+    first line; check(a): a script's own refusals (data.UserError: one line, exit 2), made before
+    any data is loaded."""
     p = data.Parser(prog=prog or Path(sys.argv[0]).name, description=about or doc.splitlines()[0])   # one-line errors
     p.add_argument("--setting", default="rmnist", choices=list(SETTINGS),
                    help="rmnist: RotatedMNIST, 50 clients, 5 sampled; fl: FedOMG's MNIST label skew, 100 / 20")
@@ -85,6 +92,11 @@ def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about
     for flag in ("clients", "sample", "rounds"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag} must be positive, got {getattr(a, flag)}")
+    if check:
+        try:
+            check(a)
+        except data.UserError as e:
+            p.error(str(e))
     a.clock = time.process_time if a.clock == "cpu" and a.device == "cpu" else time.perf_counter
     a.dataset = SETTINGS[a.setting]
     a.rounds = a.rounds or (6 if a.setting == "rmnist" else 1)   # fl: 56 s in all on an H100 (full MNIST)
@@ -198,9 +210,16 @@ def curves(a, args, fed, model, ctx, rounds):
 def main(argv=None):
     def own(p):
         p.add_argument("--json", default=None, help="also write every timed round here")
-        p.add_argument("--curve", type=int, default=0, help="instead of timing: R rounds, accuracy both ways")
+        p.add_argument("--curve", type=int, default=None,
+                       help="instead of timing: R rounds (R >= 1), accuracy both ways")
+
+    def check(a):                     # before any data is loaded, let alone timed
+        if a.curve is not None and a.curve < 1:
+            raise data.UserError(f"--curve must be positive, got {a.curve}")
+        if a.json is not None:        # a folder, a path under a file, an unwritable folder
+            outputs.writable_file(a.json, "--json")
     a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own, argv, "speed.py",
-                                      " ".join(__doc__.split("\n\n")[0].split()))
+                                      " ".join(__doc__.split("\n\n")[0].split()), check)
     if a.curve:
         return curves(a, args, fed, model, ctx, a.curve)
     ways = {m: way(ctx, m) for m in ("off", "on", "auto")}
