@@ -276,7 +276,7 @@ def check(args):
     for k in ("momentum", "local_epochs"):                    # sgd: as every method's
         setattr(args, k, step[k] if getattr(args, k) == BY_STEP else getattr(args, k))
     if args.lam is None:
-        args.lam = 1e-4 if args.dataset in ("pacs", "vlcs", "officehome") else 1e-3
+        args.lam = 1e-4 if args.model.startswith("resnet") else 1e-3     # WaterBird's ResNet-18 too
     args.sample = args.clients if args.sample is None else args.sample   # Eq. 3: all of I_ID
     for bad, message in ((not args.lam >= 0, f"--lam must be >= 0, got {args.lam}"),
                          (args.exit == "auto" and args.exit_warmup < 1,

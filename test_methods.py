@@ -1247,7 +1247,7 @@ def test_global_pooling_is_a_plain_mean_in_every_model():
         assert not any(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in net.modules()), model
 
 
-@pytest.mark.parametrize("argv,message", [
+FEDAVG_BAD_INPUT = [
     (["--dataset", "nope"], "unknown dataset 'nope'; choose from rmnist"),
     (["--test-domain", "90"], "unknown test domain '90' for rmnist; choose 'all', one of 0, 15"),
     (["--dataset", "pacs"], "pacs needs --data-root DIR"),
@@ -1265,9 +1265,39 @@ def test_global_pooling_is_a_plain_mean_in_every_model():
     (["--seed", "-1"], "--seed must be in [0, 2**31), got -1"),
     (["--data-root", ""], "--data-root is empty"),
     (["--out", ""], "--out is empty"),
-])
+]
+
+
+@pytest.mark.parametrize("argv,message", FEDAVG_BAD_INPUT)
 def test_bad_input_is_one_line(argv, message, capsys):
     assert message in fails(fedavg.main, argv, capsys)
+
+
+def full_results_folder(outs):
+    """results/ as a user's after many runs: a complete result and its checkpoint at every path in outs."""
+    done = {"method": "fedavg", "args": {}, "domains": {}, "mean_test_acc": 0.5, "complete": True}
+    for out in outs:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(done))
+        Path(f"{out}.ckpt").write_bytes(b"PK\x03\x04")
+
+
+def test_bad_input_is_the_same_with_a_full_results_folder(capsys):
+    """Whatever a user keeps in results/ (here: a complete result and checkpoint at the default --out of the
+    README's quick look, of every held-out domain alone and of all of them), each bad input still gets its
+    own message, and nothing there changes."""
+    outs = []
+    for argv in [[], ["--rounds", "20", "--test-domain", "0"], *[["--test-domain", str(d)] for d in range(0, 90, 15)],
+                 ["--dataset", "synthetic"], ["--test-domain", "2"]]:
+        p = common.make_parser("fedavg", fedavg.__doc__)
+        fedavg.add_args(p)
+        outs.append(common.resolve(p.parse_args(argv), "fedavg").out)
+    full_results_folder(outs)
+    assert len(set(outs)) == 10 and all(o.startswith("results/fedavg-") for o in outs)
+    before = {p: p.read_bytes() for p in Path("results").iterdir()}
+    for argv, message in FEDAVG_BAD_INPUT:
+        assert message in fails(fedavg.main, argv, capsys)
+    assert {p: p.read_bytes() for p in Path("results").iterdir()} == before
 
 
 # Every float flag of every method: a finite number, refused at once otherwise (an inf learning rate
@@ -4634,6 +4664,22 @@ def test_parallel_perinvfl_refuses_with_its_reason(tmp_path, capsys):
 # ======================================================================================================================
 # fedipg.py
 # ======================================================================================================================
+
+
+def test_fedipg_lam_is_1e_4_for_every_resnet_and_1e_3_otherwise(tmp_path):
+    """--lam's help says 1e-4 for ResNets: WaterBird's ResNet-18 and a --model resnet18 on the digits too."""
+    lam = lambda *argv: method_args(fedipg, "fedipg", ["--no-pretrained", *argv], tmp_path).lam
+    assert lam("--dataset", "waterbird", "--model", "resnet18") == 1e-4           # (the helper's default: cnn)
+    assert lam("--dataset", "pacs", "--model", "resnet50") == lam("--model", "resnet18") == 1e-4
+    assert lam() == lam("--dataset", "rmnist", "--model", "convnet") == lam("--dataset", "stained", "--model",
+                                                                            "mlp") == 1e-3
+    assert "1e-4 for ResNets" in dict((a.dest, a.help) for a in fedipg_parser()._actions)["lam"]
+
+
+def fedipg_parser():
+    p = common.make_parser("fedipg", fedipg.__doc__)
+    fedipg.add_args(p)
+    return p
 
 
 def test_fedipg_refuses_momentum_and_epochs_its_papers_step_would_ignore(tmp_path, capsys):

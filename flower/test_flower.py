@@ -226,6 +226,25 @@ def test_run_local_bad_flags_one_line(argv, expect):
     refused(["--method", "fedavg", "--nodes", "2"] + argv, expect)
 
 
+def test_run_local_refusals_are_the_same_with_a_full_results_folder():
+    """A complete result and checkpoint at every default --out of the refusals above change none of them."""
+    import run_local
+    cases = [(["--method", "fedavg", "--nodes", "1"], "--nodes 1 is below the 2 training domains"),
+             (["--method", "fedavg", "--nodes", "2", "--port", "70000"], "--port must be in 1..65535"),
+             (["--method", "fedloe", "--rounds", "2"], "fedloe counts its rounds from its stages")]
+    outs = [run_local.parse(argv).out for argv, _ in cases]
+    done = {"method": "fedavg", "args": {}, "domains": {}, "complete": True}
+    for out in outs:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(done))
+        Path(f"{out}.ckpt").write_bytes(b"PK\x03\x04")
+    assert all(Path(o).parent == Path.cwd() / "results" for o in outs)
+    before = {p: p.read_bytes() for p in Path("results").iterdir()}
+    for argv, expect in cases:
+        refused(argv, expect)
+    assert {p: p.read_bytes() for p in Path("results").iterdir()} == before
+
+
 def test_run_local_port_in_use():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
