@@ -351,7 +351,7 @@ def test_run_local_real_processes(method, tmp_path):
 def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
     """3 SuperNodes on 127.0.0.1, every client sampled, 40 local epochs (so that a node's work, seconds, outlasts
     the start of Flower's process per message): in every round at least two nodes' training overlaps, and in
-    some round all three at one instant (the spans the nodes report, <out>.flower.json). One after another,
+    some round all three at one instant (the spans the nodes report, the results' `flower` entry). One after another,
     as the nodes were when they handed one random stream on, no two spans would overlap. On 2 cores the third
     node may start when another has ended, hence "at least two" each round."""
     out = tmp_path / "r.json"
@@ -360,7 +360,7 @@ def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
                                     "--local-epochs", "40"],
                        capture_output=True, text=True, timeout=600, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr
-    rounds = json.loads(out.with_suffix(".flower.json").read_text())["rounds"]
+    rounds = json.loads(out.read_text())["flower"]["rounds"]
     trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items() if int(t) > 0}
     assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2] for v in trained.values())
     pairs = lambda v: [(a, b) for i, a in enumerate(v) for b in v[i + 1:] if overlap([a, b])]

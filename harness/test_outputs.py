@@ -133,6 +133,130 @@ def complete_results(folder):
     return done
 
 
+# ------------------------------------------------------------------ each rule, one case at a time
+
+from data import UserError  # noqa: E402
+from harness import outputs  # noqa: E402
+
+import common  # noqa: E402
+
+
+def refusal(out, **flags):
+    with pytest.raises(UserError) as e:
+        with outputs.claim(out, **flags):
+            pass
+    return str(e.value)
+
+
+@pytest.mark.parametrize("ending", ["", ".ckpt", ".lock", ".next.ckpt"])
+@pytest.mark.parametrize("thing", ["notes", "bytes", "folder", "link"])
+def test_only_its_own_files_whatever_the_flags(ending, thing, tmp_path):
+    """A user's file, undecodable bytes, a folder or a link at any of a run's paths: refused in one line
+    with every flag, and left as it was."""
+    out = tmp_path / "r.json"
+    path = Path(f"{out}{ending}")
+    {"notes": lambda: path.write_text("my notes"), "bytes": lambda: path.write_bytes(b"\xff\xfe\x00"),
+     "folder": path.mkdir, "link": lambda: path.symlink_to(tmp_path)}[thing]()
+    for flags in ({}, {"resume": True}, {"overwrite": True}, {"resume": True, "overwrite": True}):
+        line = refusal(out, **flags)
+        assert line.startswith(f"--out {out}: {path} is ") and "which no run replaces; nothing was touched" in line \
+            or ending == "" and thing in ("folder", "link") and line.startswith(f"--out {out} is a folder; give")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert path.is_symlink() if thing == "link" else path.is_dir() if thing == "folder" else path.read_bytes()
+
+
+def test_two_outs_never_share_a_file(tmp_path):
+    """Every file is named from the whole --out: a.json and a.txt share none, and no --out ends like one."""
+    a, b = outputs.Files(tmp_path / "a.json"), outputs.Files(tmp_path / "a.txt")
+    assert not {p for p, _ in a.owned()} & {p for p, _ in b.owned()}
+    for bad in ("r.ckpt", "r.json.lock", "r.next", "r.json.123.tmp"):
+        assert "a results file may not end in .ckpt, .lock, .next, .tmp" in refusal(tmp_path / bad)
+
+
+def test_one_run_per_out_its_lock_released_and_a_dead_ones_taken_over(tmp_path):
+    out = tmp_path / "r.json"
+    with outputs.claim(out) as plan:
+        assert plan.files.lock.read_text() == f"{os.getpid()}@{os.uname().nodename}"
+        assert "is in use by another run (pid" in refusal(out)
+    assert not plan.files.lock.exists()
+    plan.files.lock.write_text(f"{2 ** 22 + 12345}@{os.uname().nodename}")     # no such process
+    with outputs.claim(out):
+        pass
+    plan.files.lock.write_text("1@another-host")                              # never judged dead
+    assert "pid 1 on another-host" in refusal(out)
+
+
+def test_resume_needs_its_checkpoint_and_overwrite_replaces_at_the_end(tmp_path):
+    out = tmp_path / "r.json"
+    assert refusal(out, resume=True).endswith("so nothing to continue: run without --resume to start")
+    with outputs.claim(out) as plan:
+        assert (plan.read, plan.write, plan.replacing) == (None, plan.files.ckpt, False)
+        plan.files.ckpt.write_bytes(outputs.ZIP + b"old")
+        outputs.finish(plan, {"method": "m", "args": {}, "domains": {}, "complete": True})
+    old = out.read_bytes()
+    assert "holds a complete result" in refusal(out)
+    plan.files.ckpt.unlink()
+    line = refusal(out, resume=True)
+    assert "holds a complete result: --overwrite runs again (that result stays until the new run completes)" in line
+    with outputs.claim(out, overwrite=True) as plan:
+        assert plan.replacing and plan.write == plan.files.next
+        plan.write.write_bytes(outputs.ZIP + b"new")
+        assert out.read_bytes() == old                                   # until it completes
+    assert out.read_bytes() == old and "holds an interrupted --overwrite, which --overwrite --resume" in refusal(out)
+    with outputs.claim(out, overwrite=True, resume=True) as plan:
+        assert plan.read == plan.write == plan.files.next
+        outputs.finish(plan, {"method": "m", "args": {"new": 1}, "domains": {}, "complete": True})
+    assert json.loads(out.read_text())["args"] == {"new": 1}
+    assert plan.files.ckpt.read_bytes() == outputs.ZIP + b"new" and not plan.files.next.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.ckpt"]   # no lock, no .tmp
+
+
+def stopped_run(out, monkeypatch, argv=BASE):
+    """FedAvg cut right after its round-1 checkpoint (as a kill would), in this process."""
+    save = common.save_checkpoint
+
+    def save_then_die(path, blob):
+        save(path, blob)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    with pytest.raises(SystemExit):
+        fedavg.main(argv + ["--out", str(out)])
+    monkeypatch.setattr(common, "save_checkpoint", save)
+
+
+def test_a_checkpoint_resumes_only_under_its_method_and_its_code(tmp_path, monkeypatch, capsys):
+    """Resuming under other code is refused in one line naming the changed file; --allow-code-change
+    continues it, the result equal to the uninterrupted run's and recorded as mixed. A checkpoint of
+    another method, or of code from before checkpoints recorded theirs, is refused too."""
+    import fediir
+    out = tmp_path / "r.json"
+    stopped_run(out, monkeypatch)
+    capsys.readouterr()
+    made = torch.load(f"{out}.ckpt", weights_only=True)["code"]
+    assert made[-1]["files"] == common.code_files(fedavg.fedavg_round)
+    own = common.code_files
+    monkeypatch.setattr(common, "code_files", lambda fn: {**own(fn), "fedavg.py": "0" * 12})
+    with pytest.raises(SystemExit):
+        fedavg.main(BASE + ["--out", str(out), "--resume"])
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"fedavg.py: error: --resume: {out}.ckpt was made with other code: fedavg.py changed "
+                           f"since (commit ") and line.endswith("--allow-code-change continues it anyway, the "
+                                                                "result then recorded as mixed code")
+    res = fedavg.main(BASE + ["--out", str(out), "--resume", "--allow-code-change"])
+    straight = fedavg.main(BASE + ["--out", str(tmp_path / "straight.json")])   # (this process's threads)
+    assert numbers(res) == numbers(straight) and len(res["provenance"]["mixed_code"]) == 2
+    with pytest.raises(SystemExit):
+        fediir.main(BASE + ["--out", str(out), "--resume"])
+    assert f"{out}.ckpt is fedavg's checkpoint, not fediir's" in capsys.readouterr().err
+    blob = torch.load(f"{out}.ckpt", weights_only=True)
+    del blob["code"]
+    torch.save(blob, f"{out}.ckpt")
+    Path(out).unlink()
+    with pytest.raises(SystemExit):
+        fedavg.main(BASE + ["--out", str(out), "--resume"])
+    assert "it was made before checkpoints recorded their code" in capsys.readouterr().err
+
+
 class Outputs(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
