@@ -3,14 +3,17 @@ exit code 2 and no traceback, before any work: nothing timed, run, printed or wr
 script would write is checked first). report.py skips a *.json that holds no run (a JSON list, ...)
 as it skips every file it cannot read as one, and names it under the folder's table.
 
-Each script runs as a subprocess in the test's own tmp_path (the root conftest.py chdirs there);
+Each script's main runs in this process, in the test's own tmp_path (the root conftest.py chdirs there);
 every path given to a script is under it, or under /proc (a folder no file can be made in, even by
 root), never in the checkout.
 """
+import contextlib
+import importlib
+import io
 import json
-import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FAST = 30        # s: a refusal comes after the imports (torch: 3-5 s), before any work (speed.py's
 #                  default timing alone takes 85 s)
-WAIT = 90        # s: a script still working by then has not refused before its work
 PROC = pytest.mark.skipif(not Path("/proc").is_dir(), reason="no /proc on this system")
 
 
@@ -27,11 +29,20 @@ def files(folder):
 
 
 def script(name, *argv, cwd):
-    """benchmark/<name> with these arguments, run in cwd: (the process, its seconds)."""
-    start = time.monotonic()
-    p = subprocess.run([sys.executable, str(ROOT / "benchmark" / name), *map(str, argv)], cwd=cwd,
-                       capture_output=True, text=True, timeout=WAIT, check=False)
-    return p, time.monotonic() - start
+    """benchmark/<name>'s main with these arguments, in this process (each test is in its own folder,
+    cwd): (what it did: returncode, stdout, stderr; its seconds). An exception fails the test."""
+    if str(ROOT / "benchmark") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmark"))
+    assert Path.cwd() == Path(cwd)
+    module = importlib.import_module(name.removesuffix(".py"))
+    out, err, code, start = io.StringIO(), io.StringIO(), 0, time.monotonic()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            module.main([*map(str, argv)])
+        except SystemExit as e:
+            code = e.code
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue()), \
+        time.monotonic() - start
 
 
 def refused(tmp_path, name, *argv):

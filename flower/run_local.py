@@ -315,8 +315,17 @@ def main(argv=None):
         print("run_local.py: error: Flower is not installed here: pip install -r flower/requirements.txt",
               file=sys.stderr)
         return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP):     # as Ctrl-C: unwind through the finally blocks
-        signal.signal(sig, interrupted)
+    before = {sig: signal.signal(sig, interrupted)          # as Ctrl-C: unwind through the finally blocks
+              for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return run_and_settle(a)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def run_and_settle(a):
+    """main's work once the flags are parsed: the checks, the deployment, the results at --out; the exit code."""
     logdir = None
     try:
         check(a)
