@@ -738,8 +738,8 @@ def run(method, args, round_fn, init_state=None, evaluate_fn=evaluate_global, ar
             done = bool(results["domains"])                     # finished here, or before the --resume
             kept = [f"the last good checkpoint ({ckpt_path})"] * (blob is not None or done or e.saved) + \
                    [f"the results of the finished test domains ({args.out})"] * (done and not plan.replacing)
-            raise NonFinite(f"{e}; stopped; " + (" and ".join(kept) + " are kept" if kept else
-                                                  "nothing of this run was saved")) from None
+            said = " and ".join(kept) + (" are kept" if len(kept) > 1 else " is kept")
+            raise NonFinite(f"{e}; stopped; " + (said if kept else "nothing of this run was saved")) from None
         if not plan.replacing:       # an --overwrite writes --out once complete, not before
             write_json(args.out, with_mean(results))
     results["complete"] = True                                  # every held-out domain is done

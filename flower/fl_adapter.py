@@ -12,8 +12,12 @@ bit for bit. One node per client: the node's partition id (node config `partitio
 The server samples with common.sample_clients on its own seeded generator (never Flower's sampling).
 """
 import argparse
+import ast
 import contextlib
+import dataclasses
+import functools
 import importlib
+import math
 import io
 import json
 import os
@@ -28,7 +32,7 @@ for where in (ROOT, ROOT / "benchmark", ROOT / "benchmark" / "diagnostics"):   #
         sys.path.insert(0, str(where))
 
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDict  # noqa: E402
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  # noqa: E402
 
 import common  # noqa: E402
@@ -87,6 +91,72 @@ def function(name):
     return getattr(importlib.import_module(module), qualname)
 
 
+@functools.lru_cache(maxsize=None)
+def declared(method):
+    """What a node may run for a run of `method`: each function its method file passes to
+    common.on_clients (a client's work) and the init_state it passes to common.main, as "module:name",
+    read from the file's syntax (nothing imported or run). Any other name in a message is refused."""
+    if method not in METHODS:
+        return frozenset()
+    names = set()
+    for call in ast.walk(ast.parse((ROOT / f"{method}.py").read_text())):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == "common"):
+            continue
+        given = {k.arg: k.value for k in call.keywords}
+        arg = call.args[0] if call.func.attr == "on_clients" and call.args else \
+            given.get("init_state", call.args[6] if len(call.args) > 6 else None) \
+            if call.func.attr == "main" else None
+        if isinstance(arg, ast.Name):
+            names.add(f"{method}:{arg.id}")
+        elif isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name):
+            names.add(f"{arg.value.id}:{arg.attr}")
+    return frozenset(names)
+
+
+class BadReply(common.NonFinite):
+    """A node's reply that the round must not use (or its refusal): the run ends as at a non-finite
+    number, exit 1, its last good checkpoint kept, so that --resume goes on once the node is fixed."""
+
+
+MAX_BYTES = 4     # a reply may be at most this many times the bytes of the same reply in process (+ 64 kB)
+
+
+def schema(reply):
+    """{key: ("tensor", shape, dtype) or ("value", type name)} of a client function's reply."""
+    def one(v):
+        if torch.is_tensor(v):
+            return ("tensor", tuple(v.shape), str(v.dtype))
+        if isinstance(v, (list, tuple)):
+            return ("list", tuple(one(x) for x in v))
+        return ("value", type(v).__name__)
+    return {k: one(v) for k, v in reply.items()}
+
+
+def what_is_wrong(reply, expect, t, phase):
+    """None, or what makes a node's reply to round t's exchange `phase` unusable: another round or
+    exchange, missing or extra keys, tensors of other shapes or dtypes than the same function gives in
+    process (`expect`: schema), non-finite values."""
+    if (reply.get("_round"), reply.get("_phase")) != (t, phase):
+        return f"it answers round {reply.get('_round')} ({reply.get('_phase')}), not round {t} ({phase})"
+    got = schema({k: v for k, v in reply.items() if not k.startswith("_")})
+    if got.keys() != expect.keys():
+        missing, extra = sorted(expect.keys() - got.keys()), sorted(got.keys() - expect.keys())
+        return ", ".join([f"missing {', '.join(missing)}"] * bool(missing) + [f"extra {', '.join(extra)}"] * bool(extra))
+    for k in expect:
+        if got[k] != expect[k]:
+            return f"{k} is {got[k]}, where the client function gives {expect[k]}"
+
+    def finite(v):
+        if torch.is_tensor(v):
+            return not v.is_floating_point() or bool(v.isfinite().all())
+        if isinstance(v, (list, tuple)):
+            return all(finite(x) for x in v)
+        return not isinstance(v, float) or math.isfinite(v)
+    bad = [k for k in expect if not finite(reply[k])]
+    return f"non-finite {', '.join(bad)}" if bad else None
+
+
 # --------------------------------------------------------------------------------- the server
 
 class Link:
@@ -96,6 +166,7 @@ class Link:
     def __init__(self, grid, wait=600.0):
         self.grid, self.wait, self.nodes, self.args, self.init, self.out = grid, wait, None, None, None, None
         self.moved, self.times, self.spans = {}, {}, {}    # round -> [down, up]; seconds; node spans
+        self.method, self.expected = None, {}              # the run's method; (fn, phase, domain) -> replies
 
     def connect(self, P):
         """Wait for P nodes, ask each its partition id: {client id: node id}."""
@@ -104,7 +175,13 @@ class Link:
             if time.time() > end:
                 raise common.UserError(f"{len(ids)} node(s) connected, {P} needed (one per client)")
             time.sleep(0.5)
-        parts = {int(r["partition"]): i for i, r in zip(ids, self._send([(i, "query.hello", {}) for i in ids], 0))}
+        said = [(i, int(r["partition"])) for i, r in zip(ids, self._send([(i, "query.hello", {}) for i in ids], 0))]
+        parts = {}
+        for i, p in said:
+            if p in parts:
+                raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, which node {parts[p]} "
+                               f"holds; this run needs 0..{P - 1}, one node each")
+            parts[p] = i
         if sorted(parts) != list(range(P)):
             raise common.UserError(f"the nodes' partition ids are {sorted(parts)}; this run needs 0..{P - 1}, one each")
         self.nodes = parts
@@ -112,28 +189,52 @@ class Link:
     def __call__(self, fn, S, sents, t, phase, ctx):
         if self.nodes is None:
             self.connect(len(ctx.fed.clients))
+        expect = [self.reference(fn, c, sent, t, phase, ctx) for c, sent in zip(S, sents)]
         start = time.perf_counter()
         head = {"fn": name_of(fn), "phase": phase, "round": t, "domain": ctx.fed.name, "args": self.args,
-                "init": self.init}
+                "init": self.init, "method": self.method}
         replies = self._send([(self.nodes[c], "train.client", {**head, **{f"sent.{k}": v for k, v in sent.items()}})
-                              for c, sent in zip(S, sents)], t)
+                              for c, sent in zip(S, sents)], t, clients=S,
+                             most=[MAX_BYTES * size + 2 ** 16 for _, size in expect])
+        for c, r, (shape, _) in zip(S, replies, expect):    # every reply checked before the round sees one
+            wrong = what_is_wrong(r, shape, t, phase)
+            if wrong:
+                raise BadReply(f"a bad reply in round {t} from node {self.nodes[c]} (client {c}): {wrong}")
         self.times[t] = self.times.get(t, 0.0) + time.perf_counter() - start
         self.spans.setdefault(t, []).extend((phase, c, r.pop("_began"), r.pop("_ended"))
                                             for c, r in zip(S, replies))
-        return [common.to_device(r, ctx.device) for r in replies]          # in the order of S: the clients' ids
+        return [common.to_device({k: v for k, v in r.items() if not k.startswith("_")}, ctx.device)
+                for r in replies]                                   # in the order of S: the clients' ids
 
-    def _send(self, items, t):
+    def reference(self, fn, c, sent, t, phase, ctx):
+        """(schema, bytes) of what `fn` replies for client c in process: run on the server once per function,
+        exchange, held-out domain and client (a reply's shapes may follow the client's data: FedLOE's
+        predictions), with a scratch state and the random generators as they were."""
+        key = (name_of(fn), phase, ctx.fed.name, c)
+        if key not in self.expected:
+            devices = [ctx.device] if ctx.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                out = fn(common.site(dataclasses.replace(ctx, clients={}), c, t, phase), sent)
+            self.expected[key] = schema(out), nbytes(pack(out))
+        return self.expected[key]
+
+    def _send(self, items, t, clients=None, most=None):
         msgs = [Message(pack(d), node, kind, group_id=str(t)) for node, kind, d in items]
         moved = self.moved.setdefault(t, [0, 0])
         moved[0] += sum(nbytes(m.content) for m in msgs)
         replies = {r.metadata.reply_to_message_id: r for r in self.grid.send_and_receive(msgs)}
         out = []
-        for m in msgs:
-            r = replies.get(m.metadata.message_id)
+        for k, m in enumerate(msgs):
+            r, who = replies.get(m.metadata.message_id), f"node {m.metadata.dst_node_id}" + \
+                (f" (client {clients[k]})" if clients is not None else "")
             if r is None or r.has_error():
                 why = r.error.reason if r is not None else "no reply"
-                raise RuntimeError(f"node {m.metadata.dst_node_id} ({m.metadata.message_type}): {why}")
-            moved[1] += nbytes(r.content)
+                raise BadReply(f"{who} in round {t}: {why}")
+            size = nbytes(r.content)
+            if most is not None and size > most[k]:              # before anything of it is unpacked
+                raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, the most this exchange "
+                               f"takes is {most[k]:,}")
+            moved[1] += size
             out.append(unpack(r.content))
         return out
 
@@ -147,6 +248,7 @@ def serve(grid, method, argv, wait=600.0):
         if args.parallel_clients == "on":
             raise common.UserError("--parallel-clients on: on Flower every client trains on its own node; use off")
         link.args, link.out, link.init = json.dumps(vars(args)), args.out, name_of(init_state)  # the nodes' setup
+        link.method = method
         return run(name, args, round_fn, init_state, evaluate_fn, argv, engine=link, plan=plan)
     common.run = flower_run
     common.parallel = lambda args: args.parallel_clients == "on"    # auto: off here, on a GPU too (refused if on)
@@ -212,9 +314,24 @@ def node_for(req, context):
         return _NODES[key]
 
 
-def work(msg, context):
-    """One exchange on this node: the named client function on its client, its stream, its state."""
+def refused(req, context, also=frozenset()):
+    """Why this node will not run what `req` names (None: it will): a function that the run's method file
+    does not declare a client's work (declared), or a method that is not one of the six."""
+    method = str(context.run_config.get("method", "") or req.get("method") or "")
+    allowed = declared(method) | set(also)
+    for name in (req.get("fn"), req.get("init")):
+        if name is not None and name not in allowed:
+            return f"{name} is not a client function of {method or 'this run'}.py; nothing was run"
+    return None
+
+
+def work(msg, context, also=frozenset()):
+    """One exchange on this node: the named client function on its client, its stream, its state;
+    an error reply, and nothing run, where the function is not the method file's (refused)."""
     began, req = time.time(), unpack(msg.content)          # the node's span: its setup and its work
+    why = refused(req, context, also)
+    if why:
+        return Message(reply_to=msg, error=Error(code=403, reason=why))
     node = node_for(req, context)
     ctx, c = node.ctx, node.partition
     sent = common.to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
@@ -222,7 +339,7 @@ def work(msg, context):
     kept = torch.load(io.BytesIO(record[node.domain]), weights_only=True) if node.domain in record else {}
     ctx.clients = {c: common.to_device(kept, ctx.device)}
     out = function(req["fn"])(common.site(ctx, c, req["round"], req["phase"]), sent)
-    out = {**out, "_began": began, "_ended": time.time()}
+    out = {**out, "_began": began, "_ended": time.time(), "_round": req["round"], "_phase": req["phase"]}
     if ctx.clients[c]:
         buf = io.BytesIO()
         torch.save(ctx.clients[c], buf)
@@ -231,8 +348,9 @@ def work(msg, context):
     return Message(pack(out), reply_to=msg)
 
 
-def client_app():
-    """The ClientApp: its partition id on `query.hello`, an exchange of a round on `train.client`."""
+def client_app(also=()):
+    """The ClientApp: its partition id on `query.hello`, an exchange of a round on `train.client`.
+    also: functions it runs besides the method files' own (a test's stand-ins)."""
     from flwr.clientapp import ClientApp
     app = ClientApp()
 
@@ -240,5 +358,6 @@ def client_app():
     def hello(msg, context):
         return Message(pack({"partition": int(context.node_config["partition-id"])}), reply_to=msg)
 
-    app.train("client")(work)
+    allowed = frozenset(name_of(f) for f in also)
+    app.train("client")(lambda msg, context: work(msg, context, allowed))
     return app

@@ -51,13 +51,14 @@ ARGV = {
 }
 
 
-def run_both(method, tmp_path, argv=None):
-    """The method file's own run and the same run through the fake grid: (results, checkpoint) each."""
+def run_both(method, tmp_path, argv=None, also=()):
+    """The method file's own run and the same run through the fake grid (its nodes running `also` too):
+    (results, checkpoint) each."""
     argv = argv or ARGV[method]
     mod = importlib.import_module(method)
     mod.main(argv + ["--out", str(tmp_path / "own.json")])
     n = int(argv[argv.index("--clients") + 1])
-    grid = fake_grid.FakeGrid(fl_adapter.client_app(), n)
+    grid = fake_grid.FakeGrid(fl_adapter.client_app(also), n)
     fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "flower.json")])
     load = lambda name: (json.loads((tmp_path / f"{name}.json").read_text()),
                          torch.load(tmp_path / f"{name}.json.ckpt", weights_only=True))
@@ -111,7 +112,8 @@ def test_flower_equals_fedipg_with_a_slow_client(tmp_path, monkeypatch):
     import fedipg
     import fedipg_aberrant
     monkeypatch.setattr(fedipg, "main", fedipg_aberrant.main)
-    (own, own_ckpt), (fl, fl_ckpt) = run_both("fedipg", tmp_path, ARGV["fedipg"] + ["--aberrant", "slow:2"])
+    (own, own_ckpt), (fl, fl_ckpt) = run_both("fedipg", tmp_path, ARGV["fedipg"] + ["--aberrant", "slow:2"],
+                                              also=[fedipg_aberrant.init_state])
     assert all(torch.equal(v, fl_ckpt["model"][k]) for k, v in own_ckpt["model"].items())
     assert history(own) == history(fl) and "aberrant_acc" in own["domains"]["style0"]["history"][0]
 
@@ -138,7 +140,7 @@ def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
     monkeypatch.setattr(fedavg, "client_update", slow_client_update)
     argv = BASE + ["--clients", "3", "--sample", "3", "--rounds", "2"]
     fedavg.main(argv + ["--out", str(tmp_path / "own.json")])
-    grid = fake_grid.ThreadGrid(fl_adapter.client_app(), 3)
+    grid = fake_grid.ThreadGrid(fl_adapter.client_app([slow_client_update]), 3)
     _, link = fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "flower.json")])
     for t in (1, 2):
         assert sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2] and overlap(link.spans[t], "slow_client_update"), link.spans[t]
@@ -405,3 +407,215 @@ def test_run_local_ctrl_c_stops_everything(tmp_path):
     assert p.wait(60) == 130
     assert "interrupted" in p.stderr.read()
     assert none_left(before)
+
+
+# ---------------------------------------------------- what a node runs, and what the server takes from it
+
+def message(fn, method="fedavg", init=None):
+    """A train.client message as the server sends it, naming `fn` (and the init_state `init`)."""
+    from flwr.app import Message
+    args = json.dumps({"dataset": "synthetic"})
+    return Message(fl_adapter.pack({"fn": fn, "phase": "client_update", "round": 1, "domain": "style0",
+                                    "args": args, "init": init, "method": method}), 1000, "train.client")
+
+
+@pytest.mark.parametrize("fn,init,method", [
+    ("os:getcwd", None, "fedavg"),                          # not a method's at all
+    ("fediir:client_update", None, "fedavg"),               # another method's client function
+    ("fedavg:server_update", None, "fedavg"),               # the method's own, but the server's
+    ("fedavg:client_update", "os:system", "fedavg"),        # a declared function, an undeclared init_state
+    ("fedavg:client_update", None, "os"),                   # no method of this project
+])
+def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, monkeypatch):
+    """A message naming anything but a client function (or init_state) that the run's method file declares
+    (passes to common.on_clients, or to common.main as init_state) gets an error reply naming it; nothing runs.
+    The run's method comes from the run config where Flower gives one (here: fedavg, whatever the message says)."""
+    monkeypatch.setattr(fl_adapter, "node_for", lambda *a: pytest.fail("a node was set up to run it"))
+    monkeypatch.setattr(os, "getcwd", lambda: pytest.fail("os.getcwd ran"))
+    config = {"method": "fedavg"} if method == "fedavg" else {}
+    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 1, run_config=config)
+    reply = grid.send_and_receive([message(fn, method, init)])[0]
+    named = init if fn.startswith("fedavg:client") and init else fn
+    assert reply.has_error() and reply.error.reason == \
+        f"{named} is not a client function of {method}.py; nothing was run"
+    assert fl_adapter.declared("fedavg") == {"fedavg:client_update"}
+    assert fl_adapter.declared("fediir") == {"fediir:classifier_gradient", "fediir:client_update",
+                                             "fediir:init_state"}
+
+
+def tampered(app, how, when=2):
+    """The ClientApp `app`, whose node of partition 0 sends a bad reply in round `when` (the way `how`)."""
+    def bad(msg, context):
+        reply = app(msg, context)
+        if msg.metadata.message_type != "train.client" or int(context.node_config["partition-id"]) != 0:
+            return reply
+        r = fl_adapter.unpack(reply.content)
+        if r["_round"] != when:
+            return reply
+        theta = r["theta"]
+        if how == "nan":
+            r["theta"] = theta.clone().index_fill_(0, torch.tensor([3]), float("nan"))
+        elif how == "shape":
+            r["theta"] = theta[:-1]
+        elif how == "dtype":
+            r["theta"] = theta.double()
+        elif how == "missing":
+            del r["loss"]
+        elif how == "extra":
+            r["note"] = "hello"
+        elif how == "oversized":
+            r["theta"] = theta.repeat(8)
+        elif how == "round":
+            r["_round"] = when - 1
+        reply.content = fl_adapter.pack(r)
+        return reply
+    return bad
+
+
+@pytest.mark.parametrize("how,what", [
+    ("nan", "non-finite theta"),
+    ("shape", "theta is ('tensor', ({n},), 'torch.float32'), where the client function gives ('tensor', ({N},)"),
+    ("dtype", "theta is ('tensor', ({N},), 'torch.float64'), where the client function gives"),
+    ("missing", "missing loss"),
+    ("extra", "extra note"),
+    ("oversized", "bytes, the most this exchange takes is"),
+    ("round", "it answers round 1 (client_update), not round 2 (client_update)"),
+])
+def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_path, capsys):
+    """A bad reply in round 2 ends the run in one line naming the node, its client and what was wrong (exit 1);
+    the global model never takes a value from it (the checkpoint is round 1's, as the method file's own run
+    has it), and the same command with --resume, once the node is honest, ends with the method file's numbers."""
+    argv = ARGV["fedavg"] + ["--sample", "3"]
+    fedavg.main(argv + ["--rounds", "1", "--out", str(tmp_path / "one.json")])
+    capsys.readouterr()
+    out = tmp_path / "flower.json"
+    grid = fake_grid.FakeGrid(tampered(fl_adapter.client_app(), how), 3)
+    with pytest.raises(SystemExit) as e:
+        fl_adapter.serve(grid, "fedavg", argv + ["--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    n = sum(v.numel() for v in torch.load(tmp_path / "one.json.ckpt", weights_only=True)["model"].values())
+    node = next(i for i, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"fedavg.py: error: a bad reply in round 2 from node {node} (client 0): "), err
+    assert what.format(n=n - 1, N=n) in err[0] and err[0].endswith(f"the last good checkpoint ({out}.ckpt) is kept")
+    one, kept = (torch.load(p, weights_only=True) for p in (tmp_path / "one.json.ckpt", f"{out}.ckpt"))
+    assert kept["round"] == 1 and all(torch.equal(v, kept["model"][k]) for k, v in one["model"].items())
+    if how == "nan":
+        fl_adapter.serve(fake_grid.FakeGrid(fl_adapter.client_app(), 3), "fedavg", argv + ["--out", str(out),
+                                                                                            "--resume"])
+        fedavg.main(argv + ["--out", str(tmp_path / "own.json")])
+        own, fl = (torch.load(p, weights_only=True)["model"] for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
+        assert all(torch.equal(v, fl[k]) for k, v in own.items())
+
+
+def test_a_second_node_claiming_a_taken_partition_id_ends_the_run(tmp_path, capsys):
+    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
+    first, second = sorted(grid.contexts)[:2]
+    grid.contexts[second].node_config["partition-id"] = grid.contexts[first].node_config["partition-id"]
+    with pytest.raises(SystemExit) as e:
+        fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err.strip()
+    taken = grid.contexts[first].node_config["partition-id"]
+    assert e.value.code == 1 and f"it claims partition id {taken}, which node" in err, err
+    assert err.startswith("fedavg.py: error: a bad reply from node ") and len(err.splitlines()) == 1
+
+
+# ------------------------------------------ what each method shows the server (docs/flower.md's table)
+
+# (method, its flags, the exchange, the reply keys the server adds up, their weights, "sum" / "individual"):
+# "sum" where the server's step needs only Σ_c w_c r_c of those keys (secure aggregation could hide the
+# rest), "individual" where it needs each reply. Reasoned from each method file's round and server function.
+SHOWN = [
+    ("fedavg", [], "client_update", ["theta"], "n", "sum"),                      # server_update: Σ n_c Δ_c
+    ("fediir", [], "classifier_gradient", ["grad"], "ones", "sum"),              # ḡ = Σ grad / Σ count
+    ("fediir", [], "client_update", ["theta"], "ones", "sum"),                   # server_update: Σ_c Δ_c / C
+    ("fedomg", [], "client_update", ["theta"], "n", "individual"),               # the Gram matrix of the g_u
+    ("fedloe", LOE_1 := ["--stage1-comms", "1", "--batch-size", "64"], "stage1_update", ["theta"], "n", "sum"),
+    ("fedloe", LOE_1, "head_update", ["W", "b"], "ones", "individual"),          # every head kept, sent down
+    ("fedloe", LOE_1, "tuning_predictions", ["Y"], "ones", "individual"),         # φ fitted on each ŷ
+    ("perinvfl", ["--R", "2", "--S", "2"], "client_update", ["delta"], "ones", "sum"),   # line 10: mean Δ_i
+    ("fedipg", ["--exit", "auto", "--exit-warmup", "1"], "risk_gradient", ["g"], "ones", "individual"),
+    ("fedipg", [], "client_update", ["delta"], "n", "sum"),                      # Eq. 3: Σ n_i Δ_i / Σ n_i
+]
+
+
+def setting(method, flags):
+    """(module, args, federation, model, state, ctx) of `method` on the synthetic data, 3 clients, all sampled."""
+    import common
+    import data
+    mod = importlib.import_module(method)
+    p = common.make_parser(method, mod.__doc__)
+    mod.add_args(p)
+    argv = ["--dataset", "synthetic", "--clients", "3", "--test-domain", "0"] + \
+        ([] if method == "fedloe" else ["--sample", "3"]) + flags + ["--out", "r.json"]
+    args = common.resolve(p.parse_args(argv), method, getattr(mod, "DEFAULTS", None))
+    if hasattr(mod, "check"):
+        mod.check(args)
+    ds = data.load(args.dataset, None, args.seed, clients=args.clients)
+    data.test_domains(args, ds)
+    fed = data.federate(ds, 0, args.clients, args.seed, torch.device("cpu"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, state, ctx, *_ = common.start_domain(args, ds, fed, getattr(mod, "init_state", None))
+    return mod, args, fed, model, state, ctx
+
+
+def one_round(mod, args, fed, model, state, ctx, t, engine):
+    """The method's round t from (model, state) with `engine` for on_clients: (its model, its state)."""
+    import copy
+    import dataclasses
+    model, state, drawn, rng = copy.deepcopy(model), copy.deepcopy(state), ctx.sampler.get_state(), \
+        torch.get_rng_state()
+    ctx = dataclasses.replace(ctx, engine=engine, clients=state.setdefault("clients", {}))
+    with contextlib.redirect_stdout(io.StringIO()):
+        getattr(mod, f"{mod.__name__}_round")(t, model, fed, args, state, ctx)
+    ctx.sampler.set_state(drawn)
+    torch.set_rng_state(rng)
+    return model, state
+
+
+def numbers_of(model, state):
+    """Every number the round left, flat: (the model's parameters, the state's: tensors, floats, lists)."""
+    def walk(x):
+        if torch.is_tensor(x):
+            return [x.detach().double().flatten()] if x.is_floating_point() else []
+        if isinstance(x, float):
+            return [torch.tensor([x], dtype=torch.float64)]
+        if isinstance(x, dict):
+            return [v for k in sorted(x, key=str) if not str(k).startswith("_") for v in walk(x[k])]
+        return [v for y in x for v in walk(y)] if isinstance(x, (list, tuple)) else []
+    kept = walk({k: v for k, v in state.items() if k != "clients"})
+    return torch.cat(walk(dict(model.state_dict()))), torch.cat(kept) if kept else torch.zeros(0)
+
+
+@pytest.mark.parametrize("method,flags,exchange,keys,weights,needs", SHOWN,
+                         ids=[f"{m}-{e}" for m, _, e, *_ in SHOWN])
+def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, weights, needs):
+    """docs/flower.md's table, row by row: the method's own round, its replies replaced by others with the same
+    weighted sums Σ_c w_c r_c of `keys` (client 0's + ε/w_0, client 1's − ε/w_1). Where the table says "sum",
+    the round ends with the same model and state (float32 rounding: below 2e-5 of the round's step, 10x the
+    largest seen, 1.8e-6); where it says "individual", they differ (by 1e-2 at least; the least seen, 0.07)."""
+    import common
+    mod, args, fed, model, state, ctx = setting(method, flags)
+    t = args.stage1_comms + 1 if method == "fedloe" and exchange != "stage1_update" else 1
+    seen = {}
+
+    def record(fn, S, sents, t, phase, ctx):
+        seen[phase] = (list(S), common.one_by_one(fn, S, sents, t, phase, ctx))
+        return seen[phase][1]
+    before = one_round(mod, args, fed, model, state, ctx, t, record)
+    assert exchange in seen, sorted(seen)
+    S, replies = seen[exchange]
+    w = [float(fed.clients[c].n) if weights == "n" else 1.0 for c in S]
+    swapped = [dict(r) for r in replies]
+    for k in keys:                        # ε: 4 times the two replies' difference: they conflict
+        eps = 4 * min(w) * (replies[0][k].double() - replies[1][k].double())
+        swapped[0][k] = (replies[0][k].double() + eps / w[0]).to(replies[0][k].dtype)
+        swapped[1][k] = (replies[1][k].double() - eps / w[1]).to(replies[1][k].dtype)
+    after = one_round(mod, args, fed, model, state, ctx, t,
+                      lambda fn, S, sents, t, phase, ctx: swapped if phase == exchange else seen[phase][1])
+    (a, sa), (b, sb), (a0, _) = numbers_of(*before), numbers_of(*after), numbers_of(model, state)
+    gaps = [((a - b).abs().max() / (a - a0).abs().max()).item()]         # against the round's own step
+    if len(sa):                                                           # the server's quantities
+        gaps.append(((sa - sb).abs() / sa.abs().clamp(min=sa.abs().max() * 1e-3)).max().item())
+    gap = max(gaps)
+    assert (gap < 2e-5) if needs == "sum" else (gap > 1e-2), gap

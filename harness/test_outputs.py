@@ -368,5 +368,6 @@ class Outputs(RuleBasedStateMachine):
 
 
 Outputs.TestCase.settings = settings(max_examples=40 if SLOW else 3, stateful_step_count=25 if SLOW else 9,
-                                     deadline=None, derandomize=not SLOW, print_blob=True)
+                                     deadline=None, derandomize=not SLOW, print_blob=True,
+                                     database=None)       # (no .hypothesis/ folder in the checkout)
 test_outputs_rules = Outputs.TestCase
