@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import math
 import io
 import json
@@ -99,7 +100,8 @@ def declared(method):
     if method not in METHODS:
         return frozenset()
     names = set()
-    for call in ast.walk(ast.parse((ROOT / f"{method}.py").read_text())):
+    where = importlib.util.find_spec(method).origin           # the method file on the path, not imported
+    for call in ast.walk(ast.parse(Path(where).read_text())):
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                 and isinstance(call.func.value, ast.Name) and call.func.value.id == "common"):
             continue
