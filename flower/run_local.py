@@ -4,6 +4,7 @@ stopped again, by its process group, on success, on failure and on Ctrl-C.
 
     python flower/run_local.py --method fediir --nodes 3 --rounds 2
     python flower/run_local.py --method fedomg --nodes 3 --rounds 2 --out results/omg.json -- --kappa 0.3
+    python flower/run_local.py --method fediir --nodes 3 --rounds 2 --secure     # TLS, registered nodes
 
 --nodes is the number of clients (one SuperNode each). The dataset is the synthetic one unless
 --dataset says otherwise (it needs no download; the digits' domains need --nodes >= 5). Flags after
@@ -57,6 +58,8 @@ def parse(argv):
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the run is given up (default 3600)")
     p.add_argument("--overwrite", action="store_true", help="replace a complete result at --out (once the new "
                                                             "run is complete)")
+    p.add_argument("--secure", action="store_true", help="TLS (a CA and the SuperLink's certificate, made for "
+                   "this run) and SuperNode authentication (each node's key registered), as across machines")
     p.add_argument("rest", nargs="*", help="further flags of the method, after --")
     args = p.parse_args(argv)
     rest = json.dumps([args.nodes, args.rounds, args.rest])
@@ -230,26 +233,69 @@ def wait_port(port, proc, name, seconds=120, log=None):
     raise Refused(f"the {name} did not open port {port} in {seconds} s")
 
 
-def deploy(a, port, logdir):
+def security(a, logdir, intruders=()):
+    """(the SuperLink's flags, SuperNode i's, the flwr CLI's connection line): --insecure on 127.0.0.1
+    alone, or with --secure TLS and registered SuperNode keys (flower/credentials.py, made in the log
+    folder for 127.0.0.1). intruders (the tests'): SuperNodes a.nodes, a.nodes + 1, ... that should get
+    nothing: "unregistered" (the CA trusted, the key not registered), "untrusting" (another CA trusted,
+    the key registered)."""
+    if not a.secure:
+        return ["--insecure"], lambda i: ["--insecure"], "insecure = true"
+    import credentials
+    certs = logdir / "certs"
+    credentials.make(certs, ["127.0.0.1", "localhost"], a.nodes + len(intruders))
+    if "untrusting" in intruders:
+        credentials.make(logdir / "another-ca", ["127.0.0.1"], 1)
+    link = ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.crt"),
+            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth"]
+    kind = lambda i: intruders[i - a.nodes] if i >= a.nodes else "member"
+    node = lambda i: ["--root-certificates", str(logdir / ("another-ca" if kind(i) == "untrusting" else "certs")
+                                                 / "ca.crt"),
+                      "--auth-supernode-private-key", str(certs / f"node-{i}")]
+    return link, node, f'root-certificates = "{certs / "ca.crt"}"'
+
+
+def register(a, env, bindir, logdir, intruders=()):
+    """flwr supernode register: each node's public key (and an untrusting intruder's), through the
+    Control API (TLS)."""
+    for i in [*range(a.nodes), *(a.nodes + j for j, k in enumerate(intruders) if k == "untrusting")]:
+        r = subprocess.run([str(bindir / "flwr"), "supernode", "register", str(logdir / "certs" / f"node-{i}.pub"),
+                            "fedood"], env=env, cwd=logdir, capture_output=True, text=True, timeout=120)
+        if r.returncode:
+            tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or ["no output"]
+            raise Refused(f"flwr supernode register of node {i} failed (exit {r.returncode}: {tail[0][:200]})")
+
+
+def environment(port, logdir, connection):
+    """The processes' environment: a private FLWR_HOME whose config.toml names the SuperLink
+    (connection: its TLS or --insecure line), the repository on PYTHONPATH, telemetry off."""
     home = logdir / "flwr-home"
     home.mkdir()
     (home / "config.toml").write_text(f'[superlink]\ndefault = "fedood"\n\n[superlink.fedood]\n'
-                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ else [])),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    bindir = Path(sys.executable).parent
+                                      f'address = "127.0.0.1:{port}"\n{connection}\n')
+    path = [str(ROOT), str(HERE)] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ else [])
+    return dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
+                PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def deploy(a, port, logdir, intruders=()):
+    """The SuperLink, the SuperNodes (and the tests' intruders: security), then `flwr run`: (its process
+    result, its seconds); every process stopped however it ends."""
+    link_flags, node_flags, connection = security(a, logdir, intruders)
+    env, bindir = environment(port, logdir, connection), Path(sys.executable).parent
     procs = Processes(env, logdir)
     try:
-        link = procs.start("superlink", [str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+        link = procs.start("superlink", [str(bindir / "flower-superlink"), *link_flags, "--host", "127.0.0.1",
                                          "--port", str(port), "--disable-runtime-dependency-installation"])
         wait_port(port, link, "SuperLink", log=logdir / "superlink.log")
-        nodes = [procs.start(f"supernode-{i}", [str(bindir / "flower-supernode"), "--insecure", "--superlink",
+        if a.secure:
+            register(a, env, bindir, logdir, intruders)
+        nodes = [procs.start(f"supernode-{i}", [str(bindir / "flower-supernode"), *node_flags(i), "--superlink",
                                                 f"127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(q),
                                                 "--node-config", f"partition-id={i} num-partitions={a.nodes}"])
-                 for i, q in enumerate(free_ports(a.nodes))]
+                 for i, q in enumerate(free_ports(a.nodes + len(intruders)))]
         time.sleep(3)                                   # a SuperNode that cannot start says so at once
-        for i, node in enumerate(nodes):
+        for i, node in enumerate(nodes[:a.nodes]):         # (an intruder may well exit)
             if node.poll() is not None:
                 log = logdir / f"supernode-{i}.log"
                 raise Refused(f"SuperNode {i} exited at start (code {node.returncode}: {last_line(log)}); log: {log}")
@@ -303,7 +349,8 @@ def settle(fresh, plan, logdir):
     return res
 
 
-def main(argv=None):
+def main(argv=None, intruders=()):
+    """The command line (intruders: the tests' SuperNodes that should get nothing, see security)."""
     try:
         a = parse(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
@@ -318,13 +365,13 @@ def main(argv=None):
     before = {sig: signal.signal(sig, interrupted)          # as Ctrl-C: unwind through the finally blocks
               for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return run_and_settle(a)
+        return run_and_settle(a, intruders)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
 
 
-def run_and_settle(a):
+def run_and_settle(a, intruders=()):
     """main's work once the flags are parsed: the checks, the deployment, the results at --out; the exit code."""
     logdir = None
     try:
@@ -335,7 +382,7 @@ def run_and_settle(a):
         with outputs.claim(a.out, resume=False, overwrite=a.overwrite) as plan:   # held for the whole run
             logdir = Path(tempfile.mkdtemp(prefix=f"flower-{a.method}-"))
             a.out = str(logdir / Path(a.out).name)                      # the run writes beside its logs
-            run, seconds = deploy(a, port, logdir)
+            run, seconds = deploy(a, port, logdir, intruders)
             fresh = Path(a.out)
             if not outputs.complete(fresh):
                 tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]

@@ -373,6 +373,37 @@ def test_run_local_real_processes(method, tmp_path):
 
 @pytest.mark.slow
 @deploy
+def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(tmp_path, capsys):
+    """--secure: TLS (a CA made for the run, the SuperLink's certificate for 127.0.0.1) and SuperNode
+    authentication (each node's key registered). Two more SuperNodes try to join: one trusts the CA but its
+    key is not registered, one has its key registered but trusts another CA. Neither ever takes part (the
+    run, which needs partition ids 0 and 1 alone, would stop at a third node), the run ends with the
+    in-process model bit for bit, and nothing is left running."""
+    import re
+    import run_local
+    before = flower_processes()
+    out = tmp_path / "flower.json"
+    rc = run_local.main(["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--secure", "--out", str(out),
+                         "--timeout", "500"], intruders=("unregistered", "untrusting"))
+    said = capsys.readouterr()
+    assert rc == 0, said.err
+    logs = Path(re.search(r"\(logs: (\S+)\)", said.out)[1])
+    assert "https://127.0.0.1" in (logs / "superlink.log").read_text()
+    for i, why in ((2, "Failed to activate SuperNode"), (3, "CERTIFICATE_VERIFY_FAILED")):   # flwr 1.42's words
+        assert why in (logs / f"supernode-{i}.log").read_text(), i
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))     # the nodes' count
+    try:
+        fedavg.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0",
+                     "--eval-every", "1", "--rounds", "1", "--out", str(tmp_path / "own.json")])
+    finally:
+        torch.set_num_threads(threads)
+    own, fl = (torch.load(p, weights_only=True)["model"] for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
+    assert all(torch.equal(v, fl[k]) for k, v in own.items())
+    assert none_left(before)
+
+
+@deploy
 def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
     """3 SuperNodes on 127.0.0.1, every client sampled, 40 local epochs (so that a node's work, seconds, outlasts
     the start of Flower's process per message): in every round at least two nodes' training overlaps, and in
@@ -619,3 +650,58 @@ def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, w
         gaps.append(((sa - sb).abs() / sa.abs().clamp(min=sa.abs().max() * 1e-3)).max().item())
     gap = max(gaps)
     assert (gap < 2e-5) if needs == "sum" else (gap > 1e-2), gap
+
+
+def test_a_secure_superlink_serves_tls_and_registers_node_keys(tmp_path):
+    """The secure path of run_local.py --secure, short enough for every run of the suite: credentials.py's
+    files (private ones 0600 in a 0700 folder), a SuperLink started with TLS and SuperNode authentication,
+    each node's key registered through its Control API; a TLS client that trusts the run's CA gets the
+    SuperLink's certificate for 127.0.0.1, one that trusts another CA is refused. Nothing left running."""
+    import ssl
+    import stat
+    import run_local
+    before = flower_processes()
+    a = run_local.parse(["--method", "fedavg", "--nodes", "2", "--secure"])
+    link_flags, node_flags, connection = run_local.security(a, tmp_path, ("untrusting",))
+    certs = tmp_path / "certs"
+    assert stat.S_IMODE(certs.stat().st_mode) == 0o700
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in certs.iterdir() if p.suffix not in (".crt", ".pub")} \
+        == dict.fromkeys(["ca.key", "server.key", "node-0", "node-1", "node-2"], 0o600)
+    assert "--insecure" not in link_flags + node_flags(0) and "--enable-supernode-auth" in link_flags
+    port = run_local.free_port()
+    env, bindir = run_local.environment(port, tmp_path, connection), Path(sys.executable).parent
+    procs = run_local.Processes(env, tmp_path)
+    try:
+        link = procs.start("superlink", [str(bindir / "flower-superlink"), *link_flags, "--host", "127.0.0.1",
+                                         "--port", str(port), "--disable-runtime-dependency-installation"])
+        run_local.wait_port(port, link, "SuperLink", log=tmp_path / "superlink.log")
+        run_local.register(a, env, bindir, tmp_path)
+        assert (tmp_path / "superlink.log").read_text().count("Created node_id=") == 2
+        trusting = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s, \
+                trusting.wrap_socket(s, server_hostname="127.0.0.1") as tls:
+            assert ("IP Address", "127.0.0.1") in tls.getpeercert()["subjectAltName"]
+        other = ssl.create_default_context(cafile=str(tmp_path / "another-ca" / "ca.crt"))
+        with pytest.raises(ssl.SSLCertVerificationError), socket.create_connection(("127.0.0.1", port), timeout=30) \
+                as s, other.wrap_socket(s, server_hostname="127.0.0.1"):
+            pass
+    finally:
+        procs.stop()
+    assert none_left(before)
+
+
+def test_credentials_refuses_bad_input_and_never_writes_over_a_key(tmp_path, capsys):
+    import credentials
+    for argv, why in ((["--nodes", "0"], "--nodes must be positive, got 0"),
+                      (["--nodes", "x"], "argument --nodes: invalid int value: 'x'")):
+        with pytest.raises(SystemExit) as e:
+            credentials.main(["--out", str(tmp_path / "c"), "--hosts", "127.0.0.1", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err == [f"credentials.py: error: {why}"]
+    assert not (tmp_path / "c").exists()
+    made = credentials.main(["--out", str(tmp_path / "c"), "--hosts", "127.0.0.1", "--nodes", "1"])
+    before = {p: p.read_bytes() for p in made}
+    with pytest.raises(SystemExit) as e:
+        credentials.main(["--out", str(tmp_path / "c"), "--hosts", "127.0.0.1", "--nodes", "2"])
+    assert e.value.code == 2 and "credentials are never written over" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in made} == before and not (tmp_path / "c" / "node-1").exists()
