@@ -1,7 +1,8 @@
-"""What every test of this checkout shares: each test runs in a folder of its own (a script's default
---out, results/..., lands there, never in the checkout), and the suite fails if the checkout's tree
-is not the same after it as before (every file but the caches: results/ and the other ignored
-folders included)."""
+"""What every test of this checkout shares: each test runs in a folder of its own (a script's
+default --out, results/..., lands there, never in the checkout), and the suite fails if the
+checkout's tree is not the same after it as before (every file but the caches: results/ and the
+other ignored folders included)."""
+
 import os
 from pathlib import Path
 
@@ -28,13 +29,15 @@ def tree(root=HERE):
 
 def changes(before, after):
     """What differs between two trees: ['+ new', '- gone', '~ changed'] by path."""
-    return sorted([f"+ {p}" for p in after.keys() - before.keys()] +
-                  [f"- {p}" for p in before.keys() - after.keys()] +
-                  [f"~ {p}" for p in before.keys() & after.keys() if before[p] != after[p]])
+    return sorted(
+        [f"+ {p}" for p in after.keys() - before.keys()]
+        + [f"- {p}" for p in before.keys() - after.keys()]
+        + [f"~ {p}" for p in before.keys() & after.keys() if before[p] != after[p]]
+    )
 
 
 def pytest_sessionstart(session):
-    if not hasattr(session.config, "workerinput"):          # the controller, or a run without xdist
+    if not hasattr(session.config, "workerinput"):  # the controller, or a run without xdist
         session.config._tree_before = tree()
 
 
@@ -50,5 +53,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(autouse=True)
 def _own_folder(tmp_path, monkeypatch):
-    """Every test starts in a fresh folder of its own: relative paths (results/) never reach the checkout."""
+    """Every test starts in a fresh folder of its own: relative paths (results/) never reach the
+    checkout."""
     monkeypatch.chdir(tmp_path)

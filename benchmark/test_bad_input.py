@@ -3,10 +3,11 @@ exit code 2 and no traceback, before any work: nothing timed, run, printed or wr
 script would write is checked first). report.py skips a *.json that holds no run (a JSON list, ...)
 as it skips every file it cannot read as one, and names it under the folder's table.
 
-Each script's main runs in this process, in the test's own tmp_path (the root conftest.py chdirs there);
-every path given to a script is under it, or under /proc (a folder no file can be made in, even by
-root), never in the checkout.
+Each script's main runs in this process, in the test's own tmp_path (the root conftest.py chdirs
+there); every path given to a script is under it, or under /proc (a folder no file can be made in,
+even by root), never in the checkout.
 """
+
 import contextlib
 import importlib
 import io
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = 30        # s: a refusal comes after the imports (torch: 3-5 s), before any work (speed.py's
+FAST = 30  # s: a refusal comes after the imports (torch: 3-5 s), before any work (speed.py's
 #                  default timing alone takes 85 s)
 PROC = pytest.mark.skipif(not Path("/proc").is_dir(), reason="no /proc on this system")
 
@@ -29,8 +30,9 @@ def files(folder):
 
 
 def script(name, *argv, cwd):
-    """benchmark/<name>'s main with these arguments, in this process (each test is in its own folder,
-    cwd): (what it did: returncode, stdout, stderr; its seconds). An exception fails the test."""
+    """benchmark/<name>'s main with these arguments, in this process (each test is in its own
+    folder, cwd): (what it did: returncode, stdout, stderr; its seconds). An exception fails the
+    test."""
     if str(ROOT / "benchmark") not in sys.path:
         sys.path.insert(0, str(ROOT / "benchmark"))
     assert Path.cwd() == Path(cwd)
@@ -41,8 +43,9 @@ def script(name, *argv, cwd):
             module.main([*map(str, argv)])
         except SystemExit as e:
             code = e.code
-    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue()), \
-        time.monotonic() - start
+    return types.SimpleNamespace(
+        returncode=code, stdout=out.getvalue(), stderr=err.getvalue()
+    ), time.monotonic() - start
 
 
 def refused(tmp_path, name, *argv):
@@ -81,8 +84,11 @@ CASES = ["folder", "under-a-file", pytest.param("unwritable-folder", marks=PROC)
 def test_speed_refuses_a_json_it_could_not_write_before_timing(tmp_path, case):
     path = unwritable(tmp_path, case, "speed.json")
     line = refused(tmp_path, "speed.py", "--json", path)
-    assert {"folder": "is a folder", "under-a-file": f"{tmp_path / 'file'} is not a folder",
-            "unwritable-folder": "cannot write --json"}[case] in line
+    assert {
+        "folder": "is a folder",
+        "under-a-file": f"{tmp_path / 'file'} is not a folder",
+        "unwritable-folder": "cannot write --json",
+    }[case] in line
     assert str(path) in line
 
 
@@ -97,9 +103,13 @@ def test_report_skips_a_json_that_holds_no_run(tmp_path):
     and named, as an unreadable or incomplete file is: the other files still make their report."""
     res = tmp_path / "res"
     res.mkdir()
-    skipped = {"list.json": "[1, 2]", "number.json": "42", "text.json": "not json",
-               "domains-list.json": json.dumps({"args": {}, "domains": [0.5]}),
-               "incomplete.json": json.dumps({"complete": False, "args": {}, "domains": {}})}
+    skipped = {
+        "list.json": "[1, 2]",
+        "number.json": "42",
+        "text.json": "not json",
+        "domains-list.json": json.dumps({"args": {}, "domains": [0.5]}),
+        "incomplete.json": json.dumps({"complete": False, "args": {}, "domains": {}}),
+    }
     for f, text in skipped.items():
         (res / f).write_text(text)
     (res / "folder.json").mkdir()
@@ -117,9 +127,11 @@ def test_report_refuses_an_out_it_could_not_write_before_reading(tmp_path, case)
     (tmp_path / "res").mkdir()
     path = unwritable(tmp_path, case, "report.md")
     line = refused(tmp_path, "report.py", tmp_path / "res", "--out", path)
-    assert {"folder": "a folder; give a file name",
-            "under-a-file": f"{tmp_path / 'file'} is not a folder",
-            "unwritable-folder": "cannot write --out"}[case] in line
+    assert {
+        "folder": "a folder; give a file name",
+        "under-a-file": f"{tmp_path / 'file'} is not a folder",
+        "unwritable-folder": "cannot write --out",
+    }[case] in line
 
 
 @pytest.mark.parametrize("case", ["file", "readme-is-a-folder"])
@@ -130,6 +142,7 @@ def test_leaderboard_refuses_an_out_dir_it_could_not_write_in(tmp_path, case):
     else:
         (out / "README.md").mkdir(parents=True)
     line = refused(tmp_path, "leaderboard.py", "--out-dir", out, "--table-only")
-    assert {"file": f"--out-dir {out}: {out} is not a folder",
-            "readme-is-a-folder": f"{out / 'README.md'} is not a file the table can be written to"
-            }[case] in line
+    assert {
+        "file": f"--out-dir {out}: {out} is not a folder",
+        "readme-is-a-folder": f"{out / 'README.md'} is not a file the table can be written to",
+    }[case] in line

@@ -5,6 +5,7 @@ Importing this package first makes a Ctrl-C during the imports that follow (torc
 end in one line and exit 130 instead of a traceback; common.py calls `started()` once its own
 imports are done, which puts the previous SIGINT handler back.
 """
+
 import os
 import signal
 import sys

@@ -1,5 +1,5 @@
-"""What a run owns, stated once (docs/results-format.md, "What a run owns") and enforced here, for the
-method scripts, flower/run_local.py and benchmark/run.py alike.
+"""What a run owns, stated once (docs/results-format.md, "What a run owns") and enforced here, for
+the method scripts, flower/run_local.py and benchmark/run.py alike.
 
 A run with --out F owns these files, each named from the whole path F, so that two --out paths
 never share one:
@@ -21,6 +21,7 @@ temporary files their atomic writes use), so no --out names another run's file.
 - --resume needs a checkpoint, and never starts afresh over a result.
 - With neither flag, a complete result or an interrupted run at F is refused.
 """
+
 import contextlib
 import json
 import os
@@ -34,10 +35,10 @@ from pathlib import Path
 from data import UserError
 
 ENDINGS = (".ckpt", ".lock", ".next", ".tmp")
-ZIP = b"PK\x03\x04"                                  # torch.save's format: a zip archive
+ZIP = b"PK\x03\x04"  # torch.save's format: a zip archive
 RESULT_KEYS = {"method", "args", "domains", "complete"}
 LOCK = re.compile(r"(\d+)@(\S*)")
-MAX_RESULTS = 64 * 2 ** 20                           # a results JSON is kB; a larger file is not one
+MAX_RESULTS = 64 * 2**20  # a results JSON is kB; a larger file is not one
 
 
 class Files:
@@ -45,16 +46,25 @@ class Files:
 
     def __init__(self, out):
         self.out = Path(out)
-        self.ckpt, self.lock, self.next = (Path(f"{out}{e}") for e in (".ckpt", ".lock", ".next.ckpt"))
+        self.ckpt, self.lock, self.next = (
+            Path(f"{out}{e}") for e in (".ckpt", ".lock", ".next.ckpt")
+        )
 
     def owned(self):
-        return [(self.out, "results"), (self.ckpt, "ckpt"), (self.next, "ckpt"), (self.lock, "lock")]
+        return [
+            (self.out, "results"),
+            (self.ckpt, "ckpt"),
+            (self.next, "ckpt"),
+            (self.lock, "lock"),
+        ]
 
 
 @dataclass
 class Plan:
-    """What a claimed run does with its files: the checkpoint it continues (None: it starts), the one it
-    writes, and whether it replaces an older result or run (--overwrite: only once it completes)."""
+    """What a claimed run does with its files: the checkpoint it continues (None: it starts), the
+    one it writes, and whether it replaces an older result or run (--overwrite: only once it
+    completes)."""
+
     files: Files
     read: Path = None
     write: Path = None
@@ -62,28 +72,34 @@ class Plan:
 
 
 def check_out(out, flag="--out"):
-    """Refuse, before any work, an --out that could not take a run's files: a reserved ending, a folder,
-    a path under a file, a folder this user cannot write in."""
+    """Refuse, before any work, an --out that could not take a run's files: a reserved ending, a
+    folder, a path under a file, a folder this user cannot write in."""
     out = Path(out)
     if out.name.endswith(ENDINGS):
-        raise UserError(f"{flag} {out}: a results file may not end in {', '.join(ENDINGS)} "
-                        f"(a run's own files end so); give e.g. {out}.json")
+        raise UserError(
+            f"{flag} {out}: a results file may not end in {', '.join(ENDINGS)} "
+            f"(a run's own files end so); give e.g. {out}.json"
+        )
     writable_file(out, flag)
 
 
 def writable_file(path, flag):
-    """Refuse a path that a script could not write a file at: a folder (or other non-file), a path under
-    a file, a folder this user cannot write in. Checked before any work; makes the missing folders."""
+    """Refuse a path that a script could not write a file at: a folder (or other non-file), a path
+    under a file, a folder this user cannot write in. Checked before any work; makes the missing
+    folders."""
     path = Path(path)
     if path.is_dir():
-        raise UserError(f"{flag} {path} is a folder; give a file name, e.g. {path / 'results.json'}")
+        raise UserError(
+            f"{flag} {path} is a folder; give a file name, e.g. {path / 'results.json'}"
+        )
     if path.exists() and not path.is_file():
         raise UserError(f"{flag} {path} is not a regular file")
     writable_folder(path.parent, flag, path)
 
 
 def writable_folder(folder, flag, shown=None):
-    """Make `folder` if missing and check that a file can be made in it; UserError naming `flag` if not."""
+    """Make `folder` if missing and check that a file can be made in it; UserError naming `flag` if
+    not."""
     folder, shown = Path(folder), shown or folder
     above = next((q for q in [folder, *folder.parents] if q.exists()), Path("."))
     if not above.is_dir():
@@ -124,7 +140,8 @@ def foreign(path, kind):
 
 
 def read_result(path):
-    """The results dict at `path`, or None where it is missing or not a results file of this project."""
+    """The results dict at `path`, or None where it is missing or not a results file of this
+    project."""
     try:
         if os.path.getsize(path) > MAX_RESULTS:
             return None
@@ -154,7 +171,7 @@ def alive(pid):
     """Whether a process of that id runs on this machine."""
     try:
         return os.kill(pid, 0) is None
-    except PermissionError:                             # alive, another user's
+    except PermissionError:  # alive, another user's
         return True
     except (ProcessLookupError, OverflowError):
         return False
@@ -164,8 +181,10 @@ def refuse_foreign(files):
     for path, kind in files.owned():
         why = foreign(path, kind)
         if why:
-            raise UserError(f"--out {files.out}: {path} is {why}, which no run replaces; nothing was "
-                            f"touched: move it away, or give another --out")
+            raise UserError(
+                f"--out {files.out}: {path} is {why}, which no run replaces; nothing was "
+                f"touched: move it away, or give another --out"
+            )
 
 
 def take_lock(files):
@@ -174,27 +193,33 @@ def take_lock(files):
     host, mine = platform.node(), f"{os.getpid()}@{platform.node()}"
     for _ in range(3):
         try:
-            with open(files.lock, "x") as f:             # exclusive creation: one run makes it
+            with open(files.lock, "x") as f:  # exclusive creation: one run makes it
                 f.write(mine)
             return mine
         except FileExistsError:
             try:
                 owner = lock_owner(files.lock.read_bytes())
-            except FileNotFoundError:                    # released meanwhile
+            except FileNotFoundError:  # released meanwhile
                 continue
             except OSError as e:
-                raise UserError(f"--out {files.out}: its lock {files.lock} is unreadable "
-                                f"({e.strerror}); nothing was touched") from None
+                raise UserError(
+                    f"--out {files.out}: its lock {files.lock} is unreadable "
+                    f"({e.strerror}); nothing was touched"
+                ) from None
             if owner is None:
-                refuse_foreign(files)                    # changed into something else meanwhile
+                refuse_foreign(files)  # changed into something else meanwhile
                 continue
             pid, where = owner
-            if not pid or where not in ("", host) or alive(int(pid)):   # starting, elsewhere, alive
-                raise UserError(f"--out {files.out} is in use by another run (pid {pid or '?'} on "
-                                f"{where or host}): wait for it to end, or give another --out "
-                                f"(that run gone? delete {files.lock})")
-            files.lock.unlink(missing_ok=True)           # a dead run's on this machine: taken over
-    raise UserError(f"--out {files.out}: its lock {files.lock} keeps changing hands; give another --out")
+            if not pid or where not in ("", host) or alive(int(pid)):  # starting, elsewhere, alive
+                raise UserError(
+                    f"--out {files.out} is in use by another run (pid {pid or '?'} on "
+                    f"{where or host}): wait for it to end, or give another --out "
+                    f"(that run gone? delete {files.lock})"
+                )
+            files.lock.unlink(missing_ok=True)  # a dead run's on this machine: taken over
+    raise UserError(
+        f"--out {files.out}: its lock {files.lock} keeps changing hands; give another --out"
+    )
 
 
 def release(files, mine):
@@ -212,51 +237,66 @@ def decide(files, resume, overwrite):
     done = bool(result and result.get("complete") is True)
     if resume and overwrite:
         if not has_next:
-            raise UserError(f"--overwrite --resume continues an interrupted replacement, and there is none "
-                            f"at {files.next}: --overwrite alone starts one")
+            raise UserError(
+                f"--overwrite --resume continues an interrupted replacement, and there is none "
+                f"at {files.next}: --overwrite alone starts one"
+            )
         return Plan(files, read=files.next, write=files.next, replacing=True)
     if resume:
         if has_ckpt:
             return Plan(files, read=files.ckpt, write=files.ckpt)
         why = f"--resume: no checkpoint at {files.ckpt}, so nothing to continue"
         if has_next:
-            raise UserError(f"{why}; {files.next} holds an interrupted --overwrite: continue it with "
-                            f"--overwrite --resume")
+            raise UserError(
+                f"{why}; {files.next} holds an interrupted --overwrite: continue it with "
+                f"--overwrite --resume"
+            )
         if result is not None:
-            raise UserError(f"{why}; {files.out} holds {'a complete' if done else 'an unfinished'} result: "
-                            f"--overwrite runs again (that result stays until the new run completes)")
+            raise UserError(
+                f"{why}; {files.out} holds {'a complete' if done else 'an unfinished'} result: "
+                f"--overwrite runs again (that result stays until the new run completes)"
+            )
         raise UserError(f"{why}: run without --resume to start")
     if overwrite:
-        if result is None and not has_ckpt:              # nothing to replace: an ordinary run
-            files.next.unlink(missing_ok=True)           # (an older replacement's, given up)
+        if result is None and not has_ckpt:  # nothing to replace: an ordinary run
+            files.next.unlink(missing_ok=True)  # (an older replacement's, given up)
             return Plan(files, write=files.ckpt)
-        return Plan(files, write=files.next, replacing=True)   # an older F.next.ckpt: started again
-    pending = f"; {files.next} holds an interrupted --overwrite, which --overwrite --resume continues" \
-        if has_next else ""
+        return Plan(files, write=files.next, replacing=True)  # an older F.next.ckpt: started again
+    pending = (
+        f"; {files.next} holds an interrupted --overwrite, which --overwrite --resume continues"
+        if has_next
+        else ""
+    )
     if done:
-        raise UserError(f"{files.out} holds a complete result; give another --out, or --overwrite to "
-                        f"replace it (it stays until the new run completes){pending}")
+        raise UserError(
+            f"{files.out} holds a complete result; give another --out, or --overwrite to "
+            f"replace it (it stays until the new run completes){pending}"
+        )
     if result is not None or has_ckpt:
-        raise UserError(f"{files.out} holds an interrupted run ({files.ckpt}"
-                        f"{'' if has_ckpt else ': missing'}): "
-                        + ("continue it with --resume, or " if has_ckpt else "")
-                        + f"start again with --overwrite (it replaces that run once complete){pending}")
+        raise UserError(
+            f"{files.out} holds an interrupted run ({files.ckpt}"
+            f"{'' if has_ckpt else ': missing'}): "
+            + ("continue it with --resume, or " if has_ckpt else "")
+            + f"start again with --overwrite (it replaces that run once complete){pending}"
+        )
     if has_next:
-        raise UserError(f"{files.next} holds an interrupted --overwrite of {files.out}: continue it with "
-                        f"--overwrite --resume, or start it again with --overwrite")
+        raise UserError(
+            f"{files.next} holds an interrupted --overwrite of {files.out}: continue it with "
+            f"--overwrite --resume, or start it again with --overwrite"
+        )
     return Plan(files, write=files.ckpt)
 
 
 @contextlib.contextmanager
 def claim(out, resume=False, overwrite=False):
-    """--out for this run alone, by the rules above: yields the Plan; the lock is released however the
-    run ends. UserError (one line) before any work for everything the rules refuse."""
+    """--out for this run alone, by the rules above: yields the Plan; the lock is released however
+    the run ends. UserError (one line) before any work for everything the rules refuse."""
     check_out(out)
     files = Files(out)
     refuse_foreign(files)
     mine = take_lock(files)
     try:
-        refuse_foreign(files)                            # (anything made while the lock was taken)
+        refuse_foreign(files)  # (anything made while the lock was taken)
         yield decide(files, resume, overwrite)
     finally:
         release(files, mine)
@@ -275,12 +315,12 @@ def write_json(path, obj):
 
 
 def finish(plan, results):
-    """A run completed: its results to F, then (--overwrite) its checkpoint to F.ckpt. The results go
-    first: a kill between the two leaves the new result with the older checkpoint, never the older
-    result with a checkpoint that says it is done."""
+    """A run completed: its results to F, then (--overwrite) its checkpoint to F.ckpt. The results
+    go first: a kill between the two leaves the new result with the older checkpoint, never the
+    older result with a checkpoint that says it is done."""
     write_json(plan.files.out, results)
     if plan.replacing:
         if plan.write.exists():
             os.replace(plan.write, plan.files.ckpt)
         else:
-            plan.files.ckpt.unlink(missing_ok=True)      # the older run's: it goes with its result
+            plan.files.ckpt.unlink(missing_ok=True)  # the older run's: it goes with its result

@@ -1,10 +1,11 @@
 """What a terminal shows while a run trains (a file or a pipe gets none of it)."""
+
 import sys
 
 
 class Progress:
-    """On a terminal, stdout while a domain trains (with Progress(): ...): `show` writes a line that the next
-    one overwrites; other output erases it first. A log file or a pipe gets none of it."""
+    """On a terminal, stdout while a domain trains (with Progress(): ...): `show` writes a line that
+    the next one overwrites; other output erases it first. A log file or a pipe gets none of it."""
 
     def __init__(self):
         self.stream, self.shown = sys.stdout, False

@@ -4,17 +4,18 @@ operations that Hypothesis draws (a stateful test) rather than one case at a tim
 The operations, on FedAvg with the synthetic dataset (3 rounds): a run, with the arguments A or B
 (another learning rate), with no flag, --resume, --overwrite or both, on --out a.json, its sibling
 a.txt (the same stem) or b.json, stopped or not by SIGINT, SIGTERM or SIGKILL at a random moment;
-two runs at once; deleting a checkpoint; a foreign thing (a user's file, a folder, undecodable bytes)
-put at one of a run's paths, and taken away again. Every run is a forked process of this one
+two runs at once; deleting a checkpoint; a foreign thing (a user's file, a folder, undecodable
+bytes) put at one of a run's paths, and taken away again. Every run is a forked process of this one
 (torch already imported), so that a signal reaches it as it would a script.
 
 After every step: (1) a complete result changes only through a completed --overwrite; (2) every
 complete result equals the uninterrupted run with its arguments; (3) nothing but runs' own files is
-made or changed, and a foreign thing is refused, in one line, and left as it was; (4) a run that ended
-normally (exit 0, 2, 130, 143) leaves no temporary file and no lock.
+made or changed, and a foreign thing is refused, in one line, and left as it was; (4) a run that
+ended normally (exit 0, 2, 130, 143) leaves no temporary file and no lock.
 
 CI runs a few dozen steps; FEDOOD_SLOW=1 runs many more (pytest -q harness/test_outputs.py).
 """
+
 import json
 import os
 import shutil
@@ -35,20 +36,41 @@ sys.path.insert(0, str(ROOT))
 import fedavg  # noqa: E402
 import torch  # noqa: E402
 
-BASE = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--sample", "2",
-        "--rounds", "3", "--eval-every", "1", "--checkpoint-minutes", "60"]
+BASE = [
+    "--dataset",
+    "synthetic",
+    "--test-domain",
+    "0",
+    "--clients",
+    "4",
+    "--sample",
+    "2",
+    "--rounds",
+    "3",
+    "--eval-every",
+    "1",
+    "--checkpoint-minutes",
+    "60",
+]
 ARGS = {"A": [], "B": ["--lr", "0.1"]}
-LR = {0.05: "A", 0.1: "B"}          # a result's own record of which arguments made it
+LR = {0.05: "A", 0.1: "B"}  # a result's own record of which arguments made it
 OUTS = ["a.json", "a.txt", "b.json"]
-FLAGS = {"": [], "resume": ["--resume"], "overwrite": ["--overwrite"],
-         "both": ["--overwrite", "--resume"]}
+FLAGS = {
+    "": [],
+    "resume": ["--resume"],
+    "overwrite": ["--overwrite"],
+    "both": ["--overwrite", "--resume"],
+}
 OWN = ("", ".ckpt", ".lock", ".next.ckpt")
 NORMAL = {0, 2, 130, 143}
 SLOW = os.environ.get("FEDOOD_SLOW") == "1"
 
 
 def launch(argv, logs, tag):
-    """fedavg.main(argv) in a forked process, its output to logs/<tag>.out and .err: its pid."""
+    """fedavg.main(argv) in a forked process, its output to logs/<tag>.out and .err (made here: a
+    signal may end it before it opens them): its pid."""
+    for ending in (".out", ".err"):
+        (logs / f"{tag}{ending}").touch()
     pid = os.fork()
     if pid:
         return pid
@@ -149,22 +171,38 @@ def refusal(out, **flags):
 @pytest.mark.parametrize("ending", ["", ".ckpt", ".lock", ".next.ckpt"])
 @pytest.mark.parametrize("thing", ["notes", "bytes", "folder", "link"])
 def test_only_its_own_files_whatever_the_flags(ending, thing, tmp_path):
-    """A user's file, undecodable bytes, a folder or a link at any of a run's paths: refused in one line
-    with every flag, and left as it was."""
+    """A user's file, undecodable bytes, a folder or a link at any of a run's paths: refused in one
+    line with every flag, and left as it was."""
     out = tmp_path / "r.json"
     path = Path(f"{out}{ending}")
-    {"notes": lambda: path.write_text("my notes"), "bytes": lambda: path.write_bytes(b"\xff\xfe\x00"),
-     "folder": path.mkdir, "link": lambda: path.symlink_to(tmp_path)}[thing]()
+    {
+        "notes": lambda: path.write_text("my notes"),
+        "bytes": lambda: path.write_bytes(b"\xff\xfe\x00"),
+        "folder": path.mkdir,
+        "link": lambda: path.symlink_to(tmp_path),
+    }[thing]()
     for flags in ({}, {"resume": True}, {"overwrite": True}, {"resume": True, "overwrite": True}):
         line = refusal(out, **flags)
-        assert line.startswith(f"--out {out}: {path} is ") and "which no run replaces; nothing was touched" in line \
-            or ending == "" and thing in ("folder", "link") and line.startswith(f"--out {out} is a folder; give")
+        assert (
+            line.startswith(f"--out {out}: {path} is ")
+            and "which no run replaces; nothing was touched" in line
+            or ending == ""
+            and thing in ("folder", "link")
+            and line.startswith(f"--out {out} is a folder; give")
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
-    assert path.is_symlink() if thing == "link" else path.is_dir() if thing == "folder" else path.read_bytes()
+    assert (
+        path.is_symlink()
+        if thing == "link"
+        else path.is_dir()
+        if thing == "folder"
+        else path.read_bytes()
+    )
 
 
 def test_two_outs_never_share_a_file(tmp_path):
-    """Every file is named from the whole --out: a.json and a.txt share none, and no --out ends like one."""
+    """Every file is named from the whole --out: a.json and a.txt share none, and no --out ends like
+    one."""
     a, b = outputs.Files(tmp_path / "a.json"), outputs.Files(tmp_path / "a.txt")
     assert not {p for p, _ in a.owned()} & {p for p, _ in b.owned()}
     for bad in ("r.ckpt", "r.json.lock", "r.next", "r.json.123.tmp"):
@@ -177,16 +215,18 @@ def test_one_run_per_out_its_lock_released_and_a_dead_ones_taken_over(tmp_path):
         assert plan.files.lock.read_text() == f"{os.getpid()}@{os.uname().nodename}"
         assert "is in use by another run (pid" in refusal(out)
     assert not plan.files.lock.exists()
-    plan.files.lock.write_text(f"{2 ** 22 + 12345}@{os.uname().nodename}")     # no such process
+    plan.files.lock.write_text(f"{2**22 + 12345}@{os.uname().nodename}")  # no such process
     with outputs.claim(out):
         pass
-    plan.files.lock.write_text("1@another-host")                              # never judged dead
+    plan.files.lock.write_text("1@another-host")  # never judged dead
     assert "pid 1 on another-host" in refusal(out)
 
 
 def test_resume_needs_its_checkpoint_and_overwrite_replaces_at_the_end(tmp_path):
     out = tmp_path / "r.json"
-    assert refusal(out, resume=True).endswith("so nothing to continue: run without --resume to start")
+    assert refusal(out, resume=True).endswith(
+        "so nothing to continue: run without --resume to start"
+    )
     with outputs.claim(out) as plan:
         assert (plan.read, plan.write, plan.replacing) == (None, plan.files.ckpt, False)
         plan.files.ckpt.write_bytes(outputs.ZIP + b"old")
@@ -195,18 +235,28 @@ def test_resume_needs_its_checkpoint_and_overwrite_replaces_at_the_end(tmp_path)
     assert "holds a complete result" in refusal(out)
     plan.files.ckpt.unlink()
     line = refusal(out, resume=True)
-    assert "holds a complete result: --overwrite runs again (that result stays until the new run completes)" in line
+    assert (
+        "holds a complete result: --overwrite runs again "
+        "(that result stays until the new run completes)"
+        in line
+    )
     with outputs.claim(out, overwrite=True) as plan:
         assert plan.replacing and plan.write == plan.files.next
         plan.write.write_bytes(outputs.ZIP + b"new")
-        assert out.read_bytes() == old                                   # until it completes
-    assert out.read_bytes() == old and "holds an interrupted --overwrite, which --overwrite --resume" in refusal(out)
+        assert out.read_bytes() == old  # until it completes
+    assert (
+        out.read_bytes() == old
+        and "holds an interrupted --overwrite, which --overwrite --resume" in refusal(out)
+    )
     with outputs.claim(out, overwrite=True, resume=True) as plan:
         assert plan.read == plan.write == plan.files.next
         outputs.finish(plan, {"method": "m", "args": {"new": 1}, "domains": {}, "complete": True})
     assert json.loads(out.read_text())["args"] == {"new": 1}
     assert plan.files.ckpt.read_bytes() == outputs.ZIP + b"new" and not plan.files.next.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.ckpt"]   # no lock, no .tmp
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "r.json",
+        "r.json.ckpt",
+    ]  # no lock, no .tmp
 
 
 def stopped_run(out, monkeypatch, argv=BASE):
@@ -216,6 +266,7 @@ def stopped_run(out, monkeypatch, argv=BASE):
     def save_then_die(path, blob):
         save(path, blob)
         raise KeyboardInterrupt
+
     monkeypatch.setattr(common, "save_checkpoint", save_then_die)
     with pytest.raises(SystemExit):
         fedavg.main(argv + ["--out", str(out)])
@@ -227,6 +278,7 @@ def test_a_checkpoint_resumes_only_under_its_method_and_its_code(tmp_path, monke
     continues it, the result equal to the uninterrupted run's and recorded as mixed. A checkpoint of
     another method, or of code from before checkpoints recorded theirs, is refused too."""
     import fediir
+
     out = tmp_path / "r.json"
     stopped_run(out, monkeypatch)
     capsys.readouterr()
@@ -237,11 +289,16 @@ def test_a_checkpoint_resumes_only_under_its_method_and_its_code(tmp_path, monke
     with pytest.raises(SystemExit):
         fedavg.main(BASE + ["--out", str(out), "--resume"])
     line = capsys.readouterr().err.strip()
-    assert line.startswith(f"fedavg.py: error: --resume: {out}.ckpt was made with other code: fedavg.py changed "
-                           f"since (commit ") and line.endswith("--allow-code-change continues it anyway, the "
-                                                                "result then recorded as mixed code")
+    assert line.startswith(
+        f"fedavg.py: error: --resume: {out}.ckpt was made with other code: fedavg.py changed "
+        f"since (commit "
+    ) and line.endswith(
+        "--allow-code-change continues it anyway, the result then recorded as mixed code"
+    )
     res = fedavg.main(BASE + ["--out", str(out), "--resume", "--allow-code-change"])
-    straight = fedavg.main(BASE + ["--out", str(tmp_path / "straight.json")])   # (this process's threads)
+    straight = fedavg.main(
+        BASE + ["--out", str(tmp_path / "straight.json")]
+    )  # (this process's threads)
     assert numbers(res) == numbers(straight) and len(res["provenance"]["mixed_code"]) == 2
     with pytest.raises(SystemExit):
         fediir.main(BASE + ["--out", str(out), "--resume"])
@@ -262,7 +319,7 @@ class Outputs(RuleBasedStateMachine):
         self.folder, self.logs = self.tmp / "runs", self.tmp / "logs"
         self.folder.mkdir()
         self.logs.mkdir()
-        self.foreign = {}          # path name -> what was put there (bytes, or "folder")
+        self.foreign = {}  # path name -> what was put there (bytes, or "folder")
         self.n = 0
 
     def teardown(self):
@@ -274,19 +331,23 @@ class Outputs(RuleBasedStateMachine):
         return launch(argv, self.logs, str(self.n)), str(self.n)
 
     def ended(self, runs):
-        """Check each ended run [(out, flags, tag, exit status)] against the rules it can break alone."""
+        """Check each ended run [(out, flags, tag, exit status)] against the rules it can break
+        alone."""
         for out, flags, tag, rc in runs:
             err = (self.logs / f"{tag}.err").read_text()
             assert "Traceback" not in err, err
             assert rc in NORMAL | {-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT}, (rc, err)
             if rc == 2:
                 assert len(err.strip().splitlines()) == 1, err
-            if any(name.startswith(out) and name[len(out):] in OWN for name in self.foreign):
-                assert rc in (2, -signal.SIGKILL, -signal.SIGTERM, 130), (out, rc, err)   # refused
+            if any(name.startswith(out) and name[len(out) :] in OWN for name in self.foreign):
+                assert rc in (2, -signal.SIGKILL, -signal.SIGTERM, 130), (out, rc, err)  # refused
             if rc in NORMAL:
-                left = [p.name for p in self.folder.iterdir()
-                        if p.name.startswith(out) and (p.name.endswith(".tmp") or
-                                                       p.name == f"{out}.lock")]
+                left = [
+                    p.name
+                    for p in self.folder.iterdir()
+                    if p.name.startswith(out)
+                    and (p.name.endswith(".tmp") or p.name == f"{out}.lock")
+                ]
                 assert not [p for p in left if p not in self.foreign], (out, rc, left)
 
     def changed_only_by_overwrite(self, before, runs):
@@ -296,12 +357,18 @@ class Outputs(RuleBasedStateMachine):
         for name, raw in before.items():
             if after.get(name) != raw:
                 assert name in after, f"{name}: a complete result became incomplete or went away"
-                assert any(out == name and "--overwrite" in FLAGS[flags] and rc == 0
-                           for out, flags, _, rc in runs), (name, runs)
+                assert any(
+                    out == name and "--overwrite" in FLAGS[flags] and rc == 0
+                    for out, flags, _, rc in runs
+                ), (name, runs)
 
-    @rule(which=st.sampled_from("AB"), out=st.sampled_from(OUTS), flags=st.sampled_from(list(FLAGS)),
-          stop=st.sampled_from([None, signal.SIGINT, signal.SIGTERM, signal.SIGKILL]),
-          after=st.floats(0.0, 1.5))
+    @rule(
+        which=st.sampled_from("AB"),
+        out=st.sampled_from(OUTS),
+        flags=st.sampled_from(list(FLAGS)),
+        stop=st.sampled_from([None, signal.SIGINT, signal.SIGTERM, signal.SIGKILL]),
+        after=st.floats(0.0, 1.5),
+    )
     def run(self, which, out, flags, stop, after):
         before = complete_results(self.folder)
         pid, tag = self.start(which, out, flags)
@@ -315,8 +382,12 @@ class Outputs(RuleBasedStateMachine):
         self.ended(runs)
         self.changed_only_by_overwrite(before, runs)
 
-    @rule(which=st.sampled_from("AB"), out=st.sampled_from(OUTS), other=st.sampled_from(OUTS),
-          flags=st.sampled_from(["", "overwrite"]))
+    @rule(
+        which=st.sampled_from("AB"),
+        out=st.sampled_from(OUTS),
+        other=st.sampled_from(OUTS),
+        flags=st.sampled_from(["", "overwrite"]),
+    )
     def two_at_once(self, which, out, other, flags):
         before = complete_results(self.folder)
         (p1, t1), (p2, t2) = self.start(which, out, flags), self.start("A", other, flags)
@@ -329,8 +400,11 @@ class Outputs(RuleBasedStateMachine):
         if f"{out}.ckpt" not in self.foreign:
             (self.folder / f"{out}.ckpt").unlink(missing_ok=True)
 
-    @rule(out=st.sampled_from(OUTS), ending=st.sampled_from(OWN),
-          thing=st.sampled_from([b"my notes\n", b"\xff\xfe\x00", "folder"]))
+    @rule(
+        out=st.sampled_from(OUTS),
+        ending=st.sampled_from(OWN),
+        thing=st.sampled_from([b"my notes\n", b"\xff\xfe\x00", "folder"]),
+    )
     def put_foreign(self, out, ending, thing):
         path = self.folder / f"{out}{ending}"
         if path.exists() or path.name in self.foreign:
@@ -363,11 +437,16 @@ class Outputs(RuleBasedStateMachine):
             if name in self.foreign:
                 continue
             out = next((o for o in OUTS if name.startswith(o)), None)
-            rest = name[len(out):] if out else None
+            rest = name[len(out) :] if out else None
             assert out and (rest in OWN or rest.endswith(".tmp")), f"{name}: not a run's own file"
 
 
-Outputs.TestCase.settings = settings(max_examples=40 if SLOW else 3, stateful_step_count=25 if SLOW else 9,
-                                     deadline=None, derandomize=not SLOW, print_blob=True,
-                                     database=None)       # (no .hypothesis/ folder in the checkout)
+Outputs.TestCase.settings = settings(
+    max_examples=40 if SLOW else 3,
+    stateful_step_count=25 if SLOW else 9,
+    deadline=None,
+    derandomize=not SLOW,
+    print_blob=True,
+    database=None,
+)  # (no .hypothesis/ folder in the checkout)
 test_outputs_rules = Outputs.TestCase
