@@ -4,9 +4,14 @@ checkout's tree is not the same after it as before (every file but the caches: r
 other ignored folders included)."""
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Hypothesis keeps its examples outside the checkout (by default: .hypothesis/ in the cwd).
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      os.path.join(tempfile.gettempdir(), "fedood-hypothesis"))
 
 HERE = Path(__file__).resolve().parent
 CACHES = {".git", "__pycache__", ".pytest_cache", ".venv", ".hypothesis", ".ruff_cache"}
