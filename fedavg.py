@@ -14,7 +14,7 @@ instead of by data size: `--uniform-avg` does that. With the Algorithm 2 split o
 clients hold nearly equal amounts of data, so the two agree closely on the leave-one-domain-out
 benchmarks.
 
-Defaults (common.py): FedIIR's Table 3 per dataset (RotatedMNIST: lr 1e-2, batch 64; VLCS 1e-3 /
+Defaults (harness/config.py): FedIIR's Table 3 per dataset (RotatedMNIST: lr 1e-2, batch 64; VLCS 1e-3 /
 32; PACS 2.5e-3 / 32; OfficeHome 1e-3 / 32), 100 rounds, 1 local epoch, SGD with momentum 0.9 and
 a fresh optimiser on every client in every round, η_g = 1, evaluation every 10 rounds; the
 reported test accuracy is the one at the round with the best pooled validation accuracy.
@@ -24,7 +24,8 @@ Figure 1's two claims, the results and the readings: docs/fedavg.md.
     python fedavg.py --rounds 20 --test-domain 0      # a quick look
     python fedavg.py --dataset pacs --data-root ./data --clients 50
 """
-import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import common
 import torch
 
 
@@ -70,8 +71,11 @@ def add_args(p):
                    "uniformly (the FedIIR code) instead of by data size")
 
 
+METHOD = harness.Method("fedavg", __doc__, fedavg_round, add_args=add_args, parallel=True)
+
+
 def main(argv=None):
-    return common.main("fedavg", __doc__, fedavg_round, argv, add_args, parallel_clients=True)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

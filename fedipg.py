@@ -6,7 +6,7 @@ fedipg_round, round t (w^t: the global model at its start):
   0. --exit auto, before round 1: --exit-warmup pre-training rounds of 1-4 with every client
      (line 1), then the exits and w^1 again to all (lines 2-4)
   1. the clients of I_ID take part (Eq. 3; --sample C draws C of them, as FedIIR)
-  2. each trains on f_i from the w^{t−τ_i} it received (`arrivals`; τ_i = 0 here): --local-step
+  2. each trains on f_i from the w^{t−τ_i} it received (τ_i = 0 here, else `arrive`): --local-step
      sgd, --local-epochs of minibatch SGD (Sec. III: "the local entities optimize the parameters
      using gradient descent on their local data ... Once the optimization process concludes, each
      local entity uploads its local parameter"); paper, Eq. 2 as one step w − η ∇f_i(w) on the
@@ -20,29 +20,33 @@ reached 32.0% at RotatedMNIST-50, 0°, where FedAvg reaches 84.2: docs/fedipg.md
 middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
 silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP.
 """
-import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import common
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
-BY_STEP = float("inf")   # default of --momentum and --local-epochs: set by --local-step in check()
+DEFAULTS = {"*": dict(local_step="sgd", exit="off", exit_warmup=5, exit_L=0.5)}  # (docstring)
 CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)
 
 
-def fedipg_round(t, model, fed, args, state, ctx, warmup=None):
-    """Steps 0-4 at round t; warmup: a round of Eq. 13's estimates (None: step 0 where due)."""
+def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None):
+    """Steps 0-4 at round t; warmup: a round of Eq. 13's estimates (None: step 0 where due);
+    arrive(t, S, w_t, args, state, ctx, warmup): the (i, w^{t−τ_i}, τ_i) of the updates that
+    arrive (None: all of S, fresh; benchmark/fedipg_aberrant.py's slow or unreliable clients)."""
     W = args.exit_warmup if args.exit == "auto" else 0
     if warmup is None and W and t == 1:                                  # step 0, before t = 1
         w_1 = common.get_flat(model)
         for s in range(1, W + 1):                                        # (round s draws as −s)
-            fedipg_round(-s, model, fed, args, state, ctx, warmup=True)
+            fedipg_round(-s, model, fed, args, state, ctx, warmup=True, arrive=arrive)
         common.set_flat(model, w_1)                                      # lines 2-4: w^1 to all
     w_t = common.get_flat(model)                                         # w^t
     ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]   # I_ID
     C = len(ID) if warmup else min(args.sample, len(ID))
     S = [ID[k] for k in common.sample_clients(ctx, len(ID), C)]
-    arrived = arrivals(abs(t), S, w_t, args, state, ctx, warmup)   # step 1: (i, w^{t−τ_i}, τ_i)
+    arrived = arrive(abs(t), S, w_t, args, state, ctx, warmup) if arrive else \
+        [(i, w_t, 0) for i in S]                                   # step 1: (i, w^{t−τ_i}, τ_i)
     ids, sent = [i for i, _, _ in arrived], [{"w": start} for _, start, _ in arrived]
     if warmup:                                                           # g_i = ∇R_i(w^{t−τ_i}) up
         g = [r["g"] for r in common.on_clients(risk_gradient, ids, sent, t, ctx)]
@@ -75,11 +79,6 @@ def risk_gradient(site, sent):
     common.set_flat(site.model, sent["w"])
     g, _ = full_gradient(site.model, in_chunks(site), site.client.n, autocast=site.autocast)
     return {"g": g.float()}
-
-
-def arrivals(t, S, w_t, args, state, ctx, warmup):
-    """(i, w^{t−τ_i}, τ_i) of S's updates that arrive in round t: all, fresh (not the script's)."""
-    return [(i, w_t, 0) for i in S]
 
 
 # -------------------------- the method as plain functions: torch alone (docs/fedipg.md: Copy it)
@@ -252,32 +251,29 @@ def evaluate(model, fed, args, state, ctx):
 
 def add_args(p):
     a = p.add_argument
-    a("--lam", type=float, default=None, help="penalty weight λ (default: 1e-3; 1e-4 for ResNets)")
-    a("--local-step", default="sgd", choices=["sgd", "paper"], help="sgd: --local-epochs of "
-      "minibatch SGD on f_i; paper: Eq. 2 as one step w - lr * grad f_i(w) on the whole split")
-    a("--exit", default="off", choices=["off", "auto"], help="the exit strategy (Section IV)")
-    a("--exit-warmup", type=int, default=5, help="pre-training rounds of estimates before exits")
-    a("--exit-L", type=float, default=0.5, help="smoothness L of Eq. 13 (dimensionless here)")
-    for act in (a for a in p._actions if a.dest in ("momentum", "local_epochs")):
-        value = 0.9 if act.dest == "momentum" else 1
-        act.help += f" (--local-step sgd only; default: the dataset's, {value} for rmnist)"
-    p.set_defaults(momentum=BY_STEP, local_epochs=BY_STEP)
+    a("--lam", type=float, help="penalty weight λ (1e-4 for the ResNets)")
+    a("--local-step", choices=["sgd", "paper"], help="sgd: --local-epochs of minibatch SGD on "
+      "f_i; paper: Eq. 2 as one step w - lr * grad f_i(w) on the whole split")
+    a("--exit", choices=["off", "auto"], help="the exit strategy (Section IV)")
+    a("--exit-warmup", type=int, help="pre-training rounds of estimates before exits")
+    a("--exit-L", type=float, help="smoothness L of Eq. 13 (dimensionless here)")
 
 
-def check(args):
-    given = [f"--{k.replace('_', '-')}" for k in ("momentum", "local_epochs")
-             if getattr(args, k) != BY_STEP]
+def derive(args):
+    """λ by the model; every client of I_ID in a round (Eq. 3) where the dataset leaves C open;
+    --local-step paper: one plain gradient step (Eq. 2), no momentum."""
+    paper = dict(momentum=0.0, local_epochs=1) if args.local_step == "paper" else {}
+    every = dict(sample="all") if args.sample is None else {}
+    lam = 1e-4 if args.model.startswith("resnet") else 1e-3       # WaterBird's ResNet-18 too
+    return dict(lam=lam, **every, **paper)
+
+
+def check(args, given):
+    given = [f"--{k.replace('_', '-')}" for k in ("momentum", "local_epochs") if k in given]
     if args.local_step == "paper" and given:
         raise common.UserError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to "
                                "--local-step sgd only: the paper's step (Eq. 2) is one plain "
                                "gradient step on the client's whole split")
-    paper = {"momentum": 0.0, "local_epochs": 1}
-    step = paper if args.local_step == "paper" else common.DATASET_DEFAULTS[args.dataset]
-    for k in ("momentum", "local_epochs"):                    # sgd: as every method's
-        setattr(args, k, step[k] if getattr(args, k) == BY_STEP else getattr(args, k))
-    if args.lam is None:
-        args.lam = 1e-4 if args.model.startswith("resnet") else 1e-3     # WaterBird's ResNet-18 too
-    args.sample = args.clients if args.sample is None else args.sample   # Eq. 3: all of I_ID
     for bad, message in ((not args.lam >= 0, f"--lam must be >= 0, got {args.lam}"),
                          (args.exit == "auto" and args.exit_warmup < 1,
                           f"--exit-warmup must be at least 1, got {args.exit_warmup}"),
@@ -291,9 +287,12 @@ def parallel_reason(args):
         "trains with --local-step paper one client after another (sgd at once)"
 
 
+METHOD = harness.Method("fedipg", __doc__, fedipg_round, init_state, evaluate, add_args,
+                        DEFAULTS, derive, check, parallel=parallel_reason)
+
+
 def main(argv=None):
-    return common.main("fedipg", __doc__, fedipg_round, argv, add_args, init_state=init_state,
-                       evaluate_fn=evaluate, check=check, parallel_clients=parallel_reason)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

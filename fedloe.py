@@ -20,13 +20,13 @@ only, the paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam
 clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
 the paper-against-code discussion: docs/fedloe.md.
 """
-import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import common
 import torch
 import torch.nn.functional as F
 
 import data
 
-EVERY = BY_STAGES = float("inf")   # defaults of --sample, --rounds, --local-epochs: set by check()
 PHOTO = dict(model="resnet50", head="linear")
 RC = dict(lr=1e-3, weight_decay=2.2e-3, batch_size=25000, clients=4, stage1_epochs=512,
           stage1_comms=16)
@@ -35,15 +35,16 @@ DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5),
             "officehome": dict(PHOTO, lr=3e-5), "rmnist": dict(lr=1e-3),
             "synthetic": dict(lr=1e-2), "rcmnist": RC, "rcfmnist": RC, "mnist": FL, "emnist": FL,
             "cifar10": FL, "cifar100": FL, "waterbird": dict(FL, lr=5e-5, batch_size=32, clients=4),
-            "*": dict(batch_size=128, momentum=0.0, clients=20, sample=EVERY, eval_every=1,
-                      select="last", stage1_epochs=256, stage1_comms=8)}
+            "*": dict(batch_size=128, momentum=0.0, clients=20, sample="all", eval_every=1,
+                      select="last", stage1_epochs=256, stage1_comms=8, stage2_epochs=8,
+                      stage2_comms=4, stage2_lr=0.05, stage2_wd=5e-4, dg="irm", dg_lambda=100.0,
+                      meta_lr=0.05, server_steps=100)}
 
 
 # ---------------------------------------------------------------- the method as plain functions
 
 def average(theta, thetas, n, global_lr=1.0):
-    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c (η_g = 1: the p(c)-weighted
-    mean); thetas: any iterable, read one at a time."""
+    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c; thetas: any iterable."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
     for theta_c, n_c in zip(thetas, n):
         delta_sum += n_c * (theta_c - theta)
@@ -68,8 +69,7 @@ def overfit_head(W, b, z, y, batches, lr, momentum=0.0, weight_decay=0.0):
 
 
 def head_predictions(z, Ws, bs):
-    """2.2 on a client: ŷ_{c,c'} = h_{ψ̂_c'}(z) [n, P, m] of every head (Ws [P, m, d], bs [P, m])
-    on its tuning features z."""
+    """2.2 on a client: ŷ_{c,c'} = h_{ψ̂_c'}(z) [n, P, m], every head (Ws [P, m, d], bs [P, m])."""
     return torch.einsum("nd,kmd->nkm", z, Ws) + bs
 
 
@@ -108,8 +108,7 @@ def irm_penalty(phi, T):
 
 
 def rex_penalty(phi, T):
-    """V-REx as src/client.py's VREx.irm_penalty: the mean over the clients of the variance of
-    their losses ℓ."""
+    """V-REx as src/client.py's VREx.irm_penalty: the clients' mean variance of their losses ℓ."""
     R, ell = risks(phi, T)
     return ((((ell - T.member @ R) ** 2) @ T.member) / T.n_tune).mean()
 
@@ -150,8 +149,7 @@ def ensemble(phi, Ws, bs):
 
 @common.stackable                       # with --parallel-clients on, every client at once
 def stage1_update(site, sent):
-    """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from the broadcast (θ, ψ); (θ_c, ψ_c) and
-    its mean loss."""
+    """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from (θ, ψ); (θ_c, ψ_c), its mean loss."""
     a = site.args
     adam = lambda ps: torch.optim.Adam(ps, lr=a.lr, weight_decay=a.weight_decay, foreach=True)
     theta_c, loss = common.local_train(site, sent["theta"], make_opt=adam)
@@ -172,8 +170,7 @@ def head_update(site, sent):
 
 
 def tuning_predictions(site, sent):
-    """2.2 on client c: every head's predictions on its tuning split (at the broadcast θ̂), with
-    its labels."""
+    """2.2 on client c: every head's predictions on its tuning split (at θ̂), and its labels."""
     z = features(site.model, sent["theta"], site.client.tune_x, site)
     return {"Y": head_predictions(z, sent["Ws"], sent["bs"]), "y": site.client.tune_y}
 
@@ -238,8 +235,7 @@ def init_state(model, fed, args, ctx):
 
 
 def evaluate(model, fed, args, state, ctx):
-    """common's scores (fixed clients: each client's own test set too); leave-one-domain-out: the
-    in-domain test as well."""
+    """common's scores; leave-one-domain-out: the in-domain test accuracy as well."""
     val, test, per = common.evaluate_global(model, fed, args, state, ctx)
     if args.dataset not in data.LODO:
         return val, test, per, {}
@@ -249,31 +245,33 @@ def evaluate(model, fed, args, state, ctx):
 
 def add_args(p):
     a = p.add_argument
-    a("--stage1-epochs", type=int, default=None, help="stage 1 budget of local epochs E1")
-    a("--stage1-comms", type=int, default=None,
-      help="stage 1 communications K1; E1/K1 epochs between averages")
-    a("--stage2-epochs", type=int, default=8, help="stage 2 epochs of head training (Table 5)")
-    a("--stage2-comms", type=int, default=4,
-      help="stage 2 communications K2 (Table 5); 0 = stage 1 only")
-    a("--stage2-lr", type=float, default=0.05,
-      help="stage 2 lr: heads (SGD) and server (Adam) (Table 5)")
-    a("--stage2-wd", type=float, default=5e-4, help="stage 2 weight decay, heads and server")
-    a("--dg", default="irm", choices=["irm", "fish", "rex"], help="invariance term r of Eq. 11")
-    a("--dg-lambda", type=float, default=100.0, help="λ of IRM and REx (Table 5)")
-    a("--meta-lr", type=float, default=0.05, help="Fish meta lr (Table 5)")
-    a("--server-steps", type=int, default=100, help="server steps on φ per communication (chosen)")
-    p.set_defaults(rounds=BY_STAGES, local_epochs=BY_STAGES)
+    a("--stage1-epochs", type=int, help="stage 1 budget of local epochs E1")
+    a("--stage1-comms", type=int, help="stage 1 communications K1; E1/K1 epochs between averages")
+    a("--stage2-epochs", type=int, help="stage 2 epochs of head training (Table 5)")
+    a("--stage2-comms", type=int, help="stage 2 communications K2 (Table 5); 0 = stage 1 only")
+    a("--stage2-lr", type=float, help="stage 2 lr: heads (SGD) and server (Adam) (Table 5)")
+    a("--stage2-wd", type=float, help="stage 2 weight decay, heads and server")
+    a("--dg", choices=["irm", "fish", "rex"], help="invariance term r of Eq. 11")
+    a("--dg-lambda", type=float, help="λ of IRM and REx (Table 5)")
+    a("--meta-lr", type=float, help="Fish meta lr (Table 5)")
+    a("--server-steps", type=int, help="server steps on φ per communication (chosen)")
 
 
-def check(args):
+def derive(args):
+    """A round is a communication: K1 + K2 rounds, E1/K1 local epochs in stage 1."""
+    return dict(rounds=args.stage1_comms + args.stage2_comms,
+                local_epochs=args.stage1_epochs // max(args.stage1_comms, 1))
+
+
+def check(args, given):
     e1, k1, e2, k2 = args.stage1_epochs, args.stage1_comms, args.stage2_epochs, args.stage2_comms
     for bad, message in [      # in order: the first that holds is the error
-            (args.rounds != BY_STAGES or args.local_epochs != BY_STAGES,
+            ("rounds" in given or "local_epochs" in given,
              "fedloe sets the rounds and local epochs from --stage1-epochs, --stage1-comms and "
              "--stage2-comms; drop --rounds / --local-epochs"),
             (args.head != "linear",
              "fedloe ensembles linear heads (Eq. 12 is exact only for them): use --head linear"),
-            (args.sample not in (None, EVERY, args.clients),
+            (args.sample not in ("all", args.clients),
              "fedloe uses every client at every communication (Eq. 4, Eq. 11): drop --sample"),
             (k1 < 1 or e1 < 1 or e1 % k1,
              f"--stage1-epochs ({e1}) must be a positive multiple of --stage1-comms ({k1}) >= 1"),
@@ -288,12 +286,14 @@ def check(args):
                f"{getattr(args, k)}") for k in ("stage2_wd", "dg_lambda", "server_steps"))]:
         if bad:
             raise common.UserError(message)
-    args.sample, args.rounds, args.local_epochs = args.clients, k1 + k2, e1 // k1
+
+
+METHOD = harness.Method("fedloe", __doc__, fedloe_round, init_state, evaluate, add_args,
+                        DEFAULTS, derive, check, parallel=True)
 
 
 def main(argv=None):
-    return common.main("fedloe", __doc__, fedloe_round, argv, add_args, DEFAULTS, init_state,
-                       evaluate, check, parallel_clients=True)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,8 @@ Paper against code, the measurements, how to copy the server step: docs/fedomg.m
     python fedomg.py --dataset pacs --data-root ./data
     python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800
 """
-import sys
-
-import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import common
 import torch
 
 import data
@@ -35,7 +34,7 @@ import data
 DG = dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9, weight_decay=5e-4,
           local_epochs=5, global_lr=0.5)                          # η_g: the DG scripts'
 DG_SETS = ("pacs", "vlcs", "officehome")
-DEFAULTS = {name: DG for name in DG_SETS}
+DEFAULTS = {"*": dict(kappa=0.5), **{name: DG for name in DG_SETS}}     # κ: Table 4
 
 
 # ---------------------------------------------------------------- the method as plain functions
@@ -149,36 +148,32 @@ def local_lr(t, args):
 
 def eta_g(args, U):
     """η_g of a round of U sampled clients (Eq. 17): --global-lr, or the dataset's default, when
-    set; otherwise (args.global_lr None, see check) U (1 + κ²): code_step's g_0 term is then
+    set; otherwise (args.global_lr None, see derive) U (1 + κ²): code_step's g_0 term is then
     FedAvg's step."""
     return args.global_lr if args.global_lr is not None else U * (1 + args.kappa ** 2)
 
 
 def add_args(p):
-    p.add_argument("--kappa", type=float, default=0.5, help="searching radius κ (Table 4)")
+    p.add_argument("--kappa", type=float, help="searching radius κ (Table 4)")
 
 
-def check(args, global_lr_by_hand=True):
-    """Bad flags -> UserError. Where --global-lr was not given by hand and neither the paper nor
-    the code gives η_g (not the DG or FL datasets), args.global_lr = None: η_g is set per round."""
+def derive(args):
+    """η_g where neither the paper nor the code gives one (not the DG or FL datasets): none, set
+    per round (eta_g)."""
+    return {} if args.dataset in DG_SETS + data.FL else dict(global_lr=None)
+
+
+def check(args, given):
     if not args.kappa >= 0:
         raise common.UserError(f"--kappa must be >= 0, got {args.kappa}")
-    if not global_lr_by_hand and args.dataset not in DG_SETS + data.FL:
-        args.global_lr = None
 
 
-def given(argv, flag):
-    """Whether the command line sets `flag` in one of argparse's forms: --flag v, --flag=v, or a
-    prefix of it (common's parser has no other option starting with --g)."""
-    names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
-    return any(len(n) > 2 and flag.startswith(n) for n in names)
+METHOD = harness.Method("fedomg", __doc__, fedomg_round, add_args=add_args, defaults=DEFAULTS,
+                        derive=derive, check=check, parallel=True)
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    by_hand = given(argv, "--global-lr")
-    return common.main("fedomg", __doc__, fedomg_round, argv, add_args, DEFAULTS,
-                       check=lambda args: check(args, by_hand), parallel_clients=True)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

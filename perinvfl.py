@@ -29,7 +29,8 @@ import copy
 import functools
 import math
 
-import common  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
+import common
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +40,7 @@ RC = dict(opt="adam", lr=4.898e-4, weight_decay=2 * 1.10794568e-3, lam=91257.186
           beta=1.0, eta=0.1)
 LODO_DEFAULTS = dict(opt="sgd", lam=1.0, anneal=0, beta=1.0, momentum=0.0, R="epoch")  # docstring
 DEFAULTS = {"rcmnist": RC, "rcfmnist": RC, **{name: LODO_DEFAULTS for name in data.LODO},
-            "*": dict(opt="sgd", lam=1.0, anneal=0, beta=1.0, momentum=0.0, R=1)}
+            "*": dict(opt="sgd", lam=1.0, anneal=0, beta=1.0, momentum=0.0, R=1, S=1)}
 
 
 # ---------------- the method as plain functions. The objectives take (model, params, buffers, x,
@@ -120,7 +121,7 @@ def client_update(site, sent):
     for r in range(R):
         line8 = functools.partial(J_i, nu=nu_ir, lam=lam, weight_decay=args.weight_decay,
                                   beta=args.beta)
-        theta_i, _ = common.local_train(site, theta_i, line8, plain(args.eta or args.lr),
+        theta_i, _ = common.local_train(site, theta_i, line8, plain(args.eta),
                                         steps=args.S)                              # line 8: η
         line9 = functools.partial(line9_loss, lam=lam, weight_decay=args.weight_decay)
         nu_ir, loss = common.local_train(site, nu_ir, line9, plain(args.lr), steps=1)  # line 9: γ
@@ -190,24 +191,28 @@ def evaluate(model, fed, args, state, ctx):
 
 def add_args(p):
     a = p.add_argument
-    a("--beta", type=float, default=None, help="weight of ||theta_i - nu||^2 in Eq. 4 (default 1)")
-    a("--lam", type=float, default=None,
-      help="IRMv1 penalty weight lambda after annealing (rcmnist: 91257)")
-    a("--anneal", type=int, default=None, help="rounds with lambda = 1 first (rcmnist: 190)")
-    a("--eta", type=float, default=None, help="line 8's step size eta (rcmnist: 0.1; else --lr)")
-    a("--R", type=lambda s: s if s == "epoch" else int(s), default=None,
+    a("--beta", type=float, help="weight of ||theta_i - nu||^2 in Eq. 4 (default 1)")
+    a("--lam", type=float, help="IRMv1 penalty weight lambda after annealing (rcmnist: 91257)")
+    a("--anneal", type=int, help="rounds with lambda = 1 first (rcmnist: 190)")
+    a("--eta", type=float, help="line 8's step size eta (rcmnist: 0.1; else --lr)")
+    a("--R", type=lambda s: s if s == "epoch" else int(s),
       help="local steps of nu per round (Algorithm 1's R); epoch: --local-epochs in minibatches")
-    a("--S", type=int, default=1, help="steps of theta_i per step of nu (Algorithm 1's S)")
-    a("--opt", default=None, choices=["adam", "sgd"],
+    a("--S", type=int, help="steps of theta_i per step of nu (Algorithm 1's S)")
+    a("--opt", choices=["adam", "sgd"],
       help="line 10: adam: the server's Adam (rcmnist); sgd: plain")
 
 
-def check(args):
+def derive(args):
+    """Line 8's η: --lr where the table gives none."""
+    return dict(eta=args.lr) if args.eta is None else {}
+
+
+def check(args, given):
     if args.R != "epoch" and args.R < 1:
         raise data.UserError(f"--R must be at least 1 or 'epoch', got {args.R}")
     if args.S < 1:
         raise data.UserError(f"--S must be at least 1, got {args.S}")
-    if args.eta is not None and not args.eta > 0:
+    if not args.eta > 0:
         raise data.UserError(f"--eta must be positive, got {args.eta}")
     for k in ("beta", "lam", "anneal"):
         if not getattr(args, k) >= 0:   # also catches nan
@@ -217,9 +222,12 @@ def check(args):
                              f"got {args.momentum}")
 
 
+METHOD = harness.Method("perinvfl", __doc__, perinvfl_round, init_state, evaluate, add_args,
+                        DEFAULTS, derive, check, parallel=parallel_reason)
+
+
 def main(argv=None):
-    return common.main("perinvfl", __doc__, perinvfl_round, argv, add_args, DEFAULTS, init_state,
-                       evaluate, check, parallel_clients=parallel_reason)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

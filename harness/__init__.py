@@ -1,9 +1,15 @@
-"""The run harness: what makes a method script a well-behaved program (its files, its lock, its
-signals). Nothing here is a method's numerics: to learn a method, read its file and common.py.
+"""The run harness: what makes a method script a well-behaved program. Nothing here is a
+method's numerics: to learn a method, read its file and common.py.
 
-Importing this package first makes a Ctrl-C during the imports that follow (torch's take seconds)
-end in one line and exit 130 instead of a traceback; common.py calls `started()` once its own
-imports are done, which puts the previous SIGINT handler back.
+    config.py    the command line and the configuration: Method, resolve (method, argv) -> args
+    runner.py    main, run: the held-out domains, checkpoints, --resume, signals, provenance
+    outputs.py   what a run owns (its results, checkpoint and lock) and the rules that guard it
+    progress.py  the progress line on a terminal
+    datasets.py  downloads, fake photo trees, data.py's command line
+
+Importing this package first makes a Ctrl-C during the imports that follow (torch's take
+seconds) end in one line and exit 130 instead of a traceback; once they are done, `started()`
+puts the previous SIGINT handler back.
 """
 
 import os
@@ -35,3 +41,9 @@ def started():
 
 
 starting()
+
+from harness.config import Method, resolve  # noqa: E402  (after starting(): they load torch)
+from harness.runner import main, run  # noqa: E402
+
+__all__ = ["Method", "resolve", "main", "run", "starting", "started"]
+started()

@@ -1,0 +1,418 @@
+"""A run's arguments, resolved once: the shared flags and their defaults, each method's own, and
+`resolve`, the one function that turns (method, argv) into the arguments a run uses (the method
+scripts, benchmark/, flower/ and the tests all call it).
+
+Where a value comes from, first that applies:
+  1. the command line;
+  2. the method's `derive(args)`: flags whose value follows from other flags (FedLOE's rounds from
+     its stages, FedIPG's λ from the model), for the flags the command line leaves unset;
+  3. the method's table of defaults for the dataset (Method.defaults[dataset]), then for every
+     dataset (Method.defaults["*"]);
+  4. the shared table below, per dataset (its sources: docs/protocol.md);
+  5. once the data is loaded, `after_load`: the counts of clients that follow from the data.
+A method's `check(args, given)` then validates and never fills in a value.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import common
+import data
+from data import UserError
+
+# One table per dataset (the sources: docs/protocol.md): FedIIR's Table 3 for the DG benchmarks,
+# FedOMG's Table 1 for label skew, PerInvFL's Table 6 with IRM's ColoredMNIST MLP (full batch,
+# last round) for RC-MNIST. sample "all": every client in every round.
+_ALL = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
+            eval_every=10, alpha=0.1, head="linear", select="val", p_test=0.1)
+_FL = dict(_ALL, model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100,
+           sample=20)
+_RC = dict(_ALL, model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3,
+           clients=4, sample=4, rounds=500, eval_every=50, select="last")
+_PHOTO = dict(_ALL, model="resnet18", lr=1e-3, batch_size=32, head="mlp")
+DEFAULTS = {
+    "rmnist": dict(_ALL, model="convnet", lr=1e-2, batch_size=64),
+    "vlcs": _PHOTO, "pacs": dict(_PHOTO, lr=2.5e-3), "officehome": dict(_PHOTO, model="resnet50"),
+    "synthetic": dict(_ALL, model="smallconv", lr=5e-2, batch_size=32),
+    "stained": dict(_ALL, model="mlp", lr=0.1, batch_size=64, sample="all"),  # FedIPG VI-C
+    "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL, "rcmnist": _RC, "rcfmnist": _RC,
+    "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
+}
+STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}   # Section VI-C: P, per client
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method script as the harness runs it. The core's contract (docs/protocol.md): its round,
+    round(t, model, fed, args, state, ctx) -> {client id: mean loss}, its init_state and its
+    evaluation. Its configuration: add_args(p) declares its flags (with their help, no defaults);
+    defaults holds every default of its own ({"*": every dataset, dataset: where it differs},
+    also of a shared flag it sets otherwise); derive(args) -> {flag: value} the values that follow
+    from other flags; check(args, given) refuses bad values (given: the flags the command line
+    set). parallel: whether its clients can train at once: a bool, or a function of args giving
+    None where they can, else the reason (a phrase). A variant is dataclasses.replace(METHOD, ...)
+    (benchmark/ swaps a round this way)."""
+    name: str
+    doc: str
+    round: Callable
+    init_state: Callable = None
+    evaluate: Callable = common.evaluate_global
+    add_args: Callable = None
+    defaults: dict = field(default_factory=dict)
+    derive: Callable = None
+    check: Callable = None
+    parallel: object = False
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def finite(text):
+    """The type of every float flag: a finite number (nan and inf are refused when parsing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def count_or_all(text):
+    """The type of --sample: a number of clients, or 'all'."""
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number or 'all', got {text!r}") from None
+
+
+def parser(method):
+    """The command line of `method`: the dataset's and its protocol's flags, training's, the run's,
+    then the method's own; every help ends with its default for rmnist (help_defaults)."""
+    p = Parser(prog=f"{method.name}.py",
+               description=" ".join(method.doc.strip().split("\n\n")[0].split()))
+    a = p.add_argument
+    a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
+    a("--data-root", default=None, help="dataset folder; none: the MNIST family reads the "
+      "embedded 5,000 digits (the others need one: python data.py --help)")
+    a("--test-domain", default="all",
+      help="held-out domain: 'all' (each in turn), a name or an index")
+    a("--clients", type=int, default=None, help="number of clients P")
+    a("--client-size", type=int, default=None,
+      help="stained only: examples per client, from the pooled combinations")
+    a("--sample", type=count_or_all, default=None, help="clients per round C ('all': every one)")
+    a("--alpha", type=finite, default=None,
+      help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
+    a("--p-test", type=finite, default=None,
+      help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
+    a("--no-rotation", action="store_true", help="rcmnist / rcfmnist: the same four clients and "
+      "colour laws without the rotation by 90·i degrees")
+    a("--stain", default="fg", choices=["fg", "bg", "both"],
+      help="stained MNIST: foreground, background or both")
+    a("--rounds", type=int, default=None, help="communication rounds T")
+    a("--local-epochs", type=int, default=None, help="local epochs per round")
+    a("--batch-size", type=int, default=None, help="local batch size")
+    a("--lr", type=finite, default=None, help="local learning rate")
+    a("--momentum", type=finite, default=None, help="local SGD momentum")
+    a("--weight-decay", type=finite, default=None, help="local SGD weight decay")
+    a("--global-lr", type=finite, default=None, help="server step size eta_g")
+    a("--select", default=None, choices=["val", "last"],
+      help="report the best validation round, or the last")
+    a("--model", default=None,
+      choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"], help="featurizer")
+    a("--head", default=None, choices=["linear", "mlp"], help="classifier")
+    a("--no-pretrained", action="store_true", help="ResNets from random weights: no ImageNet "
+      "download (needed offline; the accuracies are then far lower)")
+    a("--eval-every", type=int, default=None,
+      help="evaluate (and checkpoint) every this many rounds")
+    a("--seed", type=int, default=0,
+      help="seeds the data split, the initialisation, the client sampling, the batches")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"],
+      help="auto: cuda if one is visible, else cpu")
+    a("--amp", action="store_true", help="bf16 autocast (CUDA only); without it CUDA computes in "
+      "IEEE fp32 (TF32 off for matrix products and convolutions)")
+    a("--nondeterministic", action="store_true", help="CUDA: let cuDNN and cuBLAS pick their "
+      "fastest kernels; two runs then differ (README: GPU)")
+    a("--parallel-clients", default="auto", choices=["auto", "on", "off"], help="train the "
+      "sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
+    a("--compile", action="store_true", help="torch.compile the step of the clients trained at "
+      "once, on all of them while any trains (CUDA: a CUDA graph); other floats than the eager "
+      "step's (docs/gpu-and-speed.md)")
+    a("--out", default=None, help="results JSON, default results/<method>-<dataset>-<test "
+      "domain>-seed<seed>-<digest of the other arguments>.json; the checkpoint is <out>.ckpt "
+      "(docs/results-format.md)")
+    a("--resume", action="store_true", help="continue from <out>.ckpt (refused without one); "
+      "with --overwrite: continue an interrupted replacement (<out>.next.ckpt)")
+    a("--overwrite", action="store_true", help="replace a complete result, or an interrupted "
+      "run, at --out, once the new run completes (refused without it)")
+    a("--allow-code-change", action="store_true", help="--resume a checkpoint made with other "
+      "code (refused without it); the result then records both versions of the code and says it "
+      "is mixed")
+    a("--checkpoint-minutes", type=finite, default=5.0,
+      help="a checkpoint at least this often while training, besides each evaluation's")
+    if method.add_args:
+        method.add_args(p)
+    help_defaults(p, method)
+    return p
+
+
+def table(method, dataset):
+    """The defaults for `dataset`: the method's for it, else the method's for every dataset, else
+    the shared table's."""
+    own = method.defaults
+    return {**DEFAULTS.get(dataset, {}), **own.get("*", {}), **own.get(dataset, {})}
+
+
+def help_defaults(p, method):
+    """Every flag's help ends with its default: the flag's own, or the one rmnist (the default
+    --dataset) takes (docs/protocol.md and the method's page give every dataset's), unless it
+    speaks of its default already. The method's own float flags become `finite` too."""
+    base = {a.dest: a.default for a in p._actions if a.dest != "help"}
+    values = {**base, **table(method, "rmnist"), "dataset": "rmnist"}
+    if method.derive:
+        values.update(method.derive(argparse.Namespace(**values)))
+    for act in p._actions:
+        act.type = finite if act.type is float else act.type
+        if act.nargs == 0 or not act.option_strings or not act.help or act.default == "" \
+                or "default" in act.help.lower():
+            continue
+        value, where = (act.default, "") if act.default is not None else \
+            (values[act.dest], " for rmnist") if act.dest in values else \
+            ("per dataset, see docs/protocol.md", "")
+        value = f"none: set by {method.name}" if value is None else value
+        act.help += f" (default{where}: {value})".replace("%", "%%")
+    p.epilog = ("Defaults for --dataset rmnist; those of every dataset: docs/protocol.md and the "
+                "method's page in docs/.")
+
+
+def resolve(method, argv=None):
+    """The arguments of a run of `method` with the command line argv (default: sys.argv[1:]):
+    every flag filled (the module's docstring says from where), bad values refused in one line
+    (UserError) before any work, --parallel-clients and --out settled. A flag the data decides
+    (the counts of clients) is settled by after_load."""
+    args = parser(method).parse_args(sys.argv[1:] if argv is None else argv)
+    given = {k for k, v in vars(args).items() if v is not None}
+    if args.dataset not in data.NAMES:
+        raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
+    for k, v in table(method, args.dataset).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    derived = method.derive(args) if method.derive else {}
+    for k, v in derived.items():
+        if k not in given:
+            setattr(args, k, v)
+    check_data_args(args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = lambda k: k in given or k not in derived          # a derived value: the method checks it
+    positive = ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr")
+    for bad, message in [   # in order: the first that holds is the error
+            (args.out == "", "--out is empty: give a folder or file name, or leave the flag out"),
+            (not 0 <= args.seed < 2 ** 31, f"--seed must be in [0, 2**31), got {args.seed}"),
+            *[(not getattr(args, k) > 0, f"--{k.replace('_', '-')} must be positive, got "
+               f"{getattr(args, k)}") for k in positive if ours(k)],
+            (ours("momentum") and not 0 <= args.momentum < 1,
+             f"--momentum must be in [0, 1), got {args.momentum}"),
+            (args.weight_decay < 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+            (args.device == "cuda" and not torch.cuda.is_available(),
+             "--device cuda: no CUDA device is visible"),
+            (args.amp and args.device != "cuda", "--amp needs a CUDA device"),
+            (not args.checkpoint_minutes > 0,
+             f"--checkpoint-minutes must be positive, got {args.checkpoint_minutes}")]:
+        if bad:
+            raise UserError(message)
+    if method.check:
+        method.check(args, given)
+    check_parallel(args, method)
+    args.out = os.path.normpath(args.out or default_out(method.name, args))
+    return args
+
+
+def check_data_args(args):
+    """Refuse, before any work, a value of the dataset's flags that no dataset could take, or one
+    given to a dataset it does not apply to (the counts of clients: after_load)."""
+    positive = [(getattr(args, k) is not None and not getattr(args, k) > 0,
+                 f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+                for k in ("clients", "client_size", "alpha")]   # None: settled by after_load
+    for bad, message in [   # in order: the first that holds is the error
+            (args.data_root == "",
+             "--data-root is empty: give a folder or file name, or leave the flag out"),
+            *positive,
+            (args.client_size is not None and args.dataset != "stained",
+             f"--client-size applies to stained only, not {args.dataset}"),
+            (args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"),
+             f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}"),
+            (not 0 <= args.p_test <= 1, f"--p-test must be in [0, 1], got {args.p_test}")]:
+        if bad:
+            raise UserError(message)
+
+
+def parallel(args):
+    """--parallel-clients: 'auto' is on for CUDA except for the photos and ResNets, off on the
+    CPU."""
+    return args.parallel_clients == "on" or (
+        args.parallel_clients == "auto" and str(args.device).startswith("cuda")
+        and args.dataset not in data.PHOTOS and not args.model.startswith("resnet"))
+
+
+def check_parallel(args, method):
+    """Refuse --parallel-clients on where it cannot apply and record what 'auto' chose
+    (method.parallel: a bool, or a function of args giving None where it applies, else the
+    reason)."""
+    supported = method.parallel
+    reason = supported(args) if callable(supported) else None if supported else \
+        "trains its clients one after another (its local loss is not written with torch.func)"
+    supported = reason is None
+    if args.parallel_clients == "on" and not supported:
+        raise UserError(f"--parallel-clients on: {method.name} {reason}; use off")
+    if args.parallel_clients == "on" and args.dataset in data.PHOTOS:
+        raise UserError(f"--parallel-clients on: not for {args.dataset} (each client's "
+                        f"augmentation draws from its own stream, and a ResNet fills a GPU "
+                        f"alone); use off")
+    args.parallel_clients = "on" if supported and parallel(args) else "off"
+    if getattr(args, "compile", False) and args.parallel_clients == "off":   # the stacked step
+        raise UserError(f"--compile: {method.name} {reason}, and --compile compiles the step of "
+                        f"clients trained at once" if reason else "--compile compiles the step "
+                        "of the clients trained at once: add --parallel-clients on (the default "
+                        "on CUDA)")
+
+
+NOT_IN_THE_NAME = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes",
+                   "data_root", "dataset", "test_domain", "seed")
+
+
+def default_out(method, args):
+    """results/<method>-<dataset>-<test domain>-seed<seed>-<digest>.json: every choice of the
+    command line that names another experiment, the resolved arguments other than those four as
+    a digest of their values."""
+    rest = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_IN_THE_NAME}
+    digest = hashlib.sha256(json.dumps(rest, default=str).encode()).hexdigest()[:8]
+    test = re.sub(r"[^\w.+-]", "_", str(args.test_domain))
+    return f"results/{method}-{args.dataset}-{test}-seed{args.seed}-{digest}.json"
+
+
+# ------------------------------------------------------------- once the data is loaded
+
+def after_load(args, ds):
+    """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once
+    --clients and --sample are settled and checked ('all': every client). Leave-one-domain-out:
+    a --clients that leaves a client fewer training examples than one minibatch of --batch-size
+    after its validation hold-out (data.federate: Algorithm 2's chunks of floor(n / k)) is
+    refused, naming the most clients the data allows, for every held-out domain to be run. A
+    --batch-size at least the largest training domain, which no client can fill, asks for
+    full-batch steps (PerInvFL's line 9 at once): then a client needs a training and a
+    validation example only."""
+    M, names, pick = len(ds.domains), [d.name for d in ds.domains], args.test_domain
+    if ds.protocol == "clients":
+        if pick != "all":
+            raise UserError(f"--test-domain does not apply to {ds.name}: its clients have their "
+                            f"own test sets")
+        if args.clients != M:
+            raise UserError(f"--clients {args.clients} does not match the {M} clients of the "
+                            f"split")
+        todo, n_train = [None], M
+    else:
+        todo = list(range(M)) if pick == "all" else [names.index(pick)] if pick in names else \
+            [int(pick)] if pick.lstrip("-").isdigit() and 0 <= int(pick) < M else None
+        if todo is None:
+            raise UserError(f"unknown test domain {pick!r} for {ds.name}; choose 'all', "
+                            f"one of {', '.join(names)} or an index 0..{M - 1}")
+        n_train = M - 1
+    if args.dataset == "stained":
+        stained_clients(args, ds)
+        return todo
+    args.clients = n_train if args.clients is None else args.clients
+    args.sample = min(args.clients, n_train) if args.sample is None else \
+        args.clients if args.sample == "all" else args.sample
+    if args.clients < n_train:
+        raise UserError(f"--clients {args.clients} is below the {n_train} training domains (a "
+                        f"client never mixes domains)")
+    if not 1 <= args.sample <= args.clients:
+        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got "
+                        f"{args.sample}")
+    if ds.protocol == "lodo":
+        enough_clients(args, ds, todo)
+    return todo
+
+
+def enough_clients(args, ds, todo):
+    """Leave-one-domain-out: the most clients of >= `least` examples each, testing on each domain
+    to be run; refused in one line where --clients or --batch-size asks for more."""
+    B = args.batch_size
+    sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
+    least = {test: 2 if B >= max(n) else data.least_examples(B) for test, n in sizes.items()}
+    top = {test: sum(data.split_counts(n, min(args.clients, sum(n) // least[test] + 1),
+                                       least[test]))
+           if min(n) >= least[test] else 0 for test, n in sizes.items()}
+    test = min(todo, key=top.get)                      # the held-out domain that allows fewest
+    where = f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of " \
+        f"{ds.name}"
+    if args.clients > top[test] and least[test] == 2:
+        raise UserError(f"--clients {args.clients} leaves clients without a training and a "
+                        f"validation example: {where} hold {sum(sizes[test]):,} examples, enough "
+                        f"for at most {top[test]:,} clients (Algorithm 2 cuts each domain into "
+                        f"equal chunks of at least 2)")
+    if top[test] == 0:    # not even one client per training domain holds a minibatch
+        fits = min(n - data.val_count(n) for ns in sizes.values() for n in ns)
+        small = min(sizes[test])
+        raise UserError(f"--batch-size {B} is more than a client can hold: {where} include one "
+                        f"of {small:,} examples, {small - data.val_count(small):,} for training "
+                        f"after its validation hold-out; use --batch-size {fits:,} at most (or at "
+                        f"least {max(max(n) for n in sizes.values()):,}, above every training "
+                        f"domain: full-batch steps)")
+    if args.clients > top[test]:
+        raise UserError(f"--clients {args.clients} leaves clients fewer training examples than "
+                        f"one minibatch (--batch-size {B}): {where} hold {sum(sizes[test]):,} "
+                        f"examples, enough for at most {top[test]:,} clients (Algorithm 2's equal "
+                        f"chunks of a domain need {least[test]:,} examples each: {B:,} to train "
+                        f"on, the rest for validation)")
+
+
+def stained_clients(args, ds):
+    """Stained MNIST's clients (Section VI-C): --clients x --client-size, defaults by --stain
+    (STAINED), drawn from the nine pooled training combinations; a default size shrinks to fit
+    the pool (a note says so), every client is sampled unless --sample says otherwise
+    (docs/protocol.md); as in after_load, a client must hold one full minibatch of --batch-size
+    for training, unless the batch is at least the pool (full-batch steps)."""
+    P0, n0 = STAINED[args.stain]
+    args.clients = P0 if args.clients is None else args.clients
+    args.sample = args.clients if args.sample in (None, "all") else args.sample
+    pool = sum(len(d.y) for d in ds.domains) - max(len(d.y) for d in ds.domains)
+    if args.clients < 1:
+        raise UserError(f"--clients must be positive, got {args.clients}")
+    if args.client_size is None:
+        args.client_size = min(n0, pool // args.clients)
+        if args.client_size < n0:
+            print(f"note: stained {args.stain}: {args.clients} clients x {n0:,} examples exceed "
+                  f"the {pool:,} of the nine training combinations; each client gets {pool:,} "
+                  f"// {args.clients} = {args.client_size:,}")
+    elif args.clients * args.client_size > pool:
+        raise UserError(f"--client-size {args.client_size} x --clients {args.clients} exceeds "
+                        f"the {pool:,} examples of the nine training combinations (at most "
+                        f"{pool // args.clients:,} per client)")
+    if args.client_size < 2:
+        raise UserError(f"{args.clients} clients leave {args.client_size} example(s) each: too "
+                        f"few for a training and a validation split; use fewer --clients")
+    least = data.least_examples(args.batch_size)   # one full minibatch, unless none can fill one
+    if args.client_size < least and args.batch_size < pool:
+        left = args.client_size - data.val_count(args.client_size)
+        raise UserError(f"{args.clients} clients x {args.client_size:,} examples leave a client "
+                        f"{left:,} for training after its validation hold-out, fewer than one "
+                        f"minibatch (--batch-size {args.batch_size}): a client needs {least:,}, "
+                        f"and the {pool:,} examples of the nine training combinations allow at "
+                        f"most {pool // least:,} clients")
+    if not 1 <= args.sample <= args.clients:
+        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got "
+                        f"{args.sample}")

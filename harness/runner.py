@@ -1,0 +1,434 @@
+"""A run of a method script: over the held-out domains, with checkpoints and --resume, signals,
+results files, provenance and progress. Nothing here is a method's numerics: each round is the
+method's, and the loop over rounds is common.train.
+
+    main(method, argv)        the script's entry: resolve, claim --out, run; errors in one line
+    run(method, args, ...)    load the data, then every held-out domain (train_domain)
+
+Extension by parameters (benchmark/, flower/): run's engine (on_clients' engine: Flower's nodes),
+after_round (called after every round with (t, model, state, ctx)), model_fn (a stand-in for
+common.global_model); a swapped plain function: dataclasses.replace(method, round=...).
+"""
+import hashlib
+import inspect
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import common
+import data
+from common import NonFinite
+from data import UserError
+from harness import outputs
+from harness.config import after_load, resolve
+from harness.progress import Progress
+
+HERE = Path(__file__).resolve().parent.parent       # the project: the method files, common.py
+
+
+def main(method, argv=None):
+    """The entry point of every method script: bad input -> one line on stderr and exit 2, a
+    non-finite loss or server quantity -> exit 1, SIGINT / SIGTERM -> saved after the round,
+    exit 128 + the signal."""
+    plan, handlers, name = None, {}, method.name
+
+    def how():                   # how to continue, and what stays meanwhile
+        if plan is None or not plan.write.exists():
+            return "nothing was saved" + ("; the older result and checkpoint are as they were"
+                                          if plan is not None and plan.replacing else "")
+        if plan.replacing:
+            return (f"its checkpoint: {plan.write}; the older result and checkpoint at "
+                    f"{plan.files.out} stay as they were; continue the replacement with the same "
+                    f"arguments and --overwrite --resume")
+        return f"its checkpoint: {plan.write}; continue with the same arguments and --resume"
+    try:
+        argv = sys.argv[1:] if argv is None else argv
+        args = resolve(method, argv)
+        with outputs.claim(args.out, args.resume, args.overwrite) as plan:
+            if threading.current_thread() is threading.main_thread():   # after the round
+                STOP.signal = None
+                handlers = {s: signal.signal(s, stop_after_the_round)
+                            for s in (signal.SIGINT, signal.SIGTERM)}
+            return run(method, args, argv, plan=plan)
+    except (UserError, NonFinite) as e:
+        print(f"{name}.py: error: {e}", file=sys.stderr)
+        sys.exit(1 if isinstance(e, NonFinite) else 2)
+    except Stopped as e:
+        print(f"{name}.py: stopped by {signal.Signals(e.signum).name} after round {e.t} (testing "
+              f"on {e.domain}); {how()}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        print(f"\n{name}.py: interrupted; {how()}", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def run(method, args, argv=None, engine=None, plan=None, after_round=None, model_fn=None):
+    """Load, then for every held-out domain: federate and train_domain; results JSON and
+    checkpoint. args: resolve's; argv: the command line, recorded in the provenance; engine:
+    on_clients' (default: one_by_one, or all_at_once with --parallel-clients on); plan: what to
+    do with --out's files (harness/outputs.py, claim; None: continue <out>.ckpt with --resume,
+    and write it); after_round(t, model, state, ctx): called after every round; model_fn(args,
+    ds, device): the initial model (default common.global_model)."""
+    name = method.name
+    if plan is None:
+        files = outputs.Files(args.out)
+        plan = outputs.Plan(files, read=files.ckpt if args.resume and files.ckpt.exists()
+                            else None, write=files.ckpt)
+    common.set_deterministic(not args.nondeterministic)   # before anything meets CUDA
+    ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100,
+                   alpha=args.alpha, p_test=args.p_test, stain=args.stain,
+                   rotation=not args.no_rotation)
+    print(f"data: {ds.source}\ndata: {data.counts(ds)}", flush=True)
+    todo = after_load(args, ds)
+    device, ckpt_path = torch.device(args.device), str(plan.write)
+    code = code_files(method.round)
+    blob = load_checkpoint(plan.read, args, name, code) if plan.read is not None else None
+    if blob is not None and not plan.replacing and outputs.complete(args.out):
+        print(f"{args.out} is complete, and its checkpoint was made with these arguments: "
+              f"nothing to continue")
+        return outputs.read_result(args.out)
+    command = sys.argv[1:] if argv is None else argv
+    results = {"method": name, "dataset": args.dataset, "seed": args.seed, "args": vars(args),
+               "source": ds.source, "protocol": ds.protocol, "domains": {},
+               "mean_test_acc": None, "complete": False,
+               "provenance": provenance(name, command, device,
+                                        (args.out, plan.files.ckpt, plan.files.next))}
+    made = {k: results["provenance"][k] for k in ("commit", "dirty")}
+    versions = blob.get("code", []) if blob is not None else []
+    if not versions or versions[-1].get("files") != code:
+        versions = versions + [dict(made, files=code)]
+    results["provenance"]["code"] = code
+    if len(versions) > 1:       # --allow-code-change: both versions recorded, the result mixed
+        results["provenance"]["mixed_code"] = versions
+        print(f"note: continuing under other code than {plan.read} was made with; the result "
+              f"records both (provenance: mixed_code)")
+    if blob is not None:
+        results["domains"] = blob["finished"]
+        print(f"resuming from {plan.read}: {len(blob['finished'])} domain(s) done, "
+              f"'{blob['domain']}' at round {blob['round']}")
+    print(f"{name} on {args.dataset}: {args.clients} clients, {args.sample} per round, "
+          f"{args.rounds} rounds, {args.local_epochs} local epoch(s), lr {args.lr}, batch "
+          f"{args.batch_size}, device {device}")
+    own = {"method": name, "code": versions}
+    hooks = dict(engine=engine, after_round=after_round, model_fn=model_fn)
+    for k, test in enumerate(todo):
+        if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
+            continue                                            # finished before a --resume
+        fed = data.federate_fixed(ds, args.seed, device) if test is None else \
+            data.federate(ds, test, args.clients, args.seed, device,
+                          client_size=getattr(args, "client_size", None))
+        resume = blob if blob is not None and blob["domain"] == fed.name else None
+        try:
+            with Progress():
+                results["domains"][fed.name] = train_domain(
+                    method, args, ds, fed, resume, results, ckpt_path, len(todo) - k - 1, own,
+                    **hooks)
+        except NonFinite as e:   # name only the files this run wrote (or resumed from)
+            done = bool(results["domains"])                 # finished here, or before --resume
+            kept = [f"the last good checkpoint ({ckpt_path})"] * (blob is not None or done
+                                                                   or e.saved) + \
+                [f"the results of the finished test domains ({args.out})"] * \
+                (done and not plan.replacing)
+            said = " and ".join(kept) + (" are kept" if len(kept) > 1 else " is kept")
+            raise NonFinite(f"{e}; stopped; " + (said if kept else "nothing of this run was "
+                                                 "saved")) from None
+        if not plan.replacing:       # an --overwrite writes --out once complete, not before
+            outputs.write_json(args.out, with_mean(results))
+    results["complete"] = True                                  # every held-out domain is done
+    outputs.finish(plan, with_mean(results))
+    print_table(results)
+    print(f"results: {args.out}")
+    if plan.files.ckpt.exists():    # the only copy of the trained model: said what deleting loses
+        print(f"checkpoint: {plan.files.ckpt} ({size(plan.files.ckpt)}): the final model and the "
+              f"method's state, the only copy of the trained model; deleting it loses the model, "
+              f"not the results")
+    return results
+
+
+def with_mean(results):
+    accs = [r["test_acc"] for r in results["domains"].values()]
+    results["mean_test_acc"] = sum(accs) / len(accs)
+    return results
+
+
+def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, own=None,
+                 engine=None, after_round=None, model_fn=None):
+    """common.train on one federation, the best evaluation kept, a checkpoint at each evaluation
+    and every --checkpoint-minutes between them; a stop signal ends it after its round's
+    checkpoint (Stopped)."""
+    model, state, ctx, start, history, best, spent, losses = start_domain(
+        args, ds, fed, method.init_state, resume, engine, model_fn)
+    pace, saved, saved_at = Pace(start, spent, args.rounds, remaining), resume is not None, \
+        time.monotonic()
+
+    def checkpoint(t):
+        nonlocal saved, saved_at
+        save_checkpoint(ckpt_path, {**(own or {}), "args": identity(args),
+                                    "finished": results["domains"], "domain": fed.name,
+                                    "round": t, "model": model.state_dict(), "state": state,
+                                    "losses": losses, "sampler": ctx.sampler.get_state(),
+                                    "torch_rng": torch.get_rng_state(), "history": history,
+                                    "best": best, "seconds": pace.seconds(ctx.device)})
+        saved, saved_at = True, time.monotonic()
+    rounds = common.train(method.round, model, fed, args, state, ctx, method.evaluate, start)
+    while True:
+        try:
+            t, loss, scores = next(rounds)
+        except StopIteration:
+            break
+        except NonFinite as e:
+            e.saved = e.saved or saved
+            raise
+        losses.append(loss)
+        if after_round:
+            after_round(t, model, state, ctx)
+        if scores is None:
+            if STOP.signal or time.monotonic() - saved_at > 60 * args.checkpoint_minutes:
+                checkpoint(t)                           # (the losses since the last evaluation too)
+            if STOP.signal:
+                raise Stopped(STOP.signal, ckpt_path, fed.name, t)
+            if isinstance(sys.stdout, Progress):        # a terminal: a line the next overwrites
+                sys.stdout.show(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | "
+                                f"{pace(t)}")
+            continue
+        val, test, per, *more = scores
+        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global's)
+        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses),
+               "seconds": pace.seconds(ctx.device), **extra}
+        history.append(row)
+        if best is None or val > best["val_acc"] or args.select == "last":
+            best = dict(row, per_test=per)
+        shown = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
+        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{shown} | mean loss "
+              f"(rounds {t - len(losses) + 1}-{t}) {row['loss']:.4f} | {pace(t)}", flush=True)
+        losses = []
+        checkpoint(t)
+        if STOP.signal and t < args.rounds:
+            raise Stopped(STOP.signal, ckpt_path, fed.name, t)
+    return domain_result(ds, fed, history, best)
+
+
+def start_domain(args, ds, fed, init_state, resume=None, engine=None, model_fn=None):
+    """The initial model (seeded), the method's state and the domain's random streams (fixed by
+    the seed), then a checkpoint's (resume): (model, state, ctx, next round, history, best,
+    seconds spent, round losses since the last evaluation)."""
+    device = torch.device(args.device)
+    model = (model_fn or common.global_model)(args, ds, device)
+    ctx = common.make_context(args, fed, model, engine)
+    state = init_state(model, fed, args, ctx) if init_state else {}
+    print(f"-- test domain {fed.name}: {len(fed.clients)} clients, "
+          f"{sum(c.n for c in fed.clients):,} training / {len(fed.val_y):,} validation / "
+          f"{len(fed.test_y):,} test examples")
+    start = (model, state, ctx, 1, [], None, 0.0, [])
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        ctx.sampler.set_state(resume["sampler"])
+        torch.set_rng_state(resume["torch_rng"])
+        state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
+        start = (model, state, ctx, resume["round"] + 1, resume["history"], resume["best"],
+                 resume["seconds"], resume.get("losses", []))
+    ctx.clients = state.setdefault("clients", {})   # the clients' own states (Flower: the nodes')
+    return start
+
+
+# -------------------------------------------------------------------------------- signals
+
+class Stopped(Exception):
+    """A SIGINT or SIGTERM honoured after a round, its checkpoint written: exit 128 + signal."""
+
+    def __init__(self, signum, path, domain, t):
+        super().__init__(signum)
+        self.signum, self.path, self.domain, self.t = signum, path, domain, t
+
+
+class STOP:
+    """The stop signal received while training (None: none): the round under way finishes and
+    is saved."""
+    signal = None
+
+
+def stop_after_the_round(signum, frame):
+    if STOP.signal is not None:         # a second one: at once (the last checkpoint stays)
+        raise KeyboardInterrupt
+    STOP.signal = signum
+    print(f"\n{signal.Signals(signum).name}: stopping after this round and its checkpoint "
+          f"(again: at once)", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- progress and results
+
+class Pace:
+    """Seconds spent on a domain (counting those before a --resume), and the pace and ETA of a
+    round."""
+
+    def __init__(self, start, spent, rounds, remaining):
+        self.start, self.spent, self.rounds, self.remaining = start, spent, rounds, remaining
+        self.t0 = time.perf_counter()
+
+    def seconds(self, device):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return self.spent + time.perf_counter() - self.t0
+
+    def __call__(self, t):
+        rate = (time.perf_counter() - self.t0) / (t - self.start + 1)
+        s = int(rate * (self.rounds - t + self.remaining * self.rounds))   # the ETA in seconds
+        eta = f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+        return f"{rate:.2f} s/round | ETA {eta}"
+
+
+def domain_result(ds, fed, history, best):
+    skip = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
+    out = {"test_acc": best["test_acc"], "val_acc": best["val_acc"], "best_round": best["round"],
+           "train_examples": sum(c.n for c in fed.clients),
+           "last_test_acc": history[-1]["test_acc"], "history": history,
+           **{k: v for k, v in best.items() if k not in skip}}    # and a method's extra numbers
+    if ds.protocol == "clients":
+        out["per_client_test_acc"] = dict(zip(fed.test_names, best["per_test"]))
+    return out
+
+
+def print_table(results):
+    rows, width = results["domains"], max([11] + [len(k) for k in results["domains"]])
+    sel = "(last)" if results["args"].get("select") == "last" else "(best val)"
+    print(f"\n{'test domain':<{width}}  test acc {sel:<10}  last round  best round")
+    for name, r in rows.items():
+        print(f"{name:<{width}}  {r['test_acc']:19.4f}  {r['last_test_acc']:10.4f}  "
+              f"{r['best_round']:10d}")
+    if len(rows) > 1:
+        last = sum(r['last_test_acc'] for r in rows.values()) / len(rows)
+        print(f"{'mean':<{width}}  {results['mean_test_acc']:19.4f}  {last:10.4f}")
+
+
+def size(path):
+    n = os.path.getsize(path)
+    return next(f"{n / 1024 ** k:.0f} {unit}"
+                for k, unit in ((3, "GB"), (2, "MB"), (1, "kB"), (0, "bytes"))
+                if n >= 1024 ** k or k == 0)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+def save_checkpoint(path, blob):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def code_files(round_fn):
+    """The code a run's numbers come from: the method's file, common.py and data.py, by a digest
+    each."""
+    method_file = Path(inspect.getfile(getattr(round_fn, "func", round_fn))).resolve()  # (partial)
+    files = {method_file, HERE / "common.py", HERE / "data.py"}
+    return {os.path.relpath(f, HERE): hashlib.sha256(f.read_bytes()).hexdigest()[:12]
+            for f in sorted(files)}
+
+
+def load_checkpoint(path, args, method=None, code=None):
+    """The checkpoint at `path`, refused in one line where it cannot continue this run:
+    unreadable, made by another method, with other arguments, or (unless --allow-code-change)
+    with other code. `code`: this run's code_files."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        saved = blob["args"]
+    except Exception as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: truncated, or not a "
+                        f"checkpoint): --overwrite starts the run again and replaces it once "
+                        f"complete") from None
+    if "gen" in blob:    # one minibatch stream shared by all clients: the code before 3c1e8ca
+        raise UserError(f"--resume: {path} was made when the clients shared one random stream; "
+                        f"this code gives each client its own, so that run cannot be continued: "
+                        f"start it again with --overwrite")
+    if method and blob.get("method", method) != method:
+        raise UserError(f"--resume: {path} is {blob['method']}'s checkpoint, not {method}'s; "
+                        f"give {blob['method']}.py the same arguments, or another --out")
+    now = identity(args)
+    diff = sorted(k for k in set(saved) | set(now)
+                  if saved.get(k) != now.get(k) and k != "data_root")
+    if diff:
+        raise UserError(f"--resume: {path} was made with other arguments ("
+                        + ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff)
+                        + ")")
+    if code is not None:
+        made = blob.get("code", [{}])[-1]
+        files = made.get("files", {})
+        changed = sorted(k for k in set(files) | set(code) if files.get(k) != code.get(k))
+        if changed and not args.allow_code_change:
+            what = (f"{', '.join(changed)} changed since (commit {made.get('commit') or '?'}"
+                    f"{', dirty' if made.get('dirty') else ''})") if made else \
+                "it was made before checkpoints recorded their code"
+            raise UserError(f"--resume: {path} was made with other code: {what}; "
+                            f"--allow-code-change continues it anyway, the result then recorded "
+                            f"as mixed code")
+    return blob
+
+
+def to_device(obj, device):
+    """A method's state (tensors in dicts and lists) moved to `device`."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return type(obj)(to_device(v, device) for v in obj) if isinstance(obj, (list, tuple)) \
+        else obj
+
+
+def identity(args):
+    """The arguments that decide the numbers of a run (not --resume, --overwrite,
+    --allow-code-change, --out, --checkpoint-minutes)."""
+    return {k: v for k, v in vars(args).items()
+            if k not in ("resume", "overwrite", "allow_code_change", "out", "checkpoint_minutes")}
+
+
+# ------------------------------------------------------------------------------ provenance
+
+def device_name(device):
+    """The device by name: the GPU's, or the CPU model's (Linux: /proc/cpuinfo)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def provenance(method, argv, device, own=()):
+    """What a reader needs to redo a result: the versions, the device by name, the commit of this
+    checkout (and whether tracked files other than the run's own outputs `own` differ from it;
+    none outside git, or where this project is not the top of its git work tree: a copy inside
+    another repository, whose commit says nothing of it), the command line, and the streams the
+    clients drew from (each its own: common.stream)."""
+    commit = dirty = None
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", str(HERE), *a], capture_output=True,
+                                        text=True, timeout=10)
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == HERE:
+            commit = git("rev-parse", "HEAD").stdout.strip() or None
+            status = git("status", "--porcelain", "-z", "-uno").stdout.split("\0")
+            changed = {HERE / c[3:] for c in status if c}
+            dirty = commit and bool(changed - {Path(o).resolve() for o in own})   # not the code
+    except (OSError, subprocess.SubprocessError):
+        pass
+    import numpy
+    return {"command": shlex.join(["python", f"{method}.py", *argv]), "commit": commit,
+            "dirty": dirty, "date": time.strftime("%Y-%m-%d"), "device": device_name(device),
+            "torch": torch.__version__, "numpy": numpy.__version__,
+            "python": platform.python_version(), "streams": "per client"}
