@@ -305,6 +305,13 @@ def default_out(method, args):
 
 # ------------------------------------------------------------- once the data is loaded
 
+def load_data(args, load=None):
+    """The dataset of a run (load: data.load's stand-in, e.g. a cached one)."""
+    return (load or data.load)(args.dataset, args.data_root, args.seed,
+                               clients=args.clients or 100, alpha=args.alpha, p_test=args.p_test,
+                               stain=args.stain, rotation=not args.no_rotation)
+
+
 def after_load(args, ds):
     """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once
     --clients and --sample are settled and checked ('all': every client). Leave-one-domain-out:

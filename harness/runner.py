@@ -5,9 +5,10 @@ method's, and the loop over rounds is common.train.
     main(method, argv)        the script's entry: resolve, claim --out, run; errors in one line
     run(method, args, ...)    load the data, then every held-out domain (train_domain)
 
-Extension by parameters (benchmark/, flower/): run's engine (on_clients' engine: Flower's nodes),
-after_round (called after every round with (t, model, state, ctx)), model_fn (a stand-in for
-common.global_model); a swapped plain function: dataclasses.replace(method, round=...).
+Extension by parameters (benchmark/, flower/), of run and of main alike: engine (on_clients'
+engine: Flower's nodes), after_round (called after every round with (t, model, state, ctx)),
+model_fn (a stand-in for common.global_model), load (for data.load); a swapped round or state:
+dataclasses.replace(method, round=...), the round written from the method's plain functions.
 """
 import hashlib
 import inspect
@@ -28,16 +29,16 @@ import data
 from common import NonFinite
 from data import UserError
 from harness import outputs
-from harness.config import after_load, resolve
+from harness.config import after_load, load_data, resolve
 from harness.progress import Progress
 
 HERE = Path(__file__).resolve().parent.parent       # the project: the method files, common.py
 
 
-def main(method, argv=None):
+def main(method, argv=None, **hooks):
     """The entry point of every method script: bad input -> one line on stderr and exit 2, a
     non-finite loss or server quantity -> exit 1, SIGINT / SIGTERM -> saved after the round,
-    exit 128 + the signal."""
+    exit 128 + the signal. hooks: run's (engine, after_round, model_fn, load)."""
     plan, handlers, name = None, {}, method.name
 
     def how():                   # how to continue, and what stays meanwhile
@@ -57,7 +58,7 @@ def main(method, argv=None):
                 STOP.signal = None
                 handlers = {s: signal.signal(s, stop_after_the_round)
                             for s in (signal.SIGINT, signal.SIGTERM)}
-            return run(method, args, argv, plan=plan)
+            return run(method, args, argv, plan=plan, **hooks)
     except (UserError, NonFinite) as e:
         print(f"{name}.py: error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, NonFinite) else 2)
@@ -73,22 +74,21 @@ def main(method, argv=None):
             signal.signal(s, h)
 
 
-def run(method, args, argv=None, engine=None, plan=None, after_round=None, model_fn=None):
+def run(method, args, argv=None, engine=None, plan=None, after_round=None, model_fn=None,
+        load=None):
     """Load, then for every held-out domain: federate and train_domain; results JSON and
     checkpoint. args: resolve's; argv: the command line, recorded in the provenance; engine:
     on_clients' (default: one_by_one, or all_at_once with --parallel-clients on); plan: what to
     do with --out's files (harness/outputs.py, claim; None: continue <out>.ckpt with --resume,
     and write it); after_round(t, model, state, ctx): called after every round; model_fn(args,
-    ds, device): the initial model (default common.global_model)."""
+    ds, device): the initial model (default common.global_model); load: data.load's stand-in."""
     name = method.name
     if plan is None:
         files = outputs.Files(args.out)
         plan = outputs.Plan(files, read=files.ckpt if args.resume and files.ckpt.exists()
                             else None, write=files.ckpt)
     common.set_deterministic(not args.nondeterministic)   # before anything meets CUDA
-    ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100,
-                   alpha=args.alpha, p_test=args.p_test, stain=args.stain,
-                   rotation=not args.no_rotation)
+    ds = load_data(args, load)
     print(f"data: {ds.source}\ndata: {data.counts(ds)}", flush=True)
     todo = after_load(args, ds)
     device, ckpt_path = torch.device(args.device), str(plan.write)
@@ -333,7 +333,8 @@ def save_checkpoint(path, blob):
 def code_files(round_fn):
     """The code a run's numbers come from: the method's file, common.py and data.py, by a digest
     each."""
-    method_file = Path(inspect.getfile(getattr(round_fn, "func", round_fn))).resolve()  # (partial)
+    fn = inspect.unwrap(getattr(round_fn, "func", round_fn))     # (a partial, a wrapped round)
+    method_file = Path(inspect.getfile(fn)).resolve()
     files = {method_file, HERE / "common.py", HERE / "data.py"}
     return {os.path.relpath(f, HERE): hashlib.sha256(f.read_bytes()).hexdigest()[:12]
             for f in sorted(files)}
