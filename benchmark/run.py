@@ -50,18 +50,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402  (first: a Ctrl-C during the imports is one line, exit 130)
-import data  # noqa: E402  (data.Parser, data.NAMES, data.UserError: the method scripts' own)
+import data  # noqa: E402  (data.NAMES, data.UserError: the method scripts' own)
 from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
-
-harness.started()
+from harness.config import Parser as OneLine  # noqa: E402
 
 ALL = ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"]
-SEED_LIMIT = 2 ** 31             # the method scripts' --seed range (common.resolve)
+SEED_LIMIT = 2 ** 31             # the method scripts' --seed range (harness.resolve)
 
 
-class Parser(data.Parser):
-    """data.Parser whose errors are UserErrors, so that leaderboard.py, which plans its run.py commands before it
+class Parser(OneLine):
+    """harness.config.Parser whose errors are UserErrors, so that leaderboard.py, which plans its run.py commands before it
     runs any, names the benchmark a refusal comes from (main prints them as data.Parser does: one line, exit 2)."""
 
     def error(self, message):
@@ -120,9 +119,9 @@ def variants(methods):
         if not (ROOT / f"{script}.py").is_file() or not (script in ALL or script.startswith("benchmark/diagnostics/")):
             raise UserError(f"unknown method {script!r}; choose from {', '.join(ALL)} "
                             "(or a script under benchmark/diagnostics/, e.g. benchmark/diagnostics/perinvfl_variants)")
-        if script not in ALL and "common.main(" not in (ROOT / f"{script}.py").read_text():
-            raise UserError(f"{script}.py is not a method script: it does not take the methods' --seed, --out and "
-                            "--resume (common.main)")
+        if script not in ALL and "harness.Method(" not in (ROOT / f"{script}.py").read_text():
+            raise UserError(f"{script}.py is not a method script: it does not take the methods' "
+                            "--seed, --out and --resume (it declares no harness.Method)")
         if extra and "=" not in m:
             raise UserError(f"method {m!r}: give a variant its label, e.g. '{Path(script).name}-x={m}' "
                             "(the label names its results files)")
@@ -139,45 +138,33 @@ LOADED = {}     # method_args: the data of the checks, by what data.load reads (
 
 
 def method_args(script, args):
-    """(the script's resolved arguments, None) for the command line `args`, or (None, its refusal: the one line it
-    prints, less 'NAME.py: error: '). The script's main runs here, in this process, up to common.run, which a stand-in
-    replaces: common.main's parsing, the dataset's defaults and checks and the method's own, then the data loaded
-    and the held-out domains and client counts checked against it (data.test_domains), all that a method checks
-    before its first round, and nothing is trained. --out goes to a temporary folder (the checks make --out's
-    folder) so that nothing is left where the runs will write."""
-    import common
+    """(the script's resolved arguments, None) for the command line `args`, or (None, its refusal:
+    the one line it prints, less 'NAME.py: error: '): harness.resolve of its METHOD (the parsing,
+    the dataset's defaults and checks and the method's own), then the data loaded and the held-out
+    domains and client counts checked against it (harness.config.after_load), all that a method
+    checks before its first round; nothing is trained or written."""
+    from harness.config import after_load, load_data
     folder = str((ROOT / script).parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    module = importlib.import_module(Path(script).name)
-
-    class Checked(Exception):
-        pass
-
-    def stand_in(method, a, *rest, **kw):              # common.run's checks, up to its first round
-        key = (a.dataset, a.data_root, a.seed, a.clients or 100, a.alpha, a.p_test, a.stain, not a.no_rotation)
-        if key not in LOADED:
-            LOADED[key] = data.load(a.dataset, a.data_root, a.seed, clients=key[3], alpha=a.alpha, p_test=a.p_test,
-                                    stain=a.stain, rotation=key[-1])
-        data.test_domains(a, LOADED[key])
-        seen.append(a)
-        raise Checked
-    seen, real, err = [], common.run, io.StringIO()
-    common.run = stand_in
+    module, err = importlib.import_module(Path(script).name), io.StringIO()
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(err):
-            module.main([*args, "--out", str(Path(tmp) / "check.json")])
-    except Checked:
-        return seen[0], None
+            a = harness.resolve(module.METHOD, [*args, "--out", str(Path(tmp) / "check.json")])
+            key = (a.dataset, a.data_root, a.seed, a.clients or 100, a.alpha, a.p_test, a.stain,
+                   not a.no_rotation)
+            if key not in LOADED:
+                LOADED[key] = load_data(a)
+            after_load(a, LOADED[key])
+        return a, None
+    except UserError as e:
+        return None, str(e)
     except SystemExit as e:
         lines = err.getvalue().strip().splitlines()
         if e.code == 0:                                          # --help
             return None, "prints its help and runs nothing"
         return None, (lines[-1].split(": error: ", 1)[-1] if lines else f"exit {e.code}")
-    finally:
-        common.run = real
-    return None, "returned before its run (not a method script)"
 
 
 NOT_SETTINGS = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes", "data_root", "seed")

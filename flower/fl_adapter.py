@@ -1,8 +1,8 @@
 """The Flower App: every method file's own round, its clients on Flower's nodes (docs/flower.md).
 
-The ServerApp runs the method file's main() (its flags, defaults and checks) and through it common.run
-(data, the held-out domain, seeding, evaluation, checkpoints, the results JSON), with one change: the
-engine of common.on_clients is a `Link`. Each exchange of a round is then one message to every sampled
+The ServerApp runs the method file's run through the harness, harness.main(METHOD) (its flags,
+defaults and checks; data, the held-out domain, seeding, evaluation, checkpoints, the results JSON),
+with one change: the engine of common.on_clients is a `Link`, a parameter of the run. Each exchange of a round is then one message to every sampled
 node at once, carrying the client function's name, what the server sent, the round and the exchange;
 each node runs that function (the method file's own) on its client, with the client's own random
 stream (common.stream of the seed, the held-out domain, the round, the client and the exchange) and
@@ -38,6 +38,10 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  
 
 import common  # noqa: E402
 import data  # noqa: E402
+import harness  # noqa: E402
+from harness import outputs  # noqa: E402
+from harness.config import after_load, load_data  # noqa: E402
+from harness.runner import to_device  # noqa: E402
 
 METHODS = ("fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg")
 
@@ -95,20 +99,21 @@ def function(name):
 @functools.lru_cache(maxsize=None)
 def declared(method):
     """What a node may run for a run of `method`: each function its method file passes to
-    common.on_clients (a client's work) and the init_state it passes to common.main, as "module:name",
-    read from the file's syntax (nothing imported or run). Any other name in a message is refused."""
+    common.on_clients (a client's work) and the init_state of its harness.Method, as
+    "module:name", read from the file's syntax (nothing imported or run). Any other name in a
+    message is refused."""
     if method not in METHODS:
         return frozenset()
     names = set()
     where = importlib.util.find_spec(method).origin           # the method file on the path, not imported
     for call in ast.walk(ast.parse(Path(where).read_text())):
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
-                and isinstance(call.func.value, ast.Name) and call.func.value.id == "common"):
+                and isinstance(call.func.value, ast.Name)):
             continue
-        given = {k.arg: k.value for k in call.keywords}
-        arg = call.args[0] if call.func.attr == "on_clients" and call.args else \
-            given.get("init_state", call.args[6] if len(call.args) > 6 else None) \
-            if call.func.attr == "main" else None
+        given, where = {k.arg: k.value for k in call.keywords}, (call.func.value.id, call.func.attr)
+        arg = call.args[0] if where == ("common", "on_clients") and call.args else \
+            given.get("init_state", call.args[3] if len(call.args) > 3 else None) \
+            if where == ("harness", "Method") else None
         if isinstance(arg, ast.Name):
             names.add(f"{method}:{arg.id}")
         elif isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name):
@@ -165,10 +170,11 @@ class Link:
     """common.on_clients' engine on Flower: which node holds which client, and each exchange as one message
     to every node of it at once. Per round: bytes down and up, seconds, and each node's working span."""
 
-    def __init__(self, grid, wait=600.0):
-        self.grid, self.wait, self.nodes, self.args, self.init, self.out = grid, wait, None, None, None, None
+    def __init__(self, grid, wait=600.0, method=None, init=None):
+        self.grid, self.wait, self.nodes, self.args, self.out = grid, wait, None, None, None
+        self.method, self.init = method, init       # the run's method and its init_state, by name
         self.moved, self.times, self.spans = {}, {}, {}    # round -> [down, up]; seconds; node spans
-        self.method, self.expected = None, {}              # the run's method; (fn, phase, domain) -> replies
+        self.expected = {}                                 # (fn, phase, domain) -> the replies
 
     def connect(self, P):
         """Wait for P nodes, ask each its partition id: {client id: node id}."""
@@ -189,6 +195,8 @@ class Link:
         self.nodes = parts
 
     def __call__(self, fn, S, sents, t, phase, ctx):
+        if self.args is None:          # the run's arguments, as the nodes set themselves up with
+            self.args, self.out = json.dumps(vars(ctx.args)), ctx.args.out
         if self.nodes is None:
             self.connect(len(ctx.fed.clients))
         expect = [self.reference(fn, c, sent, t, phase, ctx) for c, sent in zip(S, sents)]
@@ -205,7 +213,7 @@ class Link:
         self.times[t] = self.times.get(t, 0.0) + time.perf_counter() - start
         self.spans.setdefault(t, []).extend((phase, c, r.pop("_began"), r.pop("_ended"))
                                             for c, r in zip(S, replies))
-        return [common.to_device({k: v for k, v in r.items() if not k.startswith("_")}, ctx.device)
+        return [to_device({k: v for k, v in r.items() if not k.startswith("_")}, ctx.device)
                 for r in replies]                                   # in the order of S: the clients' ids
 
     def reference(self, fn, c, sent, t, phase, ctx):
@@ -242,29 +250,21 @@ class Link:
 
 
 def serve(grid, method, argv, wait=600.0):
-    """The ServerApp's work: `method`'s own main(argv), common.on_clients' engine a Link. Returns (results, link)."""
-    mod = importlib.import_module(method)
-    link, run, parallel = Link(grid, wait), common.run, common.parallel
-
-    def flower_run(name, args, round_fn, init_state, evaluate_fn, argv=None, engine=None, plan=None):
-        if args.parallel_clients == "on":
-            raise common.UserError("--parallel-clients on: on Flower every client trains on its own node; use off")
-        link.args, link.out, link.init = json.dumps(vars(args)), args.out, name_of(init_state)  # the nodes' setup
-        link.method = method
-        return run(name, args, round_fn, init_state, evaluate_fn, argv, engine=link, plan=plan)
-    common.run = flower_run
-    common.parallel = lambda args: args.parallel_clients == "on"    # auto: off here, on a GPU too (refused if on)
-    try:
-        return mod.main(argv), link
-    finally:
-        common.run, common.parallel = run, parallel
+    """The ServerApp's work: `method`'s own run, harness.main(METHOD, argv), with a Link as
+    common.on_clients' engine; its clients never train at once in process (--parallel-clients
+    auto: off; on: refused). Returns (results, link)."""
+    own = importlib.import_module(method).METHOD
+    link = Link(grid, wait, method, name_of(own.init_state))
+    on_nodes = dataclasses.replace(own, parallel=lambda args: "trains every client on its own "
+                                   "node on Flower")
+    return harness.main(on_nodes, argv, engine=link), link
 
 
 def report(link):
     """Per round: seconds of messages and client work, bytes, and each node's span (<out>.flower.json)."""
     rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u, "spans": link.spans.get(t, [])}
               for t, (d, u) in link.moved.items()}
-    common.write_json(f"{link.out}.flower.json", {"rounds": rounds})
+    outputs.write_json(f"{link.out}.flower.json", {"rounds": rounds})
     for t in sorted(link.moved):
         down, up = link.moved[t]
         print(f"flower: round {t}: {link.times.get(t, 0.0):.2f} s of messages and client work, "
@@ -280,9 +280,8 @@ class Node:
     def __init__(self, init, args, domain, partition):
         common.set_deterministic(not args.nondeterministic)
         with contextlib.redirect_stdout(io.StringIO()):   # (the loader's notes are the server's to print)
-            ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
-                           p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
-            data.test_domains(args, ds)       # as common.run: resolves --clients, --sample, --client-size
+            ds = load_data(args)
+            after_load(args, ds)       # as harness.run: settles --clients, --sample, --client-size
         device = torch.device(args.device)
         names = [d.name for d in ds.domains]
         fed = data.federate_fixed(ds, args.seed, device) if domain == "clients" else \
@@ -336,10 +335,10 @@ def work(msg, context, also=frozenset()):
         return Message(reply_to=msg, error=Error(code=403, reason=why))
     node = node_for(req, context)
     ctx, c = node.ctx, node.partition
-    sent = common.to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
+    sent = to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
     record = context.state.get("fedood", ConfigRecord())             # the client's own state, per held-out domain
     kept = torch.load(io.BytesIO(record[node.domain]), weights_only=True) if node.domain in record else {}
-    ctx.clients = {c: common.to_device(kept, ctx.device)}
+    ctx.clients = {c: to_device(kept, ctx.device)}
     out = function(req["fn"])(common.site(ctx, c, req["round"], req["phase"]), sent)
     out = {**out, "_began": began, "_ended": time.time(), "_round": req["round"], "_phase": req["phase"]}
     if ctx.clients[c]:

@@ -32,11 +32,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-import harness  # noqa: E402  (before torch: a Ctrl-C while it loads is one line, exit 130)
-from data import Parser, UserError  # noqa: E402  (bad input: one line, exit 2, not argparse's usage)
+import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line, exit 130)
+from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
+from harness.config import Parser  # noqa: E402  (bad input: one line, exit 2, not argparse's)
 
-harness.started()
 METHODS = ("fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg")
 
 
@@ -97,32 +97,19 @@ def check(a):
     import importlib
 
     outputs.check_out(a.out)
-    import common
-    import data
+    from harness.config import after_load, load_data
 
-    class Resolved(Exception):
-        pass
-
-    def dry(method, args, *rest, **kw):   # common.run up to the split of the first held-out domain
-        ds = data.load(args.dataset, args.data_root, args.seed, clients=args.clients or 100, alpha=args.alpha,
-                       p_test=args.p_test, stain=args.stain, rotation=not args.no_rotation)
-        data.test_domains(args, ds)
-        raise Resolved(args.clients)
-    run, common.run, said = common.run, dry, io.StringIO()
-    try:                            # (its --out a scratch file: --out itself is checked above, never touched)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said), \
-                tempfile.TemporaryDirectory() as scratch:
-            argv = method_argv(a)
-            argv[argv.index("--out") + 1] = str(Path(scratch) / "dry.json")
-            importlib.import_module(a.method).main(argv)
-    except Resolved as r:
-        if r.args[0] != a.nodes:
-            raise Refused(f"--nodes {a.nodes}: the run has {r.args[0]} clients (one SuperNode each)")
-    except SystemExit as e:          # the method's own refusal (one line), said of --nodes where it is --clients
-        line = (said.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1].split("error: ", 1)[-1]
+    said, method = io.StringIO(), importlib.import_module(a.method).METHOD
+    try:        # the run's arguments and clients, as it would resolve them (--out: checked above)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+            args = harness.resolve(method, method_argv(a))
+            after_load(args, load_data(args))
+    except (UserError, SystemExit) as e:   # its own refusal (one line), of --nodes, not --clients
+        line = str(e) if isinstance(e, UserError) else \
+            (said.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1].split("error: ", 1)[-1]
         raise Refused(line.replace(f"--clients {a.nodes}", f"--nodes {a.nodes}")) from None
-    finally:
-        common.run = run
+    if args.clients != a.nodes:
+        raise Refused(f"--nodes {a.nodes}: the run has {args.clients} clients (one SuperNode each)")
 
 
 def free_port():
