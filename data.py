@@ -1,9 +1,9 @@
 """Datasets as per-domain tensors.
 
 `load(name, root, seed, ...)` returns a `Dataset`: a list of `Domain`s, each holding its images as a
-uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. `federate` / `federate_fixed` turn
-its domains into clients by the protocols below; `add_args` and `check_args` are the dataset's and the
-protocol's flags of every method's command line. Nothing here knows about models or methods.
+uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. `federate` / `federate_fixed`
+turn its domains into clients by the protocols below; `add_args` and `check_args` are the dataset's
+and the protocol's flags of every method's command line. Nothing here knows about models or methods.
 
 Two protocols (docs/protocol.md):
 - "lodo"    leave-one-domain-out: rmnist, pacs, vlcs, officehome, synthetic. One domain is held out
@@ -15,12 +15,13 @@ Two protocols (docs/protocol.md):
 Sources. The MNIST family reads the 5,000-digit subset embedded in assets/mnist5k.npz unless
 --data-root is given; with --data-root it reads full MNIST through torchvision (downloading it into
 that folder). Never one silently for the other. PACS / VLCS / OfficeHome use DomainBed's layout
-ROOT/<Dataset>/<domain>/<class>/<image>, a label being the index of the class folder's name among the
-dataset's CLASSES; they are decoded once and cached as uint8 tensors at the training resolution in
-ROOT/<Dataset>/.cache-<size>.pt.
+ROOT/<Dataset>/<domain>/<class>/<image>, a label being the index of the class folder's name among
+the dataset's CLASSES; they are decoded once and cached as uint8 tensors at the training resolution
+in ROOT/<Dataset>/.cache-<size>.pt.
 
     python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
-    python data.py --make-fake pacs --data-root DIR    (a tiny generated stand-in, to try the photo path)
+    python data.py --make-fake pacs --data-root DIR    (a tiny generated stand-in,
+                                                        to try the photo path)
 """
 import contextlib
 import hashlib
@@ -49,9 +50,9 @@ class UserError(Exception):
 
 
 def why(e, limit=120):
-    """An exception as one short line (torchvision's download errors span several): its type, and its
-    text cut at a word boundary with an ellipsis; an exception without text (a failed assert inside
-    torchvision's readers) says so."""
+    """An exception as one short line (torchvision's download errors span several): its type, and
+    its text cut at a word boundary with an ellipsis; an exception without text (a failed assert
+    inside torchvision's readers) says so."""
     text = " ".join(str(e).split())
     if len(text) > limit:
         text = text[:limit].rsplit(" ", 1)[0] + " …"
@@ -59,19 +60,25 @@ def why(e, limit=120):
 
 
 def torchvision_set(kind, root, build, how):
-    """build() torchvision's dataset `kind` under root (download=True: read it, or fetch it when it is
-    missing). On failure: one short line that says what was looked for and what to do, and root left
-    as it was (no empty raw/ folders behind)."""
+    """build() torchvision's dataset `kind` under root (download=True: read it, or fetch it when it
+    is missing). On failure: one short line that says what was looked for and what to do, and root
+    left as it was (no empty raw/ folders behind)."""
     raw = Path(root) / kind / "raw"
     had = sorted(p.name for p in raw.iterdir()) if raw.is_dir() else []
     try:
         with as_it_was_on_failure(root):
             return build()
-    except Exception as e:  # torchvision raises RuntimeError / URLError offline, AssertionError on a bad file
+    except Exception as e:
+        # torchvision raises RuntimeError / URLError offline, AssertionError on a bad file
         if had:
-            raise UserError(f"{kind} under {root} could not be read ({why(e, 80)}); {raw} holds "
-                            f"{', '.join(had[:4])}{' …' * (len(had) > 4)}: delete what is not {kind}'s and {how}") from None
-        raise UserError(f"no {kind} under {root}, and downloading it failed ({why(e, 80)}); {how}") from None
+            raise UserError(
+                f"{kind} under {root} could not be read ({why(e, 80)}); {raw} holds "
+                f"{', '.join(had[:4])}{' …' * (len(had) > 4)}: "
+                f"delete what is not {kind}'s and {how}"
+            ) from None
+        raise UserError(
+            f"no {kind} under {root}, and downloading it failed ({why(e, 80)}); {how}"
+        ) from None
 
 
 @dataclass
@@ -101,17 +108,24 @@ def mnist_arrays(root=None, kind="MNIST", test=True):
     subset (sorted by label: shuffle it)."""
     if root is None:
         if kind != "MNIST":
-            raise UserError(f"{kind} is not embedded: pass --data-root DIR (downloaded by torchvision)")
+            raise UserError(
+                f"{kind} is not embedded: pass --data-root DIR (downloaded by torchvision)"
+            )
         with np.load(EMBEDDED) as f:
             x, y = torch.from_numpy(f["images"]), torch.from_numpy(f["labels"]).long()
         return x, y, f"embedded MNIST subset ({len(y):,} real digits, assets/mnist5k.npz)"
     import torchvision.datasets as tvd
-    how = f"get it with python data.py --download {dict(MNIST='mnist', FashionMNIST='fmnist')[kind]} --data-root {root}"
-    parts = torchvision_set(kind, root, lambda: [getattr(tvd, kind)(root, train=t, download=True)
-                                                 for t in ((True, False) if test else (True,))], how)
+    how = ("get it with python data.py --download "
+           f"{dict(MNIST='mnist', FashionMNIST='fmnist')[kind]} --data-root {root}")
+    parts = torchvision_set(
+        kind, root,
+        lambda: [getattr(tvd, kind)(root, train=t, download=True)
+                 for t in ((True, False) if test else (True,))],
+        how)
     x = torch.cat([p.data for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
-    return x, y, f"torchvision {kind} under {root} ({len(y):,} images, {'train+test pooled' if test else 'train set'})"
+    return x, y, (f"torchvision {kind} under {root} ({len(y):,} images, "
+                  f"{'train+test pooled' if test else 'train set'})")
 
 
 def rmnist(root=None, seed=0):
@@ -176,10 +190,13 @@ def rcmnist(root=None, seed=0, p_test=0.1, kind="MNIST", rotation=True):
 
 # ---------------------------------------------------------- WaterBird (PerInvFL Table 4 / 6)
 
-WATER = ("Albatross", "Auklet", "Cormorant", "Frigatebird", "Fulmar", "Gull", "Jaeger", "Kittiwake", "Pelican",
-         "Puffin", "Tern", "Gadwall", "Grebe", "Mallard", "Merganser", "Guillemot", "Pacific_Loon")  # Sagawa et al.
-PLACES = {1: ("o/ocean", "l/lake/natural"), 0: ("b/bamboo_forest", "f/forest/broadleaf")}   # water, land
-BIRD_RANGES = ((0, 1715), (1716, 2908), (2909, 3844), (3845, 5993))   # PerInvFL Table 6, CUB train set
+WATER = ("Albatross", "Auklet", "Cormorant", "Frigatebird", "Fulmar", "Gull", "Jaeger",
+         "Kittiwake", "Pelican", "Puffin", "Tern", "Gadwall", "Grebe", "Mallard", "Merganser",
+         "Guillemot", "Pacific_Loon")  # Sagawa et al.
+PLACES = {1: ("o/ocean", "l/lake/natural"),               # water
+          0: ("b/bamboo_forest", "f/forest/broadleaf")}   # land
+# PerInvFL Table 6, CUB train set
+BIRD_RANGES = ((0, 1715), (1716, 2908), (2909, 3844), (3845, 5993))
 
 
 def waterbird(root, seed=0, p_test=0.1, size=224, n_train=400, n_test=100):
@@ -192,19 +209,27 @@ def waterbird(root, seed=0, p_test=0.1, size=224, n_train=400, n_test=100):
     (images.txt, train_test_split.txt, images/), segmentations/ (CUB's separate download, same
     relative paths, .png) and places/ (Places365's data_large: places/o/ocean/*.jpg, ...)."""
     if root is None:
-        raise UserError("waterbird needs --data-root DIR holding CUB_200_2011/, segmentations/ and places/")
-    cub, seg, places = Path(root) / "CUB_200_2011", Path(root) / "segmentations", Path(root) / "places"
+        raise UserError(
+            "waterbird needs --data-root DIR holding CUB_200_2011/, segmentations/ and places/"
+        )
+    cub, seg, places = (Path(root) / "CUB_200_2011", Path(root) / "segmentations",
+                        Path(root) / "places")
     for d in (cub / "images", seg, places):
         if not d.is_dir():
-            raise UserError(f"{d} not found (waterbird: CUB_200_2011/, segmentations/, places/ under --data-root)")
+            raise UserError(f"{d} not found (waterbird: CUB_200_2011/, segmentations/, "
+                            "places/ under --data-root)")
     try:
-        paths = dict(line.split() for line in (cub / "images.txt").read_text().splitlines() if line.strip())
-        split = dict(line.split() for line in (cub / "train_test_split.txt").read_text().splitlines() if line.strip())
+        paths = dict(line.split() for line in (cub / "images.txt").read_text().splitlines()
+                     if line.strip())
+        split = dict(line.split()
+                     for line in (cub / "train_test_split.txt").read_text().splitlines()
+                     if line.strip())
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {cub}/images.txt and train_test_split.txt ({why(e)})")
     train = [paths[i] for i in sorted(paths, key=int) if split.get(i) == "1"]
     g = torch.Generator().manual_seed(seed)
-    pool = {k: [f for c in cats for f in sorted((places / c).glob("*.jpg"))] for k, cats in PLACES.items()}
+    pool = {k: [f for c in cats for f in sorted((places / c).glob("*.jpg"))]
+            for k, cats in PLACES.items()}
     for k in pool:
         pool[k] = [pool[k][j] for j in torch.randperm(len(pool[k]), generator=g)]
 
@@ -213,23 +238,30 @@ def waterbird(root, seed=0, p_test=0.1, size=224, n_train=400, n_test=100):
         if not pool[water]:
             raise UserError(f"not enough {'water' if water else 'land'} photos under {places}")
         m = decode(seg / Path(rel).with_suffix(".png"), size).float().mean(0, keepdim=True) / 255
-        img = decode(cub / "images" / rel, size).float() * m + decode(pool[water].pop(), size).float() * (1 - m)
+        img = (decode(cub / "images" / rel, size).float() * m
+               + decode(pool[water].pop(), size).float() * (1 - m))
         return img.round().to(torch.uint8)
 
     domains = []
-    for i, (lo, hi) in enumerate(BIRD_RANGES):   # scaled to the images found (the same on all 5,994)
+    for i, (lo, hi) in enumerate(BIRD_RANGES):
+        # scaled to the images found (the same on all 5,994)
         lo, hi = lo * len(train) // 5994, (hi + 1) * len(train) // 5994 - 1
         idx = list(range(lo, hi + 1))
         if len(idx) < 2:
-            raise UserError(f"CUB_200_2011 has only {len(train)} training images: too few for 4 clients")
+            raise UserError(f"CUB_200_2011 has only {len(train)} training images: "
+                            "too few for 4 clients")
         pick = [idx[j] for j in torch.randperm(len(idx), generator=g)[:n_train + n_test]]
         cut = max(1, round(len(pick) * n_train / (n_train + n_test)))
         y = torch.tensor([int(any(w in train[j].split("/")[0] for w in WATER)) for j in pick])
-        parts = [torch.stack([compose(train[j], int(y[k]), pe) for k, j in enumerate(pick) if sl.start <= k < sl.stop])
+        parts = [torch.stack([compose(train[j], int(y[k]), pe)
+                              for k, j in enumerate(pick) if sl.start <= k < sl.stop])
                  for sl, pe in ((slice(0, cut), P_TRAIN[i]), (slice(cut, len(pick)), p_test))]
-        domains.append(Domain(f"p{P_TRAIN[i]:.2f}-birds{lo}-{hi}", parts[0], y[:cut], parts[1], y[cut:]))
-    return Dataset("waterbird", domains, 2, "clients", f"waterbird from {root} (CUB train birds, Places "
-                   f"backgrounds; {', '.join(str(len(d.y)) for d in domains)} train per client, p_test {p_test})")
+        domains.append(Domain(f"p{P_TRAIN[i]:.2f}-birds{lo}-{hi}",
+                              parts[0], y[:cut], parts[1], y[cut:]))
+    return Dataset("waterbird", domains, 2, "clients",
+                   f"waterbird from {root} (CUB train birds, Places backgrounds; "
+                   f"{', '.join(str(len(d.y)) for d in domains)} train per client, "
+                   f"p_test {p_test})")
 
 
 # ------------------------------------------------------------------- Dirichlet label skew (FL)
@@ -248,9 +280,11 @@ def dirichlet_split(y, n_clients, alpha, seed, min_size=None):
         raise UserError(f"--clients must be positive, got {n_clients}")
     if min_size is None:
         min_size = max(3, min(10, n // (20 * n_clients)))
-    if n_clients * min_size > n:   # no draw can succeed: refuse before drawing (1,000 draws take minutes)
-        raise UserError(f"--clients {n_clients}: {n:,} examples cannot give every client {min_size} (a training, a "
-                        f"validation and a test example at least); use at most {n // min_size:,} clients")
+    # no draw can succeed: refuse before drawing (1,000 draws take minutes)
+    if n_clients * min_size > n:
+        raise UserError(f"--clients {n_clients}: {n:,} examples cannot give every client "
+                        f"{min_size} (a training, a validation and a test example at least); "
+                        f"use at most {n // min_size:,} clients")
     rng = np.random.default_rng(seed)
     for _ in range(1000):
         parts = [[] for _ in range(n_clients)]
@@ -258,7 +292,8 @@ def dirichlet_split(y, n_clients, alpha, seed, min_size=None):
             ids = rng.permutation(np.flatnonzero(y == c))
             p = rng.dirichlet(np.full(n_clients, alpha))
             p = p * np.array([len(q) < n / n_clients for q in parts])
-            if not p.sum() > 0:   # a tiny alpha puts all the mass on clients already full: a failed draw
+            # a tiny alpha puts all the mass on clients already full: a failed draw
+            if not p.sum() > 0:
                 break
             p = p / p.sum()
             cuts = (np.cumsum(p) * len(ids)).astype(int)[:-1]
@@ -295,74 +330,95 @@ def label_skew(name, root=None, seed=0, clients=100, alpha=0.1, train_frac=0.75)
 
 def cifar_arrays(root, name):
     if root is None:
-        raise UserError(f"{name} is not embedded: pass --data-root DIR (torchvision downloads it there)")
+        raise UserError(f"{name} is not embedded: "
+                        "pass --data-root DIR (torchvision downloads it there)")
     import torchvision.datasets as tvd
     cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
-    parts = torchvision_set(cls.__name__, root, lambda: [cls(root, train=t, download=True) for t in (True, False)],
-                            f"try again with network access (python data.py --download {name} --data-root {root})")
+    parts = torchvision_set(
+        cls.__name__, root,
+        lambda: [cls(root, train=t, download=True) for t in (True, False)],
+        f"try again with network access (python data.py --download {name} --data-root {root})")
     x = torch.cat([torch.from_numpy(p.data).permute(0, 3, 1, 2) for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
     return x, y, f"torchvision {name} under {root} ({len(y):,} images, train+test pooled)"
 
 
 def emnist_arrays(root):
-    """EMNIST's 'mnist' split: FedOMG's Appendix D.1 describes its EMNIST as 70,000 samples of 10
-    classes, which is that split. torchvision stores the images transposed; they are transposed back."""
+    """EMNIST's 'mnist' split: FedOMG's Appendix D.1 describes its EMNIST as 70,000
+    samples of 10 classes, which is that split. torchvision stores the images transposed;
+    they are transposed back."""
     if root is None:
-        raise UserError("emnist is not embedded: pass --data-root DIR (torchvision downloads it there)")
+        raise UserError(
+            "emnist is not embedded: pass --data-root DIR (torchvision downloads it there)"
+        )
     import torchvision.datasets as tvd
-    parts = torchvision_set("EMNIST", root, lambda: [tvd.EMNIST(root, split="mnist", train=t, download=True)
-                                                     for t in (True, False)],
-                            f"try again with network access (python data.py --download emnist --data-root {root})")
+    parts = torchvision_set(
+        "EMNIST", root,
+        lambda: [tvd.EMNIST(root, split="mnist", train=t, download=True)
+                 for t in (True, False)],
+        "try again with network access "
+        f"(python data.py --download emnist --data-root {root})")
     x = torch.cat([p.data.transpose(1, 2) for p in parts]).unsqueeze(1)
     y = torch.cat([p.targets for p in parts]).long()
-    return x, y, f"torchvision EMNIST (mnist split) under {root} ({len(y):,} images, train+test pooled)"
+    return x, y, (f"torchvision EMNIST (mnist split) under {root} "
+                  f"({len(y):,} images, train+test pooled)")
 
 
 # ------------------------------------------------------------- DomainBed image folders (photos)
 
 FOLDERS = {"pacs": "PACS", "vlcs": "VLCS", "officehome": "office_home"}
-# Each dataset's class names, in the order of Python's sorted() (DomainBed's ImageFolder numbers classes so): on a
-# complete copy the labels are DomainBed's; on one whose domains lack classes, still the same names' indices.
+# Each dataset's class names, in the order of Python's sorted() (DomainBed's ImageFolder numbers
+# classes so): on a complete copy the labels are DomainBed's; on one whose domains lack classes,
+# still the same names' indices.
 CLASSES = {"pacs": ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person"),
            "vlcs": ("bird", "car", "chair", "dog", "person"),
-           "officehome": ("Alarm_Clock", "Backpack", "Batteries", "Bed", "Bike", "Bottle", "Bucket", "Calculator",
-                          "Calendar", "Candles", "Chair", "Clipboards", "Computer", "Couch", "Curtains", "Desk_Lamp",
-                          "Drill", "Eraser", "Exit_Sign", "Fan", "File_Cabinet", "Flipflops", "Flowers", "Folder",
-                          "Fork", "Glasses", "Hammer", "Helmet", "Kettle", "Keyboard", "Knives", "Lamp_Shade",
-                          "Laptop", "Marker", "Monitor", "Mop", "Mouse", "Mug", "Notebook", "Oven", "Pan",
-                          "Paper_Clip", "Pen", "Pencil", "Postit_Notes", "Printer", "Push_Pin", "Radio",
-                          "Refrigerator", "Ruler", "Scissors", "Screwdriver", "Shelf", "Sink", "Sneakers", "Soda",
-                          "Speaker", "Spoon", "TV", "Table", "Telephone", "ToothBrush", "Toys", "Trash_Can", "Webcam")}
+           "officehome": ("Alarm_Clock", "Backpack", "Batteries", "Bed", "Bike", "Bottle", "Bucket",
+                          "Calculator", "Calendar", "Candles", "Chair", "Clipboards", "Computer",
+                          "Couch", "Curtains", "Desk_Lamp", "Drill", "Eraser", "Exit_Sign", "Fan",
+                          "File_Cabinet", "Flipflops", "Flowers", "Folder", "Fork", "Glasses",
+                          "Hammer", "Helmet", "Kettle", "Keyboard", "Knives", "Lamp_Shade",
+                          "Laptop", "Marker", "Monitor", "Mop", "Mouse", "Mug", "Notebook", "Oven",
+                          "Pan", "Paper_Clip", "Pen", "Pencil", "Postit_Notes", "Printer",
+                          "Push_Pin", "Radio", "Refrigerator", "Ruler", "Scissors", "Screwdriver",
+                          "Shelf", "Sink", "Sneakers", "Soda", "Speaker", "Spoon", "TV", "Table",
+                          "Telephone", "ToothBrush", "Toys", "Trash_Can", "Webcam")}
 FAKE_MARK = "FAKE.txt"   # beside the domains of a tree that harness/datasets.py made up
 IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp"}
 
 
 def image_folder(name, root, size=224):
-    """ROOT/<Dataset>/<domain>/<class>/<image>, domains sorted (DomainBed). A label is the index of its class
-    folder's name among the dataset's classes (CLASSES), in every domain: a domain may lack classes (a note
-    names them) without moving another class's label, and a folder named as none of the classes is refused.
-    Images are resized to size x size (the evaluation transform of DomainBed / FedIIR) and cached as uint8."""
+    """ROOT/<Dataset>/<domain>/<class>/<image>, domains sorted (DomainBed). A label is the index of
+    its class folder's name among the dataset's classes (CLASSES), in every domain: a domain may
+    lack classes (a note names them) without moving another class's label, and a folder named as
+    none of the classes is refused. Images are resized to size x size (the evaluation transform of
+    DomainBed / FedIIR) and cached as uint8."""
     if root is None:
-        raise UserError(f"{name} needs --data-root DIR holding {FOLDERS[name]}/<domain>/<class>/<images>; "
+        raise UserError(f"{name} needs --data-root DIR holding "
+                        f"{FOLDERS[name]}/<domain>/<class>/<images>; "
                         f"get it with: python data.py --download {name} --data-root DIR")
     base = Path(root) / FOLDERS[name]
     if not base.is_dir():
         raise UserError(f"{base} not found; get it with: python data.py --download {name} "
-                        f"--data-root {root} (or lay out any copy as {FOLDERS[name]}/<domain>/<class>/<images>)")
+                        f"--data-root {root} (or lay out any copy as "
+                        f"{FOLDERS[name]}/<domain>/<class>/<images>)")
     domains = sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
-    found = {d: sorted(c.name for c in (base / d).iterdir() if c.is_dir() and not c.name.startswith("."))
+    found = {d: sorted(c.name for c in (base / d).iterdir()
+                       if c.is_dir() and not c.name.startswith("."))
              for d in domains}
     classes = CLASSES[name]
     known_classes(name, base, found)
     files = [(d, k, f) for d in domains for k, c in enumerate(classes) if (base / d / c).is_dir()
              for f in sorted((base / d / c).iterdir()) if f.suffix.lower() in IMAGE_EXT]
     if not files:
-        raise UserError(f"no images under {base}/<domain>/<class>/ (looked for {sorted(IMAGE_EXT)})")
+        raise UserError(f"no images under {base}/<domain>/<class>/ "
+                        f"(looked for {sorted(IMAGE_EXT)})")
     missing_classes(name, base, domains, {(d, k) for d, k, _ in files})
-    # the cache is keyed by the image files in order; the labels are not taken from it but from the
-    # class names, so that a cache written when labels were numbered otherwise cannot bring them back
-    key = hashlib.sha256("\n".join(str(f.relative_to(base)) for _, _, f in files).encode()).hexdigest()
+    # the cache is keyed by the image files in order; the labels are not taken from it but from
+    # the class names, so that a cache written when labels were numbered otherwise cannot bring
+    # them back
+    key = hashlib.sha256(
+        "\n".join(str(f.relative_to(base)) for _, _, f in files).encode()
+    ).hexdigest()
     cache = base / f".cache-{size}.pt"
     x = None
     if cache.exists():
@@ -372,7 +428,8 @@ def image_folder(name, root, size=224):
         except Exception as e:
             raise UserError(f"corrupt cache {cache} ({type(e).__name__}); delete it to rebuild it")
         if cached_key != key:
-            print(f"note: the files under {base} changed since {cache.name} was written; rebuilding it")
+            print(f"note: the files under {base} changed since {cache.name} was written; "
+                  "rebuilding it")
             x = None
     y = torch.tensor([k for _, k, _ in files])
     if x is None:
@@ -384,50 +441,59 @@ def image_folder(name, root, size=224):
             torch.save({"x": x, "y": y, "key": key}, tmp)
             os.replace(tmp, cache)
         except OSError as e:  # e.g. a read-only copy of the dataset: go on, decode again next time
-            print(f"note: cannot write the cache {cache} ({e.strerror or e}); the next run decodes again")
+            print(f"note: cannot write the cache {cache} ({e.strerror or e}); "
+                  "the next run decodes again")
     dom = np.array([d for d, _, _ in files])
     out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)]) for d in domains]
-    fake = "; FAKE: random images from data.py --make-fake, not the dataset" if (base / FAKE_MARK).exists() else ""
-    return Dataset(name, out, len(classes), "lodo", f"{base} ({len(files):,} images, cached at {size}px){fake}",
+    fake = ("; FAKE: random images from data.py --make-fake, not the dataset"
+            if (base / FAKE_MARK).exists() else "")
+    return Dataset(name, out, len(classes), "lodo",
+                   f"{base} ({len(files):,} images, cached at {size}px){fake}",
                    classes)
 
 
 def known_classes(name, base, found):
-    """Every class folder must be named as one of the dataset's classes: a label is the index of its folder's
-    name among them, so a stray folder (PACS/sketch/Dog beside dog) or a domain that names its classes its own
-    way (hund for dog) has no label. Nothing maps such names (DomainBed's layout has the same class folders in
-    every domain): the odd folders are named in one line, to rename or remove. found: {domain: class folders}."""
+    """Every class folder must be named as one of the dataset's classes: a label is the index of its
+    folder's name among them, so a stray folder (PACS/sketch/Dog beside dog) or a domain that names
+    its classes its own way (hund for dog) has no label. Nothing maps such names (DomainBed's layout
+    has the same class folders in every domain): the odd folders are named in one line, to rename or
+    remove. found: {domain: class folders}."""
     classes = CLASSES[name]
     odd = {d: [c for c in cs if c not in classes] for d, cs in found.items()}
     odd = {d: cs for d, cs in odd.items() if cs}
     if odd:
-        listed = ", ".join(classes) if len(classes) <= 10 else f"the {len(classes)} of data.CLASSES[{name!r}]"
+        listed = (", ".join(classes) if len(classes) <= 10
+                  else f"the {len(classes)} of data.CLASSES[{name!r}]")
         raise UserError(f"class folders named as none of {name}'s classes ({listed}): "
                         + "; ".join(f"{base / d}: {', '.join(cs)}" for d, cs in odd.items())
                         + "; rename each to the class it holds, or remove it")
 
 
 def missing_classes(name, base, domains, have):
-    """One note naming the classes of which a domain holds no image (their labels stay unused there; no
-    other label moves); a domain without any image is refused. have: {(domain, label)} of the images."""
+    """One note naming the classes of which a domain holds no image (their labels stay
+    unused there; no other label moves); a domain without any image is refused. have:
+    {(domain, label)} of the images."""
     classes = CLASSES[name]
     lack = {d: [c for k, c in enumerate(classes) if (d, k) not in have] for d in domains}
     empty = [d for d in domains if len(lack[d]) == len(classes)]
     if empty:
-        raise UserError(f"{', '.join(str(base / d) for d in empty)}: no images in {name}'s class folders "
-                        f"({', '.join(classes) if len(classes) <= 10 else 'data.CLASSES'}); a domain needs some")
+        raise UserError(f"{', '.join(str(base / d) for d in empty)}: "
+                        f"no images in {name}'s class folders "
+                        f"({', '.join(classes) if len(classes) <= 10 else 'data.CLASSES'}); "
+                        "a domain needs some")
     nowhere = [c for c in classes if all(c in lack[d] for d in domains)]
     parts = [f"no domain has {', '.join(nowhere)}"] * bool(nowhere) + \
             [f"{d} has no {', '.join(c for c in lack[d] if c not in nowhere)}" for d in domains
              if any(c not in nowhere for c in lack[d])]
     if parts:
-        print(f"note: {base}: {'; '.join(parts)} (labels are the indices of {name}'s {len(classes)} class names in "
-              f"every domain, so no other class's label moves)")
+        print(f"note: {base}: {'; '.join(parts)} (labels are the indices of "
+              f"{name}'s {len(classes)} class names in every domain, "
+              "so no other class's label moves)")
 
 
 def read_rgb(path):
-    """An image file (JPEG, PNG, BMP) as uint8 RGB [3, H, W]; a grayscale one with its value in every channel,
-    as PIL's .convert("RGB"), which DomainBed's loader applies, gives it."""
+    """An image file (JPEG, PNG, BMP) as uint8 RGB [3, H, W]; a grayscale one with its value in
+    every channel, as PIL's .convert("RGB"), which DomainBed's loader applies, gives it."""
     from torchvision.io import ImageReadMode, decode_image, read_file
     try:
         return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
@@ -436,8 +502,10 @@ def read_rgb(path):
 
 
 def decode(path, size):
-    """read_rgb, resized to size x size (bilinear, antialiased: within one level of PIL's resize)."""
-    return TF.resize(read_rgb(path), [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    """read_rgb, resized to size x size (bilinear, antialiased: within
+    one level of PIL's resize)."""
+    return TF.resize(read_rgb(path), [size, size],
+                     interpolation=InterpolationMode.BILINEAR, antialias=True)
 
 
 @contextlib.contextmanager
@@ -458,7 +526,8 @@ def as_it_was_on_failure(root):
         else:
             for name in set(os.listdir(root)) - before:
                 q = root / name
-                shutil.rmtree(q, ignore_errors=True) if q.is_dir() and not q.is_symlink() else q.unlink(missing_ok=True)
+                (shutil.rmtree(q, ignore_errors=True) if q.is_dir() and not q.is_symlink()
+                 else q.unlink(missing_ok=True))
         raise
 
 
@@ -476,17 +545,20 @@ def synthetic(seed=0, n_domains=3, n_per_domain=240, num_classes=4, size=16):
         noise = torch.rand(n_per_domain, 3, size, size, generator=g) * (0.2 + 0.2 * d)
         x = 0.5 * patterns[y] + cast + noise
         domains.append(Domain(f"style{d}", (x.clamp(0, 1) * 255).to(torch.uint8), y))
-    return Dataset("synthetic", domains, num_classes, "lodo", f"synthetic ({n_domains} domains, seed {seed})")
+    return Dataset("synthetic", domains, num_classes, "lodo",
+                   f"synthetic ({n_domains} domains, seed {seed})")
 
 
 # Ten colours; colour i + 5 is the complement (255 - c) of colour i, the background of "both".
 PALETTE = torch.tensor([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 128, 0], [128, 0, 255],
                         [0, 255, 255], [255, 0, 255], [255, 255, 0], [0, 128, 255], [128, 255, 0]])
-STAIN_SEED = 0   # the colour-digit combinations' generator: fixed, not --seed (the same benchmark for every seed)
+# the colour-digit combinations' generator: fixed, not --seed (the same benchmark for every seed)
+STAIN_SEED = 0
 
 
 def unique_pairs(M):
-    """[K, 10] bool: combination k gives digit y a colour M[k, y] that no other combination gives y."""
+    """[K, 10] bool: combination k gives digit y a colour M[k, y] that no
+    other combination gives y."""
     return (M[None] == M[:, None]).sum(0) == 1
 
 
@@ -516,7 +588,8 @@ def stain_mappings(seed=STAIN_SEED, max_swaps=1000):
         y2 = best[int(torch.randint(len(best), (), generator=g))]
         M[k, [y, y2]] = M[k, [y2, y]]
     if unique_pairs(M).any() or len(set(map(tuple, M.tolist()))) < 10:
-        raise RuntimeError(f"stain_mappings({seed}): no ten distinct combinations without unique pairs")
+        raise RuntimeError(f"stain_mappings({seed}): "
+                           "no ten distinct combinations without unique pairs")
     return M
 
 
@@ -545,20 +618,23 @@ def stained(root=None, seed=0, stain="fg"):
         c = PALETTE[M[k, lab]].float().view(-1, 3, 1, 1)
         img = {"fg": v * c, "bg": v * 255 + (1 - v) * c, "both": v * c + (1 - v) * (255 - c)}[stain]
         domains.append(Domain(f"c{k}", img.round().to(torch.uint8), lab))
-    return Dataset("stained", domains, 10, "lodo", f"{source}; stained ({stain}), 10 colour-digit combinations "
+    return Dataset("stained", domains, 10, "lodo",
+                   f"{source}; stained ({stain}), 10 colour-digit combinations "
                    f"(seeded mappings, STAIN_SEED {STAIN_SEED})")
 
 
 
 # ------------------------------------------------------------------------- input preparation
 
-PHOTOS = ("pacs", "vlcs", "officehome", "waterbird")  # ImageNet-normalised, augmented like the FedIIR code
+# ImageNet-normalised, augmented like the FedIIR code
+PHOTOS = ("pacs", "vlcs", "officehome", "waterbird")
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
 
-YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])   # RGB -> YIQ
+# RGB -> YIQ
+YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
 YIQ_PAIR = (torch.linalg.inv(YIQ), YIQ)
 
 
@@ -568,8 +644,8 @@ def augment(x, gen, yiq=YIQ_PAIR):
     RandomGrayscale(0.1). x: float [N, 3, H, W] in [0, 1]. Differences from torchvision: the crop
     is taken from the cached 224px image (not the original), a crop that would leave the image is
     clipped to it, jitter runs in a fixed order, and hue is a rotation in YIQ space.
-    yiq: (YIQ⁻¹, YIQ) on x's device; make_prep moves them there once, because a copy to the GPU or an
-    inverse on it inside a step would be a host synchronisation."""
+    yiq: (YIQ⁻¹, YIQ) on x's device; make_prep moves them there once, because a copy to the GPU or
+    an inverse on it inside a step would be a host synchronisation."""
     n, dev = x.shape[0], x.device
     u = lambda *s: torch.rand(*s, generator=gen, device=dev)
     area = 0.7 + 0.3 * u(n)
@@ -588,7 +664,8 @@ def augment(x, gen, yiq=YIQ_PAIR):
     x = ((x - m) * f() + m).clamp(0, 1)                                           # contrast
     g = gray(x)
     x = ((x - g) * f() + g).clamp(0, 1)                                           # saturation
-    a = 2 * math.pi * 0.3 * (2 * u(n) - 1)                                        # hue in [-0.3, 0.3] turns
+    # hue in [-0.3, 0.3] turns
+    a = 2 * math.pi * 0.3 * (2 * u(n) - 1)
     to_rgb, to_yiq = yiq
     rot = torch.zeros(n, 3, 3, device=dev)
     rot[:, 0, 0], rot[:, 1, 1], rot[:, 2, 2] = 1, a.cos(), a.cos()
@@ -620,7 +697,8 @@ FIXED = ("rcmnist", "rcfmnist", "waterbird")     # fixed clients, each with its 
 NAMES = LODO + FL + FIXED
 
 
-def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, stain="fg", rotation=True):
+def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, stain="fg",
+         rotation=True):
     """The dataset `name` as per-domain CPU tensors (see the module docstring)."""
     if name == "rmnist":
         return rmnist(root, seed)
@@ -635,21 +713,23 @@ def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, 
     if name == "waterbird":
         return waterbird(root, seed, p_test, size)
     if name in FIXED:
-        return rcmnist(root, seed, p_test, "MNIST" if name == "rcmnist" else "FashionMNIST", rotation)
+        return rcmnist(root, seed, p_test, "MNIST" if name == "rcmnist" else "FashionMNIST",
+                       rotation)
     raise UserError(f"unknown dataset {name!r}; choose from {', '.join(NAMES)}")
 
 
 def counts(ds):
     """One line: how many domains (or clients), classes and images a dataset holds."""
     images = sum(len(d.y) + (0 if d.y_test is None else len(d.y_test)) for d in ds.domains)
-    parts = f"{len(ds.domains)} domains ({', '.join(d.name for d in ds.domains)})" if ds.protocol == "lodo" \
-        else f"{len(ds.domains)} clients"
+    parts = (f"{len(ds.domains)} domains ({', '.join(d.name for d in ds.domains)})"
+             if ds.protocol == "lodo" else f"{len(ds.domains)} clients")
     return f"{parts}, {ds.num_classes} classes, {images:,} images"
 
 
 # ------------------------------------------------------------ clients: the protocols' federation
-# How a dataset becomes clients (docs/protocol.md): leave-one-domain-out by FedIIR's Algorithm 2 (stained:
-# pooled samples, stained_clients), or the fixed clients; each holds out a validation split.
+# How a dataset becomes clients (docs/protocol.md): leave-one-domain-out by FedIIR's Algorithm 2
+# (stained: pooled samples, stained_clients), or the fixed clients; each holds out a validation
+# split.
 
 @dataclass
 class Client:
@@ -681,8 +761,8 @@ class Federation:
 
 def split_counts(sizes, P, least=0):
     """FedIIR's Algorithm 2: one client per domain, then each further client goes to the domain with
-    the most examples per client so far (ties: the first such domain); it stops before a chunk of floor(n / k)
-    examples would fall below `least`."""
+    the most examples per client so far (ties: the first such domain); it stops before a chunk of
+    floor(n / k) examples would fall below `least`."""
     k = [1] * len(sizes)
     for _ in range(P - len(sizes)):
         m = max(range(len(sizes)), key=lambda i: sizes[i] / k[i])
@@ -696,7 +776,8 @@ VAL_FRAC = 0.1   # the share of each client's examples held out for validation (
 
 
 def val_count(n, frac=VAL_FRAC):
-    """How many of n examples holdout() keeps for validation: `frac` of them, at least one, never all."""
+    """How many of n examples holdout() keeps for validation: `frac` of
+    them, at least one, never all."""
     return min(n - 1, max(1, int(frac * n)))
 
 
@@ -709,8 +790,9 @@ def holdout(x, y, frac, g):
 
 
 def least_examples(batch_size):
-    """The fewest examples a client needs for one full minibatch of batch_size training examples after its
-    validation hold-out (at least 2: one of each). n - val_count(n) never falls as n grows: the first n will do."""
+    """The fewest examples a client needs for one full minibatch of batch_size training examples
+    after its validation hold-out (at least 2: one of each). n - val_count(n) never falls as n
+    grows: the first n will do."""
     n = max(2, batch_size)
     while n - val_count(n) < batch_size:
         n += 1
@@ -718,22 +800,25 @@ def least_examples(batch_size):
 
 
 def federate(ds, test, P, seed, device, val_frac=VAL_FRAC, client_size=None):
-    """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into Algorithm 2's
-    clients (split_counts), each holding out `val_frac` for validation. client_size (stained): clients are
-    disjoint seeded samples of the pooled training domains instead (docs/protocol.md)."""
+    """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into
+    Algorithm 2's clients (split_counts), each holding out `val_frac` for validation.
+    client_size (stained): clients are disjoint seeded samples of the pooled training domains
+    instead (docs/protocol.md)."""
     g = torch.Generator().manual_seed(seed)
     train, t = [d for i, d in enumerate(ds.domains) if i != test], ds.domains[test]
     clients = []
     if client_size is not None:
         origin = torch.cat([torch.full((len(d.y),), i) for i, d in enumerate(train)])
         if P * client_size > len(origin):
-            raise UserError(f"{P} clients x {client_size} examples exceed the {len(origin):,} of the training domains")
+            raise UserError(f"{P} clients x {client_size} examples exceed the {len(origin):,} "
+                            "of the training domains")
         X, Y = torch.cat([d.x for d in train]), torch.cat([d.y for d in train])
         perm = torch.randperm(len(origin), generator=g)
         for j in range(P):
             idx = perm[j * client_size:(j + 1) * client_size]
             name = "+".join(train[i].name for i in origin[idx].unique().tolist())
-            clients.append(Client(len(clients), name, *(t.to(device) for t in holdout(X[idx], Y[idx], val_frac, g))))
+            clients.append(Client(len(clients), name,
+                                  *(t.to(device) for t in holdout(X[idx], Y[idx], val_frac, g))))
     else:
         for d, k in zip(train, split_counts([len(d.y) for d in train], P)):
             perm = torch.randperm(len(d.y), generator=g)
@@ -748,16 +833,22 @@ def federate(ds, test, P, seed, device, val_frac=VAL_FRAC, client_size=None):
 def federate_fixed(ds, seed, device, val_frac=VAL_FRAC):
     """Fixed clients: every Domain of `ds` is a client with its own test set."""
     g = torch.Generator().manual_seed(seed)
-    clients = [Client(i, d.name, *(t.to(device) for t in (*holdout(d.x, d.y, val_frac, g), d.x_test, d.y_test)))
+    clients = [Client(i, d.name,
+                      *(t.to(device)
+                        for t in (*holdout(d.x, d.y, val_frac, g), d.x_test, d.y_test)))
                for i, d in enumerate(ds.domains)]
     return _finish("clients", clients, [(d.name, d.x_test, d.y_test) for d in ds.domains], device)
 
 
 def _finish(name, clients, tests, device):
-    """The Federation of clients (on the device): their pooled validation splits, the pooled test sets."""
+    """The Federation of clients (on the device): their pooled validation
+    splits, the pooled test sets."""
     group = torch.cat([torch.full((len(y),), i) for i, (_, _, y) in enumerate(tests)])
-    return Federation(name, clients, torch.cat([c.val_x for c in clients]), torch.cat([c.val_y for c in clients]),
-                      torch.cat([x for _, x, _ in tests]).to(device), torch.cat([y for _, _, y in tests]).to(device),
+    return Federation(name, clients,
+                      torch.cat([c.val_x for c in clients]),
+                      torch.cat([c.val_y for c in clients]),
+                      torch.cat([x for _, x, _ in tests]).to(device),
+                      torch.cat([y for _, _, y in tests]).to(device),
                       group.to(device), [n for n, _, _ in tests])
 
 

@@ -25,12 +25,13 @@ would be started twice). Then:
 
     python benchmark/report.py <out-dir>/<dataset>
 
-Bad input (a missing --dataset, an unknown dataset, method or choice, a bad number, arguments that a
-method script refuses) ends with one line on stderr and exit code 2 before any run starts and before
-any folder is made: every method's own argument checks run first, in this process. Ctrl-C (SIGINT) or
-SIGTERM stops the runs: each gets SIGINT, stops with its last checkpoint kept, and run.py waits for
-them, says in one line what it stopped and exits 130 (143 for SIGTERM); the same command continues.
-Each complete run's JSON records its label ("label"), which report.py shows as the run's row.
+Bad input (a missing --dataset, an unknown dataset, method or choice, a bad number, arguments
+that a method script refuses) ends with one line on stderr and exit code 2 before any run starts
+and before any folder is made: every method's own argument checks run first, in this process.
+Ctrl-C (SIGINT) or SIGTERM stops the runs: each gets SIGINT, stops with its last checkpoint
+kept, and run.py waits for them, says in one line what it stopped and exits 130 (143 for
+SIGTERM); the same command continues. Each complete run's JSON records its label ("label"),
+which report.py shows as the run's row.
 """
 import contextlib
 import importlib
@@ -60,8 +61,9 @@ SEED_LIMIT = 2 ** 31             # the method scripts' --seed range (harness.res
 
 
 class Parser(OneLine):
-    """harness.config.Parser whose errors are UserErrors, so that leaderboard.py, which plans its run.py commands before it
-    runs any, names the benchmark a refusal comes from (main prints them as data.Parser does: one line, exit 2)."""
+    """harness.config.Parser whose errors are UserErrors, so that leaderboard.py, which plans its
+    run.py commands before it runs any, names the benchmark a refusal comes from (main prints them
+    as data.Parser does: one line, exit 2)."""
 
     def error(self, message):
         raise UserError(message)
@@ -72,10 +74,12 @@ class Failed(Exception):
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM came while runs were going and they were stopped: `what` says which (exit 128 + signum)."""
+    """SIGINT or SIGTERM came while runs were going and they were stopped: `what` says
+    which (exit 128 + signum)."""
 
     def __init__(self, signum, what):
-        super().__init__(f"interrupted ({signal.Signals(signum).name}): {what}; rerun the same command to continue "
+        super().__init__(f"interrupted ({signal.Signals(signum).name}): {what}; "
+                         "rerun the same command to continue "
                          "(complete runs are skipped, the others resume from their checkpoints)")
         self.signum, self.what = signum, what
 
@@ -86,10 +90,12 @@ _depth = [0]
 
 @contextlib.contextmanager
 def stopping():
-    """Inside the block, SIGINT and SIGTERM are only recorded (STOP): the loops that wait on runs look at STOP
-    between their polls and stop the runs themselves. A handler that raised instead could fall between starting a
-    run and recording it, and leave that run going unsignalled. Blocks nest (leaderboard.py around run.py)."""
-    if threading.current_thread() is not threading.main_thread():     # signals reach the main thread only
+    """Inside the block, SIGINT and SIGTERM are only recorded (STOP): the loops that wait on runs
+    look at STOP between their polls and stop the runs themselves. A handler that raised instead
+    could fall between starting a run and recording it, and leave that run going unsignalled. Blocks
+    nest (leaderboard.py around run.py)."""
+    # signals reach the main thread only
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     if not _depth[0]:
@@ -107,26 +113,34 @@ def stopping():
 
 
 def variants(methods):
-    """[(label, script, extra args)] from 'fedavg' or 'label=script --flag value'; UserError for a spec that names
-    no method script, a label that cannot name a results file, or one label twice."""
+    """[(label, script, extra args)] from 'fedavg' or 'label=script --flag value';
+    UserError for a spec that names no method script, a label that cannot name a results
+    file, or one label twice."""
     out = []
     for m in methods:
         label, _, spec = m.partition("=") if "=" in m else (m, "", m)
         try:
             script, *extra = shlex.split(spec)
-        except ValueError as e:                                  # an unclosed quote, or nothing after '='
-            raise UserError(f"method {m!r}: {e if spec.strip() else 'no script after ='}") from None
-        if not (ROOT / f"{script}.py").is_file() or not (script in ALL or script.startswith("benchmark/diagnostics/")):
+        except ValueError as e:
+            # an unclosed quote, or nothing after '='
+            raise UserError(
+                f"method {m!r}: {e if spec.strip() else 'no script after ='}"
+            ) from None
+        if (not (ROOT / f"{script}.py").is_file()
+                or not (script in ALL or script.startswith("benchmark/diagnostics/"))):
             raise UserError(f"unknown method {script!r}; choose from {', '.join(ALL)} "
-                            "(or a script under benchmark/diagnostics/, e.g. benchmark/diagnostics/perinvfl_variants)")
+                            "(or a script under benchmark/diagnostics/, "
+                            "e.g. benchmark/diagnostics/perinvfl_variants)")
         if script not in ALL and "harness.Method(" not in (ROOT / f"{script}.py").read_text():
             raise UserError(f"{script}.py is not a method script: it does not take the methods' "
                             "--seed, --out and --resume (it declares no harness.Method)")
         if extra and "=" not in m:
-            raise UserError(f"method {m!r}: give a variant its label, e.g. '{Path(script).name}-x={m}' "
+            raise UserError(f"method {m!r}: give a variant its label, "
+                            f"e.g. '{Path(script).name}-x={m}' "
                             "(the label names its results files)")
         if not re.fullmatch(r"[\w.+-]+", label):
-            raise UserError(f"label {label!r} of {m!r}: a label names results files (<label>-seed<S>.json); "
+            raise UserError(f"label {label!r} of {m!r}: "
+                            "a label names results files (<label>-seed<S>.json); "
                             "use letters, digits, '.', '_' and '-'")
         if label in [lab for lab, _, _ in out]:
             raise UserError(f"label {label!r} given twice: both would write {label}-seed<S>.json")
@@ -134,7 +148,8 @@ def variants(methods):
     return out
 
 
-LOADED = {}     # method_args: the data of the checks, by what data.load reads (one load for every variant)
+# method_args: the data of the checks, by what data.load reads (one load for every variant)
+LOADED = {}
 
 
 def method_args(script, args):
@@ -167,15 +182,17 @@ def method_args(script, args):
         return None, (lines[-1].split(": error: ", 1)[-1] if lines else f"exit {e.code}")
 
 
-NOT_SETTINGS = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes", "data_root", "seed")
+NOT_SETTINGS = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes",
+                "data_root", "seed")
 
 
 def differing(resolved, done):
-    """The settings (flag: the complete run's value -> this command's) in which a complete run's recorded
-    arguments `done` differ from this command's resolved ones."""
+    """The settings (flag: the complete run's value -> this command's) in which a complete run's
+    recorded arguments `done` differ from this command's resolved ones."""
     now = {k: v for k, v in vars(resolved).items() if k not in NOT_SETTINGS}
     was = {k: v for k, v in done.items() if k not in NOT_SETTINGS}
-    return [f"--{k.replace('_', '-')} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(was))
+    return [f"--{k.replace('_', '-')} {was.get(k)!r} -> {now.get(k)!r}"
+            for k in sorted(set(now) | set(was))
             if now.get(k) != was.get(k)]
 
 
@@ -193,8 +210,8 @@ def command(script, args):
 
 
 def record_label(out, label):
-    """The run's label into its complete results (report.py shows a run under it, whatever its file is named
-    later); read and written back whole, atomically, once the run has ended."""
+    """The run's label into its complete results (report.py shows a run under it, whatever its file
+    is named later); read and written back whole, atomically, once the run has ended."""
     try:
         r = json.loads(Path(out).read_text())
     except (OSError, ValueError):
@@ -214,10 +231,11 @@ def names(outs, most=4):
 
 
 def stopped(signum, ended, left):
-    """Interrupted, saying what the stop did: ended [(results path, exit status)] of the runs that were going,
-    left: the runs not started."""
+    """Interrupted, saying what the stop did: ended [(results path, exit status)] of the runs that
+    were going, left: the runs not started."""
     ends = (130, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
-    by = {"stopped": [o for o, rc in ended if rc in ends], "finished meanwhile": [o for o, rc in ended if rc == 0]}
+    by = {"stopped": [o for o, rc in ended if rc in ends],
+          "finished meanwhile": [o for o, rc in ended if rc == 0]}
     by["failed"] = [o for o, rc in ended if rc not in ends and rc != 0]
     parts = [f"{k} {len(v)} run(s) ({names(v)})" for k, v in by.items() if v]
     kept = sum(outputs.Files(o).ckpt.is_file() for o in by["stopped"])
@@ -228,11 +246,12 @@ def stopped(signum, ended, left):
 
 
 def stop(running, left):
-    """End every run still going, then wait for each; a further signal meanwhile kills those left (a checkpoint is
-    written to a temporary file and renamed, so a kill leaves the last one whole). A run that has printed to its log
-    is inside its method's main, which stops on SIGINT at once with its last checkpoint kept (exit 130); one that
-    has printed nothing yet may still be importing, where a SIGINT would end it with a traceback in its log, and
-    has nothing to keep: it gets SIGTERM. Raises Interrupted."""
+    """End every run still going, then wait for each; a further signal meanwhile kills those left (a
+    checkpoint is written to a temporary file and renamed, so a kill leaves the last one whole). A
+    run that has printed to its log is inside its method's main, which stops on SIGINT at once with
+    its last checkpoint kept (exit 130); one that has printed nothing yet may still be importing,
+    where a SIGINT would end it with a traceback in its log, and has nothing to keep: it gets
+    SIGTERM. Raises Interrupted."""
     signum, ended = STOP[0], []
     for out, proc, log, _, start in running:
         if proc.poll() is None:
@@ -254,31 +273,37 @@ label_of = {}    # results path -> the run's label (record_label, once a run is 
 
 
 def run_here(todo, slots):
-    """Run [(results path, command)] on this machine, one per slot at a time. A slot is a GPU id, which
-    its run alone sees through CUDA_VISIBLE_DEVICES until it ends, or None (the environment as is).
-    Output goes to the run's .log. Returns the results paths of the failed runs; a signal (STOP) stops
-    the runs (stop). Each run has a session of its own, so that a Ctrl-C at the terminal reaches run.py
-    alone, which passes it on once to each run (a run that got it twice, from the terminal and from
-    run.py, could be cut short inside its own handler)."""
+    """Run [(results path, command)] on this machine, one per slot at a time. A slot is a GPU id,
+    which its run alone sees through CUDA_VISIBLE_DEVICES until it ends, or None (the environment as
+    is). Output goes to the run's .log. Returns the results paths of the failed runs; a signal
+    (STOP) stops the runs (stop). Each run has a session of its own, so that a Ctrl-C at the
+    terminal reaches run.py alone, which passes it on once to each run (a run that got it twice,
+    from the terminal and from run.py, could be cut short inside its own handler)."""
     free, running, failed, todo = list(slots), [], [], list(todo)
     with stopping():
         while (todo or running) and not STOP:
             while todo and free and not STOP:
                 (out, cmd), slot = todo.pop(0), free.pop(0)
                 env = dict(os.environ, **({} if slot is None else {"CUDA_VISIBLE_DEVICES": slot}))
-                print("run", shlex.join(cmd[1:]), "" if slot is None else f"(GPU {slot})", flush=True)
+                print("run", shlex.join(cmd[1:]), "" if slot is None else f"(GPU {slot})",
+                      flush=True)
                 log = open(out.with_suffix(".log"), "a")
-                running.append((out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                                      start_new_session=True), log, slot, log.tell()))
+                running.append((out,
+                                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                 env=env, cwd=ROOT, start_new_session=True),
+                                log, slot, log.tell()))
             time.sleep(0.2)
             for item in list(running):
                 out, proc, log, slot, _ = item
                 if proc.poll() is not None:
                     running.remove(item)
                     log.close()
-                    free.append(slot)                              # the GPU is free only once its run has ended
-                    print(f"{'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'}: {out}",
-                          flush=True)
+                    # the GPU is free only once its run has ended
+                    free.append(slot)
+                    print(
+                        f"{'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'}"
+                        f": {out}",
+                        flush=True)
                     if proc.returncode:
                         failed.append(out)
                     else:
@@ -290,8 +315,9 @@ def run_here(todo, slots):
 
 def slurm_job(cmd, log, label):
     """What one Slurm job runs: the run's command from the repository root, its output appended to
-    the run's .log as the other launchers do; the exit status is the job's result. A SIGTERM or SIGINT
-    to the job (a cancel) is passed on to the run as SIGINT, and the job waits for it to stop."""
+    the run's .log as the other launchers do; the exit status is the job's result. A
+    SIGTERM or SIGINT to the job (a cancel) is passed on to the run as SIGINT, and the
+    job waits for it to stop."""
     with open(log, "a") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGINT))
@@ -306,35 +332,44 @@ def slurm_job(cmd, log, label):
 
 
 def submitit_modules():
-    """(cloudpickle, submitit), or UserError before anything is made: --launcher slurm needs submitit."""
+    """(cloudpickle, submitit), or UserError before anything is made:
+    --launcher slurm needs submitit."""
     try:
         import cloudpickle
         import submitit
     except ImportError:
-        raise UserError("--launcher slurm needs submitit, which is not installed (pip install submitit)") from None
+        raise UserError(
+            "--launcher slurm needs submitit, which is not installed (pip install submitit)"
+        ) from None
     return cloudpickle, submitit
 
 
 def run_slurm(todo, folder, a):
     """Submit one job per run through submitit (a job array, at most --array-parallelism at once),
     wait for them and return the results paths of the failed ones. submitit's own logs (Slurm's
-    stdout / stderr, the pickled job) go to <folder>/slurm. --cluster local runs the same jobs through
-    submitit's local executor, to try a sweep on a machine without Slurm. A signal (STOP) cancels the
-    jobs not ended and waits up to a minute for them: on Slurm submitit's cancel (scancel: SIGTERM to the
-    job's processes, the run's too, which ends it at once, its last checkpoint whole), with --cluster
-    local a SIGTERM to submitit's job process, which passes it on to the job (slurm_job: SIGINT to the run)."""
+    stdout / stderr, the pickled job) go to <folder>/slurm. --cluster local runs the same jobs
+    through submitit's local executor, to try a sweep on a machine without Slurm. A signal (STOP)
+    cancels the jobs not ended and waits up to a minute for them: on Slurm submitit's cancel
+    (scancel: SIGTERM to the job's processes, the run's too, which ends it at once, its last
+    checkpoint whole), with --cluster local a SIGTERM to submitit's job process, which passes it on
+    to the job (slurm_job: SIGINT to the run)."""
     cloudpickle, submitit = submitit_modules()
     # submitit pickles slurm_job; by value, so that the job need not import this file as a module.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         ex = submitit.AutoExecutor(folder=folder / "slurm", cluster=a.cluster)
     except RuntimeError as e:                                  # no srun on this machine
-        raise UserError(f"no Slurm here ({e}); --cluster local runs the jobs on this machine") from None
-    ex.update_parameters(name=f"fl-{folder.name}", timeout_min=a.time, gpus_per_node=a.gpus_per_job,
-                         slurm_partition=a.partition, slurm_array_parallelism=a.array_parallelism)
+        raise UserError(
+            f"no Slurm here ({e}); --cluster local runs the jobs on this machine"
+        ) from None
+    ex.update_parameters(name=f"fl-{folder.name}", timeout_min=a.time,
+                         gpus_per_node=a.gpus_per_job, slurm_partition=a.partition,
+                         slurm_array_parallelism=a.array_parallelism)
     with stopping():
-        with ex.batch():                                      # submitted as one array when the block ends
-            jobs = [ex.submit(slurm_job, cmd, out.with_suffix(".log"), label_of.get(out)) for out, cmd in todo]
+        # submitted as one array when the block ends
+        with ex.batch():
+            jobs = [ex.submit(slurm_job, cmd, out.with_suffix(".log"), label_of.get(out))
+                    for out, cmd in todo]
         for (out, cmd), job in zip(todo, jobs):
             print(f"submitted {job.job_id}:", shlex.join(cmd[1:]), flush=True)
         waiting, failed = list(zip(todo, jobs)), []
@@ -345,15 +380,18 @@ def run_slurm(todo, folder, a):
                 (out, _), job = item
                 try:
                     rc = job.result()
-                except Exception as e:                         # killed, timed out, or the node failed
+                except Exception as e:
+                    # killed, timed out, or the node failed
                     rc = f"{type(e).__name__}, see {job.paths.stderr}"
                 print(f"{'done' if rc == 0 else f'FAILED ({rc})'}: {out}", flush=True)
                 if rc != 0:
                     failed.append(out)
         if STOP:
             for _, job in waiting:
-                if a.cluster == "local":    # submitit's local cancel is a SIGINT, which its job process
-                    job._process.send_signal(signal.SIGTERM)  # answers with a traceback on our stderr
+                if a.cluster == "local":
+                    # submitit's local cancel is a SIGINT, which its job process answers with a
+                    # traceback on our stderr
+                    job._process.send_signal(signal.SIGTERM)
                 else:
                     job.cancel(check=False)
             deadline = time.time() + 60
@@ -364,8 +402,8 @@ def run_slurm(todo, folder, a):
 
 
 def plan(argv):
-    """Everything checked and nothing made: (the arguments, the results folder, the runs to do [(results path,
-    command)], the complete runs skipped). UserError for bad input."""
+    """Everything checked and nothing made: (the arguments, the results folder, the runs to do
+    [(results path, command)], the complete runs skipped). UserError for bad input."""
     argv = list(argv)
     common_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
@@ -378,10 +416,12 @@ def plan(argv):
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--out-dir", default="results/benchmark")
     p.add_argument("--tag", default=None, help="subfolder name (default: dataset[-P clients])")
-    p.add_argument("--dry-run", action="store_true", help="list the runs that would run, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the runs that would run, run nothing")
     p.add_argument("--launcher", default="local", choices=["local", "multi_gpu", "slurm"])
     p.add_argument("--jobs", type=int, default=1, help="local: runs at once")
-    p.add_argument("--gpus", default=None, help="multi_gpu: GPU ids, one run on each at a time (default: all)")
+    p.add_argument("--gpus", default=None,
+                   help="multi_gpu: GPU ids, one run on each at a time (default: all)")
     s = p.add_argument_group("slurm (through submitit)")
     s.add_argument("--partition", default=None, help="default: the cluster's")
     s.add_argument("--time", type=int, default=240, help="minutes per run")
@@ -394,29 +434,36 @@ def plan(argv):
         raise UserError(f"unknown dataset {a.dataset!r}; choose from {', '.join(data.NAMES)}")
     for flag in ("jobs", "time", "array_parallelism"):
         if getattr(a, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, "
+                            f"got {getattr(a, flag)}")
     if a.gpus_per_job < 0:
         raise UserError(f"--gpus-per-job must be at least 0, got {a.gpus_per_job}")
     bad = [s for s in a.seeds if not 0 <= s < SEED_LIMIT]
     if bad or len(set(a.seeds)) < len(a.seeds):
         raise UserError(f"--seed {bad[0]} is out of the methods' range [0, 2**31)" if bad else
-                        f"--seeds {' '.join(map(str, a.seeds))}: a seed twice (its runs would write one file)")
+                        f"--seeds {' '.join(map(str, a.seeds))}: "
+                        "a seed twice (its runs would write one file)")
     if a.tag is not None and not re.fullmatch(r"[\w.+-]+", a.tag):
-        raise UserError(f"--tag {a.tag!r} names one folder: use letters, digits, '.', '_' and '-'")
+        raise UserError(f"--tag {a.tag!r} names one folder: "
+                        "use letters, digits, '.', '_' and '-'")
     if a.gpus is not None and a.launcher != "multi_gpu":
         raise UserError("--gpus is for --launcher multi_gpu")
     ids = None
     if a.launcher == "multi_gpu":
-        ids = a.gpus.split(",") if a.gpus is not None else [str(k) for k in range(visible_gpus())]
+        ids = (a.gpus.split(",") if a.gpus is not None
+               else [str(k) for k in range(visible_gpus())])
         if not ids or not all(k.isdigit() for k in ids) or len(set(ids)) < len(ids):
             raise UserError("--launcher multi_gpu needs distinct GPU ids, e.g. --gpus 0,1,2,3 "
-                            + (f"(got {a.gpus!r})" if a.gpus is not None else "(no --gpus, and no GPU visible)"))
+                            + (f"(got {a.gpus!r})" if a.gpus is not None
+                               else "(no --gpus, and no GPU visible)"))
     a.slots = ids
     if a.launcher == "slurm":
         submitit_modules()
-    folder = (Path(a.out_dir) / (a.tag or (a.dataset + (f"-{a.clients}clients" if a.clients else "")))).resolve()
+    folder = (Path(a.out_dir)
+              / (a.tag or (a.dataset + (f"-{a.clients}clients" if a.clients else "")))).resolve()
     above = next(q for q in [folder, *folder.parents] if q.exists())
-    try:                                    # a file made and gone: the folder itself is made only to run
+    # a file made and gone: the folder itself is made only to run
+    try:
         if not above.is_dir():
             raise NotADirectoryError(20, "not a folder")
         with tempfile.NamedTemporaryFile(dir=above, prefix=".probe-"):
@@ -425,7 +472,8 @@ def plan(argv):
         raise UserError(f"--out-dir {a.out_dir}: {above} is not a folder this user can write in "
                         f"({e.strerror})") from None
     shared = ["--dataset", a.dataset] + sum([[f"--{k}", str(v)] for k, v in
-                                              (("clients", a.clients), ("sample", a.sample), ("rounds", a.rounds))
+                                              (("clients", a.clients), ("sample", a.sample),
+                                               ("rounds", a.rounds))
                                               if v is not None], []) + common_args
     todo, skipped = [], []
     LOADED.clear()
@@ -437,28 +485,34 @@ def plan(argv):
             out = folder / f"{label}-seed{seed}.json"
             label_of[out] = label
             files = outputs.Files(out)
-            outputs.refuse_foreign(files)                      # a user's file where a run would write
+            # a user's file where a run would write
+            outputs.refuse_foreign(files)
             if outputs.complete(out):
                 differ = differing(resolved, outputs.read_result(out)["args"])
                 if differ:
-                    raise UserError(f"{out} is complete with other settings ({', '.join(differ[:4])}"
-                                    f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}): give "
-                                    f"another --tag or --out-dir, or move it away")
+                    raise UserError(f"{out} is complete with other settings "
+                                    f"({', '.join(differ[:4])}"
+                                    f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}"
+                                    "): give another --tag or --out-dir, or move it away")
                 skipped.append(out)
                 continue
             if outputs.read_result(out) is not None and not files.ckpt.exists():
-                raise UserError(f"{out} is an unfinished run whose checkpoint {files.ckpt} is gone: move it "
-                                f"away to run it again, or give another --tag or --out-dir")
-            where = os.path.relpath(out, ROOT) if out.is_relative_to(ROOT) else str(out)  # no local paths in results
-            resume = ["--resume"] if files.ckpt.exists() else []      # an interrupted run: continued
-            todo.append((out, command(script, shared + extra + ["--seed", str(seed), "--out", where, *resume])))
+                raise UserError(f"{out} is an unfinished run whose checkpoint {files.ckpt} "
+                                f"is gone: move it away to run it again, "
+                                f"or give another --tag or --out-dir")
+            # no local paths in results
+            where = os.path.relpath(out, ROOT) if out.is_relative_to(ROOT) else str(out)
+            # an interrupted run: continued
+            resume = ["--resume"] if files.ckpt.exists() else []
+            todo.append((out, command(script, shared + extra
+                                      + ["--seed", str(seed), "--out", where, *resume])))
     LOADED.clear()                          # the runs load their own
     return a, folder, todo, skipped
 
 
 def execute(a, folder, todo, skipped):
-    """Make the folder and run the planned runs with a.launcher. Failed: a run failed; Interrupted: a signal
-    stopped them."""
+    """Make the folder and run the planned runs with a.launcher. Failed: a run failed; Interrupted:
+    a signal stopped them."""
     for out in skipped:
         print(f"skip {out} (complete)")
     folder.mkdir(parents=True, exist_ok=True)
@@ -476,7 +530,8 @@ def execute(a, folder, todo, skipped):
 
 
 def main(argv=None):
-    """The command line: bad input -> one line, exit 2; a failed run -> exit 1; a signal -> one line, 128 + signum."""
+    """The command line: bad input -> one line, exit 2; a failed run -> exit 1; a signal ->
+    one line, 128 + signum."""
     try:
         a, folder, todo, skipped = plan(sys.argv[1:] if argv is None else argv)
         if a.dry_run:
@@ -496,7 +551,8 @@ def main(argv=None):
     except Interrupted as e:
         print(f"run.py: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:                  # before any run started (the checks, or the imports they need)
+    except KeyboardInterrupt:
+        # before any run started (the checks, or the imports they need)
         print("run.py: interrupted before any run started", file=sys.stderr)
         sys.exit(130)
 

@@ -2,14 +2,15 @@
 
 The ServerApp runs the method file's run through the harness, harness.main(METHOD) (its flags,
 defaults and checks; data, the held-out domain, seeding, evaluation, checkpoints, the results JSON),
-with one change: the engine of common.on_clients is a `Link`, a parameter of the run. Each exchange of a round is then one message to every sampled
-node at once, carrying the client function's name, what the server sent, the round and the exchange;
-each node runs that function (the method file's own) on its client, with the client's own random
-stream (common.stream of the seed, the held-out domain, the round, the client and the exchange) and
-its own state (Flower's Context.state), and replies. The replies are put in the order of the clients'
-ids, as in process. So the nodes train at the same time, and a run equals the method file's own run
-bit for bit. One node per client: the node's partition id (node config `partition-id`) is the client id.
-The server samples with common.sample_clients on its own seeded generator (never Flower's sampling).
+with one change: the engine of common.on_clients is a `Link`, a parameter of the run. Each exchange
+of a round is then one message to every sampled node at once, carrying the client function's name,
+what the server sent, the round and the exchange; each node runs that function (the method file's
+own) on its client, with the client's own random stream (common.stream of the seed, the held-out
+domain, the round, the client and the exchange) and its own state (Flower's Context.state), and
+replies. The replies are put in the order of the clients' ids, as in process. So the nodes train at
+the same time, and a run equals the method file's own run bit for bit. One node per client: the
+node's partition id (node config `partition-id`) is the client id. The server samples with
+common.sample_clients on its own seeded generator (never Flower's sampling).
 """
 import argparse
 import ast
@@ -28,7 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(os.environ.get("FEDOOD_ROOT") or Path(__file__).resolve().parent.parent)
-for where in (ROOT, ROOT / "benchmark", ROOT / "benchmark" / "diagnostics"):   # methods, their variants
+# methods, their variants
+for where in (ROOT, ROOT / "benchmark", ROOT / "benchmark" / "diagnostics"):
     if (ROOT / "common.py").exists() and str(where) not in sys.path:
         sys.path.insert(0, str(where))
 
@@ -56,7 +58,8 @@ def pack(d):
     def put(key, v):
         if torch.is_tensor(v):
             arrays[key] = Array(v.detach().cpu().contiguous())
-        elif isinstance(v, (list, tuple)) and any(torch.is_tensor(x) or isinstance(x, (list, tuple)) for x in v):
+        elif isinstance(v, (list, tuple)) and any(torch.is_tensor(x) or isinstance(x, (list, tuple))
+                                                  for x in v):
             config[key + "#n"] = len(v)
             for i, x in enumerate(v):
                 put(f"{key}/{i}", x)
@@ -83,7 +86,8 @@ def unpack(rd):
 
 
 def nbytes(rd):
-    """The bytes Flower moves for a RecordDict: its serialised objects (what the SuperLink stores)."""
+    """The bytes Flower moves for a RecordDict: its serialised objects
+    (what the SuperLink stores)."""
     return sum(len(o.deflate()) for o in get_all_nested_objects(rd).values())
 
 
@@ -105,7 +109,8 @@ def declared(method):
     if method not in METHODS:
         return frozenset()
     names = set()
-    where = importlib.util.find_spec(method).origin           # the method file on the path, not imported
+    # the method file on the path, not imported
+    where = importlib.util.find_spec(method).origin
     for call in ast.walk(ast.parse(Path(where).read_text())):
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                 and isinstance(call.func.value, ast.Name)):
@@ -123,10 +128,12 @@ def declared(method):
 
 class BadReply(common.NonFinite):
     """A node's reply that the round must not use (or its refusal): the run ends as at a non-finite
-    number, exit 1, its last good checkpoint kept, so that --resume goes on once the node is fixed."""
+    number, exit 1, its last good checkpoint kept, so that --resume goes
+    on once the node is fixed."""
 
 
-MAX_BYTES = 4     # a reply may be at most this many times the bytes of the same reply in process (+ 64 kB)
+# a reply may be at most this many times the bytes of the same reply in process (+ 64 kB)
+MAX_BYTES = 4
 
 
 def schema(reply):
@@ -142,14 +149,16 @@ def schema(reply):
 
 def what_is_wrong(reply, expect, t, phase):
     """None, or what makes a node's reply to round t's exchange `phase` unusable: another round or
-    exchange, missing or extra keys, tensors of other shapes or dtypes than the same function gives in
-    process (`expect`: schema), non-finite values."""
+    exchange, missing or extra keys, tensors of other shapes or dtypes than the same function gives
+    in process (`expect`: schema), non-finite values."""
     if (reply.get("_round"), reply.get("_phase")) != (t, phase):
-        return f"it answers round {reply.get('_round')} ({reply.get('_phase')}), not round {t} ({phase})"
+        return (f"it answers round {reply.get('_round')} ({reply.get('_phase')}), "
+                f"not round {t} ({phase})")
     got = schema({k: v for k, v in reply.items() if not k.startswith("_")})
     if got.keys() != expect.keys():
         missing, extra = sorted(expect.keys() - got.keys()), sorted(got.keys() - expect.keys())
-        return ", ".join([f"missing {', '.join(missing)}"] * bool(missing) + [f"extra {', '.join(extra)}"] * bool(extra))
+        return ", ".join([f"missing {', '.join(missing)}"] * bool(missing)
+                         + [f"extra {', '.join(extra)}"] * bool(extra))
     for k in expect:
         if got[k] != expect[k]:
             return f"{k} is {got[k]}, where the client function gives {expect[k]}"
@@ -167,13 +176,15 @@ def what_is_wrong(reply, expect, t, phase):
 # --------------------------------------------------------------------------------- the server
 
 class Link:
-    """common.on_clients' engine on Flower: which node holds which client, and each exchange as one message
-    to every node of it at once. Per round: bytes down and up, seconds, and each node's working span."""
+    """common.on_clients' engine on Flower: which node holds which client, and each exchange as one
+    message to every node of it at once. Per round: bytes down and up, seconds, and each node's
+    working span."""
 
     def __init__(self, grid, wait=600.0, method=None, init=None):
         self.grid, self.wait, self.nodes, self.args, self.out = grid, wait, None, None, None
         self.method, self.init = method, init       # the run's method and its init_state, by name
-        self.moved, self.times, self.spans = {}, {}, {}    # round -> [down, up]; seconds; node spans
+        # round -> [down, up]; seconds; node spans
+        self.moved, self.times, self.spans = {}, {}, {}
         self.expected = {}                                 # (fn, phase, domain) -> the replies
 
     def connect(self, P):
@@ -181,17 +192,21 @@ class Link:
         end = time.time() + self.wait
         while len(ids := sorted(self.grid.get_node_ids())) < P:
             if time.time() > end:
-                raise common.UserError(f"{len(ids)} node(s) connected, {P} needed (one per client)")
+                raise common.UserError(f"{len(ids)} node(s) connected, {P} needed "
+                                       "(one per client)")
             time.sleep(0.5)
-        said = [(i, int(r["partition"])) for i, r in zip(ids, self._send([(i, "query.hello", {}) for i in ids], 0))]
+        said = [(i, int(r["partition"]))
+                for i, r in zip(ids, self._send([(i, "query.hello", {}) for i in ids], 0))]
         parts = {}
         for i, p in said:
             if p in parts:
-                raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, which node {parts[p]} "
-                               f"holds; this run needs 0..{P - 1}, one node each")
+                raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, "
+                               f"which node {parts[p]} holds; "
+                               f"this run needs 0..{P - 1}, one node each")
             parts[p] = i
         if sorted(parts) != list(range(P)):
-            raise common.UserError(f"the nodes' partition ids are {sorted(parts)}; this run needs 0..{P - 1}, one each")
+            raise common.UserError(f"the nodes' partition ids are {sorted(parts)}; "
+                                   f"this run needs 0..{P - 1}, one each")
         self.nodes = parts
 
     def __call__(self, fn, S, sents, t, phase, ctx):
@@ -201,25 +216,29 @@ class Link:
             self.connect(len(ctx.fed.clients))
         expect = [self.reference(fn, c, sent, t, phase, ctx) for c, sent in zip(S, sents)]
         start = time.perf_counter()
-        head = {"fn": name_of(fn), "phase": phase, "round": t, "domain": ctx.fed.name, "args": self.args,
-                "init": self.init, "method": self.method}
-        replies = self._send([(self.nodes[c], "train.client", {**head, **{f"sent.{k}": v for k, v in sent.items()}})
+        head = {"fn": name_of(fn), "phase": phase, "round": t, "domain": ctx.fed.name,
+                "args": self.args, "init": self.init, "method": self.method}
+        replies = self._send([(self.nodes[c], "train.client",
+                               {**head, **{f"sent.{k}": v for k, v in sent.items()}})
                               for c, sent in zip(S, sents)], t, clients=S,
                              most=[MAX_BYTES * size + 2 ** 16 for _, size in expect])
-        for c, r, (shape, _) in zip(S, replies, expect):    # every reply checked before the round sees one
+        # every reply checked before the round sees one
+        for c, r, (shape, _) in zip(S, replies, expect):
             wrong = what_is_wrong(r, shape, t, phase)
             if wrong:
-                raise BadReply(f"a bad reply in round {t} from node {self.nodes[c]} (client {c}): {wrong}")
+                raise BadReply(f"a bad reply in round {t} from node {self.nodes[c]} "
+                               f"(client {c}): {wrong}")
         self.times[t] = self.times.get(t, 0.0) + time.perf_counter() - start
         self.spans.setdefault(t, []).extend((phase, c, r.pop("_began"), r.pop("_ended"))
                                             for c, r in zip(S, replies))
+        # in the order of S: the clients' ids
         return [to_device({k: v for k, v in r.items() if not k.startswith("_")}, ctx.device)
-                for r in replies]                                   # in the order of S: the clients' ids
+                for r in replies]
 
     def reference(self, fn, c, sent, t, phase, ctx):
-        """(schema, bytes) of what `fn` replies for client c in process: run on the server once per function,
-        exchange, held-out domain and client (a reply's shapes may follow the client's data: FedLOE's
-        predictions), with a scratch state and the random generators as they were."""
+        """(schema, bytes) of what `fn` replies for client c in process: run on the server once per
+        function, exchange, held-out domain and client (a reply's shapes may follow the client's
+        data: FedLOE's predictions), with a scratch state and the random generators as they were."""
         key = (name_of(fn), phase, ctx.fed.name, c)
         if key not in self.expected:
             devices = [ctx.device] if ctx.device.type == "cuda" else []
@@ -242,8 +261,8 @@ class Link:
                 raise BadReply(f"{who} in round {t}: {why}")
             size = nbytes(r.content)
             if most is not None and size > most[k]:              # before anything of it is unpacked
-                raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, the most this exchange "
-                               f"takes is {most[k]:,}")
+                raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, "
+                               f"the most this exchange takes is {most[k]:,}")
             moved[1] += size
             out.append(unpack(r.content))
         return out
@@ -261,8 +280,10 @@ def serve(grid, method, argv, wait=600.0):
 
 
 def report(link):
-    """Per round: seconds of messages and client work, bytes, and each node's span (<out>.flower.json)."""
-    rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u, "spans": link.spans.get(t, [])}
+    """Per round: seconds of messages and client work, bytes, and each node's span
+    (<out>.flower.json)."""
+    rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u,
+                  "spans": link.spans.get(t, [])}
               for t, (d, u) in link.moved.items()}
     outputs.write_json(f"{link.out}.flower.json", {"rounds": rounds})
     for t in sorted(link.moved):
@@ -274,12 +295,14 @@ def report(link):
 # ----------------------------------------------------------------------------------- the nodes
 
 class Node:
-    """A node's view: the run's federation as the server builds it (its seed fixes it; the method's own setup,
-    init_state, done here too: FedLOE's tuning split), a model to compute with, the client it holds."""
+    """A node's view: the run's federation as the server builds it (its seed fixes it; the method's
+    own setup, init_state, done here too: FedLOE's tuning split), a model to compute with, the
+    client it holds."""
 
     def __init__(self, init, args, domain, partition):
         common.set_deterministic(not args.nondeterministic)
-        with contextlib.redirect_stdout(io.StringIO()):   # (the loader's notes are the server's to print)
+        # (the loader's notes are the server's to print)
+        with contextlib.redirect_stdout(io.StringIO()):
             ds = load_data(args)
             after_load(args, ds)       # as harness.run: settles --clients, --sample, --client-size
         device = torch.device(args.device)
@@ -289,8 +312,8 @@ class Node:
                           client_size=getattr(args, "client_size", None))
         with torch.random.fork_rng(devices=[]):
             model = common.global_model(args, ds, device)
-        self.ctx = common.Context(device, torch.Generator(), data.make_prep(args.dataset, device), args.amp, args,
-                                  fed, model, {})
+        self.ctx = common.Context(device, torch.Generator(), data.make_prep(args.dataset, device),
+                                  args.amp, args, fed, model, {})
         if init:
             function(init)(model, fed, args, self.ctx)
         self.partition, self.domain = partition, domain
@@ -301,8 +324,8 @@ _NODES_LOCK = threading.Lock()   # nodes that answer in threads of one process (
 
 
 def node_for(req, context):
-    """This node's client: made once per run and held-out domain (under the lock: the seeded model and the
-    dropping of another run's nodes are one at a time), then reused."""
+    """This node's client: made once per run and held-out domain (under the lock: the seeded model
+    and the dropping of another run's nodes are one at a time), then reused."""
     key = (req["args"], req["init"], req["domain"], int(context.node_config["partition-id"]))
     with _NODES_LOCK:
         if key not in _NODES:
@@ -316,8 +339,8 @@ def node_for(req, context):
 
 
 def refused(req, context, also=frozenset()):
-    """Why this node will not run what `req` names (None: it will): a function that the run's method file
-    does not declare a client's work (declared), or a method that is not one of the six."""
+    """Why this node will not run what `req` names (None: it will): a function that the run's method
+    file does not declare a client's work (declared), or a method that is not one of the six."""
     method = str(context.run_config.get("method", "") or req.get("method") or "")
     allowed = declared(method) | set(also)
     for name in (req.get("fn"), req.get("init")):
@@ -336,11 +359,14 @@ def work(msg, context, also=frozenset()):
     node = node_for(req, context)
     ctx, c = node.ctx, node.partition
     sent = to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
-    record = context.state.get("fedood", ConfigRecord())             # the client's own state, per held-out domain
-    kept = torch.load(io.BytesIO(record[node.domain]), weights_only=True) if node.domain in record else {}
+    # the client's own state, per held-out domain
+    record = context.state.get("fedood", ConfigRecord())
+    kept = (torch.load(io.BytesIO(record[node.domain]), weights_only=True)
+            if node.domain in record else {})
     ctx.clients = {c: to_device(kept, ctx.device)}
     out = function(req["fn"])(common.site(ctx, c, req["round"], req["phase"]), sent)
-    out = {**out, "_began": began, "_ended": time.time(), "_round": req["round"], "_phase": req["phase"]}
+    out = {**out, "_began": began, "_ended": time.time(), "_round": req["round"],
+           "_phase": req["phase"]}
     if ctx.clients[c]:
         buf = io.BytesIO()
         torch.save(ctx.clients[c], buf)

