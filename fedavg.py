@@ -14,11 +14,11 @@ instead of by data size: `--uniform-avg` does that. With the Algorithm 2 split o
 clients hold nearly equal amounts of data, so the two agree closely on the leave-one-domain-out
 benchmarks.
 
-Defaults (harness/config.py): FedIIR's Table 3 per dataset (RotatedMNIST: lr 1e-2, batch 64; VLCS 1e-3 /
-32; PACS 2.5e-3 / 32; OfficeHome 1e-3 / 32), 100 rounds, 1 local epoch, SGD with momentum 0.9 and
-a fresh optimiser on every client in every round, η_g = 1, evaluation every 10 rounds; the
-reported test accuracy is the one at the round with the best pooled validation accuracy.
-Figure 1's two claims, the results and the readings: docs/fedavg.md.
+Defaults (the shared table, harness/config.py): FedIIR's Table 3 per dataset (RotatedMNIST: lr
+1e-2, batch 64; VLCS 1e-3 / 32; PACS 2.5e-3 / 32; OfficeHome 1e-3 / 32), 100 rounds, 1 local
+epoch, SGD with momentum 0.9 and a fresh optimiser on every client in every round, η_g = 1,
+evaluation every 10 rounds; the reported test accuracy is the one at the round with the best
+pooled validation accuracy. Figure 1's two claims, the results and the readings: docs/fedavg.md.
 
     python fedavg.py                                  # RotatedMNIST, embedded digits, all domains
     python fedavg.py --rounds 20 --test-domain 0      # a quick look

@@ -34,7 +34,7 @@ import common
 import torch
 import torch.nn.functional as F
 
-DEFAULTS = {"*": dict(gamma=1e-2, ema=0.95),                   # γ: Table 3's RotatedMNIST; v: App. C
+DEFAULTS = {"*": dict(gamma=1e-2, ema=0.95),                  # γ: Table 3's RotatedMNIST; v: App. C
             "vlcs": dict(gamma=5e-3), "pacs": dict(gamma=1e-3), "officehome": dict(gamma=5e-4)}
 
 
