@@ -1,22 +1,25 @@
-"""Everything the project needs a GPU for, in one command that fits a borrowed GPU's lease (15 minutes of
+"""Everything the project needs a GPU for, in one command that fits a borrowed GPU's lease \
+(15 minutes of
 device time in all, at most 10 a command): by default 9 minutes, packing included.
 
     python benchmark/gpu_session.py --data-root DIR --out-dir DIR2                # 9 minutes
-    python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --dry-run      # the steps, caps, sources
+    # the steps, caps, sources
+    python benchmark/gpu_session.py --data-root DIR --out-dir DIR2 --dry-run
 
 In order (STEPS), each with a hard cap, its estimate; each estimate's source is named beside it in
 STEPS and printed by --dry-run:
   1. tests        pytest -q (-n 8 where pytest-xdist is importable) with CUDA visible: the bit-exact
                   tests run on the CPU and on CUDA
-  2. gpu_check    benchmark/gpu_check.py --rounds 3 --ratio-rounds 10 --ipg-rounds 5 --checks cpu speed
-                  runs: CPU against GPU, speed targets (the method rounds' ratios over 10 rounds: 3
-                  left FedIPG's unsettled), then every method on CUDA (no host sync in a local step,
-                  repeatable) until its cap; each row is kept as it is measured
+  2. gpu_check    benchmark/gpu_check.py --rounds 3 --ratio-rounds 10 --ipg-rounds 5
+                  --checks cpu speed runs: CPU against GPU, speed targets (the method rounds' ratios
+                  over 10 rounds: 3 left FedIPG's unsettled), then every method on CUDA (no host
+                  sync in a local step, repeatable) until its cap; each row is kept as it is
+                  measured
   3. speed-rmnist benchmark/speed.py --setting rmnist: one client after another against all at once,
                   and every method's round, on RotatedMNIST-50
   4. speed-fl     benchmark/speed.py --setting fl --rounds 1: the same in FedOMG's FL setting
-  5. leaderboard  benchmark/leaderboard.py --where gpu: the leaderboard's missing GPU cells (resumable),
-                  for whatever time is left
+  5. leaderboard  benchmark/leaderboard.py --where gpu: the leaderboard's missing GPU cells
+                  (resumable), for whatever time is left
 At its cap a step gets SIGINT (to its process group: pytest stops, the leaderboard's runs stop after
 their round and its checkpoint), and SIGKILL (its group and every process below it) GRACE seconds
 later (LEADERBOARD_GRACE for the leaderboard). A step runs only if its cap, its grace and REAP fit
@@ -52,8 +55,10 @@ from data import Parser, finite  # noqa: E402
 
 LEADERBOARD = ROOT / "benchmark" / "results" / "leaderboard"
 ARCHIVE = "gpu-session.tar.gz"
-LIMIT = 15 * 2 ** 20         # bytes in the archive: what a borrowed machine sends back is at most 16 MiB a file
-LEFT_MAX = 4096              # bytes of left-out.txt at most (longer: cut, with the number of the others)
+# bytes in the archive: what a borrowed machine sends back is at most 16 MiB a file
+LIMIT = 15 * 2 ** 20
+# bytes of left-out.txt at most (longer: cut, with the number of the others)
+LEFT_MAX = 4096
 GRACE, LEADERBOARD_GRACE = 5, 30   # seconds from a step's SIGINT to its SIGKILL
 REAP = 2                     # seconds to wait for a killed step to be reaped
 PACK = 20                    # seconds kept for packing at the end
@@ -62,24 +67,32 @@ MAX_MINUTES = 10             # what one command may run on a borrowed machine
 
 Step = collections.namedtuple("Step", "name cap source cmd")   # cap in seconds (None: what is left)
 STEPS = [  # DATA, OUT and JOBS are filled in; XDIST becomes -n 8 where pytest-xdist is importable
-    Step("tests", 140, "measured: 96 and 108 s with pytest -q -n 8, 620 tests (H100, torch 2.11.0+cu130, "
+    Step("tests", 140,
+         "measured: 96 and 108 s with pytest -q -n 8, 620 tests (H100, torch 2.11.0+cu130, "
          "2026-11-26); cap 1.3x the longer; without xdist unmeasured", [
              "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "XDIST"]),
-    Step("gpu_check", 185, "measured: CPU against GPU, speed and 12 of the 48 runs filled a 190 s cap "
-         "(H100, 2026-11-26; the runs since lighter: 5 of 50 clients, each dataset loaded once; the speed "
-         "rows since heavier by --compile's FedAvg and FedIPG rounds, whose compiling is unmeasured on a GPU: "
-         "33 s and 32 s on the 2-core CPU); the runs left are cut at the cap, each row kept as it is measured", [
-             "benchmark/gpu_check.py", "--data-root", "DATA", "--rounds", "3", "--ratio-rounds", "10",
-             "--ipg-rounds", "5", "--checks", "cpu", "speed", "runs", "--out", "OUT/gpu_check.json"]),
-    Step("speed-rmnist", 45, "measured: 31 s with 6 timed rounds (H100, 2026-11-26); cap 1.45x that", [
-        "benchmark/speed.py", "--setting", "rmnist", "--data-root", "DATA", "--rounds", "6",
-        "--json", "OUT/speed-rmnist.json"]),
-    Step("speed-fl", 75, "measured: 56 s with its 1 timed round (H100, 2026-11-26; 2 rounds did not finish "
+    Step("gpu_check", 185,
+         "measured: CPU against GPU, speed and 12 of the 48 runs filled a 190 s cap "
+         "(H100, 2026-11-26; the runs since lighter: 5 of 50 clients, each dataset loaded once; "
+         "the speed rows since heavier by --compile's FedAvg and FedIPG rounds, whose compiling "
+         "is unmeasured on a GPU: 33 s and 32 s on the 2-core CPU); the runs left are cut at the "
+         "cap, each row kept as it is measured", [
+             "benchmark/gpu_check.py", "--data-root", "DATA", "--rounds", "3",
+             "--ratio-rounds", "10", "--ipg-rounds", "5", "--checks", "cpu", "speed", "runs",
+             "--out", "OUT/gpu_check.json"]),
+    Step("speed-rmnist", 45,
+         "measured: 31 s with 6 timed rounds (H100, 2026-11-26); cap 1.45x that", [
+             "benchmark/speed.py", "--setting", "rmnist", "--data-root", "DATA", "--rounds", "6",
+             "--json", "OUT/speed-rmnist.json"]),
+    Step("speed-fl", 75,
+         "measured: 56 s with its 1 timed round (H100, 2026-11-26; 2 rounds did not finish "
          "in 80 s); cap 1.3x that", [
              "benchmark/speed.py", "--setting", "fl", "--data-root", "DATA", "--rounds", "1",
              "--json", "OUT/speed-fl.json"]),
-    Step("leaderboard", None, "what is left before packing (the runs resume from their checkpoints)", [
-        "benchmark/leaderboard.py", "--data-root", "DATA", "--where", "gpu", "--jobs", "JOBS", "--no-figure"]),
+    Step("leaderboard", None,
+         "what is left before packing (the runs resume from their checkpoints)", [
+             "benchmark/leaderboard.py", "--data-root", "DATA", "--where", "gpu", "--jobs", "JOBS",
+             "--no-figure"]),
 ]
 STOP = []                    # the signals this command received (SIGINT, SIGTERM)
 
@@ -99,7 +112,8 @@ def fill(cmd, a):
 
 
 def needs(step):
-    """Seconds a step needs before packing: its cap (the leaderboard: MIN_CAP), its grace and REAP."""
+    """Seconds a step needs before packing: its cap (the leaderboard: MIN_CAP), its grace and
+    REAP."""
     return (step.cap or MIN_CAP) + grace(step.name) + REAP
 
 
@@ -151,19 +165,20 @@ def kill_tree(pid):
 
 
 def default_sigint():
-    """In a step's process before it runs: SIGINT's default action. main's own handlers give the steps that
-    anyway (exec resets a caught signal); run_step called without them, from a process that ignores SIGINT
-    (a background job of a non-interactive shell, say), would pass the ignoring on."""
+    """In a step's process before it runs: SIGINT's default action. main's own handlers give the
+    steps that anyway (exec resets a caught signal); run_step called without them, from a process
+    that ignores SIGINT (a background job of a non-interactive shell, say), would pass the ignoring
+    on."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_step(name, cmd, out_dir, cap, grace_s=GRACE, env=None):
-    """Run one step, its output in out_dir/<name>.log; at `cap` seconds (or at a signal to this command)
-    SIGINT to its process group, SIGKILL (kill_tree) grace_s seconds later (at once at a second signal).
-    Returns (exit status, how it ended: "" on its own, else what stopped it)."""
+    """Run one step, its output in out_dir/<name>.log; at `cap` seconds (or at a signal to this
+    command) SIGINT to its process group, SIGKILL (kill_tree) grace_s seconds later (at once at a
+    second signal). Returns (exit status, how it ended: "" on its own, else what stopped it)."""
     with open(Path(out_dir) / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=env, preexec_fn=default_sigint)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, preexec_fn=default_sigint)
         t0, asked, signals, how = time.monotonic(), None, len(STOP), ""
         while proc.poll() is None:
             now = time.monotonic()
@@ -188,8 +203,9 @@ def run_step(name, cmd, out_dir, cap, grace_s=GRACE, env=None):
 
 
 def unpack(out_dir):
-    """Unpack the archive of an earlier call with this DIR2 into the checkout (its paths are relative to
-    it): an earlier version's parts gpu-session-K.tar.gz first, then gpu-session.tar.gz."""
+    """Unpack the archive of an earlier call with this DIR2 into the checkout (its paths are
+    relative to it): an earlier version's parts gpu-session-K.tar.gz first, then
+    gpu-session.tar.gz."""
     parts = sorted(out_dir.glob("gpu-session-*.tar.gz"), key=lambda f: (len(f.name), f.name))
     for f in parts + [f for f in [out_dir / ARCHIVE] if f.is_file()]:
         with tarfile.open(f) as t:
@@ -204,14 +220,16 @@ def bound(n, arcname):
     return raw + raw // 1000 + 64
 
 
-END = 10240 + 1024 + (10240 + 1024) // 1000 + 64 + 8   # the tar's end blocks and record padding, gzip's trailer
+# the tar's end blocks and record padding, gzip's trailer
+END = 10240 + 1024 + (10240 + 1024) // 1000 + 64 + 8
 
 
 def pack(out_dir, until=None):
-    """One archive out_dir/gpu-session.tar.gz of at most LIMIT bytes: out_dir's logs and JSONs, then the
-    leaderboard's JSONs and logs, then its checkpoints, each group smallest first, each file while it
-    fits (and while time.monotonic() < until); the others are named, one line each and in
-    gpu-session/left-out.txt. Replaces the archives of an earlier call. Returns the files left out."""
+    """One archive out_dir/gpu-session.tar.gz of at most LIMIT bytes: out_dir's logs and JSONs, then
+    the leaderboard's JSONs and logs, then its checkpoints, each group smallest first, each file
+    while it fits (and while time.monotonic() < until); the others are named, one line each and in
+    gpu-session/left-out.txt. Replaces the archives of an earlier call. Returns the files left
+    out."""
     def arcname(p):
         return os.path.relpath(p, ROOT) if p.is_relative_to(ROOT) else f"gpu-session/{p.name}"
     board = [p for p in LEADERBOARD.rglob("*") if p.is_file()] if LEADERBOARD.is_dir() else []
@@ -229,13 +247,16 @@ def pack(out_dir, until=None):
                     if until is not None and time.monotonic() >= until:
                         left_out.append((p, "no time left to pack it"))
                     elif raw.tell() + bound(n, name) + reserve > LIMIT:
-                        left_out.append((p, f"{n:,} bytes: more than is left of the archive's {LIMIT:,}"))
+                        left_out.append((p, f"{n:,} bytes: more than is left of the archive's "
+                                            f"{LIMIT:,}"))
                     else:
-                        body = p.read_bytes()                        # as read now: a file that changes cannot
-                        info = t.gettarinfo(p, name)                 # break the archive
-                        info.size, info.mtime = len(body), int(info.mtime)    # (a float mtime: a pax header)
+                        # as read now: a file that changes cannot break the archive
+                        body = p.read_bytes()
+                        info = t.gettarinfo(p, name)
+                        # (a float mtime: a pax header)
+                        info.size, info.mtime = len(body), int(info.mtime)
                         t.addfile(info, io.BytesIO(body))
-                        gz.flush()                                   # raw.tell() is now what is written
+                        gz.flush()                               # raw.tell() is now what is written
             text = "".join(f"{arcname(p)}: {why}\n" for p, why in left_out)
             if len(text.encode()) > LEFT_MAX:
                 text = text.encode()[:LEFT_MAX - 64].decode(errors="ignore").rsplit("\n", 1)[0] + \
@@ -264,14 +285,18 @@ def plan(steps, seconds):
 
 def main(argv=None):
     p = Parser(prog="gpu_session.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", required=True, help="full MNIST (python data.py --download mnist --data-root DIR)")
-    p.add_argument("--out-dir", required=True, help="step logs and JSONs, and the archive to bring home")
+    p.add_argument("--data-root", required=True,
+                   help="full MNIST (python data.py --download mnist --data-root DIR)")
+    p.add_argument("--out-dir", required=True,
+                   help="step logs and JSONs, and the archive to bring home")
     p.add_argument("--minutes", type=finite, default=9,
-                   help=f"the whole command, packing included (at most {MAX_MINUTES}: one command's limit)")
+                   help=f"the whole command, packing included "
+                        f"(at most {MAX_MINUTES}: one command's limit)")
     p.add_argument("--jobs", type=int, default=12, help="leaderboard runs at once on the GPU")
-    p.add_argument("--skip", nargs="+", default=[], choices=[s.name for s in STEPS], help="steps to leave out")
-    p.add_argument("--dry-run", action="store_true", help="list the steps, their caps and the caps' sources; run "
-                   "nothing")
+    p.add_argument("--skip", nargs="+", default=[], choices=[s.name for s in STEPS],
+                   help="steps to leave out")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the steps, their caps and the caps' sources; run nothing")
     a = p.parse_args(argv)
     if not 0 < a.minutes <= MAX_MINUTES:
         p.error(f"--minutes must be above 0 and at most {MAX_MINUTES}, got {a.minutes:g}")
@@ -284,14 +309,16 @@ def main(argv=None):
         return dry_run(steps, a)
     import torch
     if not torch.cuda.is_available():
-        print("gpu_session.py: error: no CUDA device is visible (this command is for a GPU machine; "
-              "--dry-run lists its steps anywhere)", file=sys.stderr)
+        print("gpu_session.py: error: no CUDA device is visible "
+              "(this command is for a GPU machine; --dry-run lists its steps anywhere)",
+              file=sys.stderr)
         sys.exit(2)
     if not a.data_root.is_dir():
         p.error(f"--data-root {a.data_root} is not a folder")
     a.out_dir.mkdir(parents=True, exist_ok=True)
     STOP.clear()
-    handlers = {s: signal.signal(s, lambda signum, frame: STOP.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {s: signal.signal(s, lambda signum, frame: STOP.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         session(a, steps, start, start + 60 * a.minutes)
     finally:
@@ -317,26 +344,27 @@ def session(a, steps, start, end):
             say(f"{s.name}: not started ({signal.Signals(STOP[0]).name})")
             continue
         if cap is None:
-            say(f"{s.name}: skipped, it does not fit: it needs {needs(s) / 60:.2f} min, {left / 60:.2f} left "
-                "before packing")
+            say(f"{s.name}: skipped, it does not fit: it needs {needs(s) / 60:.2f} min, "
+                f"{left / 60:.2f} left before packing")
             continue
         cmd = fill(s.cmd, a)
         say(f"{s.name}: {' '.join(cmd)} (cap {cap / 60:.2f} min)")
         t0 = time.monotonic()
         rc, how = run_step(s.name, cmd, a.out_dir, cap, grace(s.name))
-        say(f"{s.name}: exit {rc} after {(time.monotonic() - t0) / 60:.2f} min" + (f", {how}" if how else "")
-            + f" (log: {a.out_dir / s.name}.log)")
+        say(f"{s.name}: exit {rc} after {(time.monotonic() - t0) / 60:.2f} min"
+            + (f", {how}" if how else "") + f" (log: {a.out_dir / s.name}.log)")
     own.close()
     pack(a.out_dir, until=end - PACK / 4)
-    print(f"packed {a.out_dir / ARCHIVE} ({(a.out_dir / ARCHIVE).stat().st_size / 2 ** 20:.1f} MiB) after "
-          f"{time.monotonic() - start:.1f} s of {end - start:.0f}", flush=True)
+    print(f"packed {a.out_dir / ARCHIVE} "
+          f"({(a.out_dir / ARCHIVE).stat().st_size / 2 ** 20:.1f} MiB) "
+          f"after {time.monotonic() - start:.1f} s of {end - start:.0f}", flush=True)
 
 
 def dry_run(steps, a):
     """Print the schedule as if every step ran to its cap; returns [(step, cap or None)]."""
-    print(f"gpu_session.py: {a.minutes:g} min in all; each step stops at its cap (SIGINT to its process group, "
-          f"SIGKILL {GRACE} s later, the leaderboard's {LEADERBOARD_GRACE} s; {REAP} s to reap), then "
-          f"packing ({PACK} s)")
+    print(f"gpu_session.py: {a.minutes:g} min in all; each step stops at its cap "
+          f"(SIGINT to its process group, SIGKILL {GRACE} s later, "
+          f"the leaderboard's {LEADERBOARD_GRACE} s; {REAP} s to reap), then packing ({PACK} s)")
     rows, caps, stops = plan(steps, 60 * a.minutes), 0, 0
     for s, cap, left in rows:
         if cap:
@@ -346,9 +374,11 @@ def dry_run(steps, a):
             what = f"skipped: needs {needs(s) / 60:.2f} min, {max(left, 0) / 60:.2f} left"
         print(f"{s.name:12s} {what}  source: {s.source}")
         print(f"{'':13s}{' '.join(fill(s.cmd, a)).replace(sys.executable, 'python')}")
-    print(f"{'packing':12s} {PACK / 60:.2f} min: one archive {ARCHIVE} of at most {LIMIT / 2 ** 20:g} MiB")
-    print(f"{'total':12s} {(caps + stops + PACK) / 60:.2f} min = caps {caps / 60:.2f} + stopping {stops / 60:.2f} "
-          f"+ packing {PACK / 60:.2f} (at most --minutes {a.minutes:g})")
+    print(f"{'packing':12s} {PACK / 60:.2f} min: one archive {ARCHIVE} "
+          f"of at most {LIMIT / 2 ** 20:g} MiB")
+    print(f"{'total':12s} {(caps + stops + PACK) / 60:.2f} min = caps {caps / 60:.2f} "
+          f"+ stopping {stops / 60:.2f} + packing {PACK / 60:.2f} "
+          f"(at most --minutes {a.minutes:g})")
     return [(s, cap) for s, cap, _ in rows]
 
 

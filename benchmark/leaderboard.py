@@ -21,11 +21,11 @@ A cell is marked best (bold) only where its mean beats every other federated row
 column by more than two seed standard deviations (2 · the larger of the two stds), with at least 2
 seeds each (the centralised reference rows are not candidates).
 
-    python benchmark/leaderboard.py --data-root DIR                     # run what is missing, then the table
+    python benchmark/leaderboard.py --data-root DIR      # run what is missing, then the table
     python benchmark/leaderboard.py --data-root DIR --only rcmnist-norot --jobs 2
     python benchmark/leaderboard.py --data-root DIR --launcher multi_gpu --gpus 0,1
-    python benchmark/leaderboard.py --dry-run                           # the missing cells and their commands
-    python benchmark/leaderboard.py --table-only                        # the table from what exists
+    python benchmark/leaderboard.py --dry-run            # the missing cells and their commands
+    python benchmark/leaderboard.py --table-only         # the table from what exists
 
 Writes benchmark/results/leaderboard/README.md (the table, where each cell comes from, every cell's
 settings, the refusals) and leaderboard.{png,svg} (matplotlib, benchmark/ only).
@@ -59,9 +59,12 @@ BENCHMARKS = {
     "rcmnist": ("RC-MNIST (rotated)", "rcmnist", [], "cpu"),
     "rmnist5-0": ("RotatedMNIST-5, 0°", "rmnist", ["--test-domain", "0"], "gpu"),
     "rmnist5-75": ("RotatedMNIST-5, 75°", "rmnist", ["--test-domain", "75"], "gpu"),
-    "rmnist50-0": ("RotatedMNIST-50, 0°", "rmnist", ["--clients", "50", "--sample", "5", "--test-domain", "0"], "gpu"),
-    "rmnist50-75": ("RotatedMNIST-50, 75°", "rmnist", ["--clients", "50", "--sample", "5", "--test-domain", "75"], "gpu"),
-    "mnist-fl": ("MNIST label skew α 0.1", "mnist", ["--alpha", "0.1", "--rounds", "200", "--eval-every", "20"], "gpu"),
+    "rmnist50-0": ("RotatedMNIST-50, 0°", "rmnist",
+                   ["--clients", "50", "--sample", "5", "--test-domain", "0"], "gpu"),
+    "rmnist50-75": ("RotatedMNIST-50, 75°", "rmnist",
+                    ["--clients", "50", "--sample", "5", "--test-domain", "75"], "gpu"),
+    "mnist-fl": ("MNIST label skew α 0.1", "mnist",
+                 ["--alpha", "0.1", "--rounds", "200", "--eval-every", "20"], "gpu"),
 }
 # row label -> (script, its own arguments)
 ROWS = {
@@ -72,11 +75,13 @@ ROWS = {
     "fedloe-irm": ("fedloe", ["--dg", "irm"]),
     "fedloe-rex": ("fedloe", ["--dg", "rex"]),
     "perinvfl": ("perinvfl", []),
-    "fedipg-sgd": ("fedipg", ["--local-step", "sgd"]),       # the default, the form of every FedIPG verdict
-    "fedipg-paper": ("fedipg", ["--local-step", "paper"]),   # Eq. 2 read as one step (the default before 2026-11-26)
+    # the default, the form of every FedIPG verdict
+    "fedipg-sgd": ("fedipg", ["--local-step", "sgd"]),
+    # Eq. 2 read as one step (the default before 2026-11-26)
+    "fedipg-paper": ("fedipg", ["--local-step", "paper"]),
 }
-# scripts that set their own rounds from their own flags (fedloe.py: --stage1-comms, --stage2-comms) and
-# refuse --rounds / --eval-every: a benchmark's round count does not apply to them
+# scripts that set their own rounds from their own flags (fedloe.py: --stage1-comms, --stage2-comms)
+# and refuse --rounds / --eval-every: a benchmark's round count does not apply to them
 OWN_SCHEDULE = {"fedloe"}
 # (benchmark, row) -> committed folder/label of the same protocol and code, reused as it is
 REUSE = {
@@ -86,35 +91,45 @@ REUSE = {
     ("rmnist50-0", "fediir"): "rmnist50-full-0/fediir",
     ("rmnist50-75", "fedavg"): "rmnist50-full-75/fedavg",
     ("rmnist50-75", "fediir"): "rmnist50-full-75/fediir",
-    ("rmnist50-0", "fedipg-sgd"): "rmnist50-full-0/fedipg",       # FedIPG's Table II verdict runs (minibatch SGD)
+    # FedIPG's Table II verdict runs (minibatch SGD)
+    ("rmnist50-0", "fedipg-sgd"): "rmnist50-full-0/fedipg",
     ("rmnist50-75", "fedipg-sgd"): "rmnist50-full-75/fedipg",
     ("mnist-fl", "fedavg"): "mnist-fl-full-alpha0.1/fedavg",
-    ("mnist-fl", "fedomg"): "mnist-fl-full-alpha0.1/fedomg",              # the FL η_g and server rule
-    ("rcmnist-norot", "perinvfl"): "rcmnist-full-norot-reset/perinvfl",   # θ_i reset to ν (perinvfl.py's default)
+    ("mnist-fl", "fedomg"): "mnist-fl-full-alpha0.1/fedomg",            # the FL η_g and server rule
+    # θ_i reset to ν (perinvfl.py's default)
+    ("rcmnist-norot", "perinvfl"): "rcmnist-full-norot-reset/perinvfl",
     ("rcmnist", "perinvfl"): "rcmnist-full-reset/perinvfl",
 }
-# (benchmark, row) -> why the method does not run there (listed under the table). FedLOE on the benchmarks that
-# sample clients (RotatedMNIST-50: --sample 5, FedIIR's Table 8): fedloe.py refuses --sample, since its Eq. 4 and
-# Eq. 11 use every client at every communication. Its own protocol (all 50 clients every communication) was the
-# other choice, not taken: these columns are defined by 5 of 50 clients a round, and a FedLOE cell that saw every
-# client would sit in them as if comparable; a refusal with its reason says what the column cannot hold. (mnist-fl
-# passes no --sample: there each method runs its own default participation, FedLOE every client, as its sources
-# line says, "each method's defaults".)
-REFUSED = {(b, row): "fedloe.py refuses --sample: it uses every client at every communication (Eq. 4, Eq. 11), and "
-                     f"this benchmark samples {args[args.index('--sample') + 1]} of "
+# (benchmark, row) -> why the method does not run there (listed under the table). FedLOE on the
+# benchmarks that sample clients (RotatedMNIST-50: --sample 5, FedIIR's Table 8): fedloe.py refuses
+# --sample, since its Eq. 4 and Eq. 11 use every client at every communication. Its own protocol
+# (all 50 clients every communication) was the other choice, not taken: these columns are defined by
+# 5 of 50 clients a round, and a FedLOE cell that saw every client would sit in them as if
+# comparable; a refusal with its reason says what the column cannot hold. (mnist-fl passes no
+# --sample: there each method runs its own default participation, FedLOE every client, as its
+# sources line says, "each method's defaults".)
+REFUSED = {(b, row): "fedloe.py refuses --sample: it uses every client at every communication "
+                     "(Eq. 4, Eq. 11), and this benchmark samples "
+                     f"{args[args.index('--sample') + 1]} of "
                      f"{args[args.index('--clients') + 1]} clients a round"
            for b, (_, _, args, _) in BENCHMARKS.items() if "--sample" in args
            for row, (script, _) in ROWS.items() if script == "fedloe"}
 # reference rows: label -> {benchmark: irm_central.py results file, its key}
-CENTRAL = {"central ERM": ("erm", {"rcmnist-norot": "irm-central/rc-norot.json", "rcmnist": "irm-central/rc.json"}),
-           "central IRM": ("irm", {"rcmnist-norot": "irm-central/rc-norot.json", "rcmnist": "irm-central/rc.json"})}
+CENTRAL = {"central ERM": ("erm", {"rcmnist-norot": "irm-central/rc-norot.json",
+                                   "rcmnist": "irm-central/rc.json"}),
+           "central IRM": ("irm", {"rcmnist-norot": "irm-central/rc-norot.json",
+                                   "rcmnist": "irm-central/rc.json"})}
 # the papers' numbers for a column, where one exists: (benchmark, row) -> (value, source)
 PAPER = {
-    ("rcmnist", "fedavg"): (20.77, "PerInvFL Tab. 2"), ("rcmnist", "perinvfl"): (53.46, "PerInvFL Tab. 2"),
+    ("rcmnist", "fedavg"): (20.77, "PerInvFL Tab. 2"),
+    ("rcmnist", "perinvfl"): (53.46, "PerInvFL Tab. 2"),
     ("rcmnist", "perinvfl (ν)"): (51.48, "PerInvFL Tab. 2, IRM"),
-    ("rmnist50-0", "fedavg"): (77.9, "FedIIR Tab. 8"), ("rmnist50-0", "fediir"): (84.0, "FedIIR Tab. 8"),
-    ("rmnist50-75", "fedavg"): (81.2, "FedIIR Tab. 8"), ("rmnist50-75", "fediir"): (84.5, "FedIIR Tab. 8"),
-    ("mnist-fl", "fedavg"): (93.77, "FedOMG Tab. 1"), ("mnist-fl", "fedomg"): (98.75, "FedOMG Tab. 1"),
+    ("rmnist50-0", "fedavg"): (77.9, "FedIIR Tab. 8"),
+    ("rmnist50-0", "fediir"): (84.0, "FedIIR Tab. 8"),
+    ("rmnist50-75", "fedavg"): (81.2, "FedIIR Tab. 8"),
+    ("rmnist50-75", "fediir"): (84.5, "FedIIR Tab. 8"),
+    ("mnist-fl", "fedavg"): (93.77, "FedOMG Tab. 1"),
+    ("mnist-fl", "fedomg"): (98.75, "FedOMG Tab. 1"),
 }
 
 
@@ -169,7 +184,8 @@ def cells(benches, out_dir, seeds):
         for label, (key, files) in CENTRAL.items():
             f = RESULTS / files[b] if b in files else None
             if f is not None and f.is_file():
-                out[(b, label)] = [100 * r["test_acc"] for r in json.loads(f.read_text())["runs"] if r["method"] == key]
+                out[(b, label)] = [100 * r["test_acc"] for r in json.loads(f.read_text())["runs"]
+                                   if r["method"] == key]
     return out
 
 
@@ -191,10 +207,12 @@ def fmt(v):
 
 
 def table(benches, out_dir, seeds):
-    """The markdown table: rows methods, columns benchmarks, mean ± std (seeds), paper's number, best in bold."""
+    """The markdown table: rows methods, columns benchmarks, mean ± std (seeds), paper's number,
+    best in bold."""
     c = cells(benches, out_dir, seeds)
     rows = list(dict.fromkeys(r for (_, r) in c))
-    tops = {b: best({r: v for (bb, r), v in c.items() if bb == b and r not in CENTRAL}) for b in benches}
+    tops = {b: best({r: v for (bb, r), v in c.items() if bb == b and r not in CENTRAL})
+            for b in benches}
     lines = ["| method | " + " | ".join(BENCHMARKS[b][0] for b in benches) + " |",
              "|---|" + "---|" * len(benches)]
     for r in rows:
@@ -214,17 +232,20 @@ def sources(benches, out_dir, seeds):
     out = []
     for b in benches:
         _, dataset, args, _ = BENCHMARKS[b]
-        shown = folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) else folder(b, out_dir)
-        out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`): `{shlex.join(['--dataset', dataset, *args])}` and each method's "
+        shown = folder(b, out_dir).relative_to(ROOT) if folder(b, out_dir).is_relative_to(ROOT) \
+            else folder(b, out_dir)
+        out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`): "
+                   f"`{shlex.join(['--dataset', dataset, *args])}` and each method's "
                    f"defaults for {dataset}.")
         for row, (script, extra) in ROWS.items():
             if (b, row) in REFUSED:
                 out.append(f"  - {row}: refused — {REFUSED[(b, row)]}")
             elif (b, row) in REUSE:
-                out.append(f"  - {row}: reused from `benchmark/results/{REUSE[(b, row)]}-seed*.json`")
+                out.append(f"  - {row}: reused from "
+                           f"`benchmark/results/{REUSE[(b, row)]}-seed*.json`")
             else:
-                cmd = shlex.join([f"{script}.py", "--dataset", dataset, *row_args(b, row), "--data-root", "DIR",
-                                  "--seed", "S"])
+                cmd = shlex.join([f"{script}.py", "--dataset", dataset, *row_args(b, row),
+                                  "--data-root", "DIR", "--seed", "S"])
                 out.append(f"  - {row}: `python {cmd}` → `{shown}/{row}-seedS.json`")
     return "\n".join(out)
 
@@ -245,7 +266,8 @@ def run_command(b, rows, a):
     """benchmark/run.py's command for the missing rows of one benchmark."""
     dataset = BENCHMARKS[b][1]
     methods = [f"{r}={ROWS[r][0]} {shlex.join(row_args(b, r))}" for r in rows]
-    cmd = [sys.executable, str(ROOT / "benchmark" / "run.py"), "--dataset", dataset, "--seeds", *map(str, a.seeds),
+    cmd = [sys.executable, str(ROOT / "benchmark" / "run.py"), "--dataset", dataset,
+           "--seeds", *map(str, a.seeds),
            "--out-dir", str(a.out_dir), "--tag", b, "--launcher", a.launcher, "--jobs", str(a.jobs),
            "--methods", *methods]
     if a.gpus:
@@ -268,7 +290,8 @@ def figure(c, benches, out_dir):
         m = [np.mean(c[(b, r)]) if c.get((b, r)) else np.nan for b in benches]
         s = [np.std(c[(b, r)], ddof=1) if len(c.get((b, r)) or []) > 1 else 0 for b in benches]
         ax.bar(np.arange(len(benches)) + i * w, m, w, yerr=s, label=r)
-    ax.set_xticks(np.arange(len(benches)) + 0.4 - w / 2, [BENCHMARKS[b][0] for b in benches], fontsize=7)
+    ax.set_xticks(np.arange(len(benches)) + 0.4 - w / 2, [BENCHMARKS[b][0] for b in benches],
+                  fontsize=7)
     ax.set_ylabel("test accuracy (%)")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -278,19 +301,21 @@ def figure(c, benches, out_dir):
 
 
 def still_to_run(benches, out_dir, seeds):
-    """The cells with a seed missing, by benchmark, and the one command that runs them (the GPU ones:
-    gpu_session.py, which runs every missing GPU cell within a borrowed GPU's time)."""
+    """The cells with a seed missing, by benchmark, and the one command that runs them (the GPU
+    ones: gpu_session.py, which runs every missing GPU cell within a borrowed GPU's time)."""
     todo = missing(benches, out_dir, seeds)
     if not todo:
         return "Every cell has its seeds.\n"
     out = []
     for b, rows in todo.items():
         where = BENCHMARKS[b][3]
-        cmd = f"python benchmark/leaderboard.py --data-root DIR --only {b}" + (" --jobs 2" if where == "cpu" else "")
+        cmd = f"python benchmark/leaderboard.py --data-root DIR --only {b}" \
+            + (" --jobs 2" if where == "cpu" else "")
         out.append(f"- **{BENCHMARKS[b][0]}** (`{b}`, {where}): {', '.join(rows)} — `{cmd}`")
     if any(BENCHMARKS[b][3] == "gpu" for b in todo):
-        out.append("\nOn a borrowed GPU (one command of 9 minutes, the suite and the GPU checks first; the cells get "
-                   "what is left and resume from their checkpoints in the next session): "
+        out.append("\nOn a borrowed GPU (one command of 9 minutes, the suite and the GPU checks "
+                   "first; the cells get what is left and resume from their checkpoints in the "
+                   "next session): "
                    "`python benchmark/gpu_session.py --data-root DIR --out-dir DIR2`.")
     return "\n".join(out) + "\n"
 
@@ -315,9 +340,10 @@ def write(benches, a):
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(
-        "# Leaderboard\n\nTest accuracy (%), mean ± std over seeds (number of seeds), the paper's number in "
-        "brackets where one exists; bold: beats every other row beyond two seed stds. Written by "
-        "`python benchmark/leaderboard.py --table-only`.\n\n" + text + "\n\n![leaderboard](leaderboard.svg)\n\n"
+        "# Leaderboard\n\nTest accuracy (%), mean ± std over seeds (number of seeds), "
+        "the paper's number in brackets where one exists; bold: beats every other row beyond two "
+        "seed stds. Written by `python benchmark/leaderboard.py --table-only`.\n\n"
+        + text + "\n\n![leaderboard](leaderboard.svg)\n\n"
         "## Where each cell comes from\n\n" + sources(benches, a.out_dir, a.seeds) + "\n\n"
         "## Still to run\n\n" + still_to_run(benches, a.out_dir, a.seeds))
     if not a.no_figure:
@@ -327,21 +353,27 @@ def write(benches, a):
 
 
 def main(argv=None):
-    """The command line: bad input -> one line, exit 2, before any run; a failed run -> exit 1; a signal -> the runs
-    stopped, one line, exit 128 + signum."""
+    """The command line: bad input -> one line, exit 2, before any run; a failed run -> exit 1; a
+    signal -> the runs stopped, one line, exit 128 + signum."""
     p = Parser(prog="leaderboard.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", default=None, help="full MNIST (python data.py --download mnist --data-root DIR)")
-    p.add_argument("--launcher", default="local", choices=["local", "multi_gpu", "slurm"], help="benchmark/run.py's")
+    p.add_argument("--data-root", default=None,
+                   help="full MNIST (python data.py --download mnist --data-root DIR)")
+    p.add_argument("--launcher", default="local", choices=["local", "multi_gpu", "slurm"],
+                   help="benchmark/run.py's")
     p.add_argument("--jobs", type=int, default=1, help="local launcher: runs at once")
     p.add_argument("--gpus", default=None, help="multi_gpu launcher: GPU ids")
     p.add_argument("--only", nargs="+", default=None, choices=list(BENCHMARKS),
-                   help="run these benchmarks' missing cells only (the table keeps every benchmark)")
+                   help="run these benchmarks' missing cells only "
+                        "(the table keeps every benchmark)")
     p.add_argument("--where", default=None, choices=["cpu", "gpu"],
-                   help="run the missing cells of the benchmarks that fit this kind only (the table keeps all)")
+                   help="run the missing cells of the benchmarks that fit this kind only "
+                        "(the table keeps all)")
     p.add_argument("--seeds", nargs="+", type=int, default=SEEDS)
     p.add_argument("--out-dir", default=str(RESULTS / "leaderboard"))
-    p.add_argument("--dry-run", action="store_true", help="list the missing cells and their commands, run nothing")
-    p.add_argument("--table-only", action="store_true", help="write the table from the runs that exist")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the missing cells and their commands, run nothing")
+    p.add_argument("--table-only", action="store_true",
+                   help="write the table from the runs that exist")
     p.add_argument("--no-figure", action="store_true")
     a = p.parse_args(argv)
     a.out_dir = str(Path(a.out_dir).resolve())
@@ -350,7 +382,8 @@ def main(argv=None):
     bad = [s for s in a.seeds if not 0 <= s < bench_run.SEED_LIMIT]
     if bad or len(set(a.seeds)) < len(a.seeds):
         p.error(f"--seed {bad[0]} is out of the methods' range [0, 2**31)" if bad else
-                f"--seeds {' '.join(map(str, a.seeds))}: a seed twice (its runs would write one file)")
+                f"--seeds {' '.join(map(str, a.seeds))}: a seed twice "
+                f"(its runs would write one file)")
     if not a.dry_run:                            # where the table goes, before any run
         try:
             writable(a.out_dir, not a.no_figure)
@@ -358,18 +391,20 @@ def main(argv=None):
             p.error(str(e))
     benches = [b for b in (a.only or BENCHMARKS) if a.where is None or BENCHMARKS[b][3] == a.where]
     todo = {} if a.table_only else missing(benches, a.out_dir, a.seeds)
-    if todo and not a.dry_run and a.data_root is None and any(BENCHMARKS[b][1] != "synthetic" for b in todo):
+    if todo and not a.dry_run and a.data_root is None \
+            and any(BENCHMARKS[b][1] != "synthetic" for b in todo):
         p.error("the leaderboard is at full scale: give --data-root DIR with full MNIST "
                 "(python data.py --download mnist --data-root DIR)")
-    if todo and a.data_root is not None and not (ROOT / a.data_root).is_dir():   # the runs start in ROOT
+    # the runs start in ROOT
+    if todo and a.data_root is not None and not (ROOT / a.data_root).is_dir():
         p.error(f"--data-root {a.data_root} is not a folder")
     current = None
     try:
         plans = {}
-        for b, rows in todo.items():                 # every command planned (and refused) before any run
+        for b, rows in todo.items():            # every command planned (and refused) before any run
             current = b
             plans[b] = bench_run.plan(run_command(b, rows, a)[2:])
-        with bench_run.stopping():                    # a signal between two benchmarks: the next does not start
+        with bench_run.stopping():        # a signal between two benchmarks: the next does not start
             for b, rows in todo.items():
                 current = b
                 if bench_run.STOP:
@@ -385,16 +420,18 @@ def main(argv=None):
         sys.exit(1)
     except bench_run.Interrupted as e:
         print(f"leaderboard.py: interrupted ({signal.Signals(e.signum).name}): benchmark "
-              f"{current}: {e.what}; rerun the same command to continue (complete runs are skipped, the others "
-              f"resume from their checkpoints)", file=sys.stderr)
+              f"{current}: {e.what}; rerun the same command to continue "
+              f"(complete runs are skipped, the others resume from their checkpoints)",
+              file=sys.stderr)
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:                        # between runs: planning, or the table
-        print("leaderboard.py: interrupted, no run going; rerun the same command to continue", file=sys.stderr)
+        print("leaderboard.py: interrupted, no run going; rerun the same command to continue",
+              file=sys.stderr)
         sys.exit(130)
     if a.dry_run:
         print(f"{sum(map(len, todo.values()))} missing cell(s) in {len(todo)} benchmark(s)")
         return todo
-    return write(list(BENCHMARKS), a)              # the whole table: --only, --where choose the runs
+    return write(list(BENCHMARKS), a)             # the whole table: --only, --where choose the runs
 
 
 if __name__ == "__main__":

@@ -6,23 +6,27 @@ own runs, so that benchmark/report.py and benchmark/leaderboard.py read it as th
 The official code: github.com/YamingGuo98/FedIIR (Guo et al., ICML 2023), a small fork of DomainBed,
 pinned at COMMIT below (2023-10-31, "Update the FedIIR", its newest). This script never copies nor
 edits that code: it runs the clone's `main.py` as a subprocess, as its README says, and reads what
-it writes. Its dependencies are torch, torchvision, numpy and Pillow (its requirements.txt pins torch
-1.10.0 / torchvision 0.11.1 for Python 3.8; it also runs under this project's torch 2.x); `--python`
-names the interpreter that has them (default: the one running this script).
+it writes. Its dependencies are torch, torchvision, numpy and Pillow (its requirements.txt pins
+torch 1.10.0 / torchvision 0.11.1 for Python 3.8; it also runs under this project's torch 2.x);
+`--python` names the interpreter that has them (default: the one running this script).
 
 The protocol (the project's rmnist, 50 clients, 5 sampled; the paper's Table 3 settings) as
 `main.py`'s arguments:
 
-    --dataset RotatedMNIST        domains 0°, 15°, ..., 75° (its ENVIRONMENTS; index = --test-domain)
+    --dataset RotatedMNIST        domains 0°, 15°, ..., 75° (its ENVIRONMENTS; index =
+                                  --test-domain)
     --algorithm FedAvg | FedIIR
     --num_clients 50 --sample_num 5   (main.py forces 5 sampled for RotatedMNIST anyway)
     --global_rounds 100 --local_epochs 1 --checkpoint_freq 10 --holdout_fraction 0.1
     --seed S --trial_seed S       (seed: everything else; trial_seed: the split, DomainBed's names)
-    --hparams '{"lr": 0.01, "batch_size": 64}'  FedIIR adds '"penalty": 0.01, "ema": 0.95' (γ, Table 3;
-                                  EMA, Appendix C): the defaults of its hparams_registry.py, pinned
-    --hparams_seed 0 --skip_model_save --data_dir DATA --output_dir <out>.official --train_index seedS
+    --hparams '{"lr": 0.01, "batch_size": 64}'  FedIIR adds '"penalty": 0.01, "ema": 0.95'
+                                  (γ, Table 3; EMA, Appendix C): the defaults of its
+                                  hparams_registry.py, pinned
+    --hparams_seed 0 --skip_model_save --data_dir DATA --output_dir <out>.official
+    --train_index seedS
     --device_name cpu | cuda:0    (only with --device cpu/cuda, or auto under CUDA_VISIBLE_DEVICES;
-                                  else main.py picks the GPU with the least memory used by nvidia-smi)
+                                  else main.py picks the GPU with the least memory used by
+                                  nvidia-smi)
 
 `main.py` has no test-domain argument: it holds out every domain in turn (0° first, 75° last), from
 one random state seeded once. This script stops it (its process group) once the requested domain's
@@ -30,24 +34,25 @@ result row is written, so a 0° run trains one domain, not six, with the numbers
 for 0°; a 75° run trains all six.
 
 What it writes, under <out>.official/RotatedMNIST/<algorithm>/: `seedS_stdout` (a table per held-out
-domain: a row per evaluation, at the 0-based `epoch` e after that round's update, i.e. after round
-e + 1: rounds 1, 11, ..., 91, 100; columns epoch, mem_gb, epoch_time (mean training seconds per round
-since the last evaluation), loss, FedIIR's penalty, train_acc (the mean accuracy on the 10% held out
-of each training domain: the validation accuracy), and the test domain's accuracy), then
-`best_train_acc:` / `best_test_acc:`; and `RotatedMNIST_<algorithm>_results.csv`, a row per held-out
-domain (Test_env, Train_acc, Test_acc). Its model selection: the test accuracy at the evaluation
-whose validation accuracy is strictly higher than every earlier one (the first of equal maxima).
-`test_acc` here is that row's Test_acc; this script checks it against the table (the same rule over
-the printed rows) and stops with an error if the two disagree. `history` is the table: `round` =
-epoch + 1, `val_acc` = train_acc, `seconds` = cumulative training seconds (epoch_time × rounds; the
-official code does not time its evaluations), `loss` (and `penalty`). `train_examples` counts the
-clients' training splits as main.py cuts them (each training domain less its int(0.1 n) held out).
+domain: a row per evaluation, at the 0-based `epoch` e after that round's update, i.e. after
+round e + 1: rounds 1, 11, ..., 91, 100; columns epoch, mem_gb, epoch_time (mean training seconds
+per round since the last evaluation), loss, FedIIR's penalty, train_acc (the mean accuracy on the
+10% held out of each training domain: the validation accuracy), and the test domain's accuracy),
+then `best_train_acc:` / `best_test_acc:`; and `RotatedMNIST_<algorithm>_results.csv`, a row per
+held-out domain (Test_env, Train_acc, Test_acc). Its model selection: the test accuracy at the
+evaluation whose validation accuracy is strictly higher than every earlier one (the first of equal
+maxima). `test_acc` here is that row's Test_acc; this script checks it against the table (the same
+rule over the printed rows) and stops with an error if the two disagree. `history` is the table:
+`round` = epoch + 1, `val_acc` = train_acc, `seconds` = cumulative training seconds (epoch_time ×
+rounds; the official code does not time its evaluations), `loss` (and `penalty`). `train_examples`
+counts the clients' training splits as main.py cuts them (each training domain less its int(0.1 n)
+held out).
 
 The subprocess's stdout and stderr go to <out>.log. The data: DATA/MNIST/raw holding the four
 uncompressed MNIST files, as torchvision's MNIST reads them (`python data.py --download mnist
---data-root DATA` lays them out so). `--loader-workers N` sets the official DataLoaders' worker count
-(8 each, 56 loaders: 448 processes) before main.py runs; the data and selection are unchanged, but
-each loader then draws its next shuffle from torch's generator at other moments, so the numbers
+--data-root DATA` lays them out so). `--loader-workers N` sets the official DataLoaders' worker
+count (8 each, 56 loaders: 448 processes) before main.py runs; the data and selection are unchanged,
+but each loader then draws its next shuffle from torch's generator at other moments, so the numbers
 differ from the default's as another seed's would: for machines where 448 processes do not fit.
 
     git clone https://github.com/YamingGuo98/FedIIR ../FedIIR && git -C ../FedIIR checkout COMMIT
@@ -60,7 +65,8 @@ Checked on 2026-11-23, pinned commit, 2-core CPU, one thread, Python 3.11 with t
 torchvision 0.29.1 / numpy 2.4.6: `--algorithm FedIIR --rounds 1 --device cpu --loader-workers 0`
 ran main.py with the arguments above (its printed Args and HParams: lr 0.01, batch 64, penalty 0.01,
 ema 0.95, sample_num 5), stopped it after the 0° domain, and wrote the JSON (154 s; one evaluation,
-after round 1: validation 18.9%, test 16.1%; 52,503 training examples). The 100-round runs need a GPU.
+after round 1: validation 18.9%, test 16.1%; 52,503 training examples). The 100-round runs need a
+GPU.
 """
 import csv
 import json
@@ -75,7 +81,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import Parser, UserError, finite  # noqa: E402  (the method scripts' own: bad input is one line, exit 2)
+# the method scripts' own: bad input is one line, exit 2
+from data import Parser, UserError, finite  # noqa: E402
 
 REPOSITORY = "https://github.com/YamingGuo98/FedIIR"
 COMMIT = "3e7a785e30002ac75d9b3575e3e9062d8e22ea42"
@@ -95,28 +102,34 @@ LAUNCHER = ("import runpy, sys; from domainbed import datasets; "
 
 
 class Failed(Exception):
-    """The official run failed or its output cannot be read: one line on stderr, exit 1 (bad input: UserError,
-    exit 2)."""
+    """The official run failed or its output cannot be read: one line on stderr, exit 1 (bad input:
+    UserError, exit 2)."""
 
 
 def parse(argv):
     p = Parser(prog="official_fediir.py", description=__doc__.splitlines()[0])
     p.add_argument("--clone", required=True, help=f"a local clone of {REPOSITORY} at {COMMIT[:7]}")
-    p.add_argument("--data-root", required=True, help="the folder holding MNIST/raw (torchvision's layout)")
+    p.add_argument("--data-root", required=True,
+                   help="the folder holding MNIST/raw (torchvision's layout)")
     p.add_argument("--algorithm", required=True, choices=ALGORITHMS)
-    p.add_argument("--test-domain", default="0", help="held-out angle: " + ", ".join(DOMAINS) + " (default 0)")
-    p.add_argument("--clients", type=int, default=50, help="clients in all (default 50; 5 sampled a round)")
+    p.add_argument("--test-domain", default="0",
+                   help="held-out angle: " + ", ".join(DOMAINS) + " (default 0)")
+    p.add_argument("--clients", type=int, default=50,
+                   help="clients in all (default 50; 5 sampled a round)")
     p.add_argument("--rounds", type=int, default=100, help="communication rounds (default 100)")
-    p.add_argument("--gamma", type=finite, default=None, help=f"FedIIR's penalty weight (default {GAMMA}, Table 3)")
+    p.add_argument("--gamma", type=finite, default=None,
+                   help=f"FedIIR's penalty weight (default {GAMMA}, Table 3)")
     p.add_argument("--seed", type=int, default=0, help="the official --seed (default 0)")
-    p.add_argument("--trial-seed", type=int, default=None, help="the official --trial_seed (default: --seed)")
+    p.add_argument("--trial-seed", type=int, default=None,
+                   help="the official --trial_seed (default: --seed)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: the official code's own choice (cuda:0 under CUDA_VISIBLE_DEVICES)")
     p.add_argument("--loader-workers", type=int, default=None,
                    help="the official DataLoaders' workers (default: its own 8; see the docstring)")
-    p.add_argument("--python", default=sys.executable, help="the interpreter with the official code's "
-                                                            "dependencies (default: this one)")
-    p.add_argument("--out", default=None, help="results JSON (default results/official-<algorithm>-seed<S>.json)")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter with the official code's dependencies (default: this one)")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default results/official-<algorithm>-seed<S>.json)")
     a = p.parse_args(argv)
     a.trial_seed = a.seed if a.trial_seed is None else a.trial_seed
     a.out = a.out or f"results/official-{a.algorithm.lower()}-seed{a.seed}.json"
@@ -126,14 +139,15 @@ def parse(argv):
 def check(a):
     """Every input problem as one UserError, before anything runs."""
     if a.test_domain not in DOMAINS:
-        raise UserError(f"unknown --test-domain {a.test_domain!r}; choose from {', '.join(DOMAINS)}")
+        raise UserError(f"unknown --test-domain {a.test_domain!r}; "
+                        f"choose from {', '.join(DOMAINS)}")
     if a.clients < SAMPLE:
-        raise UserError(f"--clients must be at least {SAMPLE} (one per training domain, {SAMPLE} sampled a "
-                        f"round), got {a.clients}")
+        raise UserError(f"--clients must be at least {SAMPLE} "
+                        f"(one per training domain, {SAMPLE} sampled a round), got {a.clients}")
     if a.rounds < 1:
         raise UserError(f"--rounds must be positive, got {a.rounds}")
     for flag, seed in (("--seed", a.seed), ("--trial-seed", a.trial_seed)):
-        if not 0 <= seed < 2 ** 31:                  # numpy's seeds are non-negative; the project's range
+        if not 0 <= seed < 2 ** 31:            # numpy's seeds are non-negative; the project's range
             raise UserError(f"{flag} must be in [0, 2**31), got {seed}")
     if a.gamma is not None and a.algorithm != "FedIIR":
         raise UserError("--gamma applies to --algorithm FedIIR only")
@@ -147,8 +161,9 @@ def check(a):
         raise UserError(f"--out must end with .json, got {a.out}")
     clone = Path(a.clone)
     if not (clone / ENTRY).is_file() or not (clone / "domainbed").is_dir():
-        raise UserError(f"--clone {a.clone}: no clone of the official FedIIR code there; get it with: "
-                        f"git clone {REPOSITORY} {a.clone} && git -C {a.clone} checkout {COMMIT}")
+        raise UserError(f"--clone {a.clone}: no clone of the official FedIIR code there; "
+                        f"get it with: git clone {REPOSITORY} {a.clone} "
+                        f"&& git -C {a.clone} checkout {COMMIT}")
     a.images = mnist_count(Path(a.data_root))
     try:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -157,12 +172,14 @@ def check(a):
 
 
 def mnist_count(root):
-    """The number of MNIST images under root/MNIST/raw (train + test), from the label files' headers."""
+    """The number of MNIST images under root/MNIST/raw (train + test), from the label files'
+    headers."""
     raw = root / "MNIST" / "raw"
     missing = [f for f in MNIST_FILES if not (raw / f).is_file()]
     if missing:
-        raise UserError(f"--data-root {root}: {raw} lacks {', '.join(missing)} (uncompressed, as torchvision's "
-                        f"MNIST reads them: python data.py --download mnist --data-root {root})")
+        raise UserError(f"--data-root {root}: {raw} lacks {', '.join(missing)} "
+                        f"(uncompressed, as torchvision's MNIST reads them: "
+                        f"python data.py --download mnist --data-root {root})")
     n = 0
     for f in ("train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"):
         magic, count = struct.unpack(">II", (raw / f).read_bytes()[:8])
@@ -175,7 +192,8 @@ def mnist_count(root):
 def commit_of(clone):
     """The clone's HEAD commit, or None where git cannot tell (not a git checkout, no git)."""
     try:
-        r = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True)
+        r = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True,
+                           text=True)
     except OSError:
         return None
     return r.stdout.strip() if r.returncode == 0 else None
@@ -189,8 +207,9 @@ def device_name(a):
         return "cuda:0"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return None                                # main.py: the free-est GPU by nvidia-smi, else the CPU
-    return "cpu" if visible.strip() in ("", "-1") else "cuda:0"   # nvidia-smi's indices ignore the mask
+        return None                          # main.py: the free-est GPU by nvidia-smi, else the CPU
+    # nvidia-smi's indices ignore the mask
+    return "cpu" if visible.strip() in ("", "-1") else "cuda:0"
 
 
 def hparams(a):
@@ -204,9 +223,10 @@ def official_argv(a, output_dir):
     """main.py's arguments for the protocol (the module docstring lists them)."""
     argv = ["--dataset", "RotatedMNIST", "--algorithm", a.algorithm,
             "--data_dir", str(Path(a.data_root).resolve()), "--output_dir", str(output_dir),
-            "--train_index", f"seed{a.seed}", "--num_clients", str(a.clients), "--sample_num", str(SAMPLE),
-            "--global_rounds", str(a.rounds), "--local_epochs", "1", "--checkpoint_freq", str(EVAL_EVERY),
-            "--holdout_fraction", str(HOLDOUT), "--seed", str(a.seed), "--trial_seed", str(a.trial_seed),
+            "--train_index", f"seed{a.seed}", "--num_clients", str(a.clients),
+            "--sample_num", str(SAMPLE), "--global_rounds", str(a.rounds), "--local_epochs", "1",
+            "--checkpoint_freq", str(EVAL_EVERY), "--holdout_fraction", str(HOLDOUT),
+            "--seed", str(a.seed), "--trial_seed", str(a.trial_seed),
             "--hparams_seed", "0", "--hparams", json.dumps(hparams(a)), "--skip_model_save"]
     dev = device_name(a)
     return argv + (["--device_name", dev] if dev else [])
@@ -219,10 +239,12 @@ def command(a, output_dir):
 
 
 def result_rows(csv_path, domain, seed):
-    """The official results CSV's rows for one held-out domain and seed (it appends a row per domain)."""
+    """The official results CSV's rows for one held-out domain and seed (it appends a row per
+    domain)."""
     try:
         with open(csv_path, newline="") as f:
-            return [r for r in csv.DictReader(f) if r.get("Test_env") == domain and r.get("Seed") == str(seed)]
+            return [r for r in csv.DictReader(f)
+                    if r.get("Test_env") == domain and r.get("Seed") == str(seed)]
     except OSError:
         return []
 
@@ -245,16 +267,18 @@ def train(a, cmd, files, log):
     """Run main.py until the requested domain's result row is written; the wall-clock seconds."""
     start = time.monotonic()
     with open(log, "w") as f:
-        f.write("$ (cd " + shlex.quote(str(Path(a.clone).resolve())) + " && " + shlex.join(cmd) + ")\n")
+        f.write("$ (cd " + shlex.quote(str(Path(a.clone).resolve())) + " && " + shlex.join(cmd)
+                + ")\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=a.clone, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=a.clone, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             while not result_rows(files["csv"], a.test_domain, a.seed):
                 if proc.poll() is not None:
                     if result_rows(files["csv"], a.test_domain, a.seed):
                         break
-                    raise Failed(f"the official run exited with {proc.returncode} before test domain "
-                                 f"{a.test_domain} was done; see {log}")
+                    raise Failed(f"the official run exited with {proc.returncode} "
+                                 f"before test domain {a.test_domain} was done; see {log}")
                 time.sleep(POLL)
         finally:
             stop(proc)
@@ -294,7 +318,8 @@ def read_section(stdout_path, index):
 
 
 def history(rows, domain):
-    """The project's history rows from the official table (round = epoch + 1; cumulative training seconds)."""
+    """The project's history rows from the official table (round = epoch + 1; cumulative training
+    seconds)."""
     out, seconds, last = [], 0.0, 0
     for r in rows:
         rnd = int(r["epoch"]) + 1
@@ -309,7 +334,8 @@ def history(rows, domain):
 
 
 def select(hist):
-    """The official rule: the first evaluation whose validation accuracy beats every earlier one's."""
+    """The official rule: the first evaluation whose validation accuracy beats every earlier
+    one's."""
     best = hist[0]
     for row in hist[1:]:
         if row["val_acc"] > best["val_acc"]:
@@ -318,7 +344,8 @@ def select(hist):
 
 
 def train_examples(images, test):
-    """The clients' training examples: every training domain (images[i::6]) less its int(0.1 n) held out."""
+    """The clients' training examples: every training domain (images[i::6]) less its int(0.1 n)
+    held out."""
     sizes = [len(range(i, images, len(DOMAINS))) for i in range(len(DOMAINS)) if i != test]
     return sum(n - int(n * HOLDOUT) for n in sizes)
 
@@ -331,23 +358,30 @@ def results(a, cmd, files, commit, wall):
     row = result_rows(files["csv"], a.test_domain, a.seed)[-1]
     test_acc, val_acc = number(row["Test_acc"]), number(row["Train_acc"])
     if abs(test_acc - best["test_acc"]) > 1e-9 or abs(val_acc - best["val_acc"]) > 1e-9:
-        raise Failed(f"the official output disagrees with itself: {files['csv']} gives test {test_acc} at "
-                     f"validation {val_acc}, its table selects {best['test_acc']} at {best['val_acc']}")
-    args = {"dataset": "rmnist", "data_root": a.data_root, "test_domain": a.test_domain, "clients": a.clients,
-            "sample": SAMPLE, "rounds": a.rounds, "local_epochs": 1, "batch_size": BATCH, "lr": LR,
+        raise Failed(f"the official output disagrees with itself: {files['csv']} gives test "
+                     f"{test_acc} at validation {val_acc}, its table selects {best['test_acc']} "
+                     f"at {best['val_acc']}")
+    args = {"dataset": "rmnist", "data_root": a.data_root, "test_domain": a.test_domain,
+            "clients": a.clients, "sample": SAMPLE, "rounds": a.rounds, "local_epochs": 1,
+            "batch_size": BATCH, "lr": LR,
             "momentum": 0.9, "weight_decay": 0.0, **({"gamma": hparams(a)["penalty"], "ema": EMA}
                                                      if a.algorithm == "FedIIR" else {}),
             "eval_every": EVAL_EVERY, "select": "val", "seed": a.seed, "trial_seed": a.trial_seed,
             "device": "cuda" if (device or "").startswith("cuda") else "cpu", "device_name": device,
             "loader_workers": a.loader_workers, "algorithm": a.algorithm, "repository": REPOSITORY,
-            "commit": commit, "command": shlex.join(cmd), "wall_seconds": round(wall, 1), "out": a.out}
+            "commit": commit, "command": shlex.join(cmd), "wall_seconds": round(wall, 1),
+            "out": a.out}
     domain = {"test_acc": test_acc, "val_acc": val_acc, "best_round": best["round"],
-              "last_test_acc": hist[-1]["test_acc"], "train_examples": train_examples(a.images, index),
+              "last_test_acc": hist[-1]["test_acc"],
+              "train_examples": train_examples(a.images, index),
               "history": hist}
-    return {"method": f"official-{a.algorithm.lower()}", "dataset": "rmnist", "seed": a.seed, "args": args,
-            "source": f"torchvision MNIST under {a.data_root} ({a.images:,} images, train+test pooled), "
-                      f"loaded by the official code ({REPOSITORY} at {(commit or 'an unknown commit')[:7]})",
-            "protocol": "lodo", "domains": {a.test_domain: domain}, "mean_test_acc": test_acc, "complete": True}
+    return {"method": f"official-{a.algorithm.lower()}", "dataset": "rmnist", "seed": a.seed,
+            "args": args,
+            "source": f"torchvision MNIST under {a.data_root} "
+                      f"({a.images:,} images, train+test pooled), loaded by the official code "
+                      f"({REPOSITORY} at {(commit or 'an unknown commit')[:7]})",
+            "protocol": "lodo", "domains": {a.test_domain: domain}, "mean_test_acc": test_acc,
+            "complete": True}
 
 
 def write_json(path, obj):
@@ -363,17 +397,20 @@ def main(argv=None):
         check(a)
         commit = commit_of(a.clone)
         if commit != COMMIT:
-            print(f"official_fediir.py: warning: {a.clone} is at {commit or 'an unknown commit (not a git checkout)'}"
+            print(f"official_fediir.py: warning: {a.clone} is at "
+                  f"{commit or 'an unknown commit (not a git checkout)'}"
                   f", not the pinned {COMMIT}; running it anyway", file=sys.stderr)
         stem = a.out[:-len(".json")]
         output_dir = Path(f"{stem}.official").resolve()
         where = output_dir / "RotatedMNIST" / a.algorithm
-        files = {"stdout": where / f"seed{a.seed}_stdout", "csv": where / f"RotatedMNIST_{a.algorithm}_results.csv"}
-        for f in files.values():                  # main.py appends to its CSV: start this run's afresh
+        files = {"stdout": where / f"seed{a.seed}_stdout",
+                 "csv": where / f"RotatedMNIST_{a.algorithm}_results.csv"}
+        for f in files.values():               # main.py appends to its CSV: start this run's afresh
             f.unlink(missing_ok=True)
         cmd = command(a, output_dir)
-        print(f"official {a.algorithm} ({REPOSITORY} at {(commit or '?')[:7]}): RotatedMNIST, {a.clients} clients, "
-              f"{SAMPLE} sampled, {a.rounds} rounds, test domain {a.test_domain}, seed {a.seed}; log {stem}.log",
+        print(f"official {a.algorithm} ({REPOSITORY} at {(commit or '?')[:7]}): RotatedMNIST, "
+              f"{a.clients} clients, {SAMPLE} sampled, {a.rounds} rounds, "
+              f"test domain {a.test_domain}, seed {a.seed}; log {stem}.log",
               flush=True)
         wall = train(a, cmd, files, f"{stem}.log")
         res = results(a, cmd, files, commit, wall)
@@ -385,7 +422,8 @@ def main(argv=None):
         sys.exit(1)
     write_json(a.out, res)
     d = res["domains"][a.test_domain]
-    print(f"test {100 * d['test_acc']:.2f} at round {d['best_round']} (validation {100 * d['val_acc']:.2f}), "
+    print(f"test {100 * d['test_acc']:.2f} at round {d['best_round']} "
+          f"(validation {100 * d['val_acc']:.2f}), "
           f"last round {100 * d['last_test_acc']:.2f}; {wall:.0f} s; results: {a.out}")
     return res
 

@@ -1,42 +1,43 @@
 """Tables and figures from results JSON files (benchmark/run.py's folders, or any results of the
 method scripts): test accuracy per held-out domain, mean ± std over seeds, the best mean in bold;
 seconds per round and images per second with the ratio to FedAvg; figures (PNG and SVG) of accuracy
-against round, of accuracy against p_test on RC-MNIST, and of benchmark/speed.py's seconds per round.
-Without folders: every results table of the documentation, from the committed results.
+against round, of accuracy against p_test on RC-MNIST, and of benchmark/speed.py's seconds per
+round. Without folders: every results table of the documentation, from the committed results.
 
     python benchmark/report.py results/benchmark/rmnist-50clients [more folders] [--out report.md]
-    python benchmark/report.py --speed speed.json [folders]        # speed.py --json's table and bars
-    python benchmark/report.py                   # rewrite every generated block, redraw the figures
-    python benchmark/report.py --check           # exit 1 naming each block that would change (text only)
+    python benchmark/report.py --speed speed.json [folders]   # speed.py --json's table and bars
+    python benchmark/report.py              # rewrite every generated block, redraw the figures
+    python benchmark/report.py --check      # exit 1 naming each block that would change (text only)
 
-Runs are grouped by folder, then by label: the one benchmark/run.py records in a run's JSON ("label"),
-else the name run.py gives its file, <label>-seed<S>.json with S the run's own seed (the committed
-folders' files are named so, by hand), else the JSON's "method" where the file has the method
-script's default name (<method>-<dataset>-seed<S>.json), else the whole file name. A *.json in a
-folder that holds no complete run is skipped, not refused, and named under the folder's table
-("Left out (incomplete or unreadable)"): an incomplete run, or a file that is unreadable, not
-JSON, or JSON of another shape (a list, a number, a dict that is no run). The std is over seeds
-(n − 1 in the denominator; 0 with one seed). Images per second = training examples of the sampled
-clients × local epochs × training rounds / seconds of the run (evaluation time included; a method's
-extra passes, e.g. FedIIR's global-gradient pass, are not counted as images; FedLOE's training rounds
-are its stage-1 communications). With --out, an existing file's text above its first "## " heading
-(a hand-written introduction: how the results were made) is kept. The papers' numbers are printed
+Runs are grouped by folder, then by label: the one benchmark/run.py records in a run's JSON
+("label"), else the name run.py gives its file, <label>-seed<S>.json with S the run's own seed (the
+committed folders' files are named so, by hand), else the JSON's "method" where the file has the
+method script's default name (<method>-<dataset>-seed<S>.json), else the whole file name. A *.json
+in a folder that holds no complete run is skipped, not refused, and named under the folder's table
+("Left out (incomplete or unreadable)"): an incomplete run, or a file that is unreadable, not JSON,
+or JSON of another shape (a list, a number, a dict that is no run). The std is over seeds (n − 1 in
+the denominator; 0 with one seed). Images per second = training examples of the sampled clients ×
+local epochs × training rounds / seconds of the run (evaluation time included; a method's extra
+passes, e.g. FedIIR's global-gradient pass, are not counted as images; FedLOE's training rounds are
+its stage-1 communications). With --out, an existing file's text above its first "## " heading (a
+hand-written introduction: how the results were made) is kept. The papers' numbers are printed
 beside a table when the dataset and scenario match one of the papers (PAPERS below, each number with
-the paper's table it comes from: FedIIR Tables 1, 2, 8; FedOMG Tables 1, 2; FedLOE Table 2; FedIPG
-Tables II, III; PerInvFL Tables 2, 5); they used the full datasets, GPUs and their own round counts;
-the figures draw them as dashed lines.
+the paper's table it comes from: FedIIR Tables 1, 2, 8; FedOMG Tables 1, 2; FedLOE Table 2;
+FedIPG Tables II, III; PerInvFL Tables 2, 5); they used the full datasets, GPUs and their own round
+counts; the figures draw them as dashed lines.
 
-Every figure is written beside its data: <folder>/accuracy.{png,svg} (mean over seeds ± std band, per
-method); on rcmnist / rcfmnist <folder>/ptest.{png,svg} (every p_test: scored from the checkpoints by
-rcmnist_ptest.py when every run has its .ckpt, else from the ptest.md it wrote); with --speed, the
-bar chart beside the JSON. The figures need matplotlib (pip install matplotlib; benchmark/ only).
+Every figure is written beside its data: <folder>/accuracy.{png,svg} (mean over seeds ± std band,
+per method); on rcmnist / rcfmnist <folder>/ptest.{png,svg} (every p_test: scored from the
+checkpoints by rcmnist_ptest.py when every run has its .ckpt, else from the ptest.md it wrote); with
+--speed, the bar chart beside the JSON. The figures need matplotlib (pip install matplotlib;
+benchmark/ only).
 
 Generated blocks. README.md, docs/*.md and benchmark/results/README.md hold every results table
-between two marker lines, <!-- report:NAME --> and <!-- /report:NAME -->. Without folders this script
-rewrites the text between them from the committed results (benchmark/results/, the committed files
-only: p_test tables from ptest.md, never from local checkpoints), and redraws the figures of the
-`folder:`, `speed:` and `speed-table:` blocks unless --no-figures; --check only compares, names every block that
-would change on stderr and exits 1. A new results folder gets its section in
+between two marker lines, <!-- report:NAME --> and <!-- /report:NAME -->. Without folders this
+script rewrites the text between them from the committed results (benchmark/results/, the committed
+files only: p_test tables from ptest.md, never from local checkpoints), and redraws the figures of
+the `folder:`, `speed:` and `speed-table:` blocks unless --no-figures; --check only compares, names
+every block that would change on stderr and exits 1. A new results folder gets its section in
 benchmark/results/README.md by the two marker lines with NAME = folder:<folder>; BLOCKS lists the
 other kinds. Every verdict follows one rule (RULE below, printed in the README by the `rule` block):
 the measured gain against the paper's own gain and twice the larger seed std. Beside every generated
@@ -54,10 +55,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import Parser, UserError  # noqa: E402  (the method scripts' own: bad input is one line, exit 2)
+# the method scripts' own: bad input is one line, exit 2
+from data import Parser, UserError  # noqa: E402
 from harness import outputs  # noqa: E402
 
-PAPERS = {  # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label, mean test accuracy %, source)]
+# (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label, mean test accuracy %, source)]
+PAPERS = {
     ("rmnist", "small"): [("fedavg", 94.5, "FedIIR Tab. 1"), ("fediir", 95.0, "FedIIR Tab. 1"),
                           ("fedipg", 96.40, "FedIPG Tab. II")],
     ("rmnist", "large"): [("fedavg", 90.8, "FedIIR Tab. 2"), ("fediir", 93.0, "FedIIR Tab. 2"),
@@ -66,30 +69,39 @@ PAPERS = {  # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label
                         ("fedomg", 88.4, "FedOMG Tab. 2"), ("fedloe-fish", 86.60, "FedLOE Tab. 2")],
     ("vlcs", "small"): [("fedavg", 76.3, "FedIIR Tab. 1"), ("fediir", 76.6, "FedIIR Tab. 1"),
                         ("fedomg", 82.0, "FedOMG Tab. 2")],
-    ("rmnist-0", "large"): [("fedavg", 77.9, "FedIIR Tab. 8, 0°"), ("fediir", 84.0, "FedIIR Tab. 8, 0°")],
-    ("rmnist-75", "large"): [("fedavg", 81.2, "FedIIR Tab. 8, 75°"), ("fediir", 84.5, "FedIIR Tab. 8, 75°")],
-    ("mnist-alpha0.1", "fl"): [("fedavg", 93.77, "FedOMG Tab. 1, α 0.1"), ("fedomg", 98.75, "FedOMG Tab. 1, α 0.1")],
-    ("mnist-alpha0.5", "fl"): [("fedavg", 91.47, "FedOMG Tab. 1, α 0.5"), ("fedomg", 98.58, "FedOMG Tab. 1, α 0.5")],
-    ("stained-fg", "stained"): [("erm", 55.78, "FedIPG Tab. III"), ("fedavg", 45.73, "FedIPG Tab. III"),
+    ("rmnist-0", "large"): [("fedavg", 77.9, "FedIIR Tab. 8, 0°"),
+                            ("fediir", 84.0, "FedIIR Tab. 8, 0°")],
+    ("rmnist-75", "large"): [("fedavg", 81.2, "FedIIR Tab. 8, 75°"),
+                             ("fediir", 84.5, "FedIIR Tab. 8, 75°")],
+    ("mnist-alpha0.1", "fl"): [("fedavg", 93.77, "FedOMG Tab. 1, α 0.1"),
+                               ("fedomg", 98.75, "FedOMG Tab. 1, α 0.1")],
+    ("mnist-alpha0.5", "fl"): [("fedavg", 91.47, "FedOMG Tab. 1, α 0.5"),
+                               ("fedomg", 98.58, "FedOMG Tab. 1, α 0.5")],
+    ("stained-fg", "stained"): [("erm", 55.78, "FedIPG Tab. III"),
+                                ("fedavg", 45.73, "FedIPG Tab. III"),
                                 ("fedipg", 63.99, "FedIPG Tab. III")],
-    ("stained-bg", "stained"): [("erm", 52.79, "FedIPG Tab. III"), ("fedavg", 49.71, "FedIPG Tab. III"),
+    ("stained-bg", "stained"): [("erm", 52.79, "FedIPG Tab. III"),
+                                ("fedavg", 49.71, "FedIPG Tab. III"),
                                 ("fedipg", 62.77, "FedIPG Tab. III")],
-    ("stained-both", "stained"): [("erm", 66.46, "FedIPG Tab. III"), ("fedavg", 52.78, "FedIPG Tab. III"),
+    ("stained-both", "stained"): [("erm", 66.46, "FedIPG Tab. III"),
+                                  ("fedavg", 52.78, "FedIPG Tab. III"),
                                   ("fedipg", 62.08, "FedIPG Tab. III")],
-    ("rcmnist", "fl"): [("fedavg", 20.77, "PerInvFL Tab. 2, p_test 0.1"), ("perinvfl (global)", 51.48, "IRM row"),
+    ("rcmnist", "fl"): [("fedavg", 20.77, "PerInvFL Tab. 2, p_test 0.1"),
+                        ("perinvfl (global)", 51.48, "IRM row"),
                         ("perinvfl", 53.46, "PerInvFL Tab. 2")],
 }
 
 
 def label_of(path, r):
-    """A run's row (see the docstring): its results' own label, else what the file name says of it. The JSON comes
-    first because a file can be renamed or copied; the file name only where the JSON records no label (every run
-    before run.py recorded one, and every run made without run.py)."""
+    """A run's row (see the docstring): its results' own label, else what the file name says of it.
+    The JSON comes first because a file can be renamed or copied; the file name only where the JSON
+    records no label (every run before run.py recorded one, and every run made without run.py)."""
     if isinstance(r.get("label"), str) and r["label"]:
         return r["label"]
     stem, seed = Path(path).stem, r.get("seed")
-    if r.get("method") and stem == f"{r['method']}-{r.get('dataset')}-seed{seed}":   # the method script's default
-        return r["method"]                                                           # --out: nobody chose a label
+    # the method script's default --out: nobody chose a label
+    if r.get("method") and stem == f"{r['method']}-{r.get('dataset')}-seed{seed}":
+        return r["method"]
     if seed is not None and stem.endswith(f"-seed{seed}") and len(stem) > len(f"-seed{seed}"):
         return stem[:-len(f"-seed{seed}")]
     return stem
@@ -135,15 +147,17 @@ def load(folder):
     return runs, skipped
 
 
-SOURCES = set()   # the results files read since the last provenance_line() (behind the table being made)
+# the results files read since the last provenance_line() (behind the table being made)
+SOURCES = set()
 BEFORE = "2026-11-24"   # the first day every results file records its provenance
-STREAMS = "3c1e8ca"     # the commit from which each client draws from its own random stream (docs/protocol.md)
+# the commit from which each client draws from its own random stream (docs/protocol.md)
+STREAMS = "3c1e8ca"
 
 
 def provenance(path):
-    """[(torch, numpy, device, date) or None per run] of one results file: its "provenance" dict (the
-    method scripts' files, and each run of a file that holds several); a file without one but with its
-    own top-level "torch" and "device" (gpu_check.py's) gives those."""
+    """[(torch, numpy, device, date) or None per run] of one results file: its "provenance" dict
+    (the method scripts' files, and each run of a file that holds several); a file without one but
+    with its own top-level "torch" and "device" (gpu_check.py's) gives those."""
     try:
         r = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -155,8 +169,8 @@ def provenance(path):
     if recs == [None] and "torch" in r and "device" in r:
         recs = [{"torch": r["torch"], "device": r["device"], "date": str(r.get("started", ""))[:10],
                  **({"streams": r["streams"]} if "streams" in r else {})}]
-    return [(p.get("torch"), p.get("numpy"), p.get("device"), p.get("date"), "streams" in p) if isinstance(p, dict)
-            else None for p in recs]
+    return [(p.get("torch"), p.get("numpy"), p.get("device"), p.get("date"), "streams" in p)
+            if isinstance(p, dict) else None for p in recs]
 
 
 def provenance_line(paths=None):
@@ -166,7 +180,8 @@ def provenance_line(paths=None):
     paths, SOURCES = sorted(set(SOURCES if paths is None else paths)), set()
     recs = [p for f in paths for p in provenance(f)]
     known, missing = {}, sum(p is None for p in recs)
-    shared = sum(p is None or not p[4] for p in recs)     # runs whose clients drew from one shared stream
+    # runs whose clients drew from one shared stream
+    shared = sum(p is None or not p[4] for p in recs)
     for tv, nv, dev, date, _ in (p for p in recs if p):
         known.setdefault((tv, nv, dev), []).append(date or "")
     parts = []
@@ -181,8 +196,9 @@ def provenance_line(paths=None):
         parts.append(f"not recorded for the other {runs} (made before {BEFORE})" if known else
                      f"not recorded (the {runs} behind this table {were} made before {BEFORE})")
     if shared:
-        parts.append(("all" if shared == len(recs) else f"{shared} of the {len(recs)}") + " made when the clients "
-                     f"shared one random stream (each draws its own since commit {STREAMS})")
+        parts.append(("all" if shared == len(recs) else f"{shared} of the {len(recs)}")
+                     + " made when the clients shared one random stream "
+                     f"(each draws its own since commit {STREAMS})")
     return "Provenance: " + "; ".join(parts) + "." if parts else ""
 
 
@@ -195,9 +211,10 @@ def scenario(r):
     a = r["args"]
     if r["protocol"] == "clients":
         return "fl"
-    if r["dataset"] == "stained":                  # Table III: one setting per stain, whatever the clients
+    if r["dataset"] == "stained":           # Table III: one setting per stain, whatever the clients
         return "stained"
-    return "small" if a["clients"] == a["sample"] and a["clients"] <= 5 else "large"   # one client per domain
+    # one client per domain
+    return "small" if a["clients"] == a["sample"] and a["clients"] <= 5 else "large"
 
 
 def published_name(r):
@@ -221,7 +238,8 @@ def accuracy_table(runs):
     cells = {}
     for lab in labels:
         for d in domains:
-            cells[lab, d] = mean_std([r["domains"][d]["test_acc"] for r in runs[lab] if d in r["domains"]])
+            cells[lab, d] = mean_std([r["domains"][d]["test_acc"] for r in runs[lab]
+                                      if d in r["domains"]])
         if len(domains) > 1:
             cells[lab, "mean"] = mean_std([r["mean_test_acc"] for r in runs[lab]])
     best = {c: max(cells[lab, c][0] for lab in labels) for c in cols}
@@ -237,21 +255,24 @@ def accuracy_table(runs):
 
 
 def exit_table(runs):
-    """FedIPG runs with an aberrant client (Section VI-A): per variant, who exited (per seed) and the
-    accuracies at the selected round on the regular clients, the aberrant client (validation splits)
-    and the held-out domain (test), per seed and their mean."""
-    if not all("aberrant_acc" in d for rs in runs.values() for r in rs for d in r["domains"].values()):
+    """FedIPG runs with an aberrant client (Section VI-A): per variant, who exited (per seed) and
+    the accuracies at the selected round on the regular clients, the aberrant client (validation
+    splits) and the held-out domain (test), per seed and their mean."""
+    if not all("aberrant_acc" in d
+               for rs in runs.values() for r in rs for d in r["domains"].values()):
         return []
-    lines = ["| variant | exited (per seed) | regular clients | aberrant client | held-out domain |",
+    lines = ["| variant | exited (per seed) | regular clients | aberrant client "
+             "| held-out domain |",
              "|---|---|---|---|---|"]
     for lab, rs in sorted(runs.items()):
         ds = [d for r in rs for d in r["domains"].values()]
         cell = lambda k: (", ".join(f"{100 * d[k]:.1f}" for d in ds)
                           + f" (mean {100 * sum(d[k] for d in ds) / len(ds):.1f})")
         exited = "; ".join(", ".join(map(str, d["exited"])) or "none" for d in ds)
-        lines.append(f"| {lab} | {exited} | {cell('regular_acc')} | {cell('aberrant_acc')} | {cell('test_acc')} |")
-    return ["", "Accuracy (%) at the selected round, per seed: the regular clients' and the aberrant client's "
-            "validation splits, and the held-out domain's test set.", "", *lines]
+        lines.append(f"| {lab} | {exited} | {cell('regular_acc')} | {cell('aberrant_acc')} "
+                     f"| {cell('test_acc')} |")
+    return ["", "Accuracy (%) at the selected round, per seed: the regular clients' and the "
+            "aberrant client's validation splits, and the held-out domain's test set.", "", *lines]
 
 
 def speed_table(runs):
@@ -260,7 +281,7 @@ def speed_table(runs):
     on the same device."""
     lines = ["| method | s / round | images / s | × FedAvg |", "|---|---|---|---|"]
     several = len({r["args"].get("device") for rs in runs.values() for r in rs}) > 1
-    sec, ips = {}, {}                                  # (label, device or None) -> one value per run
+    sec, ips = {}, {}                                 # (label, device or None) -> one value per run
     for lab, rs in sorted(runs.items()):
         if lab.endswith("(global)"):
             continue
@@ -270,19 +291,21 @@ def speed_table(runs):
             for d in r["domains"].values():
                 last = d["history"][-1]
                 sec.setdefault(key, []).append(last["seconds"] / last["round"])
-                if "train_examples" in d:                  # images through local training, whole run
-                    trained = a.get("stage1_comms", last["round"])   # fedloe: stage 1 trains, stage 2 heads only
+                if "train_examples" in d:                 # images through local training, whole run
+                    # fedloe: stage 1 trains, stage 2 heads only
+                    trained = a.get("stage1_comms", last["round"])
                     ips.setdefault(key, []).append(d["train_examples"] * a["sample"] / a["clients"]
                                                    * a["local_epochs"] * trained / last["seconds"])
     for (lab, dev), s in sorted(sec.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         base = sec.get(("fedavg", dev))
         ratio = f"{np.mean(s) / np.mean(base):.2f}" if base else "–"
         i = np.mean(ips[(lab, dev)]) if (lab, dev) in ips else float("nan")
-        lines.append(f"| {lab}{f' ({dev})' if several else ''} | {np.mean(s):.3f} | {i:,.0f} | {ratio} |")
+        lines.append(f"| {lab}{f' ({dev})' if several else ''} | {np.mean(s):.3f} | {i:,.0f} "
+                     f"| {ratio} |")
     if any(r["method"] == "fedloe" for rs in runs.values() for r in rs):
-        lines += ["", "fedloe: a round is one communication (stage 1: every client trains E1/K1 local epochs; "
-                  "stage 2: heads only), so its s / round is not a FedAvg round's; its images / s counts the "
-                  "stage-1 images over the whole run."]
+        lines += ["", "fedloe: a round is one communication (stage 1: every client trains E1/K1 "
+                  "local epochs; stage 2: heads only), so its s / round is not a FedAvg round's; "
+                  "its images / s counts the stage-1 images over the whole run."]
     return lines
 
 
@@ -306,8 +329,9 @@ def band(ys):
 
 
 def merged(series):
-    """[(labels, (x, y))] from {label: (x, y)}: identical y drawn once and named together (PerInvFL's
-    global ν does not depend on --personalize, so its three variants give the same curve)."""
+    """[(labels, (x, y))] from {label: (x, y)}: identical y drawn once and named together
+    (PerInvFL's global ν does not depend on --personalize, so its three variants give the same
+    curve)."""
     out = []
     for lab, v in series.items():
         same = next((g for g in out if np.array_equal(g[1][1], v[1])), None)
@@ -325,8 +349,9 @@ def matplotlib_figure():
         import matplotlib
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserError("the figures need matplotlib, which is not installed (pip install matplotlib)")
-    matplotlib.rcParams["svg.hashsalt"] = "report"          # the same SVG for the same data (no random ids)
+        raise UserError("the figures need matplotlib, which is not installed "
+                        "(pip install matplotlib)")
+    matplotlib.rcParams["svg.hashsalt"] = "report"  # the same SVG for the same data (no random ids)
     return Figure
 
 
@@ -343,15 +368,17 @@ MARKERS = "osD^vPX*ph"
 
 
 def curve(ax, k, x, m, s, labels, n):
-    """Method k's mean (line) ± std (band). Each method has its own marker, and the earlier a method
-    the thicker its line, so that a curve lying on another one (FedIPG on FedAvg) stays visible."""
-    ax.plot(x, m, marker=MARKERS[k % len(MARKERS)], ms=4, lw=max(4.0 - 0.8 * k, 1.0), color=f"C{k}",
-            label="\n= ".join(labels) + f" ({n} seed{'s' * (n > 1)})")
+    """Method k's mean (line) ± std (band). Each method has its own marker, and the earlier a
+    method the thicker its line, so that a curve lying on another one (FedIPG on FedAvg) stays
+    visible."""
+    ax.plot(x, m, marker=MARKERS[k % len(MARKERS)], ms=4, lw=max(4.0 - 0.8 * k, 1.0),
+            color=f"C{k}", label="\n= ".join(labels) + f" ({n} seed{'s' * (n > 1)})")
     ax.fill_between(x, m - s, m + s, color=f"C{k}", alpha=0.15, lw=0)
 
 
 def legend(ax):
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)   # beside, not on, the curves
+    # beside, not on, the curves
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
 
 def accuracy_figure(runs, title, paper=()):
@@ -371,7 +398,8 @@ def accuracy_figure(runs, title, paper=()):
     return fig
 
 
-PTEST_PAPER = {  # PerInvFL's Table 2 (RC-MNIST) at p_test 0.1 ... 0.5: our row drawn in its colour, a marker
+# PerInvFL's Table 2 (RC-MNIST) at p_test 0.1 ... 0.5: our row drawn in its colour, a marker
+PTEST_PAPER = {
     "FedAvg": ("fedavg", "x", [20.77, 29.66, 37.74, 45.15, 54.12]),
     "IRM": ("perinvfl irm dual (global ν)", "1", [51.48, 51.70, 52.17, 51.53, 51.18]),
     "PerInvFL": ("perinvfl irm dual", "+", [53.46, 52.75, 53.63, 51.41, 52.73]),
@@ -379,16 +407,17 @@ PTEST_PAPER = {  # PerInvFL's Table 2 (RC-MNIST) at p_test 0.1 ... 0.5: our row 
 
 
 def ptest_table(folder, paths, score=True):
-    """(the p_test values, {row: (mean %, std %, seeds) at each}, where from): scored from the runs'
-    checkpoints by rcmnist_ptest.py when every run has one beside its results (and score), else read
-    from the ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed); (None, None, None)
-    without."""
+    """(the p_test values, {row: (mean %, std %, seeds) at each}, where from): scored from the
+    runs' checkpoints by rcmnist_ptest.py when every run has one beside its results (and score),
+    else read from the ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed);
+    (None, None, None) without."""
     if score and paths and all(Path(f"{f}.ckpt").is_file() for f in paths):
         sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
-        import rcmnist_ptest                                  # torch and the data: only when scoring
+        import rcmnist_ptest                                 # torch and the data: only when scoring
         try:
             scored = rcmnist_ptest.table(paths)
-        except (AssertionError, OSError, RuntimeError, KeyError, UserError) as e:   # e.g. a cut run's checkpoint
+        except (AssertionError, OSError, RuntimeError, KeyError, UserError) as e:
+            # e.g. a cut run's checkpoint
             raise UserError(f"could not score the checkpoints in {folder}: {e}") from None
         ps = list(rcmnist_ptest.P_TEST)
         return ps, {name: (*band(100 * np.array(runs)[:, :len(ps)]), len(runs))
@@ -397,19 +426,21 @@ def ptest_table(folder, paths, score=True):
     if not md.is_file():
         return None, None, None
     try:
-        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.read_text().splitlines()
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+                for line in md.read_text().splitlines()
                 if line.startswith("|") and not line.startswith("|---")]
         cols = [i for i, c in enumerate(rows[0]) if c.startswith("p_test ")]
         cell = lambda c: [float(v) for v in c.split("±")]
         return ([float(rows[0][i].split()[1]) for i in cols],
-                {r[0]: (*np.array([cell(r[i]) for i in cols]).T, int(r[-1])) for r in rows[1:]}, md.name)
+                {r[0]: (*np.array([cell(r[i]) for i in cols]).T, int(r[-1])) for r in rows[1:]},
+                md.name)
     except (IndexError, ValueError) as e:
         raise UserError(f"{md} is not rcmnist_ptest.py's table ({e})") from None
 
 
 def ptest_figure(table, title, p_test, paper=True):
-    """Accuracy against p_test (PerInvFL's Table 2 as a figure): mean ± std over seeds per row, the
-    paper's rows dashed in the colour of the row they correspond to."""
+    """Accuracy against p_test (PerInvFL's Table 2 as a figure): mean ± std over seeds per row,
+    the paper's rows dashed in the colour of the row they correspond to."""
     fig, ax = new_axes(title, "p_test (probability that the test colour agrees with the label)",
                        "test accuracy (%)")
     colour = {}
@@ -417,7 +448,8 @@ def ptest_figure(table, title, p_test, paper=True):
     for k, (names, (n, (m, s))) in enumerate(merged(rows)):
         curve(ax, k, p_test, m, s, names, n)
         colour.update({name: f"C{k}" for name in names})
-    for name, (ours, marker, acc) in PTEST_PAPER.items() if paper and p_test == [0.1, 0.2, 0.3, 0.4, 0.5] else ():
+    for name, (ours, marker, acc) in (PTEST_PAPER.items()
+                                      if paper and p_test == [0.1, 0.2, 0.3, 0.4, 0.5] else ()):
         # two of them may share a colour (merged rows): markers tell them apart
         ax.plot(p_test, acc, ls="--", lw=1, marker=marker, ms=7, color=colour.get(ours, "0.4"),
                 label=f"{name}: published, PerInvFL Tab. 2")
@@ -433,13 +465,14 @@ def speed_figure(speed):
     names = list(speed["seconds"])
     secs = [np.array(speed["seconds"][k]) for k in names]
     med = np.array([np.median(v) for v in secs])
-    fig, ax = new_axes(textwrap.fill("benchmark/speed.py: " + speed["setting"], 90), "seconds per round",
-                       "one round of", width=7.0)
+    fig, ax = new_axes(textwrap.fill("benchmark/speed.py: " + speed["setting"], 90),
+                       "seconds per round", "one round of", width=7.0)
     ax.set_axisbelow(True)
     ax.barh(names, med, xerr=[med - [v.min() for v in secs], [v.max() for v in secs] - med],
             color=[f"C{k}" for k in range(len(names))], capsize=3)
-    ax.invert_yaxis()                                           # first timed variant on top, as the table
-    ax.legend(ax.patches, names, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.invert_yaxis()                                     # first timed variant on top, as the table
+    ax.legend(ax.patches, names, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              frameon=False)
     return fig
 
 
@@ -453,24 +486,31 @@ def save(fig, stem):
 def title(first, name):
     """The benchmark's name, dataset and protocol on the first line, the data source below."""
     a = first["args"]
-    how = ("fixed clients, test: every client's own test set, pooled" if first["protocol"] == "clients"
+    how = ("fixed clients, test: every client's own test set, pooled"
+           if first["protocol"] == "clients"
            else "leave one domain out, each held out in turn")
     return (f"{name}: {first['dataset']}, {how}; {a['clients']} clients, {a['sample']} per round\n"
-            + "\n".join(textwrap.fill(part, 100) for part in ("data: " + first["source"]).split("; ")))
+            + "\n".join(textwrap.fill(part, 100)
+                        for part in ("data: " + first["source"]).split("; ")))
 
 
 def report(folder, where=".", figures=True, score=True):
-    """The markdown section of one folder (and its figures beside it unless figures=False; score=False
-    reads the p_test table from the committed ptest.md even where checkpoints are there)."""
+    """The markdown section of one folder (and its figures beside it unless figures=False;
+    score=False reads the p_test table from the committed ptest.md even where checkpoints are
+    there)."""
     runs, skipped = load(folder)
     if not runs:
         return [f"## {folder}", "", "no complete results here", ""] + \
             ([f"Left out (incomplete or unreadable): {', '.join(skipped)}.", ""] if skipped else [])
-    first = runs.get("fedavg", next(iter(runs.values())))[0]    # the setting's name: FedAvg's run if any
+    # the setting's name: FedAvg's run if any
+    first = runs.get("fedavg", next(iter(runs.values())))[0]
     a = first["args"]
-    shape = {lab: (rs[0]["args"]["rounds"], rs[0]["args"]["local_epochs"]) for lab, rs in runs.items()}
-    rounds = f"{a['rounds']} rounds, {a['local_epochs']} local epoch(s)" if len(set(shape.values())) == 1 else \
-        "rounds × local epochs " + ", ".join(f"{lab} {r} × {e}" for lab, (r, e) in shape.items())
+    shape = {lab: (rs[0]["args"]["rounds"], rs[0]["args"]["local_epochs"])
+             for lab, rs in runs.items()}
+    rounds = (f"{a['rounds']} rounds, {a['local_epochs']} local epoch(s)"
+              if len(set(shape.values())) == 1 else
+              "rounds × local epochs " + ", ".join(f"{lab} {r} × {e}"
+                                                   for lab, (r, e) in shape.items()))
     lines = [f"## {Path(folder).name}", "",
              f"`{first['dataset']}`, {a['clients']} clients, {a['sample']} per round, {rounds}; "
              f"data: {first['source']}; test accuracy in % "
@@ -480,49 +520,60 @@ def report(folder, where=".", figures=True, score=True):
     lines += exit_table(runs)
     name = published_name(first)
     paper = PAPERS.get((name, scenario(first)), [])
-    if not any(lab in runs for lab, _, _ in paper):             # other variants (e.g. FedIPG's exit runs)
+    if not any(lab in runs for lab, _, _ in paper):       # other variants (e.g. FedIPG's exit runs)
         paper = []
     if paper:
-        scale = "not comparable in scale" if first["source"].startswith("embedded") else "the runs above use full data"
+        scale = "not comparable in scale" if first["source"].startswith("embedded") \
+            else "the runs above use full data"
         lines += ["", f"Published (full data, GPUs, the papers' own round counts; {scale}): "
                   + "; ".join(f"{lab} {m:.2f} ({src})" for lab, m, src in paper) + "."]
     lines += ["", *speed_table(runs)]
-    link = lambda stem, ext: os.path.relpath(f"{stem}.{ext}", where)     # relative to the markdown file
+    # relative to the markdown file
+    link = lambda stem, ext: os.path.relpath(f"{stem}.{ext}", where)
     stem = Path(folder) / "accuracy"
     if figures:
         save(accuracy_figure(runs, title(first, Path(folder).name), paper), stem)
     lines += ["", f"![test accuracy against round]({link(stem, 'svg')})", "",
-              "Test accuracy (%) against round: each seed's accuracy is its mean over the test domains; line: "
-              "the mean over seeds, band: ± the std over seeds" + ("; dashed: the published number" if paper else "")
-              + f"; identical curves are drawn once, named together ([PNG]({link(stem, 'png')}))."]
-    if first["dataset"] in ("rcmnist", "rcfmnist"):             # PerInvFL's p_test table as a figure
+              "Test accuracy (%) against round: each seed's accuracy is its mean over the test "
+              "domains; line: the mean over seeds, band: ± the std over seeds"
+              + ("; dashed: the published number" if paper else "")
+              + f"; identical curves are drawn once, named together "
+              f"([PNG]({link(stem, 'png')}))."]
+    if first["dataset"] in ("rcmnist", "rcfmnist"):            # PerInvFL's p_test table as a figure
         paths = [f for f in sorted(Path(folder).glob("*.json")) if f.name not in skipped]
         p_test, table, source = ptest_table(folder, paths, score)
         if table:
             stem, rc = Path(folder) / "ptest", first["dataset"] == "rcmnist"
-            head = title(first, Path(folder).name).replace(f", p_test {a['p_test']}", "")   # every p_test here
+            # every p_test here
+            head = title(first, Path(folder).name).replace(f", p_test {a['p_test']}", "")
             if figures:
                 save(ptest_figure(table, head, p_test, paper=rc), stem)
             lines += ["", f"![test accuracy against p_test]({link(stem, 'svg')})", "",
-                      f"The same runs scored on the test contexts of every p_test (from {source}): line: the mean "
-                      "over seeds, band: ± the std over seeds" + ("; dashed: PerInvFL's Table 2" if rc else "")
-                      + f"; rows equal in every cell are drawn once, named together ([PNG]({link(stem, 'png')}))."]
-    for md in sorted(Path(folder).glob("*.md")):               # tables written beside the runs (rcmnist_ptest.py)
+                      f"The same runs scored on the test contexts of every p_test (from {source}): "
+                      "line: the mean over seeds, band: ± the std over seeds"
+                      + ("; dashed: PerInvFL's Table 2" if rc else "")
+                      + f"; rows equal in every cell are drawn once, named together "
+                      f"([PNG]({link(stem, 'png')}))."]
+    # tables written beside the runs (rcmnist_ptest.py)
+    for md in sorted(Path(folder).glob("*.md")):
         lines += ["", f"More from these runs: [{md.name}]({os.path.relpath(md, where)})."]
     if skipped:
         lines += ["", f"Left out (incomplete or unreadable): {', '.join(skipped)}."]
-    lines += ["", provenance_line([f for f in sorted(Path(folder).glob("*.json")) if f.name not in skipped])]
+    lines += ["", provenance_line([f for f in sorted(Path(folder).glob("*.json"))
+                                   if f.name not in skipped])]
     return lines + [""]
 
 
 def speed_report(path, where=".", figures=True):
-    """The table and bar chart of a speed.py --json file (the chart beside it unless figures=False)."""
+    """The table and bar chart of a speed.py --json file (the chart beside it unless
+    figures=False)."""
     try:
         speed = json.loads(Path(path).read_text())
         med = {k: float(np.median(v)) for k, v in speed["seconds"].items()}
         n, base = speed["images_per_round"], next(iter(med.values()))
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
-        raise UserError(f"{path} is not a speed.py --json file ({e.__class__.__name__}: {e})") from None
+        raise UserError(f"{path} is not a speed.py --json file "
+                        f"({e.__class__.__name__}: {e})") from None
     stem = Path(path).with_suffix("")
     SOURCES.add(Path(path))
     if figures:
@@ -535,7 +586,7 @@ def speed_report(path, where=".", figures=True):
             f"([PNG]({os.path.relpath(f'{stem}.png', where)})).", "", provenance_line(), ""]
 
 
-# ---------------------------------------------------------------------------------------------------
+#--------------------------------------------------------------------------------------------------
 # Generated blocks. README.md, docs/*.md and benchmark/results/README.md hold every results table
 # between two marker lines, <!-- report:NAME --> and <!-- /report:NAME -->; `python
 # benchmark/report.py` (no folders) rewrites each block from the committed results, `--check` says
@@ -543,16 +594,17 @@ def speed_report(path, where=".", figures=True):
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmark" / "results"
-# A results file records "cpu" or "cuda", not the machine: the committed CUDA runs all ran on one NVIDIA
-# H100, the CPU runs on a 2-core CPU (benchmark/results/README.md says which folder ran where and when).
+# A results file records "cpu" or "cuda", not the machine: the committed CUDA runs all ran on one
+# NVIDIA H100, the CPU runs on a 2-core CPU (benchmark/results/README.md says which folder ran where
+# and when).
 DEVICE_NAMES = {"cuda": "H100", "cpu": "CPU"}
 
 
 @dataclass
 class Claim:
-    """One published claim: the paper's method (runs labelled `method` in `folder`) against a baseline
-    (runs `base` in `base_folder`, default the same folder), in the paper's direction `sign` (+1: the
-    paper's method above the baseline; -1: below, as for a loss)."""
+    """One published claim: the paper's method (runs labelled `method` in `folder`) against a
+    baseline (runs `base` in `base_folder`, default the same folder), in the paper's direction
+    `sign` (+1: the paper's method above the baseline; -1: below, as for a loss)."""
     paper: str                 # the method page: docs/<paper>.md
     group: str                 # the paper's table or figure
     claim: str
@@ -563,73 +615,87 @@ class Claim:
     sign: int = 1
     base_folder: str = ""
     scale: str = ""            # empty: the paper's scale; else why not
-    metric: str = "acc"        # acc: test accuracy (%); loss: McMahan et al.'s Figure 1 (fig1.json)
+    # acc: test accuracy (%); loss: McMahan et al.'s Figure 1 (fig1.json)
+    metric: str = "acc"
     short: str = ""            # the claim in a few words, for the README's methods table
 
 
 NOT_PAPER_SCALE = "full RotatedMNIST, narrow ConvNet (the paper: PACS, ResNet-50)"
 CLAIMS = [
-    Claim("fedavg", "Fig. 1", "averaging two models trained apart from one shared initialisation: loss below the "
-          "better parent's", "mcmahan-fig1", "shared:average", "shared:parent", "below both parents", sign=-1,
-          metric="loss", short="shared initialisation"),
-    Claim("fedavg", "Fig. 1", "... from two different initialisations: loss above the better parent's",
+    Claim("fedavg", "Fig. 1", "averaging two models trained apart from one shared initialisation: "
+          "loss below the better parent's", "mcmahan-fig1", "shared:average", "shared:parent",
+          "below both parents", sign=-1, metric="loss", short="shared initialisation"),
+    Claim("fedavg", "Fig. 1",
+          "... from two different initialisations: loss above the better parent's",
           "mcmahan-fig1", "different:average", "different:parent", "far above", metric="loss",
           short="different initialisations"),
-    Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 0° held out", "rmnist50-full-0",
-          "fediir", "fedavg", "84.0 / 77.9", short="0° held out"),
-    Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 75° held out", "rmnist50-full-75",
-          "fediir", "fedavg", "84.5 / 81.2", short="75° held out"),
+    Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 0° held out",
+          "rmnist50-full-0", "fediir", "fedavg", "84.0 / 77.9", short="0° held out"),
+    Claim("fediir", "Table 8", "FedIIR above FedAvg, RotatedMNIST-50, 75° held out",
+          "rmnist50-full-75", "fediir", "fedavg", "84.5 / 81.2", short="75° held out"),
     Claim("fedomg", "Table 1", "FedOMG above FedAvg, MNIST, Dirichlet α = 0.5 (200 of 800 rounds)",
           "mnist-fl-full-alpha0.5", "fedomg", "fedavg", "98.58 / 91.47", short="α 0.5"),
     Claim("fedomg", "Table 1", "FedOMG above FedAvg, MNIST, Dirichlet α = 0.1 (200 of 800 rounds)",
           "mnist-fl-full-alpha0.1", "fedomg", "fedavg", "98.75 / 93.77", short="α 0.1"),
-    Claim("fedloe", "Fig. 1a", "few communications beat many: K1 = 4 above every-epoch averaging (K1 = 64)",
-          "fedloe-fig1a-smallconv", "k4", "k64", "best at K1 = 4", scale=NOT_PAPER_SCALE, short="K1 4 vs 64"),
+    Claim("fedloe", "Fig. 1a",
+          "few communications beat many: K1 = 4 above every-epoch averaging (K1 = 64)",
+          "fedloe-fig1a-smallconv", "k4", "k64", "best at K1 = 4", scale=NOT_PAPER_SCALE,
+          short="K1 4 vs 64"),
     Claim("fedloe", "Table 2", "FedLOE-Fish above its own stage 1 (\"our FedAvg\"), 0° held out",
           "fedloe-dg-smallconv", "fish", "stage1", "86.60 / 85.98 (PACS)", scale=NOT_PAPER_SCALE,
           short="Fish vs stage 1"),
-    Claim("perinvfl", "Table 2", "PerInvFL above FedAvg, RC-MNIST, p_test 0.1", "rcmnist-full-reset",
-          "perinvfl", "fedavg", "53.46 / 20.77", base_folder="rcmnist-full", short="over FedAvg"),
-    Claim("perinvfl", "Table 2", "PerInvFL above IRM (its global ν), RC-MNIST, p_test 0.1", "rcmnist-full-reset",
-          "perinvfl", "perinvfl (global)", "53.46 / 51.48", short="over IRM (ν)"),
-    Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 0° held out", "rmnist50-full-0",
-          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)", short="0° held out"),
-    Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 75° held out", "rmnist50-full-75",
-          "fedipg", "fedavg", "95.68 / 90.82 (mean of six)", short="75° held out"),
+    Claim("perinvfl", "Table 2", "PerInvFL above FedAvg, RC-MNIST, p_test 0.1",
+          "rcmnist-full-reset", "perinvfl", "fedavg", "53.46 / 20.77", base_folder="rcmnist-full",
+          short="over FedAvg"),
+    Claim("perinvfl", "Table 2", "PerInvFL above IRM (its global ν), RC-MNIST, p_test 0.1",
+          "rcmnist-full-reset", "perinvfl", "perinvfl (global)", "53.46 / 51.48",
+          short="over IRM (ν)"),
+    Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 0° held out",
+          "rmnist50-full-0", "fedipg", "fedavg", "95.68 / 90.82 (mean of six)",
+          short="0° held out"),
+    Claim("fedipg", "Table II", "FedIPG above FedAvg, RotatedMNIST-50, 75° held out",
+          "rmnist50-full-75", "fedipg", "fedavg", "95.68 / 90.82 (mean of six)",
+          short="75° held out"),
     Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, foreground", "stained-vic-fg",
           "fedipg", "fedavg", "63.99 / 45.73", short="foreground"),
     Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, background", "stained-vic-bg",
           "fedipg", "fedavg", "62.77 / 49.71", short="background"),
     Claim("fedipg", "Table III", "FedIPG above FedAvg, stained MNIST, both", "stained-vic-both",
           "fedipg", "fedavg", "62.08 / 52.78", short="both"),
-    Claim("fedipg", "Fig. 3", "a client turned to 180° harms: 75° accuracy with it excluded above kept",
+    Claim("fedipg", "Fig. 3",
+          "a client turned to 180° harms: 75° accuracy with it excluded above kept",
           "fedipg-exit-full", "exit-hand", "kept", "up to 20 points", short="180° client"),
     Claim("fedipg", "Fig. 3", "a slow:3 client harms: excluded above kept", "fedipg-exit-slow-full",
           "exit-hand", "kept", "up to 35 points", short="slow:3 client"),
-    # excluded by hand the aberrant client never takes part, so the unreliable and the slow exit-hand runs
-    # are one run (seed 0's two agree bit for bit; seed 1 ran once, in the slow folder): both seeds from there
-    Claim("fedipg", "Fig. 3", "an unreliable:0.5 client harms: excluded (the slow folder's exit-hand runs) above kept",
-          "fedipg-exit-slow-full", "exit-hand", "kept", "up to 20 points", base_folder="fedipg-exit-unreliable-full",
-          short="unreliable:0.5 client"),
-    Claim("fedipg", "Sec. IV", "the exit strategy (Eq. 13) helps: 180° client, --exit auto above kept",
+    # excluded by hand the aberrant client never takes part, so the unreliable and the slow
+    # exit-hand runs are one run (seed 0's two agree bit for bit; seed 1 ran once, in the slow
+    # folder): both seeds from there
+    Claim("fedipg", "Fig. 3",
+          "an unreliable:0.5 client harms: excluded (the slow folder's exit-hand runs) above kept",
+          "fedipg-exit-slow-full", "exit-hand", "kept", "up to 20 points",
+          base_folder="fedipg-exit-unreliable-full", short="unreliable:0.5 client"),
+    Claim("fedipg", "Sec. IV",
+          "the exit strategy (Eq. 13) helps: 180° client, --exit auto above kept",
           "fedipg-exit-full", "exit-auto", "kept", "exit above kept", short="180° client"),
     Claim("fedipg", "Sec. IV", "... slow:3 client, --exit auto above kept", "fedipg-exit-slow-full",
           "exit-auto", "kept", "exit above kept", short="slow:3 client"),
-    Claim("fedipg", "Sec. IV", "... unreliable:0.5 client, --exit auto above kept", "fedipg-exit-unreliable-full",
-          "exit-auto", "kept", "exit above kept", short="unreliable:0.5 client"),
+    Claim("fedipg", "Sec. IV", "... unreliable:0.5 client, --exit auto above kept",
+          "fedipg-exit-unreliable-full", "exit-auto", "kept", "exit above kept",
+          short="unreliable:0.5 client"),
 ]
 METHODS = [  # file, method, paper
-    ("fedavg.py", "FedAvg", "McMahan et al., *Communication-Efficient Learning of Deep Networks from "
-     "Decentralized Data*, AISTATS 2017"),
-    ("fediir.py", "FedIIR", "Guo et al., *Out-of-Distribution Generalization of Federated Learning via Implicit "
-     "Invariant Relationships*, ICML 2023"),
-    ("fedomg.py", "FedOMG", "Nguyen et al., *Federated Domain Generalization with Data-free On-server Matching "
-     "Gradient*, ICLR 2025"),
-    ("fedloe.py", "FedLOE", "*Federated Domain Generalization via Locally Overfit Ensemble* (under review)"),
-    ("perinvfl.py", "PerInvFL", "Tang, Guo, Zhang, *Exploiting Personalized Invariance for Better OOD "
-     "Generalization in FL*"),
-    ("fedipg.py", "FedIPG", "Hao et al., *Invariant FL for Edge Intelligence with Exit Strategy and Invariant "
-     "Penalty*"),
+    ("fedavg.py", "FedAvg", "McMahan et al., *Communication-Efficient Learning of Deep Networks "
+     "from Decentralized Data*, AISTATS 2017"),
+    ("fediir.py", "FedIIR", "Guo et al., *Out-of-Distribution Generalization of Federated "
+     "Learning via Implicit Invariant Relationships*, ICML 2023"),
+    ("fedomg.py", "FedOMG", "Nguyen et al., *Federated Domain Generalization with Data-free "
+     "On-server Matching Gradient*, ICLR 2025"),
+    ("fedloe.py", "FedLOE",
+     "*Federated Domain Generalization via Locally Overfit Ensemble* (under review)"),
+    ("perinvfl.py", "PerInvFL", "Tang, Guo, Zhang, *Exploiting Personalized Invariance for Better "
+     "OOD Generalization in FL*"),
+    ("fedipg.py", "FedIPG", "Hao et al., *Invariant FL for Edge Intelligence with Exit Strategy "
+     "and Invariant Penalty*"),
 ]
 
 _loaded = {}
@@ -658,7 +724,8 @@ def seed_values(folder, label, metric="acc"):
         for r in runs:
             if r["init"] == init:
                 at = {round(t, 6): v for t, v in zip(r["theta"], r["loss"])}
-                out.append((r["seed"], at[0.5] if what == "average" else min(at[0.0], at[1.0]), "cpu"))
+                out.append((r["seed"], at[0.5] if what == "average" else min(at[0.0], at[1.0]),
+                            "cpu"))
         return sorted(out)
     return sorted((r["seed"], 100 * float(np.mean([d["test_acc"] for d in r["domains"].values()])),
                    r["args"].get("device", "cpu")) for r in committed(folder).get(label, []))
@@ -689,18 +756,20 @@ def devices(*runs):
     return f"{n}: " + ", ".join(f"{s} {'/'.join(sorted(d))}" for s, d in sorted(by_seed.items()))
 
 
-RULE = ("With d the gain measured here (the paper's method minus its baseline, means over seeds, signed so "
-        "that the paper's direction is positive), s = 2·max(s_m, s_b) with s_m, s_b their seed stds (n − 1), "
-        "and D the paper's own gain: *reproduced* when d > s and d ≥ D/2; *smaller* when d > s but "
-        "d < D/2; *not reproduced* when |d| ≤ s; *reversed* when d < −s. Where the paper prints no gain (a "
-        "figure's shape or largest gap, e.g. \"up to 20 points\") only the direction counts: *direction holds* "
-        "when d > s (shown as \"direction only\"). Each verdict shows d, D and s, e.g. \"smaller: +1.4 vs +32.7 "
+RULE = ("With d the gain measured here (the paper's method minus its baseline, means over seeds, "
+        "signed so that the paper's direction is positive), s = 2·max(s_m, s_b) with s_m, s_b "
+        "their seed stds (n − 1), and D the paper's own gain: *reproduced* when d > s and "
+        "d ≥ D/2; *smaller* when d > s but d < D/2; *not reproduced* when |d| ≤ s; *reversed* when "
+        "d < −s. Where the paper prints no gain (a figure's shape or largest gap, e.g. "
+        "\"up to 20 points\") only the direction counts: *direction holds* when d > s (shown as "
+        "\"direction only\"). Each verdict shows d, D and s, e.g. \"smaller: +1.4 vs +32.7 "
         "(2 std 0.3)\"; fewer than two seeds on a side: *one seed*, no verdict.")
 WORDS = ("reproduced", "smaller", "direction holds", "not reproduced", "reversed", "one seed")
 
 
 def published_gain(c):
-    """D: the paper's own gain in its direction, where it prints both numbers ("84.0 / 77.9"); else None."""
+    """D: the paper's own gain in its direction, where it prints both numbers ("84.0 / 77.9");
+    else None."""
     try:
         pm, pb = (float(x.split()[0]) for x in c.published.split(" / "))
     except ValueError:
@@ -709,16 +778,18 @@ def published_gain(c):
 
 
 def verdict(c):
-    """The one rule for every verdict (RULE): with m ± s_m the paper's method and b ± s_b the baseline
-    here (mean ± std over seeds, n − 1), d = sign · (m − b) the gain in the paper's direction,
-    s = 2·max(s_m, s_b) and D the paper's own gain (None where it prints none): "reproduced" when d > s
-    and d ≥ D/2, "smaller" when d > s and d < D/2, "direction holds" when d > s and D is None, "not
-    reproduced" when |d| ≤ s, "reversed" when d < −s; fewer than two seeds on either side: "one seed".
-    Returns (word, text, method values, baseline values); the text is e.g. "smaller: +1.4 vs +32.7
-    (2 std 0.3)"."""
-    mv, bv = seed_values(c.folder, c.method, c.metric), seed_values(c.base_folder or c.folder, c.base, c.metric)
+    """The one rule for every verdict (RULE): with m ± s_m the paper's method and b ± s_b the
+    baseline here (mean ± std over seeds, n − 1), d = sign · (m − b) the gain in the paper's
+    direction, s = 2·max(s_m, s_b) and D the paper's own gain (None where it prints none):
+    "reproduced" when d > s and d ≥ D/2, "smaller" when d > s and d < D/2, "direction holds" when
+    d > s and D is None, "not reproduced" when |d| ≤ s, "reversed" when d < −s; fewer than two seeds
+    on either side: "one seed". Returns (word, text, method values, baseline values); the text is
+    e.g. "smaller: +1.4 vs +32.7 (2 std 0.3)"."""
+    mv, bv = seed_values(c.folder, c.method, c.metric), \
+        seed_values(c.base_folder or c.folder, c.base, c.metric)
     if not mv or not bv:
-        sys.exit(f"report.py: error: no committed runs '{c.method}' / '{c.base}' in benchmark/results/{c.folder}")
+        sys.exit(f"report.py: error: no committed runs '{c.method}' / '{c.base}' "
+                 f"in benchmark/results/{c.folder}")
     m, b = np.mean([v for _, v, _ in mv]), np.mean([v for _, v, _ in bv])
     if len(mv) < 2 or len(bv) < 2:
         return "one seed", "one seed: no verdict", mv, bv
@@ -744,74 +815,87 @@ def link(target, where):
 
 def block_glance(where):
     """README: every claim, the paper's numbers, this implementation's, the verdict, the page."""
-    lines = ["| paper | claim | paper: method / baseline | here: method / baseline (seeds, device) | verdict |",
+    lines = ["| paper | claim | paper: method / baseline "
+             "| here: method / baseline (seeds, device) | verdict |",
              "|---|---|---|---|---|"]
     for c in CLAIMS:
         word, text, mv, bv = verdict(c)
         name = next(m for f, m, _ in METHODS if f == c.paper + ".py")
         scale = f" *(not the paper's scale: {c.scale})*" if c.scale else ""
-        lines.append(f"| [{name}]({link(ROOT / 'docs' / (c.paper + '.md'), where)}), {c.group} | {c.claim}{scale} | "
-                     f"{c.published} | {ms(mv, c.metric)} / {ms(bv, c.metric)} ({devices(mv, bv)}) | {text} |")
+        lines.append(f"| [{name}]({link(ROOT / 'docs' / (c.paper + '.md'), where)}), {c.group} "
+                     f"| {c.claim}{scale} | {c.published} "
+                     f"| {ms(mv, c.metric)} / {ms(bv, c.metric)} ({devices(mv, bv)}) | {text} |")
     return lines
 
 
 def summary(paper):
-    """Every verdict of one paper's claims with its numbers, one line each, e.g. 'Table 8, 0° held out —
-    not reproduced: −0.5 vs +6.1 (2 std 7.8)'."""
+    """Every verdict of one paper's claims with its numbers, one line each, e.g. 'Table 8, 0° held
+    out — not reproduced: −0.5 vs +6.1 (2 std 7.8)'."""
     parts = [f"{c.group}, {c.short} — {verdict(c)[1]}" for c in CLAIMS if c.paper == paper]
     scale = next((c.scale for c in CLAIMS if c.paper == paper and c.scale), "")
     return ("not at the paper's scale:<br>" if scale else "") + "<br>".join(parts)
 
 
 def block_methods(where):
-    """README: the methods table, each claim's verdict by the rule, with its measured and published gain."""
-    lines = ["| file | method and paper | verdict at the paper's scale: measured vs published gain (the rule: Results "
-             "at a glance) | page |", "|---|---|---|---|"]
+    """README: the methods table, each claim's verdict by the rule, with its measured and published
+    gain."""
+    lines = ["| file | method and paper | verdict at the paper's scale: measured vs published gain "
+             "(the rule: Results at a glance) | page |", "|---|---|---|---|"]
     for f, name, paper in METHODS:
         page = link(ROOT / "docs" / f.replace(".py", ".md"), where)
         form = f"{FORMS[f]}:<br>" if f in FORMS else ""
-        lines.append(f"| [`{f}`]({link(ROOT / f, where)}) | {name}: {paper} | {form}{summary(f[:-3])} | "
-                     f"[{name}]({page}) |")
+        lines.append(f"| [`{f}`]({link(ROOT / f, where)}) | {name}: {paper} "
+                     f"| {form}{summary(f[:-3])} | [{name}]({page}) |")
     return lines
 
 
-# The form of a method that its verdicts were made with, where the script offers another (the default is that form).
-FORMS = {"fedipg.py": "every verdict with `--local-step sgd`, the default (the paper's Eq. 2 as one step, "
-                      "`--local-step paper`: 32.0% at RotatedMNIST-50, 0°, seed 0, against FedAvg's 84.2 ± 3.9)"}
+# The form of a method that its verdicts were made with, where the script offers another (the
+# default is that form).
+FORMS = {"fedipg.py": "every verdict with `--local-step sgd`, the default "
+                      "(the paper's Eq. 2 as one step, `--local-step paper`: 32.0% at "
+                      "RotatedMNIST-50, 0°, seed 0, against FedAvg's 84.2 ± 3.9)"}
 
 
-QUICKLOOK = "quicklook"   # OMP_NUM_THREADS=1 python fedavg.py --rounds 20 --test-domain 0: its run and time.txt
-# How far the quick look's validation accuracy moved between CPU models (one thread each, the same command):
-# 0.754, 0.757 and 0.761 on three CPUs (2026-11-24, the code before each client drew its own stream).
+# OMP_NUM_THREADS=1 python fedavg.py --rounds 20 --test-domain 0: its run and time.txt
+QUICKLOOK = "quicklook"
+# How far the quick look's validation accuracy moved between CPU models (one thread each, the same
+# command): 0.754, 0.757 and 0.761 on three CPUs (2026-11-24, the code before each client drew its
+# own stream).
 QUICKLOOK_CPU_SPREAD = (0.754, 0.761)
 
 
 def block_quicklook(where, folder=QUICKLOOK):
-    """README: what the quick look ends at and how long it took, from its committed run and time.txt beside
-    it: the command's conditions written before the run ("torch X, numpy Y, python Z", "date: D", lscpu's
-    "Model name:" line, optionally "load: ..." when the machine was not idle) and /usr/bin/time's line
-    ("<user>user <system>system <m:ss.cc>elapsed ..."): one measured time, and how far other CPUs move the
-    accuracies. Its provenance line: the run's own, else time.txt's."""
+    """README: what the quick look ends at and how long it took, from its committed run and
+    time.txt beside it: the command's conditions written before the run ("torch X, numpy Y,
+    python Z", "date: D", lscpu's "Model name:" line, optionally "load: ..." when the machine was
+    not idle) and /usr/bin/time's line ("<user>user <system>system <m:ss.cc>elapsed ..."): one
+    measured time, and how far other CPUs move the accuracies. Its provenance line: the run's own,
+    else time.txt's."""
     f, tf = RESULTS / folder / "fedavg-rmnist-seed0.json", RESULTS / folder / "time.txt"
     r, txt = json.loads(f.read_text()), tf.read_text()
     (dom, d), = r["domains"].items()
     find = lambda pattern: (m := re.search(pattern, txt)) and m[1].strip()
-    p = r.get("provenance") or {"torch": find(r"torch ([^,\s]+)"), "numpy": find(r"numpy ([^,\s]+)"),
+    p = r.get("provenance") or {"torch": find(r"torch ([^,\s]+)"),
+                                "numpy": find(r"numpy ([^,\s]+)"),
                                 "device": find(r"Model name:(.+)"), "date": find(r"date: (\S+)")}
     tm = re.search(r"([\d.]+)user ([\d.]+)system (?:(\d+):)?(\d+):([\d.]+)elapsed", txt)
     user, system = float(tm[1]), float(tm[2])
     wall = 3600 * int(tm[3] or 0) + 60 * int(tm[4]) + float(tm[5])
-    load = find(r"load: ([^(\n]+)")                        # e.g. "the machine shared with other jobs"
+    load = find(r"load: ([^(\n]+)")                      # e.g. "the machine shared with other jobs"
     where_from = "the run" if r.get("provenance") else "time.txt"
     lo, hi = QUICKLOOK_CPU_SPREAD
-    return [f"It ends at test accuracy {d['test_acc']:.3f} on the held-out {dom}° domain, validation "
-            f"{d['val_acc']:.3f} (round {d['best_round']}, the best validation; seed {r['seed']}), on one thread of "
-            f"{article(p['device'])} {p['device']}. Another CPU model sums in another order and ends a few thousandths "
-            f"away (the validation from {lo:.3f} to {hi:.3f} on three CPUs with the code of 2026-11-24). The "
-            f"committed run ([{f.parent.name}/]({link(f.parent, where)}/)) took {user + system:.0f} s of CPU time "
-            f"({user:.0f} s user, {system:.0f} s system) and {wall / 60:.1f} minutes of wall clock"
+    return [f"It ends at test accuracy {d['test_acc']:.3f} on the held-out {dom}° domain, "
+            f"validation {d['val_acc']:.3f} (round {d['best_round']}, the best validation; "
+            f"seed {r['seed']}), on one thread of {article(p['device'])} {p['device']}. "
+            f"Another CPU model sums in another order and ends a few thousandths away "
+            f"(the validation from {lo:.3f} to {hi:.3f} on three CPUs with the code of "
+            f"2026-11-24). "
+            f"The committed run ([{f.parent.name}/]({link(f.parent, where)}/)) took "
+            f"{user + system:.0f} s of CPU time ({user:.0f} s user, {system:.0f} s system) "
+            f"and {wall / 60:.1f} minutes of wall clock"
             f"{f' ({load.strip()})' if load else ''}.", "",
-            f"Provenance: torch {p['torch']}, numpy {p['numpy']}, {p['device']} ({where_from}, {p['date']})."]
+            f"Provenance: torch {p['torch']}, numpy {p['numpy']}, {p['device']} "
+            f"({where_from}, {p['date']})."]
 
 
 def article(word):
@@ -824,13 +908,15 @@ def block_rule(where):
 
 
 def block_claims(where, paper):
-    """A method page: each of the paper's claims with its protocol, numbers, seeds, device, verdict."""
-    lines = ["| claim (paper's table) | protocol | paper | here: method | here: baseline | seeds, device | "
-             "verdict | results |", "|---|---|---|---|---|---|---|---|"]
+    """A method page: each of the paper's claims with its protocol, numbers, seeds, device,
+    verdict."""
+    lines = ["| claim (paper's table) | protocol | paper | here: method | here: baseline "
+             "| seeds, device | verdict | results |", "|---|---|---|---|---|---|---|---|"]
     for c in (c for c in CLAIMS if c.paper == paper):
         word, text, mv, bv = verdict(c)
         folder = RESULTS / c.folder
-        lines.append(f"| {c.claim} ({c.group}) | {protocol(c)} | {c.published} | {c.method}: {ms(mv, c.metric)} | "
+        lines.append(f"| {c.claim} ({c.group}) | {protocol(c)} | {c.published} "
+                     f"| {c.method}: {ms(mv, c.metric)} | "
                      f"{c.base}: {ms(bv, c.metric)} | {devices(mv, bv)} | {text} | "
                      f"[{c.folder}]({link(folder, where)}/) |")
     return lines
@@ -846,12 +932,14 @@ def protocol(c):
     held = list(r["domains"])
     where_ = (f"held out: {held[0]}°" if r["dataset"] == "rmnist" else
               "all 10 held out in turn" if r["dataset"] == "stained" else "each client's test set")
-    return (f"{r['dataset']}, {data}, {a['clients']} clients / {a['sample']} per round, {a['rounds']} rounds × "
-            f"{a['local_epochs']} epoch(s), {where_}, {'last round' if a.get('select') == 'last' else 'best validation'}")
+    return (f"{r['dataset']}, {data}, {a['clients']} clients / {a['sample']} per round, "
+            f"{a['rounds']} rounds × {a['local_epochs']} epoch(s), {where_}, "
+            f"{'last round' if a.get('select') == 'last' else 'best validation'}")
 
 
 def s_per_round(r):
-    return float(np.mean([d["history"][-1]["seconds"] / d["history"][-1]["round"] for d in r["domains"].values()]))
+    return float(np.mean([d["history"][-1]["seconds"] / d["history"][-1]["round"]
+                          for d in r["domains"].values()]))
 
 
 def seed_list(vals, metric="acc"):
@@ -860,8 +948,9 @@ def seed_list(vals, metric="acc"):
 
 
 def block_grid(where, folders, labels):
-    """Rows: results folders (a held-out domain, a stain, an α); columns: labels, each mean ± std over
-    seeds (per seed in brackets); the papers' numbers for the same setting; seconds per round."""
+    """Rows: results folders (a held-out domain, a stain, an α); columns: labels, each mean ± std
+    over seeds (per seed in brackets); the papers' numbers for the same setting; seconds per
+    round."""
     folders, labels = folders.split(","), labels.split(",")
     head = ["setting", *labels, "paper", "seeds, device", "s / round (" + " / ".join(labels) + ")"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -876,16 +965,21 @@ def block_grid(where, folders, labels):
         setting = f"[{f}]({link(RESULTS / f, where)}/)"
         cells = [f"{ms(vals[lab])} ({seed_list(vals[lab])})" for lab in labels]
         devs = sorted({r["args"].get("device", "cpu") for lab in labels for r in runs[lab]})
-        secs = "; ".join(" / ".join(f"{np.mean([s_per_round(r) for r in runs[lab] if r['args'].get('device', 'cpu') == dv]):.2f}"
-                                    for lab in labels) + (f" ({DEVICE_NAMES.get(dv, dv)})" if len(devs) > 1 else "")
-                         for dv in devs)
-        lines.append(f"| {setting} | " + " | ".join(cells) + f" | {pub or '–'}{' (' + ', '.join(src) + ')' if src else ''}"
+        secs = "; ".join(
+            " / ".join(format(np.mean([s_per_round(r) for r in runs[lab]
+                                       if r['args'].get('device', 'cpu') == dv]), ".2f")
+                       for lab in labels)
+            + (f" ({DEVICE_NAMES.get(dv, dv)})" if len(devs) > 1 else "")
+            for dv in devs)
+        lines.append(f"| {setting} | " + " | ".join(cells)
+                     + f" | {pub or '–'}{' (' + ', '.join(src) + ')' if src else ''}"
                      f" | {devices(*vals.values())} | {secs} |")
         if len(first["domains"]) > 1:
             low = []
             for lab in labels:
                 doms = list(runs[lab][0]["domains"])
-                acc = {d: np.mean([100 * r["domains"][d]["test_acc"] for r in runs[lab]]) for d in doms}
+                acc = {d: np.mean([100 * r["domains"][d]["test_acc"] for r in runs[lab]])
+                       for d in doms}
                 d = min(acc, key=acc.get)
                 low.append(f"{lab} {d}: {acc[d]:.1f}")
             lowest.append(f"{f}: " + ", ".join(low))
@@ -895,17 +989,18 @@ def block_grid(where, folders, labels):
 
 
 def block_exit(where, folders):
-    """FedIPG's aberrant-client runs: per variant, who exited (per seed), the accuracy of the regular
-    clients and of the aberrant client (validation splits) and of the held-out domain (test), per seed
-    and (mean), and seconds per round (range over seeds)."""
-    lines = ["| aberrant client, variant | exited (per seed) | regular clients | aberrant client | held-out domain "
-             "(test) | s / round |", "|---|---|---|---|---|---|"]
+    """FedIPG's aberrant-client runs: per variant, who exited (per seed), the accuracy of the
+    regular clients and of the aberrant client (validation splits) and of the held-out domain
+    (test), per seed and (mean), and seconds per round (range over seeds)."""
+    lines = ["| aberrant client, variant | exited (per seed) | regular clients | aberrant client "
+             "| held-out domain (test) | s / round |", "|---|---|---|---|---|---|"]
     for f in folders.split(","):
         for lab, rs in sorted(committed(f).items()):
             ab = rs[0]["args"].get("aberrant")
             ds = [d for r in rs for d in r["domains"].values()]
             cell = lambda k: (", ".join(f"{100 * d[k]:.1f}" for d in ds)
-                              + (f" ({100 * np.mean([d[k] for d in ds]):.1f})" if len(ds) > 1 else "")) \
+                              + (f" ({100 * np.mean([d[k] for d in ds]):.1f})"
+                                 if len(ds) > 1 else "")) \
                 if all(k in d for d in ds) else "–"
             ex = "; ".join(", ".join(map(str, d.get("exited", []))) or "none" for d in ds)
             s = sorted(s_per_round(r) for r in rs)
@@ -918,59 +1013,73 @@ def block_exit(where, folders):
 
 
 def block_fedloe_k1(where, folder):
-    """FedLOE's Figure 1a: a budget of E1 local epochs over K1 communications (stage 1 only)."""
+    """FedLOE's Figure 1a: a budget of E1 local epochs over K1 communications (stage 1
+    only)."""
     runs = committed(folder)
-    lines = ["| K1 | epochs between averages | held-out test | in-domain test | per seed (held-out) | s / epoch |",
+    lines = ["| K1 | epochs between averages | held-out test | in-domain test "
+             "| per seed (held-out) | s / epoch |",
              "|---|---|---|---|---|---|"]
     for lab, rs in sorted(runs.items(), key=lambda kv: kv[1][0]["args"]["stage1_comms"]):
         a = rs[0]["args"]
-        ind = [(r["seed"], 100 * next(iter(r["domains"].values()))["in_domain_acc"], "") for r in rs]
-        secs = ", ".join(f"{next(iter(r['domains'].values()))['history'][-1]['seconds'] / a['stage1_epochs']:.1f}"
+        ind = [(r["seed"], 100 * next(iter(r["domains"].values()))["in_domain_acc"], "")
+               for r in rs]
+        secs = ", ".join(format(next(iter(r["domains"].values()))["history"][-1]["seconds"]
+                                / a["stage1_epochs"], ".1f")
                          for r in sorted(rs, key=lambda r: r["seed"]))
         vals = seed_values(folder, lab)
-        lines.append(f"| {a['stage1_comms']} | {a['stage1_epochs'] // a['stage1_comms']} | {ms(vals)} | {ms(ind)} | "
-                     f"{seed_list(vals)} | {secs} |")
+        lines.append(f"| {a['stage1_comms']} | {a['stage1_epochs'] // a['stage1_comms']} "
+                     f"| {ms(vals)} | {ms(ind)} | {seed_list(vals)} | {secs} |")
     return lines
 
 
 def block_fedloe_dg(where, folder):
     """FedLOE's stage 2 (Table 2's variants) over one stage 1, and the stage-2 seconds."""
     runs = committed(folder)
-    lines = ["| variant | held-out test | in-domain test | per seed (held-out) | stage 2 s (per seed) |",
+    lines = ["| variant | held-out test | in-domain test | per seed (held-out) "
+             "| stage 2 s (per seed) |",
              "|---|---|---|---|---|"]
     for lab in ("stage1", "irm", "fish", "rex"):
         rs = sorted(runs[lab], key=lambda r: r["seed"])
-        ind = [(r["seed"], 100 * next(iter(r["domains"].values()))["in_domain_acc"], "") for r in rs]
+        ind = [(r["seed"], 100 * next(iter(r["domains"].values()))["in_domain_acc"], "")
+               for r in rs]
         k1 = rs[0]["args"]["stage1_comms"]
         s2 = []
         for r in rs:
             h = next(iter(r["domains"].values()))["history"]
             if h[-1]["round"] > k1:
-                s2.append(f"{h[-1]['seconds'] - next(x for x in h if x['round'] == k1)['seconds']:.1f}")
+                s2.append(
+                    f"{h[-1]['seconds'] - next(x for x in h if x['round'] == k1)['seconds']:.1f}")
         vals = seed_values(folder, lab)
-        lines.append(f"| {lab} | {ms(vals)} | {ms(ind)} | {seed_list(vals)} | {', '.join(s2) or '–'} |")
-    return lines + ["| paper, PACS Table 2 (our FedAvg / IRM / Fish / REx) | 85.98 / 85.68 / 86.60 / 85.68 | | | |"]
+        lines.append(f"| {lab} | {ms(vals)} | {ms(ind)} | {seed_list(vals)} "
+                     f"| {', '.join(s2) or '–'} |")
+    return lines + ["| paper, PACS Table 2 (our FedAvg / IRM / Fish / REx) "
+                    "| 85.98 / 85.68 / 86.60 / 85.68 | | | |"]
 
 
 def block_spawn(where, folder):
-    """fedloe_spawn.py: branches after k epochs of every-epoch averaging; each cell held-out (in-domain)."""
+    """fedloe_spawn.py: branches after k epochs of every-epoch averaging; each cell held-out
+    (in-domain)."""
     runs = [json.loads(f.read_text()) for f in sorted((RESULTS / folder).glob("seed*.json"))]
     SOURCES.update((RESULTS / folder).glob("seed*.json"))
     hist = [next(iter(r["domains"].values()))["history"] for r in runs]
     at = lambda h, t: next(x for x in h if x["round"] == t)
-    pair = lambda xs, ys: f"{ms([(0, 100 * x, '') for x in xs])} ({ms([(0, 100 * y, '') for y in ys])})"
+    pair = lambda xs, ys: (f"{ms([(0, 100 * x, '') for x in xs])} "
+                           f"({ms([(0, 100 * y, '') for y in ys])})")
     ks = [row["spawn"]["k"] for row in hist[0] if row.get("spawn")]
-    lines = ["| start: after k epochs (its accuracy) | one-shot average after 16 epochs alone | clients alone "
-             "(mean of 20) | ensemble of the 20 | trunk: 16 more epochs, averaged every epoch |",
+    lines = ["| start: after k epochs (its accuracy) | one-shot average after 16 epochs alone "
+             "| clients alone (mean of 20) | ensemble of the 20 "
+             "| trunk: 16 more epochs, averaged every epoch |",
              "|---|---|---|---|---|"]
     for k in ks:
         sp = [next(x["spawn"] for x in h if x.get("spawn") and x["spawn"]["k"] == k) for h in hist]
         n = runs[0]["args"]["spawn_epochs"]
-        start = "0: random" if k == 0 else f"{k}: " + pair([at(h, k)["test_acc"] for h in hist],
-                                                             [at(h, k)["in_domain_acc"] for h in hist])
+        start = "0: random" if k == 0 else \
+            f"{k}: " + pair([at(h, k)["test_acc"] for h in hist],
+                            [at(h, k)["in_domain_acc"] for h in hist])
         cols = [pair([s[f"{w}_test"] for s in sp], [s[f"{w}_in_domain"] for s in sp])
                 for w in ("average", "clients", "ensemble")]
-        trunk = pair([at(h, k + n)["test_acc"] for h in hist], [at(h, k + n)["in_domain_acc"] for h in hist])
+        trunk = pair([at(h, k + n)["test_acc"] for h in hist],
+                     [at(h, k + n)["in_domain_acc"] for h in hist])
         lines.append(f"| {start} | " + " | ".join(cols) + f" | {trunk} |")
     return lines
 
@@ -979,14 +1088,16 @@ def block_fig1(where, folder="mcmahan-fig1"):
     """McMahan et al.'s Figure 1: the better parent and the average at θ = ½, loss (accuracy)."""
     runs = json.loads((RESULTS / folder / "fig1.json").read_text())["runs"]
     SOURCES.add(RESULTS / folder / "fig1.json")
-    lines = ["| initialisation | better parent: lower loss (higher accuracy %) | average, θ = ½: loss (accuracy %) | "
+    lines = ["| initialisation | better parent: lower loss (higher accuracy %) "
+             "| average, θ = ½: loss (accuracy %) | "
              "average / better parent, per seed |", "|---|---|---|---|"]
     for init in ("different", "shared"):
         rs = sorted((r for r in runs if r["init"] == init), key=lambda r: r["seed"])
         par, mid = [], []
         for r in rs:
             at = {round(t, 6): (l, a) for t, l, a in zip(r["theta"], r["loss"], r["acc"])}
-            par.append((min(at[0.0][0], at[1.0][0]), max(at[0.0][1], at[1.0][1])))   # lower loss, higher acc
+            # lower loss, higher acc
+            par.append((min(at[0.0][0], at[1.0][0]), max(at[0.0][1], at[1.0][1])))
             mid.append(at[0.5])
         cell = lambda xs: (f"{ms([(0, l, '') for l, _ in xs], 'loss')} "
                            f"({ms([(0, 100 * a, '') for _, a in xs])})")
@@ -995,7 +1106,8 @@ def block_fig1(where, folder="mcmahan-fig1"):
     return lines
 
 
-PTEST_TABLE5 = {"IRM-L2": (31.19, 38.39), "IRM-FT": (21.43, 33.50)}   # PerInvFL Table 5: p_test 0.1, mean
+# PerInvFL Table 5: p_test 0.1, mean
+PTEST_TABLE5 = {"IRM-L2": (31.19, 38.39), "IRM-FT": (21.43, 33.50)}
 
 
 def row(cells):
@@ -1003,17 +1115,18 @@ def row(cells):
 
 
 def block_ptest(where, folder, central="", paper=""):
-    """RC-MNIST at every p_test (rcmnist_ptest.py's committed ptest.md; rows equal in every cell shown
-    once: a personalised row equal to a global ν row is named with it, "... = ...", while the ν rows
-    of runs that share ν appear once), with `central` the centralised IRM reference on those data
-    (irm_central.py's file), with `paper` PerInvFL's Table 2 rows and Table 5's IRM-L2 / IRM-FT
-    (p_test 0.1 and the mean)."""
+    """RC-MNIST at every p_test (rcmnist_ptest.py's committed ptest.md; rows equal in every cell
+    shown once: a personalised row equal to a global ν row is named with it, "... = ...", while the
+    ν rows of runs that share ν appear once), with `central` the centralised IRM reference on those
+    data (irm_central.py's file), with `paper` PerInvFL's Table 2 rows and Table 5's IRM-L2 /
+    IRM-FT (p_test 0.1 and the mean)."""
     rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in (RESULTS / folder / "ptest.md").read_text().splitlines() if line.startswith("|")]
+            for line in (RESULTS / folder / "ptest.md").read_text().splitlines()
+            if line.startswith("|")]
     SOURCES.update((RESULTS / folder).glob("*.json"))           # the runs that ptest.md scored
     head, body, seen = rows[0], [], {}
     for r in rows[2:]:
-        if "(global ν)" in r[0]:       # ν does not depend on how θ_i is trained: drop θ_i's settings
+        if "(global ν)" in r[0]:      # ν does not depend on how θ_i is trained: drop θ_i's settings
             r = [re.sub(r", theta \w+|, line 8 \w+", "", r[0]), *r[1:]]
         if tuple(r[1:]) not in seen:
             seen[tuple(r[1:])] = r
@@ -1022,7 +1135,8 @@ def block_ptest(where, folder, central="", paper=""):
             seen[tuple(r[1:])][0] += f" = {r[0]}"
     blank = [""] * (len(head) - 1)
     if central:
-        rs = [r for r in json.loads((RESULTS / "irm-central" / f"{central}.json").read_text())["runs"]
+        rs = [r for r in
+              json.loads((RESULTS / "irm-central" / f"{central}.json").read_text())["runs"]
               if r["method"] == "irm"]
         SOURCES.add(RESULTS / "irm-central" / f"{central}.json")
         cells = list(blank)
@@ -1031,15 +1145,18 @@ def block_ptest(where, folder, central="", paper=""):
         body.append([f"centralised IRM (irm_central.py, {central})", *cells])
     if paper:
         for name, (_, _, acc) in PTEST_PAPER.items():
-            body.append([f"paper: {name} (PerInvFL Table 2)", *[f"{a:.2f}" for a in acc], f"{np.mean(acc):.2f}", "", ""])
+            body.append([f"paper: {name} (PerInvFL Table 2)", *[f"{a:.2f}" for a in acc],
+                         f"{np.mean(acc):.2f}", "", ""])
         for name, (p1, mean) in PTEST_TABLE5.items():
-            body.append([f"paper: {name} (PerInvFL Table 5)", f"{p1:.2f}", "", "", "", "", f"{mean:.2f}", "", ""])
+            body.append([f"paper: {name} (PerInvFL Table 5)", f"{p1:.2f}", "", "", "", "",
+                         f"{mean:.2f}", "", ""])
     return [row(head), "|---" * len(head) + "|", *map(row, body)]
 
 
 def block_irm_central(where):
     """irm_central.py's centralised full-batch IRM and ERM (IRM's recipe), last step."""
-    lines = ["| data | method | train acc | test acc | seeds | IRM paper (train / test) |", "|---|---|---|---|---|---|"]
+    lines = ["| data | method | train acc | test acc | seeds | IRM paper (train / test) |",
+             "|---|---|---|---|---|---|"]
     published = {("colored", "irm"): "70.8 / 66.9", ("colored", "erm"): "— / 17.1"}
     for f in sorted((RESULTS / "irm-central").glob("*.json")):
         runs = json.loads(f.read_text())["runs"]
@@ -1080,17 +1197,20 @@ def gpu_rows():
 def block_gpu_check(where):
     """benchmark/gpu_check.py's last committed run: every check that is not a run or a repeat."""
     g, rows = gpu_rows()
-    lines = [f"`benchmark/gpu_check.py` on one {g['device']} (torch {g['torch']}, {g['started'][:10]}):", "",
+    lines = [f"`benchmark/gpu_check.py` on one {g['device']} "
+             f"(torch {g['torch']}, {g['started'][:10]}):", "",
              "| check | measured | target | ok |", "|---|---|---|---|"]
     for r in rows:
         m = r["measured"]
-        lines.append(f"| {r['check']} | {f'{m:.3f}' if isinstance(m, float) else m} | {r['target'] or '–'} | "
+        lines.append(f"| {r['check']} | {f'{m:.3f}' if isinstance(m, float) else m} "
+                     f"| {r['target'] or '–'} | "
                      f"{ {True: 'yes', False: '**no**', None: '–'}[r['ok']]} |")
     runs = [r for r in g["rows"] if r["check"].startswith(("runs:", "repeat:"))]
     methods = list(dict.fromkeys(r["check"].split()[1] for r in runs))
     cut = sum(r["ok"] is None for r in runs)
-    lines += ["", f"Besides: {len(runs)} runs and repeats ({', '.join(methods)}; 2 rounds, RotatedMNIST's ConvNet and "
-              f"a generated PACS tree's ResNet-18, fp32 and bf16), {sum(r['ok'] is True for r in runs)} of them passed"
+    lines += ["", f"Besides: {len(runs)} runs and repeats ({', '.join(methods)}; 2 rounds, "
+              f"RotatedMNIST's ConvNet and a generated PACS tree's ResNet-18, fp32 and bf16), "
+              f"{sum(r['ok'] is True for r in runs)} of them passed"
               + (f", {cut} cut by the time limit" if cut else "") + "."]
     for m in g.get("made", []):
         lines.append(f"- {m['rows']}: started {m['started']}, {m['command']}; {m['tree']}.")
@@ -1106,41 +1226,53 @@ def block_speed_glance(where):
     SOURCES.add(RESULTS / "speed.json")
     med = {k: float(np.median(v)) for k, v in sp["seconds"].items()}
     base = next(iter(med.values()))
-    ratios = ", ".join(f"{k} {v / base:.2f}×" for k, v in list(med.items())[1:] if "," not in k)   # the methods
-    once = [k for k in med if k.endswith(", clients at once")]      # (speed.py's variants: one line of their own)
+    # the methods
+    ratios = ", ".join(f"{k} {v / base:.2f}×" for k, v in list(med.items())[1:] if "," not in k)
+    # (speed.py's variants: one line of their own)
+    once = [k for k in med if k.endswith(", clients at once")]
     alone = lambda name: med.get(name) or med[f"{name}, one after another"]
-    ratios += "".join(f"; {k} {alone(k.split(',')[0]) / med[k]:.2f}× the speed of one after another" for k in once)
-    full = {f: np.mean([s_per_round(r) for r in committed(f)["fedavg"] if r["args"]["device"] == dev])
+    ratios += "".join(f"; {k} {alone(k.split(',')[0]) / med[k]:.2f}× the speed of one after another"
+                      for k in once)
+    full = {f: np.mean([s_per_round(r) for r in committed(f)["fedavg"]
+                        if r["args"]["device"] == dev])
             for f, dev in (("rmnist50-full-0", "cuda"), ("mnist-fl-full-alpha0.5", "cuda"))}
     busy = next((r for r in rows if r["check"].startswith("FedAvg round: GPU kernel time")), None)
-    return [f"- One {g['device']} ({g['started'][:10]}): the harness trains DomainBed's MNIST ConvNet at {conv} "
-            f"images/s, {find('harness / bare loop, images/s: ConvNet fp32')['measured']:.3f}× a bare training loop; a "
-            f"round of FedIIR costs {find('FedIIR round')['measured']:.2f}×, FedIPG "
-            f"{find('FedIPG round')['measured']:.2f}×, FedOMG {find('FedOMG round')['measured']:.2f}× a FedAvg round "
-            "(RotatedMNIST-50" + (f"; the GPU runs kernels {100 * busy['measured']:.0f}% of a FedAvg round" if busy
-                                  else "") + ").",
-            f"- Full MNIST on an H100 of the committed results, the GPU shared by several runs: a RotatedMNIST-50 FedAvg round "
+    return [f"- One {g['device']} ({g['started'][:10]}): the harness trains DomainBed's MNIST "
+            f"ConvNet at {conv} images/s, "
+            f"{find('harness / bare loop, images/s: ConvNet fp32')['measured']:.3f}× "
+            f"a bare training loop; a round of FedIIR costs "
+            f"{find('FedIIR round')['measured']:.2f}×, "
+            f"FedIPG {find('FedIPG round')['measured']:.2f}×, "
+            f"FedOMG {find('FedOMG round')['measured']:.2f}× a FedAvg round "
+            "(RotatedMNIST-50"
+            + (f"; the GPU runs kernels {100 * busy['measured']:.0f}% of a FedAvg round" if busy
+               else "") + ").",
+            f"- Full MNIST on an H100 of the committed results, the GPU shared by several runs: "
+            f"a RotatedMNIST-50 FedAvg round "
             f"{full['rmnist50-full-0']:.1f} s, an FL-setting round (20 clients × 5 epochs) "
             f"{full['mnist-fl-full-alpha0.5']:.1f} s.",
-            f"- The 2-core CPU, one thread (`benchmark/speed.py`, embedded digits, RotatedMNIST-50): a FedAvg round "
-            f"{base:.2f} s; against it {ratios}."]
+            f"- The 2-core CPU, one thread (`benchmark/speed.py`, embedded digits, "
+            f"RotatedMNIST-50): a FedAvg round {base:.2f} s; against it {ratios}."]
 
 
 def block_leaderboard(where):
     """Every method on every MNIST-family benchmark (benchmark/leaderboard.py's table)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import leaderboard
-    text, _ = leaderboard.table(list(leaderboard.BENCHMARKS), RESULTS / "leaderboard", leaderboard.SEEDS)
+    text, _ = leaderboard.table(list(leaderboard.BENCHMARKS), RESULTS / "leaderboard",
+                                leaderboard.SEEDS)
     SOURCES.update((RESULTS / "leaderboard").rglob("*.json"))
-    return [text, "", "Test accuracy (%), mean ± std over seeds (their number); [paper N]: the paper's number; "
-            "bold: beats every other federated row beyond two seed stds; —: not yet run; refused: the method refuses "
-            "that benchmark's protocol. Where each cell comes from, its settings and each refusal's reason: "
+    return [text, "", "Test accuracy (%), mean ± std over seeds (their number); [paper N]: "
+            "the paper's number; bold: beats every other federated row beyond two seed stds; "
+            "—: not yet run; refused: the method refuses that benchmark's protocol. "
+            "Where each cell comes from, its settings and each refusal's reason: "
             "[benchmark/results/leaderboard/README.md]"
             f"({link(RESULTS / 'leaderboard' / 'README.md', where)})."]
 
 
 def block_penalty_swap(where, name="penalty-swap/swap.json"):
-    """Which penalties learn invariance in ν's federated optimisation (diagnostics/penalty_swap.py)."""
+    """Which penalties learn invariance in ν's federated optimisation
+    (diagnostics/penalty_swap.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
     import contextlib
     import io
@@ -1153,11 +1285,14 @@ def block_penalty_swap(where, name="penalty-swap/swap.json"):
 BLOCKS = {  # kind -> (function, takes arguments)
     "folder": lambda where, f: report(RESULTS / f, where, figures=False, score=False)[:-1],
     "speed": lambda where, f: speed_report(RESULTS / f, where, figures=False)[:-1],
-    "glance": block_glance, "methods": block_methods, "rule": block_rule, "quicklook": block_quicklook,
+    "glance": block_glance, "methods": block_methods, "rule": block_rule,
+    "quicklook": block_quicklook,
     "claims": block_claims, "grid": block_grid,
-    "exit": block_exit, "fedloe-k1": block_fedloe_k1, "fedloe-dg": block_fedloe_dg, "spawn": block_spawn,
+    "exit": block_exit, "fedloe-k1": block_fedloe_k1, "fedloe-dg": block_fedloe_dg,
+    "spawn": block_spawn,
     "fig1": block_fig1, "ptest": block_ptest, "irm-central": block_irm_central, "beta": block_beta,
-    "speed-table": block_speed_table, "gpu-check": block_gpu_check, "speed-glance": block_speed_glance,
+    "speed-table": block_speed_table, "gpu-check": block_gpu_check,
+    "speed-glance": block_speed_glance,
     "leaderboard": block_leaderboard, "penalty-swap": block_penalty_swap,
 }
 MARKER = re.compile(r"<!-- report:(\S+) -->\n(.*?)<!-- /report:\1 -->", re.S)
@@ -1173,7 +1308,7 @@ def block_text(name, where):
     kind, _, args = name.partition(":")
     if kind not in BLOCKS:
         sys.exit(f"report.py: error: unknown block '{name}' (kinds: {', '.join(BLOCKS)})")
-    provenance_line([])                                       # forget the files read before this block
+    provenance_line([])                                    # forget the files read before this block
     lines = BLOCKS[kind](where, *args.split(":")) if args else BLOCKS[kind](where)
     line = provenance_line()
     return "\n".join(lines + (["", line] if line else [])) + "\n"
@@ -1183,7 +1318,8 @@ def regenerate(path):
     """(new text, [names of the blocks that change]) of one file."""
     text = Path(path).read_text()
     if text.count("<!-- report:") != text.count("<!-- /report:"):
-        sys.exit(f"report.py: error: {path}: a block without its closing <!-- /report:NAME --> line")
+        sys.exit(f"report.py: error: {path}: "
+                 f"a block without its closing <!-- /report:NAME --> line")
     changed = []
 
     def one(m):
@@ -1195,8 +1331,8 @@ def regenerate(path):
 
 
 def update_docs(check, figures):
-    """Rewrite (or, with check, compare) every generated block; with figures, redraw the figures of the
-    folders the blocks name. Returns the number of stale blocks."""
+    """Rewrite (or, with check, compare) every generated block; with figures, redraw the figures of
+    the folders the blocks name. Returns the number of stale blocks."""
     stale = 0
     for path in generated_files():
         new, changed = regenerate(path)
@@ -1219,16 +1355,20 @@ def update_docs(check, figures):
 
 
 def main(argv=None):
-    """The command line: bad input (and a missing matplotlib) -> one line on stderr, exit 2, before anything is
-    written; --check with a stale block -> exit 1."""
+    """The command line: bad input (and a missing matplotlib) -> one line on stderr, exit 2, before
+    anything is written; --check with a stale block -> exit 1."""
     p = Parser(prog="report.py", description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="*", help="folders of results JSON files (a *.json that "
                    "holds no complete run, e.g. a JSON list, is skipped and named under its table)")
-    p.add_argument("--speed", default=None, help="a benchmark/speed.py --json file: its table and bar chart")
+    p.add_argument("--speed", default=None,
+                   help="a benchmark/speed.py --json file: its table and bar chart")
     p.add_argument("--out", default=None, help="write the markdown here (default: print it)")
-    p.add_argument("--check", action="store_true", help="without folders: exit 1 naming every generated block of "
-                   "README.md, docs/*.md and benchmark/results/README.md that regenerating would change (text only)")
-    p.add_argument("--no-figures", action="store_true", help="without folders: rewrite the blocks, draw no figure")
+    p.add_argument("--check", action="store_true",
+                   help="without folders: exit 1 naming every generated block of README.md, "
+                        "docs/*.md and benchmark/results/README.md that regenerating would change "
+                        "(text only)")
+    p.add_argument("--no-figures", action="store_true",
+                   help="without folders: rewrite the blocks, draw no figure")
     a = p.parse_args(argv)
     try:
         return make(a)
@@ -1238,7 +1378,7 @@ def main(argv=None):
 
 
 def make(a):
-    if not a.folders and not a.speed:                        # the generated blocks of the documentation
+    if not a.folders and not a.speed:                    # the generated blocks of the documentation
         if a.out:
             raise UserError("--out needs a folder of results or --speed FILE")
         figures = not (a.check or a.no_figures)
@@ -1256,7 +1396,7 @@ def make(a):
         if not Path(f).is_dir():
             raise UserError(f"{f} is not a folder of results")
     if a.speed:
-        speed_report(a.speed, figures=False)                  # a bad file refused before any figure is drawn
+        speed_report(a.speed, figures=False)         # a bad file refused before any figure is drawn
     if a.out:
         out = Path(a.out)
         if out.is_dir() or not out.parent.exists():         # report.py makes no folder
@@ -1264,8 +1404,9 @@ def make(a):
                                                    f"no folder {out.parent} to write it in"))
         outputs.writable_file(out, "--out")   # a path under a file, a device, a folder not writable
         if out.is_file() and "<!-- report:" in out.read_text():
-            raise UserError(f"{a.out} holds generated blocks: python benchmark/report.py (no folders) rewrites them")
-    matplotlib_figure()                                       # no matplotlib: say so before writing anything
+            raise UserError(f"{a.out} holds generated blocks: "
+                            f"python benchmark/report.py (no folders) rewrites them")
+    matplotlib_figure()                              # no matplotlib: say so before writing anything
     where = Path(a.out).parent if a.out else Path((a.folders or [Path(a.speed).parent])[0])
     lines = [line for f in a.folders for line in report(f, where)]
     text = "\n".join(lines + (speed_report(a.speed, where) if a.speed else []))

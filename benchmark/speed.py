@@ -29,7 +29,8 @@ is loaded or timed.
     python benchmark/speed.py --clients 5 --rounds 3 --clock cpu
     python benchmark/speed.py --setting fl --data-root DIR --device cuda
     python benchmark/speed.py --setting fl --curve 20
-    python benchmark/speed.py --json speed.json     # also the timings, for report.py --speed (bar chart)
+    # also the timings, for report.py --speed (bar chart)
+    python benchmark/speed.py --json speed.json
 """
 import copy
 import dataclasses
@@ -75,17 +76,22 @@ def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about
     label-skew clients), the federation, the model and a context on --device; `about`: --help's
     first line; check(a): a script's own refusals (data.UserError: one line, exit 2), made before
     any data is loaded."""
-    p = data.Parser(prog=prog or Path(sys.argv[0]).name, description=about or doc.splitlines()[0])   # one-line errors
+    # one-line errors
+    p = data.Parser(prog=prog or Path(sys.argv[0]).name, description=about or doc.splitlines()[0])
     p.add_argument("--setting", default="rmnist", choices=list(SETTINGS),
-                   help="rmnist: RotatedMNIST, 50 clients, 5 sampled; fl: FedOMG's MNIST label skew, 100 / 20")
-    p.add_argument("--data-root", default=None, help="full MNIST (default: the embedded 5,000 digits)")
+                   help="rmnist: RotatedMNIST, 50 clients, 5 sampled; "
+                        "fl: FedOMG's MNIST label skew, 100 / 20")
+    p.add_argument("--data-root", default=None,
+                   help="full MNIST (default: the embedded 5,000 digits)")
     p.add_argument("--clients", type=int, default=None, help="default: rmnist 50, fl 100")
     p.add_argument("--sample", type=int, default=None, help="default: rmnist 5, fl 20")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds of each variant (default: rmnist 6, "
-                                                            "fl 1: its sequential rounds are long)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds of each variant "
+                        "(default: rmnist 6, fl 1: its sequential rounds are long)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                   help="wall-clock, or this process's CPU time (steadier on a loaded machine; CPU only)")
+                   help="wall-clock, or this process's CPU time "
+                        "(steadier on a loaded machine; CPU only)")
     if own_args:
         own_args(p)
     a = p.parse_args(argv)
@@ -99,40 +105,46 @@ def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about
             p.error(str(e))
     a.clock = time.process_time if a.clock == "cpu" and a.device == "cpu" else time.perf_counter
     a.dataset = SETTINGS[a.setting]
-    a.rounds = a.rounds or (6 if a.setting == "rmnist" else 1)   # fl: 56 s in all on an H100 (full MNIST)
+    # fl: 56 s in all on an H100 (full MNIST)
+    a.rounds = a.rounds or (6 if a.setting == "rmnist" else 1)
     if a.setting == "rmnist":
         a.clients, a.sample = a.clients or 50, a.sample or 5
     parser = common.make_parser(method, doc)
     if add_args:
         add_args(parser)
-    try:                                           # what the method script would refuse: one line, exit 2
+    try:                                     # what the method script would refuse: one line, exit 2
         args = common.resolve(parser.parse_args(method_argv(a)), "speed")
         common.set_deterministic()                 # as the method scripts run by default
         a.clients, a.sample = args.clients, args.sample
         ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
-        data.test_domains(args, ds)                # the clients the data hold (as the method scripts check)
+        data.test_domains(args, ds)        # the clients the data hold (as the method scripts check)
         dev = torch.device(a.device)
-        fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else data.federate_fixed(ds, 0, dev)
+        fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else \
+            data.federate_fixed(ds, 0, dev)
     except data.UserError as e:
         p.error(str(e))
-    model = common.global_model(args, ds, dev)    # as the method scripts make it (seed 0; its memory format)
+    # as the method scripts make it (seed 0; its memory format)
+    model = common.global_model(args, ds, dev)
     ctx = common.make_context(args, fed, model)
     a.source = ds.source
     return a, args, fed, model, ctx
 
 
 def way(ctx, mode, args=None):
-    """ctx for a method's `args` with on_clients' engine for --parallel-clients `mode` (its own client states; the
-    server's sampler shared by all)."""
+    """ctx for a method's `args` with on_clients' engine for --parallel-clients `mode` (its own
+    client states; the server's sampler shared by all)."""
     on = mode == "on" or (mode == "auto" and ctx.device.type == "cuda")
-    return dataclasses.replace(ctx, args=args or ctx.args, engine=common.all_at_once if on else common.one_by_one,
+    return dataclasses.replace(ctx, args=args or ctx.args,
+                               engine=common.all_at_once if on else common.one_by_one,
                                clients={})
 
 
 def method_argv(a):
-    argv = ["--dataset", a.dataset, "--device", a.device] + (["--test-domain", "0"] if a.setting == "rmnist" else [])
+    argv = ["--dataset", a.dataset, "--device", a.device] \
+        + (["--test-domain", "0"] if a.setting == "rmnist" else [])
     argv += ["--data-root", a.data_root] if a.data_root else []
-    return argv + sum((["--" + k, str(getattr(a, k))] for k in ("clients", "sample") if getattr(a, k)), [])
+    return argv + sum((["--" + k, str(getattr(a, k))] for k in ("clients", "sample")
+                       if getattr(a, k)), [])
 
 
 def alternate(variants, ctx, rounds, clock=time.perf_counter, say=None):
@@ -171,22 +183,22 @@ def method_args(module, name, a, parallel_clients="off"):
 def setting_line(a, args):
     what = ("rmnist (leave one domain out, domain 0 held out)" if a.setting == "rmnist" else
             "FedOMG's FL setting")
-    return (f"{what}, {a.source}, {a.clients} clients, {a.sample} per round, {args.local_epochs} local epoch(s), "
-            f"batch {args.batch_size}, {args.model}, {a.device}"
+    return (f"{what}, {a.source}, {a.clients} clients, {a.sample} per round, "
+            f"{args.local_epochs} local epoch(s), batch {args.batch_size}, {args.model}, {a.device}"
             + (f" ({torch.cuda.get_device_name()})" if a.device.startswith("cuda") else "")
             + f", {torch.get_num_threads()} threads")
 
 
 def curves(a, args, fed, model, ctx, rounds):
-    """FedAvg's and FedOMG's test accuracy after each of `rounds` rounds from the same start, one client
-    after another and all at once; and how far apart their parameters end."""
+    """FedAvg's and FedOMG's test accuracy after each of `rounds` rounds from the same start, one
+    client after another and all at once; and how far apart their parameters end."""
     start, sampler = copy.deepcopy(model.state_dict()), ctx.sampler.get_state()
     print(setting_line(a, args) + "\n")
     for name, module in (("FedAvg", fedavg), ("FedOMG", fedomg)):
         acc, end, secs = {}, {}, {}
         for mode in ("off", "on"):
             m_args = method_args(module, name.lower(), a, mode)
-            m_args.rounds = rounds                               # FedOMG's lr step at 80% of the rounds
+            m_args.rounds = rounds                           # FedOMG's lr step at 80% of the rounds
             model.load_state_dict(start)
             ctx.sampler.set_state(sampler)
             m_ctx, state = way(ctx, mode, m_args), {}
@@ -198,9 +210,9 @@ def curves(a, args, fed, model, ctx, rounds):
             secs[mode], end[mode] = time.perf_counter() - t0, common.get_flat(model)
         gap = max(abs(x - y) for x, y in zip(acc["off"], acc["on"]))
         rel = ((end["on"] - end["off"]).norm() / end["off"].norm()).item()
-        print(f"{name}: {rounds} rounds, evaluation included: one after another {secs['off']:.1f} s, at once "
-              f"{secs['on']:.1f} s; largest accuracy difference {100 * gap:.2f} points; parameters at the end "
-              f"{rel:.1e} apart (relative)\n")
+        print(f"{name}: {rounds} rounds, evaluation included: one after another "
+              f"{secs['off']:.1f} s, at once {secs['on']:.1f} s; largest accuracy difference "
+              f"{100 * gap:.2f} points; parameters at the end {rel:.1e} apart (relative)\n")
         print("| round | test acc, one after another | test acc, at once |\n|---|---|---|")
         for t, (x, y) in enumerate(zip(acc["off"], acc["on"]), 1):
             print(f"| {t} | {100 * x:.2f} | {100 * y:.2f} |")
@@ -218,35 +230,46 @@ def main(argv=None):
             raise data.UserError(f"--curve must be positive, got {a.curve}")
         if a.json is not None:        # a folder, a path under a file, an unwritable folder
             outputs.writable_file(a.json, "--json")
-    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own, argv, "speed.py",
-                                      " ".join(__doc__.split("\n\n")[0].split()), check)
+    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own, argv,
+                                     "speed.py", " ".join(__doc__.split("\n\n")[0].split()), check)
     if a.curve:
         return curves(a, args, fed, model, ctx, a.curve)
     ways = {m: way(ctx, m) for m in ("off", "on", "auto")}
-    rounds = {"FedAvg, one after another": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["off"]),
-              "FedAvg, clients at once": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["on"])}
-    if a.setting == "rmnist":            # fl: the four rounds the setting is about (auto is one of the two)
+    rounds = {
+        "FedAvg, one after another":
+            lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["off"]),
+        "FedAvg, clients at once":
+            lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["on"]),
+    }
+    if a.setting == "rmnist":    # fl: the four rounds the setting is about (auto is one of the two)
         auto = "at once" if ways["auto"].engine is common.all_at_once else "one after another"
-        rounds[f"FedAvg, auto ({auto})"] = lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["auto"])
-    methods = [("FedIIR", fediir, "off"), ("FedOMG", fedomg, "off"), ("FedOMG, clients at once", fedomg, "on"),
-               ("FedIPG", fedipg, "off")]
+        rounds[f"FedAvg, auto ({auto})"] = \
+            lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ways["auto"])
+    methods = [("FedIIR", fediir, "off"), ("FedOMG", fedomg, "off"),
+               ("FedOMG, clients at once", fedomg, "on"), ("FedIPG", fedipg, "off")]
     for name, module, mode in methods if a.setting == "rmnist" else methods[1:3]:
         m_args = method_args(module, module.__name__, a, mode)
         m_ctx = way(ctx, mode, m_args)
-        state = module.init_state(model, fed, m_args, m_ctx) if hasattr(module, "init_state") else {}
+        state = module.init_state(model, fed, m_args, m_ctx) if hasattr(module, "init_state") \
+            else {}
         fn = getattr(module, f"{module.__name__}_round")
-        rounds[name] = lambda r, fn=fn, m_args=m_args, state=state, m_ctx=m_ctx: fn(r, model, fed, m_args, state, m_ctx)
+        rounds[name] = lambda r, fn=fn, m_args=m_args, state=state, m_ctx=m_ctx: \
+            fn(r, model, fed, m_args, state, m_ctx)
 
     def bare(r):
-        sampled = [fed.clients[c] for c in common.sample_clients(ctx, len(fed.clients), args.sample)]
+        sampled = [fed.clients[c]
+                   for c in common.sample_clients(ctx, len(fed.clients), args.sample)]
         bare_round(model, sampled, args.lr, args.batch_size, args.momentum, args.local_epochs)
-    start = ctx.sampler.get_state()       # the images of the timed rounds: their sampled clients, replayed
-    images = [args.local_epochs * sum(fed.clients[c].n for c in common.sample_clients(ctx, len(fed.clients),
-                                                                                      args.sample))
+    # the images of the timed rounds: their sampled clients, replayed
+    start = ctx.sampler.get_state()
+    images = [args.local_epochs
+              * sum(fed.clients[c].n
+                    for c in common.sample_clients(ctx, len(fed.clients), args.sample))
               for _ in range(a.rounds + 1)]
     ctx.sampler.set_state(start)
-    times = alternate({**rounds, **({"bare training loop": bare} if a.setting == "rmnist" else {})}, ctx, a.rounds,
-                      a.clock, say=lambda line: print(line, file=sys.stderr, flush=True))
+    times = alternate({**rounds, **({"bare training loop": bare} if a.setting == "rmnist" else {})},
+                      ctx, a.rounds, a.clock,
+                      say=lambda line: print(line, file=sys.stderr, flush=True))
     n = statistics.median(images[1:])
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["FedAvg, one after another"]
@@ -257,16 +280,21 @@ def main(argv=None):
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {n / v:,.0f} | {v / base:.2f} |")
     if "bare training loop" in med:
-        print(f"\nharness overhead against the bare loop: {100 * (base / med['bare training loop'] - 1):+.1f}%")
+        print(f"\nharness overhead against the bare loop: "
+              f"{100 * (base / med['bare training loop'] - 1):+.1f}%")
     print(f"clients at once: FedAvg {base / med['FedAvg, clients at once']:.2f}x, FedOMG "
-          f"{med['FedOMG'] / med['FedOMG, clients at once']:.2f}x the speed of one client after another")
-    if a.json:                                                  # machine-readable: report.py --speed draws it
+          f"{med['FedOMG'] / med['FedOMG, clients at once']:.2f}x "
+          f"the speed of one client after another")
+    if a.json:                                        # machine-readable: report.py --speed draws it
         argv = sys.argv[1:] if argv is None else argv
-        shown = ["DIR" if i and argv[i - 1] == "--data-root" else x for i, x in enumerate(argv)]   # no machine paths
+        # no machine paths
+        shown = ["DIR" if i and argv[i - 1] == "--data-root" else x for i, x in enumerate(argv)]
         made = common.provenance("benchmark/speed", shown, ctx.device, (a.json,))
-        where = setting.replace(f" under {a.data_root} (", " under DIR (") if a.data_root else setting   # no machine path
-        Path(a.json).write_text(json.dumps({"setting": where, "images_per_round": n, "seconds": times,
-                                            "provenance": made}, indent=1))
+        # no machine path
+        where = setting.replace(f" under {a.data_root} (", " under DIR (") if a.data_root \
+            else setting
+        Path(a.json).write_text(json.dumps({"setting": where, "images_per_round": n,
+                                            "seconds": times, "provenance": made}, indent=1))
         print(f"speed: {a.json}")
 
 

@@ -1,2 +1,3 @@
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: minutes of real processes (flower/test_flower.py; FLOWER_DEPLOY=1)")
+    config.addinivalue_line(
+        "markers", "slow: minutes of real processes (flower/test_flower.py; FLOWER_DEPLOY=1)")

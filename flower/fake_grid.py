@@ -1,6 +1,7 @@
 """A Grid in one process for tests and timing: no ports, no ray. Every message and every reply goes
 through Flower's own serialisation (the objects a SuperLink stores, deflated to bytes and inflated
-back) on its way to the ClientApp, which runs with a Context per node (its node config and state)."""
+back) on its way to the ClientApp, which runs with a Context per node (its node config and
+state)."""
 import itertools
 import uuid
 
@@ -23,8 +24,10 @@ class FakeGrid(Grid):
     def __init__(self, client_app, n, run_config=None, node_ids=None):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
         self.app = client_app
-        ids = node_ids or [1000 + 7 * k for k in range(n)][::-1]      # node ids unrelated to partition ids
-        self.contexts = {nid: Context(1, nid, {"partition-id": p, "num-partitions": n}, RecordDict(), run_config or {})
+        # node ids unrelated to partition ids
+        ids = node_ids or [1000 + 7 * k for k in range(n)][::-1]
+        self.contexts = {nid: Context(1, nid, {"partition-id": p, "num-partitions": n},
+                                      RecordDict(), run_config or {})
                          for p, nid in enumerate(ids)}
         self.replies, self.sent = {}, itertools.count()
 
@@ -69,4 +72,5 @@ class ThreadGrid(FakeGrid):
     def push_messages(self, messages):
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max(1, len(messages))) as pool:
-            return [i for ids in pool.map(lambda m: FakeGrid.push_messages(self, [m]), messages) for i in ids]
+            return [i for ids in pool.map(lambda m: FakeGrid.push_messages(self, [m]), messages)
+                    for i in ids]

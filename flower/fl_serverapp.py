@@ -1,5 +1,5 @@
-"""The ServerApp: run config `method` (one of fl_adapter.METHODS) and `argv` (that method's command-line
-flags, as one string) -> the method file's own run, its clients' work on the nodes."""
+"""The ServerApp: run config `method` (one of fl_adapter.METHODS) and `argv` (that method's
+command-line flags, as one string) -> the method file's own run, its clients' work on the nodes."""
 import shlex
 
 from flwr.serverapp import ServerApp

@@ -12,17 +12,18 @@ communicating every epoch (the trunk), and at each epoch k of --spawn it branche
       ensemble  the accuracy of the clients' mean softmax output (an ensemble of the P models)
       average   the accuracy of Σ_c p(c) θ_c, p(c) ∝ n_c: Eq. 4 with one communication (one-shot)
     and the branch is undone (model and minibatch generator restored), so the trunk is exactly a
-    fedloe run with K1 = E1 (one epoch between averages; tested), and the trunk at epoch k + L is the
-    same start continued for L epochs with every-epoch communication.
+    fedloe run with K1 = E1 (one epoch between averages; tested), and the trunk at epoch k + L is
+    the same start continued for L epochs with every-epoch communication.
 
 If one-shot averaging fails from θ_0 (random) but matches the trunk from a trained θ_k, the start is
-what Figure 1a's regime needs; the published result behind that reading is that models trained
-apart from one shared start can be averaged only while they stay in one basin (McMahan et al.
-2017, Figure 1, reproduced by benchmark/diagnostics/mcmahan_fig1.py; Frankle et al. 2020). The branch at k = 0
-is fedloe.py with --stage1-comms 1 --stage1-epochs L bit for bit (tested).
+what Figure 1a's regime needs; the published result behind that reading is that models trained apart
+from one shared start can be averaged only while they stay in one basin (McMahan et al. 2017,
+Figure 1, reproduced by benchmark/diagnostics/mcmahan_fig1.py; Frankle et al. 2020). The branch at
+k = 0 is fedloe.py with --stage1-comms 1 --stage1-epochs L bit for bit (tested).
 
-    python benchmark/diagnostics/fedloe_spawn.py --dataset rmnist --clients 20 --data-root data --test-domain 0 \\
-        --model smallconv --lr 1e-2 --spawn 0 1 4 16 --spawn-epochs 16 --seed 0 --out results/spawn-seed0.json
+    python benchmark/diagnostics/fedloe_spawn.py --dataset rmnist --clients 20 --data-root data \\
+        --test-domain 0 --model smallconv --lr 1e-2 --spawn 0 1 4 16 --spawn-epochs 16 --seed 0 \\
+        --out results/spawn-seed0.json
 
 --stage1-epochs / --stage1-comms / --stage2-comms are set from --spawn and --spawn-epochs (the trunk
 runs max(spawn) + L epochs, one communication each, no stage 2). Results: the fedloe JSON; the
@@ -42,22 +43,24 @@ def add_args(p):
     fedloe.add_args(p)
     p.add_argument("--spawn", type=int, nargs="+", default=[0, 1, 4, 16],
                    help="trunk epochs k after which the clients branch off (0: the random start)")
-    p.add_argument("--spawn-epochs", type=int, default=16, help="L: epochs each client trains alone in a branch")
+    p.add_argument("--spawn-epochs", type=int, default=16,
+                   help="L: epochs each client trains alone in a branch")
     p.set_defaults(stage1_epochs=None, stage1_comms=None, stage2_comms=None)
 
 
 def check(args):
     if args.dataset not in common.data.LODO:
-        raise common.UserError(f"fedloe_spawn compares a held-out domain with the in-domain test: leave-one-domain-out "
-                               f"datasets only, not {args.dataset}")
+        raise common.UserError(f"fedloe_spawn compares a held-out domain with the in-domain test: "
+                               f"leave-one-domain-out datasets only, not {args.dataset}")
     if (args.stage1_epochs, args.stage1_comms, args.stage2_comms) != (None, None, None):
-        raise common.UserError("--stage1-epochs, --stage1-comms and --stage2-comms are set by --spawn and "
-                               "--spawn-epochs here: drop them")
+        raise common.UserError("--stage1-epochs, --stage1-comms and --stage2-comms are set by "
+                               "--spawn and --spawn-epochs here: drop them")
     if args.eval_every != 1:
-        raise common.UserError("the trunk is evaluated after every epoch (a branch is reported in the next row): "
-                               "drop --eval-every")
+        raise common.UserError("the trunk is evaluated after every epoch (a branch is reported in "
+                               "the next row): drop --eval-every")
     if min(args.spawn) < 0 or args.spawn_epochs < 1:
-        raise common.UserError(f"--spawn must be >= 0 and --spawn-epochs >= 1, got {args.spawn} and {args.spawn_epochs}")
+        raise common.UserError(f"--spawn must be >= 0 and --spawn-epochs >= 1, "
+                               f"got {args.spawn} and {args.spawn_epochs}")
     args.spawn = sorted(set(args.spawn))
     args.stage1_epochs = args.stage1_comms = max(args.spawn) + args.spawn_epochs
     args.stage2_comms = 0
@@ -82,18 +85,22 @@ def accuracy(model, x, y, ctx):
 
 @common.stackable
 def branch_update(site, sent):
-    """A branch on client c: --spawn-epochs epochs of stage 1's Adam alone from the trunk's model."""
-    adam = lambda params: torch.optim.Adam(params, lr=site.args.lr, weight_decay=site.args.weight_decay, foreach=True)
-    theta_c, loss = common.local_train(site, sent["theta"], make_opt=adam, epochs=site.args.spawn_epochs)
+    """A branch on client c: --spawn-epochs epochs of stage 1's Adam alone from the trunk's
+    model."""
+    adam = lambda params: torch.optim.Adam(params, lr=site.args.lr,
+                                           weight_decay=site.args.weight_decay, foreach=True)
+    theta_c, loss = common.local_train(site, sent["theta"], make_opt=adam,
+                                       epochs=site.args.spawn_epochs)
     return {"theta": theta_c, "loss": loss}
 
 
 def branch(t, model, fed, args, ctx):
-    """Every client L epochs alone from the current model; the three accuracies; then undone. The branch's
-    draws are its own exchange's (phase "branch"): the trunk draws as if there were none."""
+    """Every client L epochs alone from the current model; the three accuracies; then undone. The
+    branch's draws are its own exchange's (phase "branch"): the trunk draws as if there were
+    none."""
     theta, every = common.get_flat(model), list(range(len(fed.clients)))
     delta_sum, weight_sum, alone_test, alone_in_domain = torch.zeros_like(theta), 0.0, [], []
-    p_test, p_id = 0, 0                                                # the ensemble: summed softmax outputs
+    p_test, p_id = 0, 0                                       # the ensemble: summed softmax outputs
     trained = common.on_clients(branch_update, every, {"theta": theta}, t, ctx, phase="branch")
     for client, r in zip(fed.clients, trained):
         common.set_flat(model, r["theta"])
@@ -115,7 +122,7 @@ def branch(t, model, fed, args, ctx):
 
 
 def spawn_round(t, model, fed, args, state, ctx):
-    if t - 1 in args.spawn:                                            # the trunk has run k = t - 1 epochs
+    if t - 1 in args.spawn:                                     # the trunk has run k = t - 1 epochs
         state["branch"] = dict(k=t - 1, **branch(t, model, fed, args, ctx))
     return fedloe.fedloe_round(t, model, fed, args, state, ctx)       # stage 1 (--stage2-comms 0)
 
@@ -125,15 +132,17 @@ def init_state(model, fed, args, ctx):
 
 
 def evaluate(model, fed, args, state, ctx):
-    """fedloe's evaluation of the trunk; the round's branch, if any, goes into the same history row."""
+    """fedloe's evaluation of the trunk; the round's branch, if any, goes into the same history
+    row."""
     val, test, per, extra = fedloe.evaluate(model, fed, args, state, ctx)
     extra["spawn"], state["branch"] = state["branch"], None
     return val, test, per, extra
 
 
 def main(argv=None):
+    # as fedloe: on CUDA the trunk trains at once
     return common.main("fedloe_spawn", __doc__, spawn_round, argv, add_args, DEFAULTS, init_state,
-                       evaluate, check, parallel_clients=True)     # as fedloe: on CUDA the trunk trains at once
+                       evaluate, check, parallel_clients=True)
 
 
 if __name__ == "__main__":

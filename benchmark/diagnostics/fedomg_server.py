@@ -5,7 +5,8 @@ Eq. 16) for U = 3, 20 and 100 participating clients.
    FedOMG rounds, the server step timed inside them.
 2. ResNet-18-sized updates (11.2M parameters), simulated with random tensors: the server step alone.
 
-    python benchmark/diagnostics/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] [--rounds 2]
+    python benchmark/diagnostics/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] \\
+        [--rounds 2]
 """
 import contextlib
 import statistics
@@ -36,7 +37,8 @@ def swapped(module, functions):
 
 
 def main():
-    p = data.Parser(prog="fedomg_server.py", description=__doc__.splitlines()[0])   # bad input: one line, exit 2
+    # bad input: one line, exit 2
+    p = data.Parser(prog="fedomg_server.py", description=__doc__.splitlines()[0])
     p.add_argument("--solver", default="sgd", choices=["sgd", "exact"])
     p.add_argument("--server-rule", default="code", choices=["code", "paper"])
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per U")
@@ -64,11 +66,11 @@ def main():
     readings.add_args(parser)
     ds = data.load("rmnist")
     fed = data.federate(ds, 0, 100, 0, dev)
-    print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, rule {a.server_rule}, {a.device}, "
-          f"medians of {a.rounds} rounds")
+    print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, rule {a.server_rule}, "
+          f"{a.device}, medians of {a.rounds} rounds")
     for U in (3, 20, 100):
-        argv = ["--clients", "100", "--sample", str(U), "--solver", a.solver, "--server-rule", a.server_rule,
-                "--device", a.device]
+        argv = ["--clients", "100", "--sample", str(U), "--solver", a.solver,
+                "--server-rule", a.server_rule, "--device", a.device]
         args = common.resolve(parser.parse_args(argv), "speed", fedomg.DEFAULTS)
         torch.manual_seed(0)
         model = common.build_model(args, ds).to(dev)
@@ -82,8 +84,9 @@ def main():
                 rounds.append(time.perf_counter() - t)
                 servers.append(timed[-1])
         R, S = statistics.median(rounds), statistics.median(servers)
-        print(f"U = {U:3d}: round {R:7.3f} s, server step {S:.4f} s = {100 * S / R:.2f}% of the round")
-    n = 11_176_512                                          # ResNet-18 featurizer + a 7-class linear head
+        print(f"U = {U:3d}: round {R:7.3f} s, server step {S:.4f} s "
+              f"= {100 * S / R:.2f}% of the round")
+    n = 11_176_512                                    # ResNet-18 featurizer + a 7-class linear head
     print(f"ResNet-18-sized updates ({n / 1e6:.1f}M parameters, random), server step alone:")
     for U in (3, 20, 100):
         G = torch.randn(U, n, device=dev)
@@ -92,7 +95,8 @@ def main():
         for _ in range(a.rounds + 1):
             with swapped(fedomg, exact):
                 timed_step(G, w, 0.5) if a.server_rule == "code" else timed_step(G, g_FL, w, 0.5)
-        print(f"U = {U:3d}: {statistics.median(timed[-a.rounds:]):.3f} s ({U * n * 4 / 2**30:.2f} GiB of updates held)")
+        print(f"U = {U:3d}: {statistics.median(timed[-a.rounds:]):.3f} s "
+              f"({U * n * 4 / 2**30:.2f} GiB of updates held)")
         del G
 
 

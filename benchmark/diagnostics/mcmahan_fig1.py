@@ -5,14 +5,15 @@ each trained with SGD at a fixed lr 0.1 for 240 updates on minibatches of 50 (20
 own IID sample of 600 training digits, the two samples disjoint; then the loss on the full MNIST
 training set of θ w + (1 − θ) w′ for 50 evenly spaced θ in [−0.2, 1.2]. From different random
 initialisations the average is far worse than either model (a barrier between them); from one shared
-initialisation it is better than both ("much better than the loss of either parent model"). This
-is the reason FedAvg starts every client from the same model, and the published result behind the
+initialisation it is better than both ("much better than the loss of either parent model"). This is
+the reason FedAvg starts every client from the same model, and the published result behind the
 reading of benchmark/diagnostics/fedloe_spawn.py (when one-shot averaging of clients can work).
 
 Not given in the paper, chosen here: PyTorch's default initialisation, inputs scaled to [0, 1],
 a seeded shuffle per pass; the different-initialisation pair draws w′'s weights from seed + 1000.
 
-    python benchmark/diagnostics/mcmahan_fig1.py --data-root data --seeds 0 1 2 --out benchmark/results/mcmahan-fig1/fig1.json
+    python benchmark/diagnostics/mcmahan_fig1.py --data-root data --seeds 0 1 2 \\
+        --out benchmark/results/mcmahan-fig1/fig1.json
 """
 import sys
 from pathlib import Path
@@ -30,8 +31,8 @@ N, LR, BATCH, UPDATES = 600, 0.1, 50, 240            # Section 2
 
 def two_nn(seed):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
-                         nn.Linear(200, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200),
+                         nn.ReLU(), nn.Linear(200, 10))
 
 
 def train(model, x, y, seed):
@@ -82,17 +83,20 @@ def summary(run):
 
 def main(argv=None):
     p = common.Parser(prog="mcmahan_fig1.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", default=None, help="full MNIST (torchvision layout); none: the embedded digits")
+    p.add_argument("--data-root", default=None,
+                   help="full MNIST (torchvision layout); none: the embedded digits")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--points", type=int, default=50,
                    help="θ values evenly spaced in [-0.2, 1.2] (the paper: 50), and θ = 0, 0.5, 1")
     p.add_argument("--out", default="results/mcmahan-fig1.json")
     args = p.parse_args(argv)
-    try:                  # every check before the first training; the last makes --out's folder (common.check_out)
+    try:   # every check before the first training; the last makes --out's folder (common.check_out)
         if args.points < 2:
             raise common.UserError(f"--points must be >= 2, got {args.points}")
-        if any(not 0 <= s < 2 ** 31 for s in args.seeds):      # the method scripts' range (common.resolve)
-            raise common.UserError(f"--seeds must be in [0, 2**31), got {' '.join(map(str, args.seeds))}")
+        # the method scripts' range (common.resolve)
+        if any(not 0 <= s < 2 ** 31 for s in args.seeds):
+            raise common.UserError(f"--seeds must be in [0, 2**31), "
+                                   f"got {' '.join(map(str, args.seeds))}")
         x, y, source = data.mnist_arrays(args.data_root, test=False)
         if len(y) < 2 * N:
             raise common.UserError(f"{source}: fewer than {2 * N} digits")
@@ -104,11 +108,12 @@ def main(argv=None):
         sys.exit(2)
     x = x.reshape(len(y), -1).float() / 255
     grid = [round(-0.2 + 1.4 * i / (args.points - 1), 9) + 0.0 for i in range(args.points)]
-    thetas = sorted(set(grid) | {0.0, 0.5, 1.0})            # the parents and their average always on it
+    thetas = sorted(set(grid) | {0.0, 0.5, 1.0})        # the parents and their average always on it
     runs = [pair(x, y, s, shared, thetas) for shared in (False, True) for s in args.seeds]
     common.write_json(args.out, {"source": source, "runs": runs})
     print(f"data: {source}; loss on all {len(y):,} digits")
-    print("| init | seed | best parent loss | loss at θ = 0.5 | lowest on the path | acc at θ = 0.5 |")
+    print("| init | seed | best parent loss | loss at θ = 0.5 | lowest on the path "
+          "| acc at θ = 0.5 |")
     print("|---|---|---|---|---|---|")
     for r in runs:
         parents, mid, low = summary(r)

@@ -4,16 +4,16 @@ The training contexts of rcmnist / rcfmnist do not depend on --p-test (data.rcmn
 colours last; a test checks that the training data are bit-identical across p_test), so one run
 trained with --p-test 0.1 is scored here on the test contexts of every p_test: the final global
 model (`<out>.ckpt`, written at the last round) and, for perinvfl.py, each client's θ_i on its own
-test context, and both on the clients' training splits (p_e = 0.95 ... 0.80: the shape alone gives at
-most 75% there, so more means the colour or memorised noise is used). The p_test of the run itself
-is re-scored too and must equal the run's own number. Std over seeds with n − 1.
+test context, and both on the clients' training splits (p_e = 0.95 ... 0.80: the shape alone gives
+at most 75% there, so more means the colour or memorised noise is used). The p_test of the run
+itself is re-scored too and must equal the run's own number. Std over seeds with n − 1.
 
     python fedavg.py --dataset rcmnist --seed 0 --out results/rc/fedavg-s0.json
     python perinvfl.py --dataset rcmnist --seed 0 --out results/rc/perinvfl-dual-s0.json
     python benchmark/diagnostics/rcmnist_ptest.py results/rc/*.json
 
-Bad input (no file, a file that is not a complete rcmnist / rcfmnist run, a missing or cut checkpoint)
-ends with one line on stderr and exit code 2, before anything is scored or printed.
+Bad input (no file, a file that is not a complete rcmnist / rcfmnist run, a missing or cut
+checkpoint) ends with one line on stderr and exit code 2, before anything is scored or printed.
 """
 import json
 import sys
@@ -32,15 +32,16 @@ P_TEST = (0.1, 0.2, 0.3, 0.4, 0.5)
 
 def label(res):
     """A run's row: the method; for perinvfl.py also L_INV, the personalisation and line 8's reading
-    (--theta, --theta-opt of benchmark/diagnostics/perinvfl_variants.py; perinvfl.py's runs have its defaults),
-    so that runs of the two readings never share a row. Runs whose args predate those flags (they kept θ_i
-    across rounds and used Adam for line 8) say so."""
+    (--theta, --theta-opt of benchmark/diagnostics/perinvfl_variants.py; perinvfl.py's runs have its
+    defaults), so that runs of the two readings never share a row. Runs whose args predate those
+    flags (they kept θ_i across rounds and used Adam for line 8) say so."""
     a = res["args"]
     if res["method"] != "perinvfl":
         return res["method"]
     if "personalize" in a and "theta" not in a:
         return f"perinvfl {a['inv']} {a['personalize']}, theta kept, line 8 adam (unflagged)"
-    a = dict(dict(inv="irm", personalize="dual", theta="reset", theta_opt="sgd"), **a)   # perinvfl.py's own
+    # perinvfl.py's own
+    a = dict(dict(inv="irm", personalize="dual", theta="reset", theta_opt="sgd"), **a)
     return f"perinvfl {a['inv']} {a['personalize']}, theta {a['theta']}, line 8 {a['theta_opt']}"
 
 
@@ -52,13 +53,14 @@ def score(path):
     blob = checkpoint(path, args)
     ctx = common.Context(torch.device("cpu"), None, data.make_prep(args.dataset, "cpu"))
     name = label(res)
-    load = {name: lambda model, c: model.load_state_dict(blob["model"])}              # the global model
+    load = {name: lambda model, c: model.load_state_dict(blob["model"])}          # the global model
     if res["method"] == "perinvfl":
         load = {name + " (global ν)": load[name],
                 name: lambda model, c: common.set_flat(model, blob["state"]["theta"][c.id])}  # θ_i
     rows, train = defaultdict(list), {}
     for p in P_TEST:
-        ds = data.load(args.dataset, args.data_root, args.seed, p_test=p, rotation=not getattr(args, "no_rotation", False))
+        ds = data.load(args.dataset, args.data_root, args.seed, p_test=p,
+                       rotation=not getattr(args, "no_rotation", False))
         fed, model = data.federate_fixed(ds, args.seed, "cpu"), common.build_model(args, ds)
         for row, put in load.items():
             rows[row].append(accuracy(model, put, fed, ctx, "test"))
@@ -94,28 +96,33 @@ def table(paths):
 
 
 def run_of(path):
-    """A results file's JSON, or UserError: it must be a complete rcmnist / rcfmnist run of a method script."""
+    """A results file's JSON, or UserError: it must be a complete rcmnist / rcfmnist run of a method
+    script."""
     try:
         res = json.loads(Path(path).read_text())
-        dataset, args, method = res["dataset"], res["args"], res["method"]
+        # args and method are read only to check that they are there (KeyError, TypeError)
+        dataset, _, _ = res["dataset"], res["args"], res["method"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise data.UserError(f"{path} is not a method script's results file ({type(e).__name__}: {e})") from None
+        raise data.UserError(f"{path} is not a method script's results file "
+                             f"({type(e).__name__}: {e})") from None
     if dataset not in ("rcmnist", "rcfmnist"):
-        raise data.UserError(f"{path}: a {dataset} run; the p_test table is for rcmnist and rcfmnist runs")
+        raise data.UserError(f"{path}: a {dataset} run; "
+                             f"the p_test table is for rcmnist and rcfmnist runs")
     if not res.get("complete"):
         raise data.UserError(f"{path}: an incomplete run (finish it with --resume)")
     return res
 
 
 def checkpoint(path, args):
-    """The final checkpoint beside a results file (<out>.ckpt), or UserError where it is missing or not the last
-    round's (a cut or continued run)."""
+    """The final checkpoint beside a results file (<out>.ckpt), or UserError where it is missing or
+    not the last round's (a cut or continued run)."""
     ckpt = Path(f"{path}.ckpt")
     try:
         blob = torch.load(ckpt, map_location="cpu", weights_only=True)     # written beside it
         last = blob["round"] == args.rounds and blob["finished"] == {}
     except (OSError, RuntimeError, KeyError, TypeError) as e:
-        raise data.UserError(f"{path}: no readable checkpoint {ckpt.name} beside it ({type(e).__name__})") from None
+        raise data.UserError(f"{path}: no readable checkpoint {ckpt.name} beside it "
+                             f"({type(e).__name__})") from None
     if not last:
         raise data.UserError(f"{path}: its checkpoint {ckpt.name} is not the last round's")
     return blob
@@ -123,22 +130,24 @@ def checkpoint(path, args):
 
 def main(argv=None):
     p = data.Parser(prog="rcmnist_ptest.py", description=__doc__.splitlines()[0])
-    p.add_argument("paths", nargs="+", metavar="RESULTS.json", help="results of rcmnist / rcfmnist runs, each with "
-                   "its .ckpt beside it")
+    p.add_argument("paths", nargs="+", metavar="RESULTS.json",
+                   help="results of rcmnist / rcfmnist runs, each with its .ckpt beside it")
     a = p.parse_args(argv)
     try:
-        for path in a.paths:                              # every file checked before the first is scored
+        for path in a.paths:                         # every file checked before the first is scored
             checkpoint(path, Namespace(**run_of(path)["args"]))
         rows = table(a.paths)
     except data.UserError as e:
         p.error(str(e))
-    print("| method | " + " | ".join(f"p_test {p}" for p in P_TEST) + " | mean | training contexts | seeds |")
+    print("| method | " + " | ".join(f"p_test {p}" for p in P_TEST)
+          + " | mean | training contexts | seeds |")
     print("|---" * (len(P_TEST) + 4) + "|")
     for name, runs in sorted(rows.items()):
         t = 100 * torch.tensor(runs)
         std = t.std(0) if len(runs) > 1 else torch.zeros(t.shape[1])
         cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(t.mean(0), std)]
-        print(f"| {name} | " + " | ".join(cells[:-1]) + f" | {t[:, :-1].mean():.1f} | {cells[-1]} | {len(runs)} |")
+        print(f"| {name} | " + " | ".join(cells[:-1])
+              + f" | {t[:, :-1].mean():.1f} | {cells[-1]} | {len(runs)} |")
     return rows
 
 
