@@ -51,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from data import Parser, finite  # noqa: E402
+from harness.config import Parser, finite  # noqa: E402
 
 LEADERBOARD = ROOT / "benchmark" / "results" / "leaderboard"
 ARCHIVE = "gpu-session.tar.gz"

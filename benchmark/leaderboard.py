@@ -48,8 +48,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmark")]
 import run as bench_run  # noqa: E402
-from data import Parser, UserError  # noqa: E402
+from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
+from harness.config import Parser  # noqa: E402
 RESULTS = ROOT / "benchmark" / "results"
 SEEDS = [0, 1, 2]
 

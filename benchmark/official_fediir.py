@@ -82,7 +82,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the method scripts' own: bad input is one line, exit 2
-from data import Parser, UserError, finite  # noqa: E402
+from data import UserError  # noqa: E402
+from harness.config import Parser, finite  # noqa: E402
 
 REPOSITORY = "https://github.com/YamingGuo98/FedIIR"
 COMMIT = "3e7a785e30002ac75d9b3575e3e9062d8e22ea42"

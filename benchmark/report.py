@@ -56,8 +56,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the method scripts' own: bad input is one line, exit 2
-from data import Parser, UserError  # noqa: E402
+from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
+from harness.config import Parser  # noqa: E402
 
 # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label, mean test accuracy %, source)]
 PAPERS = {

@@ -50,7 +50,10 @@ import fedavg  # noqa: E402
 import fediir  # noqa: E402
 import fedipg  # noqa: E402
 import fedomg  # noqa: E402
+import harness  # noqa: E402
 from harness import outputs  # noqa: E402
+from harness.config import Parser, after_load  # noqa: E402
+from harness.runner import provenance  # noqa: E402
 
 
 def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):
@@ -70,14 +73,15 @@ def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):
 SETTINGS = {"rmnist": "rmnist", "fl": "mnist"}   # --setting -> dataset
 
 
-def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about=None, check=None):
+def setup(method, own_args=None, argv=None, prog=None, about=None, check=None):
     """The shared CLI of the speed scripts (own_args adds a script's own flags) and what they time:
-    `method`'s arguments resolved for the setting's dataset (rmnist: test domain 0 held out; fl: the
-    label-skew clients), the federation, the model and a context on --device; `about`: --help's
-    first line; check(a): a script's own refusals (data.UserError: one line, exit 2), made before
-    any data is loaded."""
+    `method`'s (a harness.Method) arguments resolved for the setting's dataset (rmnist: test
+    domain 0 held out; fl: the label-skew clients), the federation, the model and a context on
+    --device; `about`: --help's first line; check(a): a script's own refusals (data.UserError:
+    one line, exit 2), made before any data is loaded."""
     # one-line errors
-    p = data.Parser(prog=prog or Path(sys.argv[0]).name, description=about or doc.splitlines()[0])
+    p = Parser(prog=prog or Path(sys.argv[0]).name,
+               description=about or method.doc.splitlines()[0])
     p.add_argument("--setting", default="rmnist", choices=list(SETTINGS),
                    help="rmnist: RotatedMNIST, 50 clients, 5 sampled; "
                         "fl: FedOMG's MNIST label skew, 100 / 20")
@@ -109,15 +113,12 @@ def setup(method, doc, add_args=None, own_args=None, argv=None, prog=None, about
     a.rounds = a.rounds or (6 if a.setting == "rmnist" else 1)
     if a.setting == "rmnist":
         a.clients, a.sample = a.clients or 50, a.sample or 5
-    parser = common.make_parser(method, doc)
-    if add_args:
-        add_args(parser)
     try:                                     # what the method script would refuse: one line, exit 2
-        args = common.resolve(parser.parse_args(method_argv(a)), "speed")
+        args = harness.resolve(method, method_argv(a))
         common.set_deterministic()                 # as the method scripts run by default
         a.clients, a.sample = args.clients, args.sample
         ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
-        data.test_domains(args, ds)        # the clients the data hold (as the method scripts check)
+        after_load(args, ds)        # the clients the data hold (as the method scripts check)
         dev = torch.device(a.device)
         fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else \
             data.federate_fixed(ds, 0, dev)
@@ -169,15 +170,9 @@ def alternate(variants, ctx, rounds, clock=time.perf_counter, say=None):
     return times
 
 
-def method_args(module, name, a, parallel_clients="off"):
-    """`name`'s arguments for this setting, resolved as its script resolves them."""
-    p = common.make_parser(name, module.__doc__)
-    module.add_args(p)
-    args = common.resolve(p.parse_args(method_argv(a) + ["--parallel-clients", parallel_clients]),
-                          "speed", getattr(module, "DEFAULTS", None))
-    if hasattr(module, "check"):
-        module.check(args)
-    return args
+def method_args(module, a, parallel_clients="off"):
+    """The method's arguments for this setting, resolved as its script resolves them."""
+    return harness.resolve(module.METHOD, method_argv(a) + ["--parallel-clients", parallel_clients])
 
 
 def setting_line(a, args):
@@ -197,7 +192,7 @@ def curves(a, args, fed, model, ctx, rounds):
     for name, module in (("FedAvg", fedavg), ("FedOMG", fedomg)):
         acc, end, secs = {}, {}, {}
         for mode in ("off", "on"):
-            m_args = method_args(module, name.lower(), a, mode)
+            m_args = method_args(module, a, mode)
             m_args.rounds = rounds                           # FedOMG's lr step at 80% of the rounds
             model.load_state_dict(start)
             ctx.sampler.set_state(sampler)
@@ -230,8 +225,8 @@ def main(argv=None):
             raise data.UserError(f"--curve must be positive, got {a.curve}")
         if a.json is not None:        # a folder, a path under a file, an unwritable folder
             outputs.writable_file(a.json, "--json")
-    a, args, fed, model, ctx = setup("fedavg", fedavg.__doc__, fedavg.add_args, own, argv,
-                                     "speed.py", " ".join(__doc__.split("\n\n")[0].split()), check)
+    a, args, fed, model, ctx = setup(fedavg.METHOD, own, argv, "speed.py",
+                                     " ".join(__doc__.split("\n\n")[0].split()), check)
     if a.curve:
         return curves(a, args, fed, model, ctx, a.curve)
     ways = {m: way(ctx, m) for m in ("off", "on", "auto")}
@@ -248,7 +243,7 @@ def main(argv=None):
     methods = [("FedIIR", fediir, "off"), ("FedOMG", fedomg, "off"),
                ("FedOMG, clients at once", fedomg, "on"), ("FedIPG", fedipg, "off")]
     for name, module, mode in methods if a.setting == "rmnist" else methods[1:3]:
-        m_args = method_args(module, module.__name__, a, mode)
+        m_args = method_args(module, a, mode)
         m_ctx = way(ctx, mode, m_args)
         state = module.init_state(model, fed, m_args, m_ctx) if hasattr(module, "init_state") \
             else {}
@@ -289,7 +284,7 @@ def main(argv=None):
         argv = sys.argv[1:] if argv is None else argv
         # no machine paths
         shown = ["DIR" if i and argv[i - 1] == "--data-root" else x for i, x in enumerate(argv)]
-        made = common.provenance("benchmark/speed", shown, ctx.device, (a.json,))
+        made = provenance("benchmark/speed", shown, ctx.device, (a.json,))
         # no machine path
         where = setting.replace(f" under {a.data_root} (", " under DIR (") if a.data_root \
             else setting

@@ -114,7 +114,7 @@ def make(out, hosts, nodes):
 
 def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from data import Parser
+    from harness.config import Parser
 
     p = Parser(prog="credentials.py", description=__doc__.split("\n\n")[0])
     p.add_argument(

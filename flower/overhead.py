@@ -34,7 +34,7 @@ def argv_of(method, a):
 
 def main():
     # (fl_adapter put the repository on the path) bad input: one line, exit 2
-    from data import Parser
+    from harness.config import Parser
     p = Parser(prog="overhead.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--clients", type=int, default=3)

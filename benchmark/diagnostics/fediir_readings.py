@@ -1,5 +1,5 @@
 """FedIIR's paper readings: fediir.py's round with one choice swapped, built from fediir's plain
-functions and run through common.main (the results JSON is fediir's; its args name the reading).
+functions and run through harness.main (the results JSON is fediir's; its args name the reading).
 fediir.py runs the official code's forms, which Table 3's numbers come from; no committed result
 uses these (docs/fediir.md, "Paper or official code").
 
@@ -19,6 +19,7 @@ uses these (docs/fediir.md, "Paper or official code").
     python benchmark/diagnostics/fediir_readings.py --gamma 0 --size-avg --rounds 4
         # = python fedavg.py --rounds 4 --parallel-clients off, bit for bit
 """
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 import fediir  # noqa: E402
 
 
@@ -78,9 +80,11 @@ def add_args(p):
                         "and the code's 1/C")
 
 
+METHOD = dataclasses.replace(fediir.METHOD, doc=__doc__, round=readings_round, add_args=add_args)
+
+
 def main(argv=None):
-    return common.main("fediir", __doc__, readings_round, argv, add_args,
-                       init_state=fediir.init_state, check=fediir.check, parallel_clients=True)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,15 @@ k = 0 is fedloe.py with --stage1-comms 1 --stage1-epochs L bit for bit (tested).
 runs max(spawn) + L epochs, one communication each, no stage 2). Results: the fedloe JSON; the
 history row of round k + 1 carries the branch spawned at epoch k under "spawn". --resume continues.
 """
+import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line)
 import common  # noqa: E402
 import fedloe  # noqa: E402
 
@@ -45,14 +48,21 @@ def add_args(p):
                    help="trunk epochs k after which the clients branch off (0: the random start)")
     p.add_argument("--spawn-epochs", type=int, default=16,
                    help="L: epochs each client trains alone in a branch")
-    p.set_defaults(stage1_epochs=None, stage1_comms=None, stage2_comms=None)
 
 
-def check(args):
+def derive(args):
+    """The trunk: max(--spawn) + --spawn-epochs epochs, one communication each, no stage 2; then
+    fedloe's rounds and local epochs of that."""
+    n = max(args.spawn) + args.spawn_epochs
+    stages = dict(stage1_epochs=n, stage1_comms=n, stage2_comms=0)
+    return dict(stages, **fedloe.derive(argparse.Namespace(**{**vars(args), **stages})))
+
+
+def check(args, given):
     if args.dataset not in common.data.LODO:
         raise common.UserError(f"fedloe_spawn compares a held-out domain with the in-domain test: "
                                f"leave-one-domain-out datasets only, not {args.dataset}")
-    if (args.stage1_epochs, args.stage1_comms, args.stage2_comms) != (None, None, None):
+    if given & {"stage1_epochs", "stage1_comms", "stage2_comms"}:
         raise common.UserError("--stage1-epochs, --stage1-comms and --stage2-comms are set by "
                                "--spawn and --spawn-epochs here: drop them")
     if args.eval_every != 1:
@@ -61,14 +71,12 @@ def check(args):
     if min(args.spawn) < 0 or args.spawn_epochs < 1:
         raise common.UserError(f"--spawn must be >= 0 and --spawn-epochs >= 1, "
                                f"got {args.spawn} and {args.spawn_epochs}")
-    args.spawn = sorted(set(args.spawn))
-    args.stage1_epochs = args.stage1_comms = max(args.spawn) + args.spawn_epochs
-    args.stage2_comms = 0
-    fedloe.check(args)
+    fedloe.check(args, given)
 
 
 # fedloe's defaults, less the stage-1 budget, which --spawn and --spawn-epochs set here
-DEFAULTS = {k: {f: v for f, v in t.items() if f not in ("stage1_epochs", "stage1_comms")}
+DEFAULTS = {k: {f: v for f, v in t.items()
+                if f not in ("stage1_epochs", "stage1_comms", "stage2_comms")}
             for k, t in fedloe.DEFAULTS.items()}
 
 
@@ -139,10 +147,13 @@ def evaluate(model, fed, args, state, ctx):
     return val, test, per, extra
 
 
+METHOD = dataclasses.replace(fedloe.METHOD, name="fedloe_spawn", doc=__doc__, round=spawn_round,
+                             init_state=init_state, evaluate=evaluate, add_args=add_args,
+                             defaults=DEFAULTS, derive=derive, check=check)
+
+
 def main(argv=None):
-    # as fedloe: on CUDA the trunk trains at once
-    return common.main("fedloe_spawn", __doc__, spawn_round, argv, add_args, DEFAULTS, init_state,
-                       evaluate, check, parallel_clients=True)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import common  # noqa: E402
 import data  # noqa: E402
+from harness import outputs  # noqa: E402
+from harness.config import Parser  # noqa: E402
 
 LR, L2, PENALTY, ANNEAL, STEPS = 4.898536566546834e-4, 1.10794568e-3, 91257.18613115903, 190, 501
 REPORTED = {"colored": {"irm": (70.8, 66.9), "erm": (None, 17.1)}}   # IRM paper, Section 5.1
@@ -136,7 +137,7 @@ def table(results):
 
 def main(argv=None):
     """Bad input -> one line on stderr, exit 2, before any training or any file is written."""
-    p = data.Parser(prog="irm_central.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="irm_central.py", description=__doc__.splitlines()[0])
     p.add_argument("--data-root", default=None,
                    help="full MNIST (torchvision layout); none: the embedded digits")
     p.add_argument("--data", nargs="+", default=["colored", "rc-norot", "rc"],
@@ -159,7 +160,7 @@ def main(argv=None):
         p.error("--out is required (or --report)")
     if a.steps < 1:
         p.error(f"--steps must be at least 1, got {a.steps}")
-    if any(not 0 <= s < 2 ** 31 for s in a.seeds):      # the method scripts' range (common.resolve)
+    if any(not 0 <= s < 2 ** 31 for s in a.seeds):    # the method scripts' range (harness.resolve)
         p.error(f"--seeds must be in [0, 2**31), got {' '.join(map(str, a.seeds))}")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
@@ -189,7 +190,7 @@ def main(argv=None):
                     done.append({"data": name, "method": method, "seed": seed, "steps": a.steps,
                                  "seconds": time.perf_counter() - t0, **res})
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    common.write_json(str(out), {"recipe": {"lr": LR, "l2": L2, "penalty": PENALTY,
+                    outputs.write_json(str(out), {"recipe": {"lr": LR, "l2": L2, "penalty": PENALTY,
                                                             "anneal": ANNEAL},
                                                  "runs": done})
     except data.UserError as e:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import data  # noqa: E402
+from harness import outputs  # noqa: E402
+from harness.config import Parser  # noqa: E402
 
 N, LR, BATCH, UPDATES = 600, 0.1, 50, 240            # Section 2
 
@@ -82,7 +84,7 @@ def summary(run):
 
 
 def main(argv=None):
-    p = common.Parser(prog="mcmahan_fig1.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="mcmahan_fig1.py", description=__doc__.splitlines()[0])
     p.add_argument("--data-root", default=None,
                    help="full MNIST (torchvision layout); none: the embedded digits")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -90,10 +92,10 @@ def main(argv=None):
                    help="θ values evenly spaced in [-0.2, 1.2] (the paper: 50), and θ = 0, 0.5, 1")
     p.add_argument("--out", default="results/mcmahan-fig1.json")
     args = p.parse_args(argv)
-    try:   # every check before the first training; the last makes --out's folder (common.check_out)
+    try:   # every check before the first training; the last makes --out's folder (check_out)
         if args.points < 2:
             raise common.UserError(f"--points must be >= 2, got {args.points}")
-        # the method scripts' range (common.resolve)
+        # the method scripts' range (harness.resolve)
         if any(not 0 <= s < 2 ** 31 for s in args.seeds):
             raise common.UserError(f"--seeds must be in [0, 2**31), "
                                    f"got {' '.join(map(str, args.seeds))}")
@@ -102,7 +104,7 @@ def main(argv=None):
             raise common.UserError(f"{source}: fewer than {2 * N} digits")
         if Path(args.out).is_dir():
             raise common.UserError(f"--out {args.out}: {args.out} is a folder; give a file name")
-        common.check_out(args.out)
+        outputs.check_out(args.out)
     except (common.UserError, OSError) as e:
         print(f"mcmahan_fig1.py: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -110,7 +112,7 @@ def main(argv=None):
     grid = [round(-0.2 + 1.4 * i / (args.points - 1), 9) + 0.0 for i in range(args.points)]
     thetas = sorted(set(grid) | {0.0, 0.5, 1.0})        # the parents and their average always on it
     runs = [pair(x, y, s, shared, thetas) for shared in (False, True) for s in args.seeds]
-    common.write_json(args.out, {"source": source, "runs": runs})
+    outputs.write_json(args.out, {"source": source, "runs": runs})
     print(f"data: {source}; loss on all {len(y):,} digits")
     print("| init | seed | best parent loss | loss at θ = 0.5 | lowest on the path "
           "| acc at θ = 0.5 |")

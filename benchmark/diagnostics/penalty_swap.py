@@ -74,11 +74,13 @@ import fediir  # noqa: E402
 import fedipg  # noqa: E402
 import fedloe  # noqa: E402
 import perinvfl  # noqa: E402
+from harness import outputs  # noqa: E402
+from harness.config import DEFAULTS, Parser  # noqa: E402
 
 PENALTIES = ("irm", "fediir", "fedipg", "vrex", "none")
 # WD / 2: IRM's l2
 LR, WD, LAM, ANNEAL = (perinvfl.RC[k] for k in ("lr", "weight_decay", "lam", "anneal"))
-ROUNDS, EVERY = common.DATASET_DEFAULTS["rcmnist"]["rounds"], 50
+ROUNDS, EVERY = DEFAULTS["rcmnist"]["rounds"], 50
 CENTRAL = ROOT / "benchmark/results/irm-central/rc-norot.json"      # irm_central.py --data rc-norot
 # ν, perinvfl.py --no-rotation
 NU = ROOT / "benchmark/results/rcmnist-full-norot/perinvfl-seed{}.json"
@@ -260,7 +262,7 @@ def save(path, mine, key=None, record=None):
                                  f"pass another --out")
         if key is not None:
             results["runs"][key] = record
-        common.write_json(path, results)
+        outputs.write_json(path, results)
         return results
     finally:
         os.close(folder)                                                     # (releases the lock)
@@ -292,7 +294,7 @@ def check(args):
 
 
 def main(argv=None):
-    p = data.Parser(prog="penalty_swap.py", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = Parser(prog="penalty_swap.py", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--data-root", default=None,
                    help="MNIST folder (none: the embedded 5,000 digits)")
     p.add_argument("--penalties", nargs="+", default=list(PENALTIES), choices=PENALTIES)

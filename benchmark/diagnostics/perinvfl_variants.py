@@ -1,6 +1,6 @@
 """PerInvFL's ablations, its other reading of line 8 and the Eq. 4 check: perinvfl.py's round with
 its client function swapped for `variant_update` (perinvfl.client_update with line 8's start,
-optimiser and loss and line 9's loss swappable), through common.main, so that the results are
+optimiser and loss and line 9's loss swappable), through harness.main, so that the results are
 perinvfl.py's (method "perinvfl") with these flags in their args (docs/perinvfl.md).
 
     --theta kept        θ_i stays on its client across rounds (Ditto's reading; perinvfl.py: reset,
@@ -25,6 +25,7 @@ perinvfl.py's run (the same histories) plus the check.
         --personalize ft
 """
 import copy
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
+import harness  # noqa: E402
 import data  # noqa: E402
 import perinvfl  # noqa: E402
 
@@ -198,8 +200,8 @@ def add_args(p):
     a("--eta-q", type=float, default=0.01, help="GroupDRO step size for q (DomainBed's)")
 
 
-def check(args):
-    perinvfl.check(args)
+def check(args, given):
+    perinvfl.check(args, given)
     for k in ("ft_epochs", "ft_batch"):
         if getattr(args, k) < 1:
             raise data.UserError(f"--{k.replace('_', '-')} must be at least 1, "
@@ -213,9 +215,13 @@ def parallel_reason(args):
             "(its variants keep each client's line-8 optimiser and θ_i)")
 
 
+METHOD = dataclasses.replace(perinvfl.METHOD, doc=__doc__, round=variant_round,
+                             init_state=init_state, evaluate=evaluate, add_args=add_args,
+                             check=check, parallel=parallel_reason)
+
+
 def main(argv=None):
-    return common.main("perinvfl", __doc__, variant_round, argv, add_args, perinvfl.DEFAULTS,
-                       init_state, evaluate, check, parallel_clients=parallel_reason)
+    return harness.main(METHOD, argv)
 
 
 if __name__ == "__main__":

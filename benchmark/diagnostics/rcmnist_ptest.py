@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 import data  # noqa: E402
+from harness.config import Parser  # noqa: E402
 
 P_TEST = (0.1, 0.2, 0.3, 0.4, 0.5)
 
@@ -129,7 +130,7 @@ def checkpoint(path, args):
 
 
 def main(argv=None):
-    p = data.Parser(prog="rcmnist_ptest.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="rcmnist_ptest.py", description=__doc__.splitlines()[0])
     p.add_argument("paths", nargs="+", metavar="RESULTS.json",
                    help="results of rcmnist / rcfmnist runs, each with its .ckpt beside it")
     a = p.parse_args(argv)
