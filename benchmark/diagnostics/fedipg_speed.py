@@ -2,12 +2,12 @@
 
 On the embedded RotatedMNIST (test domain 0), P clients with C sampled per round: a FedAvg round
 (fedavg.py) and FedIPG rounds with each way of computing d = ⟨∇R, w⟩ (tangent, fedipg.py's for
-this ConvNet; torch.func.jvp, its form for models that are not a plain chain), all training the same sampled clients with the same
-model, batch size and optimiser, timed alternately in one process (this machine is shared and
-noisy); medians are compared. Then one batch of 64 is timed: a plain step (forward + backward), the
-tangent mode's two forward streams alone, and each penalised step; and the size of the penalty's
-gradient against the risk's is printed. --clock cpu times this process's CPU use instead of the
-wall clock (steadier when other jobs share the CPU).
+this ConvNet; torch.func.jvp, its form for models that are not a plain chain), all training the
+same sampled clients with the same model, batch size and optimiser, timed alternately in one
+process (this machine is shared and noisy); medians are compared. Then one batch of 64 is timed:
+a plain step (forward + backward), the tangent mode's two forward streams alone, and each
+penalised step; and the size of the penalty's gradient against the risk's is printed. --clock cpu
+times this process's CPU use instead of the wall clock (steadier when other jobs share the CPU).
 
     python benchmark/diagnostics/fedipg_speed.py                       # 50 clients, 5 sampled
     python benchmark/diagnostics/fedipg_speed.py --clock cpu --rounds 10
@@ -17,13 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import common  # noqa: E402
 import fedavg  # noqa: E402
 import fedipg  # noqa: E402
-from speed import alternate, setup  # noqa: E402  (benchmark/speed.py: the shared CLI and timing loop)
+# benchmark/speed.py: the shared CLI and timing loop
+from speed import alternate, setup  # noqa: E402
 
 
 def median_time(fn, repeat, clock):
@@ -36,12 +38,13 @@ def median_time(fn, repeat, clock):
 
 
 def step_parts(model, x, y, lam, repeat, clock):
-    """Seconds of a plain step and of each penalised step (and the tangent step's forward), one batch."""
+    """Seconds of a plain step and of each penalised step (and the tangent step's forward), one
+    batch."""
     w = list(model.parameters())
     layers = fedipg.chain(model)
     mean = torch.full((len(y),), 1 / len(y), device=y.device)
-    f_i = lambda layers: fedipg.f_i(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y, mean, lam,
-                                    layers)
+    f_i = lambda layers: fedipg.f_i(model, dict(model.named_parameters()),
+                                    dict(model.named_buffers()), x, y, mean, lam, layers)
 
     def plain():
         model.zero_grad()
@@ -61,8 +64,8 @@ def step_parts(model, x, y, lam, repeat, clock):
     d = sum((g * p).sum() for g, p in zip(g_R, w))                 # ⟨∇R, w⟩ by its definition
     g_P = [g - r for g, r in zip(torch.autograd.grad(f_i(layers), w), g_R)]
     norm = lambda gs: sum((v ** 2).sum() for v in gs).sqrt().item()
-    print(f"at the model after the timed rounds, on one batch: R = {risk.item():.4f}, d = <grad R, w> = {d.item():.4f}, "
-          f"|grad(lam d^2)| / |grad R| = {norm(g_P) / norm(g_R):.2e}")
+    print(f"at the model after the timed rounds, on one batch: R = {risk.item():.4f}, d = <grad "
+          f"R, w> = {d.item():.4f}, |grad(lam d^2)| / |grad R| = {norm(g_P) / norm(g_R):.2e}")
     variants = (("plain step", plain), ("tangent: the two forward streams", tangent_forward),
                 ("tangent step", step("tangent")), ("torch.func.jvp step", step("jvp")))
     for _, f in variants:                                       # warm-up
@@ -70,27 +73,45 @@ def step_parts(model, x, y, lam, repeat, clock):
     return {k: median_time(f, repeat, clock) for k, f in variants}
 
 
+def ipg_round(form):
+    """fedipg.fedipg_round as it runs here (its defaults: --local-step sgd, --exit off, every
+    update fresh), with d = ⟨∇R, w⟩ by `tangent` through fedipg.chain (form "tangent", fedipg.py's
+    for this ConvNet) or by torch.func.jvp (form "jvp": as for a model that is not a plain
+    chain)."""
+    @common.stackable
+    def client_update(site, sent):          # fedipg.client_update, --local-step sgd
+        args, w = site.args, sent["w"]
+        layers = fedipg.chain(site.model) if form == "tangent" else None
+        w_i, loss = common.local_train(site, w, lambda *a: fedipg.f_i(*a, lam=args.lam,
+                                                                      layers=layers))
+        return {"delta": w_i - w, "loss": loss}
+
+    def round_fn(t, model, fed, args, state, ctx):      # fedipg.fedipg_round, steps 1-3
+        w_t = common.get_flat(model)
+        ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]
+        S = [ID[k] for k in common.sample_clients(ctx, len(ID), min(args.sample, len(ID)))]
+        up = common.on_clients(client_update, S, [{"w": w_t} for _ in S], t, ctx)
+        n = [float(fed.clients[i].n) for i in S]
+        common.set_flat(model, fedipg.aggregate(w_t, [r["delta"] for r in up], n,
+                                                args.global_lr))
+        return {i: r["loss"] for i, r in zip(S, up)}
+    return round_fn
+
+
 def main():
-    a, args, fed, model, ctx = setup("fedipg", fedipg.__doc__, fedipg.add_args)
-    fedipg.check(args)
+    a, args, fed, model, ctx = setup(fedipg.METHOD)      # fedipg.py's arguments, resolved
+    assert args.local_step == "sgd" and args.exit == "off", "ipg_round's setting"
     args.uniform_avg = False
     state = {**fedipg.init_state(model, fed, args, ctx), "clients": ctx.clients}
-    chain = fedipg.chain
-
-    def ipg(form):                                  # a round with d by tangent, or by jvp (no chain)
-        def round_fn(r):
-            fedipg.chain = chain if form == "tangent" else (lambda model: None)
-            try:
-                return fedipg.fedipg_round(r, model, fed, args, state, ctx)
-            finally:
-                fedipg.chain = chain
-        return round_fn
+    tangent, jvp = ipg_round("tangent"), ipg_round("jvp")
     times = alternate({"FedAvg": lambda r: fedavg.fedavg_round(r, model, fed, args, {}, ctx),
-                       "FedIPG tangent": ipg("tangent"), "FedIPG torch.func.jvp": ipg("jvp")}, ctx, a.rounds, a.clock)
+                       "FedIPG tangent": lambda r: tangent(r, model, fed, args, state, ctx),
+                       "FedIPG torch.func.jvp": lambda r: jvp(r, model, fed, args, state, ctx)},
+                      ctx, a.rounds, a.clock)
     base = statistics.median(times["FedAvg"])
-    print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, λ {args.lam}, "
-          f"{a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, medians of "
-          f"{'CPU' if a.clock is time.process_time else 'wall-clock'} time")
+    print(f"embedded rmnist, {a.clients} clients, {a.sample} per round, batch {args.batch_size}, "
+          f"λ {args.lam}, {a.device}, {torch.get_num_threads()} threads, {a.rounds} rounds each, "
+          f"medians of {'CPU' if a.clock is time.process_time else 'wall-clock'} time")
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"{name + ':':27s} {m:.3f} s/round, {m / base:.2f} x FedAvg")
