@@ -141,10 +141,10 @@ def swaps(args):
     return out
 
 
-def readings_round(t, model, fed, args, state, ctx):
-    """fedomg.fedomg_round, line for line, with the reading's functions (swaps) in place of
-    fedomg's; --fresh-opt: every client's kept momentum cleared first."""
-    fn = swaps(args)
+def readings_round(t, model, fed, args, state, ctx, fn=None):
+    """fedomg.fedomg_round, line for line, with the reading's functions (fn, default swaps(args))
+    in place of fedomg's; --fresh-opt: every client's kept momentum cleared first."""
+    fn = fn or swaps(args)
     if args.fresh_opt:
         for kept in ctx.clients.values():                    # every client starts a new SGD
             kept.pop("momentum", None)

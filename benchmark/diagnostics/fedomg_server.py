@@ -8,7 +8,6 @@ Eq. 16) for U = 3, 20 and 100 participating clients.
     python benchmark/diagnostics/fedomg_server.py [--solver sgd|exact] [--server-rule code|paper] \\
         [--rounds 2]
 """
-import contextlib
 import statistics
 import sys
 import time
@@ -17,28 +16,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import harness  # noqa: E402
 import common  # noqa: E402
 import data  # noqa: E402
 import fedomg  # noqa: E402
 import fedomg_readings as readings  # noqa: E402   --solver exact, --server-rule paper
-
-
-@contextlib.contextmanager
-def swapped(module, functions):
-    """module's functions replaced by `functions` ({name: function}) inside the block."""
-    saved = {name: getattr(module, name) for name in functions}
-    for name, fn in functions.items():
-        setattr(module, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+from harness.config import Parser  # noqa: E402
 
 
 def main():
     # bad input: one line, exit 2
-    p = data.Parser(prog="fedomg_server.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="fedomg_server.py", description=__doc__.splitlines()[0])
     p.add_argument("--solver", default="sgd", choices=["sgd", "exact"])
     p.add_argument("--server-rule", default="code", choices=["code", "paper"])
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per U")
@@ -49,36 +37,34 @@ def main():
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     timed = []
-    module, name = (fedomg, "code_step") if a.server_rule == "code" else (readings, "paper_step")
-    step = getattr(module, name)
 
-    def timed_step(*args, **kw):
-        sync()
-        t = time.perf_counter()
-        out = step(*args, **kw)
-        sync()
-        timed.append(time.perf_counter() - t)
-        return out
-    setattr(module, name, timed_step)
-    exact = {"solve": readings.solve_exact} if a.solver == "exact" else {}
+    def timer(step):
+        def timed_step(*args, **kw):
+            sync()
+            t = time.perf_counter()
+            out = step(*args, **kw)
+            sync()
+            timed.append(time.perf_counter() - t)
+            return out
+        return timed_step
 
-    parser = common.make_parser("fedomg", readings.__doc__)
-    readings.add_args(parser)
     ds = data.load("rmnist")
     fed = data.federate(ds, 0, 100, 0, dev)
     print(f"embedded rmnist, ConvNet, 100 clients, solver {a.solver}, rule {a.server_rule}, "
-          f"{a.device}, medians of {a.rounds} rounds")
+          f"{a.device}, medians of {a.rounds} rounds (the server step: Eq. 8, 15-17)")
     for U in (3, 20, 100):
         argv = ["--clients", "100", "--sample", str(U), "--solver", a.solver,
                 "--server-rule", a.server_rule, "--device", a.device]
-        args = common.resolve(parser.parse_args(argv), "speed", fedomg.DEFAULTS)
+        args = harness.resolve(readings.METHOD, argv)
         torch.manual_seed(0)
         model = common.build_model(args, ds).to(dev)
         ctx, state = common.make_context(args, fed, model), {}
+        fn = readings.swaps(args)
+        fn["server_update"] = timer(fn["server_update"])        # the round's server step, timed
         rounds, servers = [], []
         for r in range(a.rounds + 1):                       # round 0 warms up
             t = time.perf_counter()
-            readings.readings_round(r + 1, model, fed, args, state, ctx)
+            readings.readings_round(r + 1, model, fed, args, state, ctx, fn)
             sync()
             if r:
                 rounds.append(time.perf_counter() - t)
@@ -92,9 +78,11 @@ def main():
         G = torch.randn(U, n, device=dev)
         g_FL = G.mean(0)
         w = torch.full((U,), 1.0 / U)
+        solve = readings.solve_exact if a.solver == "exact" else fedomg.solve
+        step = timer(readings.code_step if a.server_rule == "code" else readings.paper_step)
         for _ in range(a.rounds + 1):
-            with swapped(fedomg, exact):
-                timed_step(G, w, 0.5) if a.server_rule == "code" else timed_step(G, g_FL, w, 0.5)
+            step(G, w, 0.5, solve=solve) if a.server_rule == "code" else \
+                step(G, g_FL, w, 0.5, solve)
         print(f"U = {U:3d}: {statistics.median(timed[-a.rounds:]):.3f} s "
               f"({U * n * 4 / 2**30:.2f} GiB of updates held)")
         del G
