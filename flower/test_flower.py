@@ -25,6 +25,8 @@ import torch  # noqa: E402
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402  (puts the repository on the path)
 import fedavg  # noqa: E402
+import harness  # noqa: E402
+from harness import config, outputs, runner  # noqa: E402
 
 FEDAVG_UPDATE = fedavg.client_update
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):     # pytest -n N: the cores shared among the N workers (as in
@@ -73,18 +75,19 @@ def test_flower_takes_auto_as_one_client_per_node_on_a_gpu_too(tmp_path, monkeyp
     """--parallel-clients auto is on for CUDA in the method files; on Flower every client trains on its own
     node, so there auto is off whatever the device, and on (or --compile, which needs it) is refused."""
     seen = {}
-    gpu = lambda mode: types.SimpleNamespace(parallel_clients=mode, device="cuda", dataset="synthetic", model="cnn")
-
-    def probe(argv):
-        seen.update(auto=fl_adapter.common.parallel(gpu("auto")), on=fl_adapter.common.parallel(gpu("on")))
-    monkeypatch.setattr(fedavg, "main", probe)
+    gpu = lambda mode: types.SimpleNamespace(parallel_clients=mode, device="cuda", dataset="synthetic", model="cnn",
+                                             compile=False)
+    monkeypatch.setattr(harness, "main", lambda method, argv, **hooks: seen.update(method=method, **hooks))
     fl_adapter.serve(None, "fedavg", [])
-    assert seen == {"auto": False, "on": True} and fl_adapter.common.parallel(gpu("auto"))    # and put back
+    args = gpu("auto")
+    config.check_parallel(args, seen["method"])                       # the run's own rule, on Flower
+    assert args.parallel_clients == "off" and isinstance(seen["engine"], fl_adapter.Link)
+    assert config.parallel(gpu("auto"))                               # the method file's own: on for CUDA
     monkeypatch.undo()
     grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
-    for extra, expect in ((["--parallel-clients", "on"], "--parallel-clients on: on Flower every client trains on "
-                                                          "its own node; use off"),
-                          (["--compile"], "--compile compiles the step of the clients trained at once")):
+    for extra, expect in ((["--parallel-clients", "on"], "--parallel-clients on: fedavg trains every client on "
+                                                          "its own node on Flower; use off"),
+                          (["--compile"], "--compile: fedavg trains every client on its own node on Flower")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + extra + ["--out", str(tmp_path / "r.json")])
@@ -112,6 +115,7 @@ def test_flower_equals_fedipg_with_a_slow_client(tmp_path, monkeypatch):
     import fedipg
     import fedipg_aberrant
     monkeypatch.setattr(fedipg, "main", fedipg_aberrant.main)
+    monkeypatch.setattr(fedipg, "METHOD", fedipg_aberrant.METHOD)      # (what the ServerApp runs)
     (own, own_ckpt), (fl, fl_ckpt) = run_both("fedipg", tmp_path, ARGV["fedipg"] + ["--aberrant", "slow:2"],
                                               also=[fedipg_aberrant.init_state])
     assert all(torch.equal(v, fl_ckpt["model"][k]) for k, v in own_ckpt["model"].items())
@@ -213,7 +217,7 @@ def refused(argv, expect, process=False):
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:
                 code = run_local.main(argv)
-            except SystemExit as e:                  # argparse's refusals (data.Parser: one line)
+            except SystemExit as e:                  # argparse's refusals (config.Parser: one line)
                 code = e.code
         r = types.SimpleNamespace(returncode=code, stderr=err.getvalue())
     assert r.returncode != 0
@@ -575,18 +579,14 @@ def setting(method, flags):
     import common
     import data
     mod = importlib.import_module(method)
-    p = common.make_parser(method, mod.__doc__)
-    mod.add_args(p)
     argv = ["--dataset", "synthetic", "--clients", "3", "--test-domain", "0"] + \
         ([] if method == "fedloe" else ["--sample", "3"]) + flags + ["--out", "r.json"]
-    args = common.resolve(p.parse_args(argv), method, getattr(mod, "DEFAULTS", None))
-    if hasattr(mod, "check"):
-        mod.check(args)
+    args = harness.resolve(mod.METHOD, argv)
     ds = data.load(args.dataset, None, args.seed, clients=args.clients)
-    data.test_domains(args, ds)
+    config.after_load(args, ds)
     fed = data.federate(ds, 0, args.clients, args.seed, torch.device("cpu"))
     with contextlib.redirect_stdout(io.StringIO()):
-        model, state, ctx, *_ = common.start_domain(args, ds, fed, getattr(mod, "init_state", None))
+        model, state, ctx, *_ = runner.start_domain(args, ds, fed, getattr(mod, "init_state", None))
     return mod, args, fed, model, state, ctx
 
 

@@ -180,9 +180,9 @@ def help_defaults(p, method):
     --dataset) takes (docs/protocol.md and the method's page give every dataset's), unless it
     speaks of its default already. The method's own float flags become `finite` too."""
     base = {a.dest: a.default for a in p._actions if a.dest != "help"}
-    values = {**base, **table(method, "rmnist"), "dataset": "rmnist"}
+    values = table(method, "rmnist")
     if method.derive:
-        values.update(method.derive(argparse.Namespace(**values)))
+        values.update(method.derive(argparse.Namespace(**{**base, **values, "dataset": "rmnist"})))
     for act in p._actions:
         act.type = finite if act.type is float else act.type
         if act.nargs == 0 or not act.option_strings or not act.help or act.default == "" \

@@ -159,6 +159,7 @@ from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
 
 import common  # noqa: E402
+from harness import runner  # noqa: E402
 
 
 def refusal(out, **flags):
@@ -261,16 +262,16 @@ def test_resume_needs_its_checkpoint_and_overwrite_replaces_at_the_end(tmp_path)
 
 def stopped_run(out, monkeypatch, argv=BASE):
     """FedAvg cut right after its round-1 checkpoint (as a kill would), in this process."""
-    save = common.save_checkpoint
+    save = runner.save_checkpoint
 
     def save_then_die(path, blob):
         save(path, blob)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(runner, "save_checkpoint", save_then_die)
     with pytest.raises(SystemExit):
         fedavg.main(argv + ["--out", str(out)])
-    monkeypatch.setattr(common, "save_checkpoint", save)
+    monkeypatch.setattr(runner, "save_checkpoint", save)
 
 
 def test_a_checkpoint_resumes_only_under_its_method_and_its_code(tmp_path, monkeypatch, capsys):
@@ -283,9 +284,9 @@ def test_a_checkpoint_resumes_only_under_its_method_and_its_code(tmp_path, monke
     stopped_run(out, monkeypatch)
     capsys.readouterr()
     made = torch.load(f"{out}.ckpt", weights_only=True)["code"]
-    assert made[-1]["files"] == common.code_files(fedavg.fedavg_round)
-    own = common.code_files
-    monkeypatch.setattr(common, "code_files", lambda fn: {**own(fn), "fedavg.py": "0" * 12})
+    assert made[-1]["files"] == runner.code_files(fedavg.fedavg_round)
+    own = runner.code_files
+    monkeypatch.setattr(runner, "code_files", lambda fn: {**own(fn), "fedavg.py": "0" * 12})
     with pytest.raises(SystemExit):
         fedavg.main(BASE + ["--out", str(out), "--resume"])
     line = capsys.readouterr().err.strip()
