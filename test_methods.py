@@ -1190,7 +1190,7 @@ def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
     lock.write_text(f"{dead.pid}@{platform.node()}")                  # a run that died without cleaning up
     res = fedavg.main(argv[:-2] + ["--out", str(out), "--rounds", "1", "--eval-every", "1", "--overwrite"])
     assert res["complete"] and not lock.exists()
-    assert not list(tmp_path.glob("*.tmp")) and f"{{path}}.{{os.getpid()}}.tmp" in inspect.getsource(outputs.write_json)
+    assert not list(tmp_path.glob("*.tmp")) and "{path}.{os.getpid()}.tmp" in inspect.getsource(outputs.write_json)
 
 
 def test_resume_takes_the_same_file_however_it_is_spelled(tmp_path, monkeypatch, capsys):

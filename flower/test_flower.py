@@ -315,7 +315,6 @@ def test_run_local_settles_a_complete_run_at_out_whatever_its_name(tmp_path):
     .json too), recording --out and the command that names it and the per-round timing, the checkpoint at
     <out>.ckpt; over an older result (--overwrite) both are replaced only now."""
     import run_local
-    from harness import outputs
     logs = tmp_path / "logs"
     logs.mkdir()
     fresh = logs / "run.txt"
@@ -576,7 +575,6 @@ SHOWN = [
 
 def setting(method, flags):
     """(module, args, federation, model, state, ctx) of `method` on the synthetic data, 3 clients, all sampled."""
-    import common
     import data
     mod = importlib.import_module(method)
     argv = ["--dataset", "synthetic", "--clients", "3", "--test-domain", "0"] + \

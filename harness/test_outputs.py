@@ -158,7 +158,6 @@ def complete_results(folder):
 from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
 
-import common  # noqa: E402
 from harness import runner  # noqa: E402
 
 
