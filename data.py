@@ -1,27 +1,19 @@
-"""Datasets as per-domain tensors.
+"""Datasets as per-domain tensors, their splits into clients, and their input preparation.
 
 `load(name, root, seed, ...)` returns a `Dataset`: a list of `Domain`s, each holding its images as a
 uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. `federate` / `federate_fixed`
-turn its domains into clients by the protocols below; `add_args` and `check_args` are the dataset's
-and the protocol's flags of every method's command line. Nothing here knows about models or methods.
-
-Two protocols (docs/protocol.md):
-- "lodo"    leave-one-domain-out: rmnist, pacs, vlcs, officehome, synthetic. One domain is held out
-            for testing, the others are split over clients.
-- "clients" fixed clients with their own test sets: mnist / cifar10 / cifar100 / emnist under a
-            Dirichlet(alpha) label skew (FedOMG Table 1). Each Domain is one client and carries its
-            own x_test / y_test.
+turn its domains into clients by the two protocols of docs/protocol.md: "lodo" (leave one domain
+out: rmnist, pacs, vlcs, officehome, synthetic, stained; the others split over clients) and
+"clients" (fixed clients with their own test sets: the Dirichlet label skews of FedOMG's Table 1,
+RC-MNIST, WaterBird). Nothing here knows about models, methods or a command line (the flags and
+the downloads: harness/).
 
 Sources. The MNIST family reads the 5,000-digit subset embedded in assets/mnist5k.npz unless
---data-root is given; with --data-root it reads full MNIST through torchvision (downloading it into
-that folder). Never one silently for the other. PACS / VLCS / OfficeHome use DomainBed's layout
-ROOT/<Dataset>/<domain>/<class>/<image>, a label being the index of the class folder's name among
-the dataset's CLASSES; they are decoded once and cached as uint8 tensors at the training resolution
-in ROOT/<Dataset>/.cache-<size>.pt.
-
-    python data.py --download pacs --data-root DIR     (also vlcs, officehome, mnist)
-    python data.py --make-fake pacs --data-root DIR    (a tiny generated stand-in,
-                                                        to try the photo path)
+--data-root is given; with --data-root it reads full MNIST through torchvision. Never one silently
+for the other. PACS / VLCS / OfficeHome use DomainBed's layout ROOT/<Dataset>/<domain>/<class>/
+<image>, a label being the index of the class folder's name among the dataset's CLASSES, decoded
+once and cached as uint8 tensors at the training resolution in ROOT/<Dataset>/.cache-<size>.pt.
+`python data.py --download pacs` or `--make-fake pacs`, `--data-root DIR`: harness/datasets.py.
 """
 import contextlib
 import hashlib
