@@ -46,7 +46,6 @@ import importlib
 import io
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import common  # noqa: E402
 from common import checked_round  # noqa: E402
 from harness.config import Parser  # noqa: E402
+from harness.runner import device_name  # noqa: E402
 
 # Counts are taken on one thread: on more, a parallel cat writes through views (as_strided) that
 # add to the leaf count (2 threads: FedAvg +102 on full MNIST, FedIPG +3,077); the compute count
@@ -326,12 +326,7 @@ def table(runs, top=10):
 
 
 def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine() or "unknown CPU"
+    return device_name(torch.device("cpu"))           # the results' provenance names it so too
 
 
 def provenance(argv):
