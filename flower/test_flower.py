@@ -29,10 +29,6 @@ import harness  # noqa: E402
 from harness import config, outputs, runner  # noqa: E402
 
 FEDAVG_UPDATE = fedavg.client_update
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):     # pytest -n N: the cores shared among the N workers (as in
-    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))   # test_methods.py)
-    torch.set_num_threads(THREADS)
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 # Tiny runs: the synthetic dataset (720 images, 3 domains), 2 rounds, evaluated after each; 3 clients
 # of which 2 take part per round where the method samples, so that the sampling, the order of the
