@@ -762,13 +762,37 @@ def test_a_method_file_is_the_method_once(method):
     assert not imported & (set(METHODS) - {method})
 
 
-def test_common_holds_the_shared_machinery_within_1020_lines():
-    """common.py stays a file one reads: the models, local training (client by client and at once),
-    the engines that run a round's clients, the CLI, the skeleton, results, checkpoints, locks and
-    signals. The budget was 800 lines until the engines and the run's protection (locks, signals,
-    periodic checkpoints) joined it, 1000 until --compile did (19 lines); it grows only with a
-    capability, never with repetition."""
-    assert len((HERE / "common.py").read_text().splitlines()) <= 1020
+PROJECT = {"common", "data", "harness", *METHODS}
+
+
+def project_imports(path, main_block=True):
+    """The project's modules a file imports, anywhere in it (a function's import included; its
+    `if __name__ == "__main__":` block only with main_block)."""
+    tree = ast.parse(path.read_text())
+    if not main_block:
+        tree.body = [n for n in tree.body if not (isinstance(n, ast.If)
+                                                   and "__main__" in ast.unparse(n.test))]
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {name.split(".")[0] for name in names} & PROJECT
+
+
+def test_the_core_is_read_alone_and_no_import_runs_back_up():
+    """common.py is the teaching core, in at most 600 lines, and data.py the datasets, in at most
+    850: a reader learns a method from its file and one stretch of common.py. The import graph
+    runs one way: data <- common <- the harness <- the methods; the harness never imports a
+    method, common never the harness, and data's only reach into the harness is its own command
+    line (`python data.py --download`, in its __main__ block)."""
+    assert len((HERE / "common.py").read_text().splitlines()) <= 600
+    assert len((HERE / "data.py").read_text().splitlines()) <= 850
+    assert project_imports(HERE / "common.py") == {"data"}
+    assert project_imports(HERE / "data.py", main_block=False) == set()
+    assert project_imports(HERE / "data.py") == {"harness"}
+    for f in (HERE / "harness").glob("*.py"):
+        if not f.name.startswith("test_"):
+            assert project_imports(f) <= {"common", "data", "harness"}, f.name
+    for m in METHODS:
+        assert project_imports(HERE / f"{m}.py") <= {"common", "data", "harness"}, m
 
 
 def test_copied_reaches_for_nothing_of_the_project():
