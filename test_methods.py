@@ -128,8 +128,8 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
             for k in ra:
                 same = torch.equal(ra[k], rb[k]) if torch.is_tensor(ra[k]) else ra[k] == rb[k]
                 assert same, (method, t, phase, k)
-    ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"] for o
-            in ("forward", "reverse")]
+    ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"]
+            for o in ("forward", "reverse")]
     assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
 
 
@@ -586,8 +586,8 @@ def test_parallel_minibatches_are_the_sequential_ones(tmp_path, monkeypatch):
     assert drawn["off"].keys() == drawn["on"].keys() and len(drawn["on"]) == 5
     assert sorted(n for n, _ in drawn["on"]) == [20, 33, 45, 70, 108]           # the ragged clients
     for key, seq in drawn["off"].items():
-        assert len(seq) == 3 * -(-key[0] // 16) and all(torch.equal(a, b) for a, b
-                                                        in zip(seq, drawn["on"][key]))
+        assert len(seq) == 3 * -(-key[0] // 16) and all(torch.equal(a, b)
+                                                        for a, b in zip(seq, drawn["on"][key]))
     assert len({s for _, s in drawn["on"]}) == 5                         # five streams, none shared
 
 
@@ -755,8 +755,8 @@ def test_a_method_file_is_the_method_once(method):
     assert len(source.splitlines()) <= 300 and doc.end_lineno - doc.lineno + 1 <= 30
     assert [n for n, line in enumerate(source.splitlines(), 1) if len(line) > 100] == []
     assert f"docs/{method}.md" in ast.get_docstring(tree)
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a
-                in n.names} | \
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names} | \
         {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
          and n.module}
     assert not imported & (set(METHODS) - {method})
@@ -933,8 +933,8 @@ def test_fedavg_synthetic_learns_and_writes_the_results_json(tmp_path):
         assert d["train_examples"] == 2 * 240 - 2 * int(0.1 * 240)     # two training domains,
                                                                        # 10% held out
         assert [r["round"] for r in d["history"]] == [2, 4]
-        assert all(set(r) == {"round", "val_acc", "test_acc", "loss", "seconds"} for r
-                   in d["history"])
+        assert all(set(r) == {"round", "val_acc", "test_acc", "loss", "seconds"}
+                   for r in d["history"])
         secs = [r["seconds"] for r in d["history"]]
         assert 0 < secs[0] < secs[1]                                   # cumulative wall-clock
         best = max(d["history"], key=lambda r: r["val_acc"])
@@ -1134,8 +1134,8 @@ def test_fediir_averages_the_sampled_clients_uniformly_by_default(dtype):
     for size_avg, w in ((False, [0.5, 0.5]), (True, [6 / 16, 10 / 16])):
         model, fed = tiny_model(), tiny_federation()
         theta = common.get_flat(model)
-        want = theta + sum(wc * (full_batch_step(model, c, 0.5) - theta) for wc, c
-                           in zip(w, fed.clients))
+        want = theta + sum(wc * (full_batch_step(model, c, 0.5) - theta)
+                           for wc, c in zip(w, fed.clients))
         args = tiny_args(gamma=0.0, size_avg=size_avg, ema=0.95, half=False, gbar="batches",
                          gbar_inputs="augmented")
         round_fn = fediir_readings.readings_round if size_avg else fediir.fediir_round
@@ -1171,8 +1171,8 @@ def test_fediir_global_gradient_is_the_mean_classifier_gradient(mode):
     up = common.on_clients(client_fn, S, {"theta": common.get_flat(model)}, 1, ctx)
     got = sum(r["grad"] for r in up) / sum(r["count"] for r in up)
     assert torch.allclose(got, torch.stack(per).mean(0), atol=1e-6)
-    assert sum(r["count"] for r in up) == len(per) == (sum(math.ceil(fed.clients[c].n / 50) for c
-                                                           in S)
+    assert sum(r["count"] for r in up) == len(per) == (sum(math.ceil(fed.clients[c].n / 50)
+                                                           for c in S)
                                                          if mode == "batches" else 2)
 
 
@@ -1208,8 +1208,8 @@ def test_fediir_learns_and_resumes(tmp_path, monkeypatch, device):
 def test_fediir_defaults_follow_table_3(tmp_path):
     res, _ = run(fediir.main, QUICK + ["--rounds", "1", "--test-domain", "0"], tmp_path)
     assert res["args"]["gamma"] == 1e-2 and res["args"]["ema"] == 0.95 and "gbar" not in res["args"]
-    gamma = {d: config.table(fediir.METHOD, d)["gamma"] for d
-             in ("rmnist", "vlcs", "pacs", "officehome")}
+    gamma = {d: config.table(fediir.METHOD, d)["gamma"]
+             for d in ("rmnist", "vlcs", "pacs", "officehome")}
     assert gamma == {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}       # Table 3
 
 
@@ -2499,8 +2499,8 @@ def scored_by_hand(ds, model_kind, state_dict):
     model.eval()
     prep = data.make_prep(ds.name, "cpu")
     with torch.no_grad():
-        per = {d.name: (model(prep(d.x_test)).argmax(1) == d.y_test).float().mean().item() for d
-               in ds.domains}
+        per = {d.name: (model(prep(d.x_test)).argmax(1) == d.y_test).float().mean().item()
+               for d in ds.domains}
         fed = data.federate_fixed(ds, 0, "cpu")
         val = (model(prep(fed.val_x)).argmax(1) == fed.val_y).float().mean().item()
     return per, val
@@ -2796,8 +2796,8 @@ def test_perinvfl_lines_8_to_10_against_a_hand_computation(dtype):
         theta0 = nu + 0.1 * torch.randn(len(nu), generator=torch.Generator().manual_seed(1))
         hold(ctx, [theta0, theta0])
         pv.variant_round(1, model, fed, args, state, ctx)
-        nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay) for c
-                in fed.clients]
+        nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay)
+                for c in fed.clients]
         assert nu.dtype == dtype
         assert torch.allclose(common.get_flat(model), nu - alpha * (nu - sum(nu_i) / 2),
                               **TINY_TOL[dtype])
@@ -2902,8 +2902,8 @@ def reversed_test_accuracy(lam=1e4, fedavg_lr=None, **kw):
         state = perinvfl.init_state(net, fed, args, ctx)
         for t in range(1, 301):
             perinvfl.perinvfl_round(t, net, fed, args, state, ctx)
-    return torch.cat([common.correct(net, c.test_x, c.test_y, ctx) for c
-                      in fed.clients]).float().mean().item()
+    return torch.cat([common.correct(net, c.test_x, c.test_y, ctx)
+                      for c in fed.clients]).float().mean().item()
 
 
 def test_federated_irm_ignores_a_planted_spurious_colour_that_fedavg_follows():
@@ -3348,9 +3348,8 @@ def test_fedipg_lam_is_1e_4_for_every_resnet_and_1e_3_otherwise(tmp_path):
     # (the helper's default: cnn)
     assert lam("--dataset", "waterbird", "--model", "resnet18") == 1e-4
     assert lam("--dataset", "pacs", "--model", "resnet50") == lam("--model", "resnet18") == 1e-4
-    assert lam() == lam("--dataset", "rmnist", "--model", "convnet") == lam(
-        "--dataset", "stained", "--model",
-                                                                            "mlp") == 1e-3
+    assert (lam() == lam("--dataset", "rmnist", "--model", "convnet")
+            == lam("--dataset", "stained", "--model", "mlp") == 1e-3)
     assert "1e-4 for the ResNets" in dict((a.dest, a.help) for a in fedipg_parser()._actions)["lam"]
 
 
@@ -3426,13 +3425,10 @@ def test_fedipg_penalty_and_its_gradient_match_finite_differences(mode, net):
     # ⟨∇R, w⟩ = d/ds R(s·w)
     assert torch.allclose(sum((gi * wi).sum() for gi, wi in zip(grad_R, w)), d, atol=1e-12)
     with torch.no_grad():                                  # and d/ds by a central difference in s
-        fd_s = (F.cross_entropy(torch.func.functional_call(model,
-                                                           {k: 1.000001 * p for k, p
-                                                            in model.named_parameters()}, (x,)), y)
-                - F.cross_entropy(torch.func.functional_call(model,
-                                                             {k: 0.999999 * p for k, p
-                                                              in model.named_parameters()}, (x,)),
-                                                              y)) / 2e-6
+        def risk_at(s):
+            scaled = {k: s * p for k, p in model.named_parameters()}
+            return F.cross_entropy(torch.func.functional_call(model, scaled, (x,)), y)
+        fd_s = (risk_at(1.000001) - risk_at(0.999999)) / 2e-6
     assert abs(fd_s - d) < 1e-8 and abs(d) > 1e-3
 
     lam = 0.7
@@ -3496,8 +3492,8 @@ def test_fedipg_jvp_penalty_holds_for_groupnorm_and_batchnorm_models(arch):
     gb = torch.autograd.grad(risk + 0.5 * d * d, w)
     if arch == "resnet18":                                 # not a plain chain: jvp
         assert fedipg.chain(model) is None
-        assert all(torch.equal(u, v) for u, v
-                   in zip(ga, torch.autograd.grad(ipg_loss(0.5)(model, x, y), w)))
+        assert all(torch.equal(u, v)
+                   for u, v in zip(ga, torch.autograd.grad(ipg_loss(0.5)(model, x, y), w)))
     scale = max(v.abs().max() for v in gb)
     assert all(torch.allclose(u, v, atol=1e-4 * scale) for u, v in zip(ga, gb))
     plain = torch.autograd.grad(F.cross_entropy(model(x), y), w)
@@ -3648,8 +3644,8 @@ def paper_step_by_hand(model, client, lam, lr, wd):
     x, y = client.x.double() / 255, client.y
     f = F.cross_entropy(m(x), y) + lam * scaled_risk_derivative(m, x, y) ** 2
     g = torch.autograd.grad(f, list(m.parameters()))
-    return torch.cat([(p - lr * (gp + wd * p)).reshape(-1) for p, gp
-                      in zip(m.parameters(), g)]).detach(), f.item()
+    return torch.cat([(p - lr * (gp + wd * p)).reshape(-1)
+                      for p, gp in zip(m.parameters(), g)]).detach(), f.item()
 
 
 @pytest.mark.parametrize("penalty", ["tangent", "jvp"])

@@ -73,8 +73,8 @@ def test_benchmark_run_and_report(tmp_path, capsys):
     assert out.count("skip ") == 3 and "fediir.py --dataset synthetic" in out and "--resume" in out
     assert all(p.stat().st_mtime_ns == t for p, t in stamp.items() if p.name != "fediir-seed1.json")
     text = bench_report.main([str(folder), "--out", str(tmp_path / "report.md")])
-    runs = {k: [r["domains"]["style0"]["test_acc"] for r in v] for k, v
-            in bench_report.load(folder)[0].items()}
+    runs = {k: [r["domains"]["style0"]["test_acc"] for r in v]
+            for k, v in bench_report.load(folder)[0].items()}
     m = 100 * sum(runs["fedavg"]) / 2
     s = 100 * abs(runs["fedavg"][0] - runs["fedavg"][1]) / math.sqrt(2)
     assert f"{m:.1f} ± {s:.1f}" in text and "| fediir |" in text and "s / round" in text
@@ -103,8 +103,8 @@ def test_benchmark_run_and_report(tmp_path, capsys):
     assert "2 per round, rounds × local epochs fedavg 2 × 1, fediir 4 × 3; data:" in text
     lines = text.splitlines()
     top = lines.index("| method | s / round | images / s | × FedAvg |") + 2
-    speed = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")] for line
-                                   in lines[top:top + 3])}
+    speed = {c[0]: c[1:] for c in ([x.strip() for x in line.strip("|").split("|")]
+                                   for line in lines[top:top + 3])}
     assert list(speed) == ["fedavg (cpu)", "fedavg (cuda)", "fediir (cpu)"] and lines[top + 3] == ""
     # each against its own device
     assert speed["fedavg (cpu)"][2] == speed["fedavg (cuda)"][2] == "1.00"
@@ -278,8 +278,8 @@ def test_report_ptest_from_real_checkpoints(tmp_path):
     assert (source == "the runs' checkpoints" and list(table) == ["fedavg"] and p_test
             == [0.1, 0.2, 0.3, 0.4, 0.5])
     m, s, n = table["fedavg"]
-    own = [json.loads((tmp_path / f"fedavg-seed{seed}.json").read_text())["mean_test_acc"] for seed
-           in (0, 1)]
+    own = [json.loads((tmp_path / f"fedavg-seed{seed}.json").read_text())["mean_test_acc"]
+           for seed in (0, 1)]
     assert n == 2 and len(m) == 5 and abs(m[0] - 50 * sum(own)) < 1e-5 and (s >= 0).all()
     assert "from the runs' checkpoints" in bench_report.main([str(tmp_path)])
     assert (tmp_path / "ptest.png").is_file() and (tmp_path / "ptest.svg").is_file()
@@ -477,8 +477,8 @@ def test_gpu_check_measures_on_the_cpu(tmp_path, monkeypatch):
                 and gpu_check.loader() is load)
     assert gpu_check.loader() is data.load
     rm = {label: argv for label, _, argv in gpu_check.cases(tmp_path) if " rmnist " in label}
-    assert all(("--sample" in argv) == (not label.startswith("fedloe")) for label, argv
-               in rm.items())
+    assert all(("--sample" in argv) == (not label.startswith("fedloe"))
+               for label, argv in rm.items())
     own = fediir.init_state
     stray = lambda *a: {**own(*a), "stray": torch.zeros(2, device="meta")}
     monkeypatch.setattr(fediir, "METHOD", dataclasses.replace(fediir.METHOD, init_state=stray))
@@ -867,8 +867,8 @@ def test_leaderboard_lists_what_is_still_to_run_with_its_command(tiny_board, tmp
 
 def test_leaderboard_never_marks_a_centralised_reference_row_best(monkeypatch, tmp_path):
     f = tmp_path / "central.json"
-    f.write_text(json.dumps({"runs": [{"method": "irm", "test_acc": a} for a
-                                      in (0.9, 0.91, 0.92)]}))
+    f.write_text(json.dumps({"runs": [{"method": "irm", "test_acc": a}
+                                      for a in (0.9, 0.91, 0.92)]}))
     monkeypatch.setattr(leaderboard, "RESULTS", tmp_path)
     monkeypatch.setattr(leaderboard, "BENCHMARKS", {"b": ("B", "synthetic", [], "cpu")})
     (tmp_path / "old").mkdir()
@@ -998,8 +998,7 @@ def test_gpu_session_packs_one_archive_within_the_limit_logs_first_and_unpacks_i
     assert sorted(p.name for p in left) == ["r30.ckpt", "r40.ckpt"]
     printed = capsys.readouterr().out.splitlines()
     assert [x.split(": ")[1].split()[0] for x in printed] == [
-        "benchmark/results/leaderboard/b/r30.ckpt",
-                                                               "benchmark/results/leaderboard/b/r40.ckpt"]
+        "benchmark/results/leaderboard/b/r30.ckpt", "benchmark/results/leaderboard/b/r40.ckpt"]
     with tarfile.open(out / "gpu-session.tar.gz") as t:
         names = t.getnames()
         said = t.extractfile("gpu-session/left-out.txt").read().decode()
@@ -1592,8 +1591,8 @@ def test_leaderboard_stops_its_runs_on_a_signal_in_one_line(sig, tiny_board, tmp
     assert (line.startswith(f"leaderboard.py: interrupted ({sig}): benchmark syn-0: stopped 2 "
                             "run(s)")), line
     assert "rerun the same command to continue" in line
-    assert all((tmp_path / "board" / "syn-0" / f"fediir-seed{s}.json.stopped").is_file() for s
-               in (0, 1))
+    assert all((tmp_path / "board" / "syn-0" / f"fediir-seed{s}.json.stopped").is_file()
+               for s in (0, 1))
     assert not (tmp_path / "board" / "syn-1").exists()
 
 
@@ -1605,8 +1604,8 @@ def test_ctrl_c_of_run_py_stops_the_method_script_at_its_checkpoint_and_the_same
     resumes the run from that checkpoint and completes it, its label recorded."""
     argv = ONE_RUN + ["--rounds", "20", "--out-dir", str(tmp_path), "--", "--eval-every", "1",
                       "--test-domain", "0"]
-    ckpt, out, log = (tmp_path / "synthetic" / f"fedavg-seed0.{x}" for x
-                      in ("json.ckpt", "json", "log"))
+    ckpt, out, log = (tmp_path / "synthetic" / f"fedavg-seed0.{x}"
+                      for x in ("json.ckpt", "json", "log"))
     p = subprocess.Popen([sys.executable, "benchmark/run.py", *argv], cwd=HERE,
                          env=dict(os.environ, OMP_NUM_THREADS="1"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

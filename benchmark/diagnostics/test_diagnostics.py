@@ -98,8 +98,8 @@ def test_perinvfl_groupdro_updates_q_from_the_uploaded_risks():
     nu = common.get_flat(model)
     pv.variant_round(1, model, fed, args, state, ctx)
     W, b = nu[:48].view(3, 16), nu[48:]
-    risks = torch.stack([F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y) for c
-                         in fed.clients])
+    risks = torch.stack([F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y)
+                         for c in fed.clients])
     q = 0.5 * torch.exp(args.eta_q * risks)
     assert (torch.allclose(state["q"], q / q.sum(), atol=1e-6)
             and not torch.allclose(state["q"], torch.full((2,), 0.5)))
@@ -205,8 +205,8 @@ def test_fedloe_spawn_trunk_is_fedloe_and_the_first_branch_is_one_shot(tmp_path,
                   tmp_path, "o.json")
     (s,), (t,), (o,) = (list(r["domains"].values()) for r in (spawn, trunk, once))
     keys = ("val_acc", "test_acc", "loss", "in_domain_acc")
-    assert [[r[k] for k in keys] for r in s["history"]] == [[r[k] for k in keys] for r
-                                                            in t["history"]]
+    assert [[r[k] for k in keys] for r in s["history"]] == [[r[k] for k in keys]
+                                                            for r in t["history"]]
     branches = [r["spawn"] for r in s["history"]]
     assert [b and b["k"] for b in branches] == [0, None, 2, None]  # reported in the
                                                                    # row after epoch k
