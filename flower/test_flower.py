@@ -454,19 +454,21 @@ def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(tmp_
     assert none_left(before)
 
 
+@pytest.mark.slow
 @deploy
 def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
-    """3 SuperNodes on 127.0.0.1, every client sampled, 40 local epochs (so that a node's work,
-    seconds, outlasts the start of Flower's process per message): in every round at least two nodes'
-    training overlaps, and in some round all three at one instant (the spans the nodes report, the
-    results' `flower` entry). One after another, as the nodes were when they handed one random
-    stream on, no two spans would overlap. On 2 cores the third node may start when another has
-    ended, hence "at least two" each round."""
+    """3 SuperNodes on 127.0.0.1, every client sampled, 400 local epochs (so that a node's work,
+    about 8 s on 2 cores, outlasts the start of Flower's process per message, up to 4 s there; 40
+    epochs, under 1 s, left all three overlapping in only some runs): in every round at least two
+    nodes' training overlaps, and in some round all three at one instant (the spans the nodes
+    report, the results' `flower` entry). One after another, as the nodes were when they handed
+    one random stream on, no two spans would overlap. On 2 cores the third node may start when
+    another has ended, hence "at least two" each round."""
     out = tmp_path / "r.json"
     r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "3", "--rounds", "2",
                                     "--out", str(out),
                                     "--timeout", "500", "--", "--clients", "3", "--sample", "3",
-                                    "--local-epochs", "40"],
+                                    "--local-epochs", "400"],
                        capture_output=True, text=True, timeout=600, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr
     rounds = json.loads(out.read_text())["flower"]["rounds"]
