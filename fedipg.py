@@ -31,15 +31,16 @@ DEFAULTS = {"*": dict(local_step="sgd", exit="off", exit_warmup=5, exit_L=0.5)} 
 CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)
 
 
-def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None):
+def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, client=None):
     """Steps 0-4 at round t; warmup: a round of Eq. 13's estimates (None: step 0 where due);
     arrive(t, S, w_t, args, state, ctx, warmup): the (i, w^{t−τ_i}, τ_i) of the updates that
-    arrive (None: all of S, fresh; benchmark/fedipg_aberrant.py's slow or unreliable clients)."""
+    arrive (None: all of S, fresh; benchmark/fedipg_aberrant.py's slow or unreliable clients);
+    client: step 2 (None: client_update; benchmark/'s readings time other forms of it)."""
     W = args.exit_warmup if args.exit == "auto" else 0
     if warmup is None and W and t == 1:                                  # step 0, before t = 1
         w_1 = common.get_flat(model)
         for s in range(1, W + 1):                                        # (round s draws as −s)
-            fedipg_round(-s, model, fed, args, state, ctx, warmup=True, arrive=arrive)
+            fedipg_round(-s, model, fed, args, state, ctx, True, arrive, client)
         common.set_flat(model, w_1)                                      # lines 2-4: w^1 to all
     w_t = common.get_flat(model)                                         # w^t
     ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]   # I_ID
@@ -50,7 +51,7 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None):
     ids, sent = [i for i, _, _ in arrived], [{"w": start} for _, start, _ in arrived]
     if warmup:                                                           # g_i = ∇R_i(w^{t−τ_i}) up
         g = [r["g"] for r in common.on_clients(risk_gradient, ids, sent, t, ctx)]
-    up = common.on_clients(client_update, ids, sent, t, ctx)            # step 2: Δ_i on f_i up
+    up = common.on_clients(client or client_update, ids, sent, t, ctx)  # step 2: Δ_i on f_i up
     n = [float(fed.clients[i].n) for i in ids]
     common.set_flat(model, aggregate(w_t, [r["delta"] for r in up], n, args.global_lr))  # Eq. 3
     if warmup:                                               # step 4 (Eq. 13), exits after the last

@@ -501,16 +501,7 @@ def paper_round(chunks):
                                           args.lam, fedipg.chain(model), site.autocast)
         return {"delta": -args.lr * (grad + args.weight_decay * w), "loss": loss}   # Eq. 2
 
-    def round_fn(t, model, fed, args, state, ctx):      # fedipg.fedipg_round, steps 1-3
-        w_t = common.get_flat(model)
-        ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]
-        S = [ID[k] for k in common.sample_clients(ctx, len(ID), min(args.sample, len(ID)))]
-        up = common.on_clients(client_update, S, [{"w": w_t} for _ in S], t, ctx)
-        n = [float(fed.clients[i].n) for i in S]
-        common.set_flat(model, fedipg.aggregate(w_t, [r["delta"] for r in up], n,
-                                                args.global_lr))
-        return {i: r["loss"] for i, r in zip(S, up)}
-    return round_fn
+    return functools.partial(fedipg.fedipg_round, client=client_update)
 
 
 def chunk_cost(setup, rounds):

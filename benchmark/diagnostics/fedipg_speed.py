@@ -12,6 +12,7 @@ times this process's CPU use instead of the wall clock (steadier when other jobs
     python benchmark/diagnostics/fedipg_speed.py                       # 50 clients, 5 sampled
     python benchmark/diagnostics/fedipg_speed.py --clock cpu --rounds 10
 """
+import functools
 import statistics
 import sys
 import time
@@ -86,16 +87,7 @@ def ipg_round(form):
                                                                       layers=layers))
         return {"delta": w_i - w, "loss": loss}
 
-    def round_fn(t, model, fed, args, state, ctx):      # fedipg.fedipg_round, steps 1-3
-        w_t = common.get_flat(model)
-        ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]
-        S = [ID[k] for k in common.sample_clients(ctx, len(ID), min(args.sample, len(ID)))]
-        up = common.on_clients(client_update, S, [{"w": w_t} for _ in S], t, ctx)
-        n = [float(fed.clients[i].n) for i in S]
-        common.set_flat(model, fedipg.aggregate(w_t, [r["delta"] for r in up], n,
-                                                args.global_lr))
-        return {i: r["loss"] for i, r in zip(S, up)}
-    return round_fn
+    return functools.partial(fedipg.fedipg_round, client=client_update)
 
 
 def main():
