@@ -159,6 +159,7 @@ from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
 
 from harness import runner  # noqa: E402
+from tests.helpers import stopped_at_checkpoint  # noqa: E402
 
 
 def refusal(out, **flags):
@@ -261,16 +262,7 @@ def test_resume_needs_its_checkpoint_and_overwrite_replaces_at_the_end(tmp_path)
 
 def stopped_run(out, monkeypatch, argv=BASE):
     """FedAvg cut right after its round-1 checkpoint (as a kill would), in this process."""
-    save = runner.save_checkpoint
-
-    def save_then_die(path, blob):
-        save(path, blob)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(runner, "save_checkpoint", save_then_die)
-    with pytest.raises(SystemExit):
-        fedavg.main(argv + ["--out", str(out)])
-    monkeypatch.setattr(runner, "save_checkpoint", save)
+    stopped_at_checkpoint(fedavg.main, argv + ["--out", str(out)], monkeypatch)
 
 
 def test_a_checkpoint_resumes_only_under_its_method_and_its_code(tmp_path, monkeypatch, capsys):

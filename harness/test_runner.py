@@ -37,7 +37,8 @@ from harness import config, datasets, outputs, runner
 
 from tests.helpers import (
     HERE, LOE_FULL, METHODS, MINI, QUICK, RC_ARGV, fails, fake_pacs, flag_blocks,
-    interrupted_then_resumed, on_every_device, resolved_args, run, strip_times,
+    interrupted_then_resumed, on_every_device, resolved_args, run, stopped_at_checkpoint,
+    strip_times,
 )
 import fedloe_spawn
 
@@ -198,15 +199,7 @@ def test_resume_takes_the_same_file_however_it_is_spelled(tmp_path, monkeypatch,
     full, _ = run(fedavg.main, argv, tmp_path, "full.json")
     (tmp_path / "a").mkdir()
     cut = str(tmp_path / "a" / ".." / "cut.json")
-    save = runner.save_checkpoint
-
-    def save_then_die(path, blob):
-        save(path, blob)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(runner, "save_checkpoint", save_then_die)
-    with pytest.raises(SystemExit):
-        fedavg.main(argv + ["--out", cut])
-    monkeypatch.setattr(runner, "save_checkpoint", save)
+    stopped_at_checkpoint(fedavg.main, argv + ["--out", cut], monkeypatch)
     # the same file, spelt otherwise
     resumed = fedavg.main(argv + ["--out", str(tmp_path / "cut.json"), "--resume"])
     assert strip_times(resumed) == strip_times(full)

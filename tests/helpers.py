@@ -75,8 +75,9 @@ def rows(x):
     return {bytes(v.flatten().tolist()) for v in x.cpu()}
 
 
-def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
-    """Run main, die right after the checkpoint for which stop(blob) holds, then --resume."""
+def stopped_at_checkpoint(main, argv, monkeypatch, stop=lambda blob: True, check=None):
+    """main(argv) dies (as a kill would) right after the first checkpoint for which stop(blob)
+    holds, check(blob) first; returns its exit code."""
     save = runner.save_checkpoint
 
     def save_then_die(path, blob):
@@ -86,12 +87,19 @@ def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
                 check(blob)
             raise KeyboardInterrupt
     monkeypatch.setattr(runner, "save_checkpoint", save_then_die)
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+    finally:
+        monkeypatch.setattr(runner, "save_checkpoint", save)
+    return e.value.code
+
+
+def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
+    """Run main, die right after the checkpoint for which stop(blob) holds, then --resume."""
     for ending in ("", ".ckpt", ".next.ckpt"):                    # an earlier run of the test: gone
         Path(f"{out}{ending}").unlink(missing_ok=True)
-    with pytest.raises(SystemExit) as e:
-        main(argv + ["--out", out])
-    assert e.value.code == 130
-    monkeypatch.setattr(runner, "save_checkpoint", save)
+    assert stopped_at_checkpoint(main, argv + ["--out", out], monkeypatch, stop, check) == 130
     return main(argv + ["--out", out, "--resume"])
 
 
