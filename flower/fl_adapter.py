@@ -102,16 +102,19 @@ def function(name):
 
 @functools.lru_cache(maxsize=None)
 def declared(method):
-    """What a node may run for a run of `method`: each function its method file passes to
-    common.on_clients (a client's work) and the init_state of its harness.Method, as
+    """What a node may run for a run of `method`: each function of the method file that it passes
+    to common.on_clients (a client's work) and the init_state of its harness.Method, as
     "module:name", read from the file's syntax (nothing imported or run). Any other name in a
     message is refused."""
     if method not in METHODS:
         return frozenset()
     names = set()
     # the method file on the path, not imported
-    where = importlib.util.find_spec(method).origin
-    for call in ast.walk(ast.parse(Path(where).read_text())):
+    tree = ast.parse(Path(importlib.util.find_spec(method).origin).read_text())
+    top = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | {
+        t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+        if isinstance(t, ast.Name)}                                     # the file's own names
+    for call in ast.walk(tree):
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                 and isinstance(call.func.value, ast.Name)):
             continue
@@ -119,10 +122,12 @@ def declared(method):
         arg = call.args[0] if where == ("common", "on_clients") and call.args else \
             given.get("init_state", call.args[3] if len(call.args) > 3 else None) \
             if where == ("harness", "Method") else None
-        if isinstance(arg, ast.Name):
-            names.add(f"{method}:{arg.id}")
-        elif isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name):
-            names.add(f"{arg.value.id}:{arg.attr}")
+        # `client or client_update` (a round that takes its step as a parameter): the file's own
+        for arg in arg.values if isinstance(arg, ast.BoolOp) else [arg]:
+            if isinstance(arg, ast.Name) and arg.id in top:
+                names.add(f"{method}:{arg.id}")
+            elif isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name):
+                names.add(f"{arg.value.id}:{arg.attr}")
     return frozenset(names)
 
 

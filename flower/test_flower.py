@@ -535,6 +535,9 @@ def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, mo
     assert fl_adapter.declared("fedavg") == {"fedavg:client_update"}
     assert fl_adapter.declared("fediir") == {"fediir:classifier_gradient", "fediir:client_update",
                                              "fediir:init_state"}
+    # fedipg_round's step 2 is `client or client_update`: its own function, not the parameter
+    assert fl_adapter.declared("fedipg") == {"fedipg:risk_gradient", "fedipg:client_update",
+                                             "fedipg:init_state"}
 
 
 def tampered(app, how, when=2):
