@@ -40,7 +40,7 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, clie
     if warmup is None and W and t == 1:                                  # step 0, before t = 1
         w_1 = common.get_flat(model)
         for s in range(1, W + 1):                                        # (round s draws as −s)
-            fedipg_round(-s, model, fed, args, state, ctx, True, arrive, client)
+            fedipg_round(-s, model, fed, args, state, ctx, True, arrive=arrive, client=client)
         common.set_flat(model, w_1)                                      # lines 2-4: w^1 to all
     w_t = common.get_flat(model)                                         # w^t
     ID = [i for i in range(len(fed.clients)) if i not in state["exited"]]   # I_ID
