@@ -21,14 +21,19 @@ def round_trip(rd):
 
 
 class FakeGrid(Grid):
-    def __init__(self, client_app, n, run_config=None, node_ids=None):
+    """n nodes, node k holding partition k; node ids unrelated to partition ids. Each node's
+    NodeInfo (get_nodes) says when it came online (node k at second k) and its public key, as
+    the SuperLink's do: `keys`, {node id: PEM bytes}, default none."""
+
+    def __init__(self, client_app, n, run_config=None, node_ids=None, keys=None):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
         self.app = client_app
-        # node ids unrelated to partition ids
         ids = node_ids or [1000 + 7 * k for k in range(n)][::-1]
         self.contexts = {nid: Context(1, nid, {"partition-id": p, "num-partitions": n},
                                       RecordDict(), run_config or {})
                          for p, nid in enumerate(ids)}
+        self.activated = {nid: f"2026-01-01T00:00:{k:02d}+00:00" for k, nid in enumerate(ids)}
+        self.keys = keys or {}
         self.replies, self.sent = {}, itertools.count()
 
     def set_run(self, run):
@@ -44,6 +49,11 @@ class FakeGrid(Grid):
 
     def get_node_ids(self):
         return list(self.contexts)
+
+    def get_nodes(self):
+        from flwr.proto.node_pb2 import NodeInfo
+        return [NodeInfo(node_id=i, last_activated_at=self.activated[i],
+                         public_key=self.keys.get(i, b"")) for i in self.contexts]
 
     def push_messages(self, messages):
         ids = []

@@ -13,15 +13,13 @@ node's partition id (node config `partition-id`) is the client id. The server sa
 common.sample_clients on its own seeded generator (never Flower's sampling).
 """
 import argparse
-import ast
 import contextlib
 import dataclasses
 import functools
 import importlib
-import importlib.util
-import math
 import io
 import json
+import math
 import os
 import sys
 import threading
@@ -86,9 +84,16 @@ def unpack(rd):
 
 
 def nbytes(rd):
-    """The bytes Flower moves for a RecordDict: its serialised objects
-    (what the SuperLink stores)."""
+    """The bytes Flower moves for a RecordDict: its serialised objects, each once (what the
+    SuperLink stores: equal chunks of an array are one object)."""
     return sum(len(o.deflate()) for o in get_all_nested_objects(rd).values())
+
+
+def unpacked_bytes(rd):
+    """The bytes a RecordDict takes once rebuilt, every array counted whole (400 MB of zeros is
+    400 MB here, a few objects on the wire): what unpacking it would allocate again."""
+    arrays = sum(len(a.data) for r in rd.array_records.values() for a in r.values())
+    return arrays + sum(len(c.deflate()) for c in rd.config_records.values())
 
 
 def name_of(fn):
@@ -102,33 +107,35 @@ def function(name):
 
 @functools.lru_cache(maxsize=None)
 def declared(method):
-    """What a node may run for a run of `method`: each function of the method file that it passes
-    to common.on_clients (a client's work) and the init_state of its harness.Method, as
-    "module:name", read from the file's syntax (nothing imported or run). Any other name in a
-    message is refused."""
+    """What a node may run for a run of `method`: the client functions its method file declares
+    (METHOD.clients: those its round passes to common.on_clients) and its init_state, as
+    "module:name". Any other name in a message is refused."""
     if method not in METHODS:
         return frozenset()
-    names = set()
-    # the method file on the path, not imported
-    tree = ast.parse(Path(importlib.util.find_spec(method).origin).read_text())
-    top = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | {
-        t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-        if isinstance(t, ast.Name)}                                     # the file's own names
-    for call in ast.walk(tree):
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
-                and isinstance(call.func.value, ast.Name)):
-            continue
-        given, where = {k.arg: k.value for k in call.keywords}, (call.func.value.id, call.func.attr)
-        arg = call.args[0] if where == ("common", "on_clients") and call.args else \
-            given.get("init_state", call.args[3] if len(call.args) > 3 else None) \
-            if where == ("harness", "Method") else None
-        # `client or client_update` (a round that takes its step as a parameter): the file's own
-        for arg in arg.values if isinstance(arg, ast.BoolOp) else [arg]:
-            if isinstance(arg, ast.Name) and arg.id in top:
-                names.add(f"{method}:{arg.id}")
-            elif isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name):
-                names.add(f"{arg.value.id}:{arg.attr}")
-    return frozenset(names)
+    own = importlib.import_module(method).METHOD
+    return frozenset(name_of(f) for f in (*own.clients, own.init_state) if f is not None)
+
+
+def activated(info):
+    """When a node last came online (Flower's NodeInfo.last_activated_at, ISO 8601), as a sortable
+    string; "" where the grid does not say."""
+    return str(getattr(info, "last_activated_at", "") or "")
+
+
+def node_keys(folder):
+    """{public key as Flower stores it (PEM): partition id} of the node-K.pub files that
+    flower/credentials.py made in `folder` (the key of node K is partition K's)."""
+    from cryptography.hazmat.primitives import serialization
+    keys = {}
+    for path in Path(folder).glob("node-*.pub"):
+        k = path.name[len("node-"):-len(".pub")]
+        if k.isdigit():
+            key = serialization.load_ssh_public_key(path.read_bytes())
+            keys[key.public_bytes(serialization.Encoding.PEM,
+                                  serialization.PublicFormat.SubjectPublicKeyInfo)] = int(k)
+    if not keys:
+        raise common.UserError(f"keys {folder}: no node-K.pub in it (flower/credentials.py)")
+    return keys
 
 
 class BadReply(common.NonFinite):
@@ -152,18 +159,29 @@ def schema(reply):
     return {k: one(v) for k, v in reply.items()}
 
 
+# what every reply carries besides the client function's own keys (work, on the node)
+SPAN = {"_began": "float", "_ended": "float", "_round": "int", "_phase": "str"}
+
+
 def what_is_wrong(reply, expect, t, phase):
-    """None, or what makes a node's reply to round t's exchange `phase` unusable: another round or
-    exchange, missing or extra keys, tensors of other shapes or dtypes than the same function gives
-    in process (`expect`: schema), non-finite values."""
-    if (reply.get("_round"), reply.get("_phase")) != (t, phase):
-        return (f"it answers round {reply.get('_round')} ({reply.get('_phase')}), "
-                f"not round {t} ({phase})")
-    got = schema({k: v for k, v in reply.items() if not k.startswith("_")})
-    if got.keys() != expect.keys():
-        missing, extra = sorted(expect.keys() - got.keys()), sorted(got.keys() - expect.keys())
+    """None, or what makes a node's reply to round t's exchange `phase` unusable: missing or extra
+    keys, the node's own fields (SPAN) of another type, another round or exchange, a span that
+    ends before it begins, tensors of other shapes or dtypes than the same function gives in
+    process (`expect`: schema), non-finite values."""
+    got = schema(reply)
+    want = {**expect, **{k: ("value", kind) for k, kind in SPAN.items()}}
+    if got.keys() != want.keys():
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
         return ", ".join([f"missing {', '.join(missing)}"] * bool(missing)
                          + [f"extra {', '.join(extra)}"] * bool(extra))
+    for k in SPAN:
+        if got[k] != want[k]:
+            return f"{k} is {got[k]}, where a node sends {want[k]}"
+    if (reply["_round"], reply["_phase"]) != (t, phase):
+        return f"it answers round {reply['_round']} ({reply['_phase']}), not round {t} ({phase})"
+    if not (math.isfinite(reply["_began"]) and math.isfinite(reply["_ended"])
+            and reply["_began"] <= reply["_ended"]):
+        return f"its span {reply['_began']}-{reply['_ended']} is not a span of time"
     for k in expect:
         if got[k] != expect[k]:
             return f"{k} is {got[k]}, where the client function gives {expect[k]}"
@@ -185,28 +203,39 @@ class Link:
     message to every node of it at once. Per round: bytes down and up, seconds, and each node's
     working span."""
 
-    def __init__(self, grid, wait=600.0, method=None, init=None):
+    def __init__(self, grid, wait=600.0, method=None, init=None, keys=None):
         self.grid, self.wait, self.nodes, self.args, self.out = grid, wait, None, None, None
         self.method, self.init = method, init       # the run's method and its init_state, by name
+        self.keys = keys          # {a node's public key (PEM): the partition id it was made for}
         # round -> [down, up]; seconds; node spans
         self.moved, self.times, self.spans = {}, {}, {}
         self.expected = {}                                 # (fn, phase, domain) -> the replies
 
     def connect(self, P):
-        """Wait for P nodes, ask each its partition id: {client id: node id}."""
+        """Wait for P nodes, ask each its partition id: {client id: node id}. With `keys`, a node
+        holds the partition its registered key was made for, whatever it claims; without, of two
+        claims of one partition the later node's is refused (its activation time)."""
         end = time.time() + self.wait
         while len(ids := sorted(self.grid.get_node_ids())) < P:
             if time.time() > end:
                 raise common.UserError(f"{len(ids)} node(s) connected, {P} needed "
                                        "(one per client)")
             time.sleep(0.5)
+        info = {n.node_id: n for n in self.grid.get_nodes()}
         said = [(i, int(r["partition"]))
                 for i, r in zip(ids, self._send([(i, "query.hello", {}) for i in ids], 0))]
+        if self.keys is not None:
+            for i, p in said:
+                own = self.keys.get(bytes(getattr(info.get(i), "public_key", b"")))
+                if own != p:
+                    whose = "a key of no partition" if own is None else f"partition {own}'s key"
+                    raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, and "
+                                   f"its registered key is {whose}")
         parts = {}
-        for i, p in said:
+        for i, p in sorted(said, key=lambda s: activated(info.get(s[0]))):
             if p in parts:
-                raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, "
-                               f"which node {parts[p]} holds; "
+                raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, which "
+                               f"node {parts[p]} has held since before it connected; "
                                f"this run needs 0..{P - 1}, one node each")
             parts[p] = i
         if sorted(parts) != list(range(P)):
@@ -232,7 +261,7 @@ class Link:
             wrong = what_is_wrong(r, shape, t, phase)
             if wrong:
                 raise BadReply(f"a bad reply in round {t} from node {self.nodes[c]} "
-                               f"(client {c}): {wrong}")
+                               f"(partition {c}): {wrong}")
         self.times[t] = self.times.get(t, 0.0) + time.perf_counter() - start
         self.spans.setdefault(t, []).extend((phase, c, r.pop("_began"), r.pop("_ended"))
                                             for c, r in zip(S, replies))
@@ -249,7 +278,7 @@ class Link:
             devices = [ctx.device] if ctx.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 out = fn(common.site(dataclasses.replace(ctx, clients={}), c, t, phase), sent)
-            self.expected[key] = schema(out), nbytes(pack(out))
+            self.expected[key] = schema(out), unpacked_bytes(pack(out))
         return self.expected[key]
 
     def _send(self, items, t, clients=None, most=None):
@@ -260,37 +289,75 @@ class Link:
         out = []
         for k, m in enumerate(msgs):
             r, who = replies.get(m.metadata.message_id), f"node {m.metadata.dst_node_id}" + \
-                (f" (client {clients[k]})" if clients is not None else "")
+                (f" (partition {clients[k]})" if clients is not None else "")
             if r is None or r.has_error():
                 why = r.error.reason if r is not None else "no reply"
                 raise BadReply(f"{who} in round {t}: {why}")
-            size = nbytes(r.content)
-            if most is not None and size > most[k]:              # before anything of it is unpacked
+            size = unpacked_bytes(r.content)
+            if most is not None and size > most[k]:     # before it is unpacked into tensors
                 raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, "
                                f"the most this exchange takes is {most[k]:,}")
-            moved[1] += size
+            moved[1] += nbytes(r.content)
             out.append(unpack(r.content))
         return out
 
 
-def serve(grid, method, argv, wait=600.0):
+class RunFailed(Exception):
+    """The method's run ended in an error (its one line): raised in the ServerApp, so that Flower
+    marks the run failed at once, with that line as its details, and sends its logs on."""
+
+
+class Said(io.TextIOBase):
+    """stderr as it was, and every line written to it kept (the run's error line)."""
+
+    def __init__(self, stream):
+        self.stream, self.lines = stream, []
+
+    def write(self, text):
+        self.lines += [line for line in text.splitlines() if line.strip()]
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
+def serve(grid, method, argv, wait=600.0, keys=None):
     """The ServerApp's work: `method`'s own run, harness.main(METHOD, argv), with a Link as
     common.on_clients' engine; its clients never train at once in process (--parallel-clients
-    auto: off; on: refused). Returns (results, link)."""
+    auto: off; on: refused). keys: a folder of the nodes' node-K.pub (Link). Returns (results,
+    link). A run that ends in an error writes its line into <out>.flower.json ("error") where
+    --out is known, and raises RunFailed with it."""
     own = importlib.import_module(method).METHOD
     link = Link(grid, wait, method, name_of(own.init_state))
     on_nodes = dataclasses.replace(own, parallel=lambda args: "trains every client on its own "
                                    "node on Flower")
-    return harness.main(on_nodes, argv, engine=link), link
+    said = Said(sys.stderr)
+    try:
+        with contextlib.redirect_stderr(said):
+            link.keys = node_keys(keys) if keys else None
+            results = harness.main(on_nodes, argv, engine=link)
+    except (SystemExit, common.UserError) as e:
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        line = f"{method}.py: error: {e}" if isinstance(e, common.UserError) else next(
+            (x for x in reversed(said.lines) if x.startswith(f"{method}.py: ")),
+            f"{method}.py: exit {e.code}")
+        if link.out is not None:
+            report(link, line)
+        raise RunFailed(line) from None
+    if link.out is not None:            # (a run with no exchange: a complete result at --out)
+        report(link)
+    return results, link
 
 
-def report(link):
-    """Per round: seconds of messages and client work, bytes, and each node's span
-    (<out>.flower.json)."""
+def report(link, error=None):
+    """Per round: seconds of messages and client work, bytes, and each node's span; the run's
+    error line if it failed (<out>.flower.json)."""
     rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u,
                   "spans": link.spans.get(t, [])}
               for t, (d, u) in link.moved.items()}
-    outputs.write_json(f"{link.out}.flower.json", {"rounds": rounds})
+    outputs.write_json(f"{link.out}.flower.json",
+                       {"rounds": rounds, **({"error": error} if error else {})})
     for t in sorted(link.moved):
         down, up = link.moved[t]
         print(f"flower: round {t}: {link.times.get(t, 0.0):.2f} s of messages and client work, "

@@ -1,5 +1,11 @@
 """The ServerApp: run config `method` (one of fl_adapter.METHODS) and `argv` (that method's
-command-line flags, as one string) -> the method file's own run, its clients' work on the nodes."""
+command-line flags, as one string) -> the method file's own run, its clients' work on the nodes.
+Optional: `wait` (seconds for the nodes to connect) and `keys` (a folder on the server holding
+each node's node-K.pub: a node then holds the partition its registered key was made for).
+
+A run that ends in an error (a bad reply, bad flags, a non-finite number) raises
+fl_adapter.RunFailed with its one line: Flower marks the run failed at once, with that line as
+its details, and `flwr run --stream` shows it; <out>.flower.json holds it as "error"."""
 import shlex
 
 from flwr.serverapp import ServerApp
@@ -13,7 +19,8 @@ app = ServerApp()
 def main(grid, context):
     method = str(context.run_config["method"])
     if method not in fl_adapter.METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(fl_adapter.METHODS)}")
+        raise fl_adapter.RunFailed(f"unknown method {method!r}; choose from "
+                                   f"{', '.join(fl_adapter.METHODS)}")
     argv = shlex.split(str(context.run_config.get("argv", "")))
-    _, link = fl_adapter.serve(grid, method, argv, float(context.run_config.get("wait", 600)))
-    fl_adapter.report(link)
+    keys = str(context.run_config.get("keys", "")) or None
+    fl_adapter.serve(grid, method, argv, float(context.run_config.get("wait", 600)), keys)

@@ -6,18 +6,21 @@ it starts is stopped again, by its process group, on success, on failure and on 
     python flower/run_local.py --method fedomg --nodes 3 --rounds 2 --out results/omg.json
         -- --kappa 0.3
     python flower/run_local.py --method fediir --nodes 3 --rounds 2 --secure
-        # TLS, registered nodes
+        # as across machines: TLS, registered node keys, the nodes through the proxy
 
 --nodes is the number of clients (one SuperNode each). The dataset is the synthetic one unless
 --dataset says otherwise (it needs no download; the digits' domains need --nodes >= 5). Flags
 after `--` go to the method as they are (python <method>.py --help). --out follows the method
 scripts' rules (docs/results-format.md, "What a run owns"): its lock is held for the whole run,
-a complete result or an interrupted run there is refused unless --overwrite, and either stays
-until the new run is complete (the run writes beside its logs, and its results and checkpoint
-are moved to --out once complete).
+a complete result or an interrupted run there is refused unless --overwrite or --resume, and
+either stays until the new run is complete (the run writes beside its logs; its results and
+checkpoint are moved to --out once complete). A run that fails (a bad reply, a node's error)
+says why in one line, exit 1, and leaves its last good checkpoint at <out>.ckpt, which --resume
+continues. --secure: the SuperLink on 127.0.0.1 with TLS and SuperNode authentication, and in
+front of it, for the nodes, nginx forwarding the Fleet API alone (flower/proxy.py).
 """
-import hashlib
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -59,14 +62,17 @@ def parse(argv):
                    help="results JSON (default results/flower-<method>-<dataset>-<test "
                         "domain>-seed<seed>-<digest of the other flags>.json)")
     p.add_argument("--port", type=int, default=None,
-                   help="the SuperLink's port (default: a free one)")
+                   help="the SuperLink's port on 127.0.0.1 (default: a free one)")
     p.add_argument("--timeout", type=float, default=3600,
                    help="seconds before the run is given up (default 3600)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a complete result at --out (once the new run is complete)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted or failed run at --out from <out>.ckpt (with "
+                        "--overwrite: an interrupted replacement, <out>.next.ckpt)")
     p.add_argument("--secure", action="store_true",
-                   help="TLS (a CA and the SuperLink's certificate, made for this run) and "
-                        "SuperNode authentication (each node's key registered), as across machines")
+                   help="as across machines: TLS (a CA and certificates made for this run), each "
+                        "node's key registered, the nodes through nginx (the Fleet API alone)")
     p.add_argument("rest", nargs="*", help="further flags of the method, after --")
     args = p.parse_args(argv)
     rest = json.dumps([args.nodes, args.rounds, args.rest])
@@ -76,10 +82,11 @@ def parse(argv):
     return args
 
 
-def method_argv(a):
+def method_argv(a, resume=False):
     rounds = [] if a.method == "fedloe" else ["--rounds", str(a.rounds or 2), "--eval-every", "1"]
     return ["--dataset", a.dataset, "--clients", str(a.nodes), *rounds,
-            "--test-domain", a.test_domain, "--seed", str(a.seed), "--out", a.out, *a.rest]
+            "--test-domain", a.test_domain, "--seed", str(a.seed), "--out", a.out, *a.rest,
+            *(["--resume"] if resume else [])]
 
 
 def check(a):
@@ -101,9 +108,11 @@ def check(a):
         raise Refused(f"--port must be in 1..65535, got {a.port}")
     for flag in ("--resume", "--overwrite", "--out"):
         if any(r == flag or r.startswith(flag + "=") for r in a.rest):
-            raise Refused(f"{flag} after --: "
-                          f"give run_local.py's own --out and --overwrite, before --; "
-                          f"it does not continue a run (--resume)")
+            raise Refused(f"{flag} after --: give run_local.py's own --out, --overwrite and "
+                          f"--resume, before --")
+    if a.secure and shutil.which("nginx") is None:
+        raise Refused("--secure puts nginx in front of the SuperLink, and there is no nginx "
+                      "here: install it (Debian: apt-get install nginx-light)")
     import importlib
 
     outputs.check_out(a.out)
@@ -236,41 +245,86 @@ def wait_port(port, proc, name, seconds=120, log=None):
     raise Refused(f"the {name} did not open port {port} in {seconds} s")
 
 
-def security(a, logdir, intruders=()):
-    """(the SuperLink's flags, SuperNode i's, the flwr CLI's connection line): --insecure on
-    127.0.0.1 alone, or with --secure TLS and registered SuperNode keys (flower/credentials.py, made
-    in the log folder for 127.0.0.1). intruders (the tests'): SuperNodes a.nodes, a.nodes + 1, ...
-    that should get nothing: "unregistered" (the CA trusted, the key not registered), "untrusting"
-    (another CA trusted, the key registered)."""
-    if not a.secure:
-        return ["--insecure"], lambda i: ["--insecure"], "insecure = true"
-    import credentials
-    certs = logdir / "certs"
-    credentials.make(certs, ["127.0.0.1", "localhost"], a.nodes + len(intruders))
-    if "untrusting" in intruders:
-        credentials.make(logdir / "another-ca", ["127.0.0.1"], 1)
-    link = ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.crt"),
-            "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth"]
-    kind = lambda i: intruders[i - a.nodes] if i >= a.nodes else "member"
-    node = lambda i: ["--root-certificates",
-                      str(logdir / ("another-ca" if kind(i) == "untrusting" else "certs")
-                          / "ca.crt"),
-                      "--auth-supernode-private-key", str(certs / f"node-{i}")]
-    return link, node, f'root-certificates = "{certs / "ca.crt"}"'
+class Deployment:
+    """A SuperLink and its SuperNodes on 127.0.0.1, each process in a group of its own, and the
+    operator's `flwr` (its own FLWR_HOME). Insecure: every API on the SuperLink's port, for this
+    machine alone. secure: the SuperLink with TLS and SuperNode authentication (credentials.py's
+    files in logdir/certs, `keys` node key pairs), and nginx (proxy.py) on its own port serving
+    the nodes the Fleet API alone; the operator's `flwr` talks to the SuperLink directly, on
+    127.0.0.1. stop() ends every process, however the run ended."""
 
+    def __init__(self, logdir, port, secure=False, keys=0):
+        self.logdir, self.port, self.secure = Path(logdir), port, secure
+        self.certs, self.proxy_port = self.logdir / "certs", None
+        if secure:
+            import credentials
+            credentials.make(self.certs, ["127.0.0.1", "localhost"], keys)
+        connection = f'root-certificates = "{self.certs / "ca.crt"}"' if secure else \
+            "insecure = true"
+        self.env, self.bin = environment(port, self.logdir, connection), \
+            Path(sys.executable).parent
+        self.procs = Processes(self.env, self.logdir)
 
-def register(a, env, bindir, logdir, intruders=()):
-    """flwr supernode register: each node's public key (and an untrusting intruder's), through the
-    Control API (TLS)."""
-    for i in [*range(a.nodes),
-              *(a.nodes + j for j, k in enumerate(intruders) if k == "untrusting")]:
-        r = subprocess.run([str(bindir / "flwr"), "supernode", "register",
-                            str(logdir / "certs" / f"node-{i}.pub"), "fedood"],
-                           env=env, cwd=logdir, capture_output=True, text=True, timeout=120)
+    def start(self):
+        """The SuperLink (and with secure, the proxy in front of it)."""
+        flags = ["--ssl-ca-certfile", str(self.certs / "ca.crt"),
+                 "--ssl-certfile", str(self.certs / "server.crt"),
+                 "--ssl-keyfile", str(self.certs / "server.key"),
+                 "--enable-supernode-auth"] if self.secure else ["--insecure"]
+        link = self.procs.start("superlink", [str(self.bin / "flower-superlink"), *flags,
+                                              "--host", "127.0.0.1", "--port", str(self.port),
+                                              "--disable-runtime-dependency-installation"])
+        wait_port(self.port, link, "SuperLink", log=self.logdir / "superlink.log")
+        if self.secure:
+            import proxy
+            self.proxy_port = free_port()
+            work = self.logdir / "proxy"
+            work.mkdir(mode=0o700)
+            conf = self.logdir / "proxy.conf"
+            conf.write_text(proxy.config(f"127.0.0.1:{self.proxy_port}", self.port, self.certs,
+                                         work))
+            nginx = self.procs.start("proxy", ["nginx", "-e", "stderr", "-c", str(conf)])
+            wait_port(self.proxy_port, nginx, "proxy (nginx)", log=self.logdir / "proxy.log")
+        return self
+
+    @property
+    def address(self):
+        """The address the nodes reach: the proxy's, or with insecure the SuperLink's."""
+        return f"127.0.0.1:{self.proxy_port or self.port}"
+
+    def flwr(self, *args, timeout=120):
+        """The operator's `flwr` command (this FLWR_HOME: the SuperLink at 127.0.0.1)."""
+        return subprocess.run([str(self.bin / "flwr"), *args], env=self.env, cwd=self.logdir,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def register(self, k):
+        """flwr supernode register: node key k's public key, through the Control API."""
+        r = self.flwr("supernode", "register", str(self.certs / f"node-{k}.pub"), "fedood")
         if r.returncode:
             tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or ["no output"]
-            raise Refused(f"flwr supernode register of node {i} failed "
+            raise Refused(f"flwr supernode register of node {k} failed "
                           f"(exit {r.returncode}: {tail[0][:200]})")
+
+    def node(self, name, partition, nodes, key=None, ca=None, config=""):
+        """A SuperNode with this partition id (secure: with node key `key` and trusting the CA of
+        folder `ca`, default this run's); config: further node config."""
+        flags = ["--insecure"] if not self.secure else \
+            ["--root-certificates", str((ca or self.certs) / "ca.crt"),
+             "--auth-supernode-private-key", str(self.certs / f"node-{key}")]
+        return self.procs.start(name, [str(self.bin / "flower-supernode"), *flags,
+                                       "--superlink", self.address, "--host", "127.0.0.1",
+                                       "--port", str(free_port()), "--node-config",
+                                       f"partition-id={partition} num-partitions={nodes} "
+                                       f"{config}".strip()])
+
+    def run(self, config, app=HERE, timeout=3600):
+        """`flwr run` of the App in `app` with this run config, its logs streamed: the completed
+        process (stdout holds the stream)."""
+        return self.flwr("run", str(app), "fedood", "--run-config", config, "--stream",
+                         timeout=timeout)
+
+    def stop(self):
+        self.procs.stop()
 
 
 def environment(port, logdir, connection):
@@ -287,42 +341,44 @@ def environment(port, logdir, connection):
                 OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def deploy(a, port, logdir, intruders=()):
-    """The SuperLink, the SuperNodes (and the tests' intruders: security), then `flwr run`: (its
-    process result, its seconds); every process stopped however it ends."""
-    link_flags, node_flags, connection = security(a, logdir, intruders)
-    env, bindir = environment(port, logdir, connection), Path(sys.executable).parent
-    procs = Processes(env, logdir)
+def deploy(a, port, logdir, intruders=(), app=HERE, node_config=None):
+    """The deployment (Deployment: with --secure, each node's key registered), the SuperNodes (and
+    the tests' intruders, which should get nothing: "unregistered", the CA trusted but the key
+    not registered; "untrusting", the key registered but another CA trusted), then `flwr run` of
+    the App in `app`: (its completed process, its seconds); every process stopped however it
+    ends. node_config: {partition: further node config} (the tests')."""
+    d = Deployment(logdir, port, a.secure, a.nodes + len(intruders))
     try:
-        link = procs.start("superlink", [str(bindir / "flower-superlink"), *link_flags,
-                                         "--host", "127.0.0.1", "--port", str(port),
-                                         "--disable-runtime-dependency-installation"])
-        wait_port(port, link, "SuperLink", log=logdir / "superlink.log")
-        if a.secure:
-            register(a, env, bindir, logdir, intruders)
-        nodes = [procs.start(f"supernode-{i}",
-                             [str(bindir / "flower-supernode"), *node_flags(i),
-                              "--superlink", f"127.0.0.1:{port}",
-                              "--host", "127.0.0.1", "--port", str(q),
-                              "--node-config", f"partition-id={i} num-partitions={a.nodes}"])
-                 for i, q in enumerate(free_ports(a.nodes + len(intruders)))]
-        # a SuperNode that cannot start says so at once
-        time.sleep(3)
-        for i, node in enumerate(nodes[:a.nodes]):         # (an intruder may well exit)
+        d.start()
+        members = [*range(a.nodes), *(a.nodes + j for j, k in enumerate(intruders)
+                                      if k == "untrusting")]
+        for k in members if a.secure else []:
+            d.register(k)
+        if "untrusting" in intruders:
+            import credentials
+            credentials.make(logdir / "another-ca", ["127.0.0.1"], 1)
+        nodes = [d.node(f"supernode-{i}", i, a.nodes, key=i,
+                        config=(node_config or {}).get(i, "")) for i in range(a.nodes)]
+        for j, kind in enumerate(intruders):
+            d.node(f"supernode-{a.nodes + j}", j % a.nodes, a.nodes, key=a.nodes + j,
+                   ca=logdir / "another-ca" if kind == "untrusting" else None)
+        time.sleep(3)                                # a SuperNode that cannot start says so at once
+        for i, node in enumerate(nodes):
             if node.poll() is not None:
                 log = logdir / f"supernode-{i}.log"
                 raise Refused(f"SuperNode {i} exited at start "
                               f"(code {node.returncode}: {last_line(log)}); log: {log}")
-        config = f'method="{a.method}" argv={json.dumps(shlex.join(method_argv(a)))}'
-        print(f"SuperLink 127.0.0.1:{port}, {a.nodes} SuperNodes; logs in {logdir}", flush=True)
+        config = f'method="{a.method}" argv={json.dumps(shlex.join(method_argv(a, a.resume)))}'
+        if a.secure:                # each node holds the partition its key was made for
+            config += f' keys="{d.certs}"'
+        print(f"SuperLink 127.0.0.1:{port}" + (f", proxy {d.address}" if a.secure else "")
+              + f", {a.nodes} SuperNodes; logs in {logdir}", flush=True)
         t0 = time.time()
-        run = subprocess.run([str(bindir / "flwr"), "run", str(HERE), "fedood",
-                              "--run-config", config, "--stream"],
-                             env=env, cwd=logdir, timeout=a.timeout, capture_output=True, text=True)
+        run = d.run(config, app, a.timeout)
         (logdir / "flwr-run.log").write_text(run.stdout + run.stderr)
         return run, time.time() - t0
     finally:
-        procs.stop()
+        d.stop()
 
 
 def interrupted(*_):
@@ -344,9 +400,24 @@ def spans_line(r):
                                       else "")
 
 
-def settle(fresh, plan, logdir):
-    """The complete run in the log folder -> --out: its results (recording --out and the command
-    that names it, and the per-round timing of <out>.flower.json), then its checkpoint, by
+def move(src, dst):
+    """src to dst, replacing it, leaving no copy: a rename, or across file systems (the log folder
+    is in /tmp) a copy beside dst renamed into place, then src removed."""
+    try:
+        os.replace(src, dst)
+    except OSError:
+        tmp = Path(f"{dst}.{os.getpid()}.tmp")
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+        os.unlink(src)
+
+
+def settle(fresh, plan):
+    """The complete run in the log folder -> --out: its checkpoint, then its results (recording
+    --out and the command that names it, and the per-round timing of <out>.flower.json), by
     harness.outputs' rules (an older result and checkpoint are replaced only now)."""
     res = outputs.read_result(fresh)
     res["args"]["out"] = str(plan.files.out)
@@ -358,17 +429,48 @@ def settle(fresh, plan, logdir):
     if timing.exists():
         res["flower"] = json.loads(timing.read_text())
     ckpt = outputs.Files(fresh).ckpt
-    # copied beside --out first: /tmp may be another disk
     if ckpt.exists():
-        tmp = Path(f"{plan.write}.{os.getpid()}.tmp")
-        shutil.copyfile(ckpt, tmp)
-        os.replace(tmp, plan.write)
+        move(ckpt, plan.write)
     outputs.finish(plan, res)
     return res
 
 
-def main(argv=None, intruders=()):
-    """The command line (intruders: the tests' SuperNodes that should get nothing, see security)."""
+def keep(fresh, plan):
+    """A run that did not complete: its last good checkpoint to where --resume reads it (<out>.ckpt;
+    an --overwrite's <out>.next.ckpt), and the results of its finished held-out domains to --out
+    (not an --overwrite's: the older result stays): what is kept, a list of phrases."""
+    ckpt, kept = outputs.Files(fresh).ckpt, []
+    if ckpt.exists():
+        move(ckpt, plan.write)
+        kept.append(f"the last good checkpoint ({plan.write})")
+    if not plan.replacing and outputs.read_result(fresh) is not None:
+        move(fresh, plan.files.out)
+        kept.append(f"the results of the finished test domains ({plan.files.out})")
+    return kept
+
+
+def failure(run, fresh, logdir, kept):
+    """The one line that says why the run failed: the run's own error line (<out>.flower.json,
+    written by the ServerApp: fl_adapter.serve), its paths in the log folder put as --out's."""
+    timing = Path(f"{fresh}.flower.json")
+    error = json.loads(timing.read_text()).get("error") if timing.exists() else None
+    if error is None:
+        tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
+        error = f"the run did not finish ({tail[0]})"
+    error = error.split(": error: ", 1)[-1].split("; stopped; ")[0]
+    return f"{error}; stopped; {saved(kept)}; logs: {logdir}"
+
+
+def saved(kept):
+    """What a run that did not complete left, in words (keep's list)."""
+    if not kept:
+        return "nothing of this run was saved"
+    return " and ".join(kept) + (" are" if len(kept) > 1 else " is") + " kept: --resume goes on"
+
+
+def main(argv=None, intruders=(), app=HERE, node_config=None):
+    """The command line (the tests': intruders, see deploy; app, the Flower App's folder;
+    node_config, {partition: further node config})."""
     try:
         a = parse(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
@@ -385,16 +487,17 @@ def main(argv=None, intruders=()):
     before = {sig: signal.signal(sig, interrupted)
               for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return run_and_settle(a, intruders)
+        return run_and_settle(a, intruders, app, node_config)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
 
 
-def run_and_settle(a, intruders=()):
+def run_and_settle(a, intruders=(), app=HERE, node_config=None):
     """main's work once the flags are parsed: the checks, the deployment, the results at --out; the
     exit code."""
-    logdir = None
+    logdir = fresh = plan = None
+    done, kept = False, []
     try:
         check(a)
         port = a.port or free_port()
@@ -402,30 +505,36 @@ def run_and_settle(a, intruders=()):
             raise Refused(f"port {port} on 127.0.0.1 is in use; "
                           "pick another --port or leave it out")
         # held for the whole run
-        with outputs.claim(a.out, resume=False, overwrite=a.overwrite) as plan:
+        with outputs.claim(a.out, resume=a.resume, overwrite=a.overwrite) as plan:
             logdir = Path(tempfile.mkdtemp(prefix=f"flower-{a.method}-"))
-            # the run writes beside its logs
-            a.out = str(logdir / Path(a.out).name)
-            run, seconds = deploy(a, port, logdir, intruders)
-            fresh = Path(a.out)
-            if not outputs.complete(fresh):
-                tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
-                print(f"run_local.py: error: the run did not finish ({tail[0]}); "
-                      f"logs and what it wrote: {logdir}", file=sys.stderr)
+            # the run writes beside its logs, and continues there what --out holds
+            fresh = logdir / Path(a.out).name
+            if plan.read is not None:
+                move(plan.read, outputs.Files(fresh).ckpt)
+            a.out = str(fresh)
+            try:
+                run, seconds = deploy(a, port, logdir, intruders, app, node_config)
+            finally:
+                done = outputs.complete(fresh)
+                if not done:
+                    kept = keep(fresh, plan)
+            if not done:
+                print(f"run_local.py: error: {failure(run, fresh, logdir, kept)}",
+                      file=sys.stderr)
                 return 1
-            res = settle(fresh, plan, logdir)
+            res = settle(fresh, plan)
             a.out = str(plan.files.out)
     except Refused as e:
         if str(e):
             print(f"run_local.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("run_local.py: interrupted; every process it started is stopped; --out is as it was",
-              file=sys.stderr)
+        print("run_local.py: interrupted; every process it started is stopped; "
+              + (saved(kept) if kept else "--out is as it was"), file=sys.stderr)
         return 130
     except subprocess.TimeoutExpired:
-        print(f"run_local.py: error: no result in {a.timeout:.0f} s; stopped (logs: {logdir})",
-              file=sys.stderr)
+        print(f"run_local.py: error: no result in {a.timeout:.0f} s; stopped; {saved(kept)}; "
+              f"logs: {logdir}", file=sys.stderr)
         return 1
     for line in (run.stdout + run.stderr).splitlines():
         if "| val " in line:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
+import bad_node  # noqa: E402
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402  (puts the repository on the path)
 import fedavg  # noqa: E402
@@ -95,11 +96,11 @@ def test_flower_takes_auto_as_one_client_per_node_on_a_gpu_too(tmp_path, monkeyp
                           (["--compile"],
                            "--compile: fedavg trains every client on its own node on Flower")):
         capsys.readouterr()
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(fl_adapter.RunFailed) as e:
             fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + extra
                              + ["--out", str(tmp_path / "r.json")])
         err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and len(err) == 1 and expect in err[0]
+        assert err == [str(e.value)] and expect in err[0]
 
 
 @pytest.mark.parametrize("method", list(ARGV))
@@ -195,7 +196,8 @@ RUN_LOCAL = [sys.executable, str(HERE / "run_local.py")]
 
 
 def flower_processes():
-    """Pids of running SuperLinks, SuperNodes and their Flower children (from /proc, no psutil)."""
+    """Pids of running SuperLinks, SuperNodes, their Flower children and nginx (from /proc, no
+    psutil)."""
     pids = set()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -205,7 +207,7 @@ def flower_processes():
                               if l.startswith("State:")), "")
             except OSError:
                 continue
-            ours = ("flower-super", "flwr-serverapp", "flwr-clientapp")
+            ours = ("flower-super", "flwr-serverapp", "flwr-clientapp", "nginx: ")
             if any(name in cmd for name in ours) and "zombie" not in state:
                 pids.add(int(d.name))
     return pids
@@ -267,7 +269,7 @@ def test_run_local_fedloe_rounds_from_its_stages():
     (["--out", "/proc/version/x.json"], "/proc/version is not a folder"),
     (["--out", "r.ckpt"], "a results file may not end in .ckpt"),
     (["--", "--resume"],
-     "--resume after --: give run_local.py's own --out and --overwrite, before --"),
+     "--resume after --: give run_local.py's own --out, --overwrite and --resume, before --"),
     (["--", "--out", "x.json"], "--out after --: give run_local.py's own --out"),
 ])
 def test_run_local_bad_flags_one_line(argv, expect):
@@ -355,146 +357,21 @@ def test_run_local_settles_a_complete_run_at_out_whatever_its_name(tmp_path):
         json.dumps({"rounds": {"1": {"seconds": 1.0, "down": 1, "up": 2,
                                      "spans": [["train", 0, 5.0, 6.5]]}}}))
     out = tmp_path / "final" / "result.txt"
+    ckpt = Path(f"{fresh}.ckpt").read_bytes()
     for overwrite in (False, True):
+        Path(f"{fresh}.ckpt").write_bytes(ckpt)
         with outputs.claim(out, overwrite=overwrite) as plan:
             assert plan.replacing == overwrite
-            res = run_local.settle(fresh, plan, logs)
+            res = run_local.settle(fresh, plan)
         saved = json.loads(out.read_text())
         assert (saved == res and saved["args"]["out"] == str(out)
                 and saved["flower"]["rounds"]["1"]["up"] == 2)
         assert (f"--out {out}" in saved["provenance"]["command"] and str(fresh) not
                 in saved["provenance"]["command"])
-        assert Path(f"{out}.ckpt").read_bytes() == Path(f"{fresh}.ckpt").read_bytes()
+        assert Path(f"{out}.ckpt").read_bytes() == ckpt and not Path(f"{fresh}.ckpt").exists()
         assert sorted(p.name for p in out.parent.iterdir()) == ["result.txt", "result.txt.ckpt"]
     assert (run_local.spans_line(saved["flower"]["rounds"]["1"])
             == "; spans (s): train client 0 0.0-1.5")
-
-
-deploy = pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY") != "1",
-                            reason="real SuperLink + SuperNodes (minutes): set FLOWER_DEPLOY=1")
-
-
-LOE_STAGES = ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1",
-              "--stage2-comms", "1"]
-
-
-@pytest.mark.slow
-@deploy
-@pytest.mark.parametrize("method", [
-    "fedavg", "fediir",
-    *(pytest.param(m, marks=pytest.mark.skipif(os.environ.get("FLOWER_DEPLOY_ALL") != "1",
-                                                reason="the other four methods: set "
-                                                       "FLOWER_DEPLOY_ALL=1 too"))
-      for m in ("fedomg", "fedloe", "perinvfl", "fedipg"))])
-def test_run_local_real_processes(method, tmp_path):
-    """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes
-    (127.0.0.1): the global model equals the in-process run's at the nodes' thread count bit for
-    bit, and no process of the deployment is left running. FedAvg and FedIIR with FLOWER_DEPLOY=1;
-    all six with FLOWER_DEPLOY_ALL=1 as well."""
-    before = flower_processes()
-    out = tmp_path / "flower.json"
-    rounds = ["--"] + LOE_STAGES if method == "fedloe" else ["--rounds", "1"]
-    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--out", str(out),
-                                    "--timeout", "500"] + rounds,
-                       capture_output=True, text=True, timeout=600, cwd=os.getcwd())
-    assert r.returncode == 0, r.stderr
-    assert f"results: {out}" in r.stdout
-    assert none_left(before)
-    mod, threads = importlib.import_module(method), torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # the nodes' count
-                                                                        # (run_local.py): the
-    try:                                                            # CPU kernels' sums depend on it
-        mod.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0", "--seed", "0",
-                  "--eval-every", "1",
-                  "--out", str(tmp_path / "own.json")] + (LOE_STAGES if method == "fedloe"
-                                                          else ["--rounds", "1"]))
-    finally:
-        torch.set_num_threads(threads)
-    own = torch.load(tmp_path / "own.json.ckpt", weights_only=True)
-    real = torch.load(tmp_path / "flower.json.ckpt", weights_only=True)
-    for k, v in own["model"].items():
-        assert torch.equal(v, real["model"][k]), f"{method}: {k} differs"
-    assert (history(json.loads(out.read_text()))
-            == history(json.loads((tmp_path / "own.json").read_text())))
-
-
-@pytest.mark.slow
-@deploy
-def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(tmp_path, capsys):
-    """--secure: TLS (a CA made for the run, the SuperLink's certificate for 127.0.0.1) and
-    SuperNode authentication (each node's key registered). Two more SuperNodes try to join: one
-    trusts the CA but its key is not registered, one has its key registered but trusts another CA.
-    Neither ever takes part (the run, which needs partition ids 0 and 1 alone, would stop at a third
-    node), the run ends with the in-process model bit for bit, and nothing is left running."""
-    import re
-    import run_local
-    before = flower_processes()
-    out = tmp_path / "flower.json"
-    rc = run_local.main(["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--secure",
-                         "--out", str(out),
-                         "--timeout", "500"], intruders=("unregistered", "untrusting"))
-    said = capsys.readouterr()
-    assert rc == 0, said.err
-    logs = Path(re.search(r"\(logs: (\S+)\)", said.out)[1])
-    assert "https://127.0.0.1" in (logs / "superlink.log").read_text()
-    # flwr 1.42's words
-    for i, why in ((2, "Failed to activate SuperNode"), (3, "CERTIFICATE_VERIFY_FAILED")):
-        assert why in (logs / f"supernode-{i}.log").read_text(), i
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))     # the nodes' count
-    try:
-        fedavg.main(["--dataset", "synthetic", "--clients", "2", "--test-domain", "0",
-                     "--seed", "0",
-                     "--eval-every", "1", "--rounds", "1", "--out", str(tmp_path / "own.json")])
-    finally:
-        torch.set_num_threads(threads)
-    own, fl = (torch.load(p, weights_only=True)["model"]
-               for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
-    assert all(torch.equal(v, fl[k]) for k, v in own.items())
-    assert none_left(before)
-
-
-@pytest.mark.slow
-@deploy
-def test_run_local_real_nodes_train_at_the_same_time(tmp_path):
-    """3 SuperNodes on 127.0.0.1, every client sampled, 400 local epochs (so that a node's work,
-    about 8 s on 2 cores, outlasts the start of Flower's process per message, up to 4 s there; 40
-    epochs, under 1 s, left all three overlapping in only some runs): in every round at least two
-    nodes' training overlaps, and in some round all three at one instant (the spans the nodes
-    report, the results' `flower` entry). One after another, as the nodes were when they handed
-    one random stream on, no two spans would overlap. On 2 cores the third node may start when
-    another has ended, hence "at least two" each round."""
-    out = tmp_path / "r.json"
-    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "3", "--rounds", "2",
-                                    "--out", str(out),
-                                    "--timeout", "500", "--", "--clients", "3", "--sample", "3",
-                                    "--local-epochs", "400"],
-                       capture_output=True, text=True, timeout=600, cwd=os.getcwd())
-    assert r.returncode == 0, r.stderr
-    rounds = json.loads(out.read_text())["flower"]["rounds"]
-    trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items()
-               if int(t) > 0}
-    assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2]
-                                                 for v in trained.values())
-    pairs = lambda v: [(a, b) for i, a in enumerate(v) for b in v[i + 1:] if overlap([a, b])]
-    assert all(pairs(v) for v in trained.values()), trained
-    assert any(overlap(v) for v in trained.values()), trained
-
-
-@pytest.mark.slow
-@deploy
-def test_run_local_ctrl_c_stops_everything(tmp_path):
-    before = flower_processes()
-    p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5",
-                                      "--out", str(tmp_path / "r.json")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
-    assert "SuperLink 127.0.0.1:" in p.stdout.readline()       # the deployment is up
-    time.sleep(3)
-    assert flower_processes() - before                            # ... and running
-    p.send_signal(2)                                              # Ctrl-C
-    assert p.wait(60) == 130
-    assert "interrupted" in p.stderr.read()
-    assert none_left(before)
 
 
 # ----------------------------------------------------
@@ -540,37 +417,6 @@ def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, mo
                                              "fedipg:init_state"}
 
 
-def tampered(app, how, when=2):
-    """The ClientApp `app`, whose node of partition 0 sends a bad reply in round `when` (the way
-    `how`)."""
-    def bad(msg, context):
-        reply = app(msg, context)
-        if (msg.metadata.message_type != "train.client"
-                or int(context.node_config["partition-id"]) != 0):
-            return reply
-        r = fl_adapter.unpack(reply.content)
-        if r["_round"] != when:
-            return reply
-        theta = r["theta"]
-        if how == "nan":
-            r["theta"] = theta.clone().index_fill_(0, torch.tensor([3]), float("nan"))
-        elif how == "shape":
-            r["theta"] = theta[:-1]
-        elif how == "dtype":
-            r["theta"] = theta.double()
-        elif how == "missing":
-            del r["loss"]
-        elif how == "extra":
-            r["note"] = "hello"
-        elif how == "oversized":
-            r["theta"] = theta.repeat(8)
-        elif how == "round":
-            r["_round"] = when - 1
-        reply.content = fl_adapter.pack(r)
-        return reply
-    return bad
-
-
 @pytest.mark.parametrize("how,what", [
     ("nan", "non-finite theta"),
     ("shape",
@@ -579,28 +425,32 @@ def tampered(app, how, when=2):
     ("dtype", "theta is ('tensor', ({N},), 'torch.float64'), where the client function gives"),
     ("missing", "missing loss"),
     ("extra", "extra note"),
+    ("began", "missing _began"),
     ("oversized", "bytes, the most this exchange takes is"),
+    ("zeros", "bytes, the most this exchange takes is"),     # 64 MiB, not its few wire chunks
     ("round", "it answers round 1 (client_update), not round 2 (client_update)"),
 ])
 def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_path, capsys):
-    """A bad reply in round 2 ends the run in one line naming the node, its client and what was
-    wrong (exit 1); the global model never takes a value from it (the checkpoint is round 1's, as
-    the method file's own run has it), and the same command with --resume, once the node is honest,
-    ends with the method file's numbers."""
+    """A bad reply in round 2 ends the run in one line naming the node, its partition and what was
+    wrong (RunFailed, which the ServerApp raises so that Flower marks the run failed; the line in
+    <out>.flower.json too); the global model never takes a value from it (the checkpoint is round
+    1's, as the method file's own run has it), and the same command with --resume, once the node
+    is honest, ends with the method file's numbers."""
     argv = ARGV["fedavg"] + ["--sample", "3"]
     fedavg.main(argv + ["--rounds", "1", "--out", str(tmp_path / "one.json")])
     capsys.readouterr()
     out = tmp_path / "flower.json"
-    grid = fake_grid.FakeGrid(tampered(fl_adapter.client_app(), how), 3)
-    with pytest.raises(SystemExit) as e:
+    grid = fake_grid.FakeGrid(bad_node.tampered(fl_adapter.client_app(), how), 3)
+    with pytest.raises(fl_adapter.RunFailed) as e:
         fl_adapter.serve(grid, "fedavg", argv + ["--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     n = sum(v.numel() for v in torch.load(tmp_path / "one.json.ckpt",
                                           weights_only=True)["model"].values())
     node = next(i for i, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
-    assert e.value.code == 1 and len(err) == 1, err
-    assert err[0].startswith(f"fedavg.py: error: a bad reply in round 2 from node {node} (client "
-                             "0): "), err
+    assert len(err) == 1 and err[0] == str(e.value), err
+    assert err[0] == json.loads(Path(f"{out}.flower.json").read_text())["error"]
+    assert err[0].startswith(f"fedavg.py: error: a bad reply in round 2 from node {node} "
+                             "(partition 0): "), err
     assert what.format(n=n - 1, N=n) in err[0] and err[0].endswith("the last good checkpoint "
                                                                    f"({out}.ckpt) is kept")
     one, kept = (torch.load(p, weights_only=True) for p in (tmp_path / "one.json.ckpt",
@@ -616,17 +466,52 @@ def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_p
         assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 
-def test_a_second_node_claiming_a_taken_partition_id_ends_the_run(tmp_path, capsys):
+@pytest.mark.parametrize("late", [0, 1])
+def test_a_second_node_claiming_a_taken_partition_id_is_named(late, tmp_path, capsys):
+    """Two nodes claim one partition id: the one that came online later is named (whichever sorts
+    first by node id), never the one that held it."""
     grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
-    first, second = sorted(grid.contexts)[:2]
-    grid.contexts[second].node_config["partition-id"] = grid.contexts[first].node_config[
+    honest, liar = sorted(grid.contexts)[:2][::1 if late else -1]
+    grid.contexts[liar].node_config["partition-id"] = grid.contexts[honest].node_config[
         "partition-id"]
-    with pytest.raises(SystemExit) as e:
+    grid.activated[liar] = "2026-01-01T00:01:00+00:00"                   # after every other node
+    with pytest.raises(fl_adapter.RunFailed):
         fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")])
-    err = capsys.readouterr().err.strip()
-    taken = grid.contexts[first].node_config["partition-id"]
-    assert e.value.code == 1 and f"it claims partition id {taken}, which node" in err, err
-    assert err.startswith("fedavg.py: error: a bad reply from node ") and len(err.splitlines()) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    taken = grid.contexts[honest].node_config["partition-id"]
+    assert err == [f"fedavg.py: error: a bad reply from node {liar}: it claims partition id "
+                   f"{taken}, which node {honest} has held since before it connected; this run "
+                   f"needs 0..2, one node each; stopped; nothing of this run was saved"], err
+
+
+def test_with_the_nodes_keys_a_node_holds_the_partition_its_key_was_made_for(tmp_path, capsys):
+    """Run config `keys` (credentials.py's folder): a node that claims a partition whose key it
+    does not hold is named, whenever it came online; with the right keys the run is the method
+    file's."""
+    import credentials
+    credentials.make(tmp_path / "certs", ["127.0.0.1"], 3)
+    pem = {k: v for v, k in fl_adapter.node_keys(tmp_path / "certs").items()}   # partition: key
+    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
+    ids = sorted(grid.contexts, key=lambda i: grid.contexts[i].node_config["partition-id"])
+    grid.keys = {i: pem[p] for p, i in enumerate(ids)}
+    grid.keys[ids[2]] = pem[0]                                   # node of partition 2, key 0's
+    argv = ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")]
+    with pytest.raises(fl_adapter.RunFailed):
+        fl_adapter.serve(grid, "fedavg", argv, keys=tmp_path / "certs")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fedavg.py: error: a bad reply from node {ids[2]}: it claims partition id 2, "
+                   f"and its registered key is partition 0's key; stopped; nothing of this run "
+                   f"was saved"], err
+    grid.keys[ids[2]] = pem[2]
+    results, _ = fl_adapter.serve(grid, "fedavg", argv, keys=tmp_path / "certs")
+    assert results["complete"]
+
+
+def test_the_size_of_a_reply_is_what_unpacking_it_takes():
+    """64 MiB of zeros travels as a few equal 5 MiB chunks (one object on the wire); the check
+    counts the bytes unpacking it takes."""
+    rd = fl_adapter.pack({"theta": torch.zeros(2 ** 24)})
+    assert fl_adapter.unpacked_bytes(rd) > 2 ** 26 > 4 * fl_adapter.nbytes(rd)
 
 
 # ------------------------------------------ what each
@@ -736,63 +621,3 @@ def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, w
         gaps.append(((sa - sb).abs() / sa.abs().clamp(min=sa.abs().max() * 1e-3)).max().item())
     gap = max(gaps)
     assert (gap < 2e-5) if needs == "sum" else (gap > 1e-2), gap
-
-
-def test_a_secure_superlink_serves_tls_and_registers_node_keys(tmp_path):
-    """The secure path of run_local.py --secure, short enough for every run of the suite:
-    credentials.py's files (private ones 0600 in a 0700 folder), a SuperLink started with TLS and
-    SuperNode authentication, each node's key registered through its Control API; a TLS client that
-    trusts the run's CA gets the SuperLink's certificate for 127.0.0.1, one that trusts another CA
-    is refused. Nothing left running."""
-    import ssl
-    import stat
-    import run_local
-    before = flower_processes()
-    a = run_local.parse(["--method", "fedavg", "--nodes", "2", "--secure"])
-    link_flags, node_flags, connection = run_local.security(a, tmp_path, ("untrusting",))
-    certs = tmp_path / "certs"
-    assert stat.S_IMODE(certs.stat().st_mode) == 0o700
-    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in certs.iterdir() if p.suffix not
-            in (".crt", ".pub")} \
-        == dict.fromkeys(["ca.key", "server.key", "node-0", "node-1", "node-2"], 0o600)
-    assert ("--insecure" not in link_flags + node_flags(0) and "--enable-supernode-auth"
-            in link_flags)
-    port = run_local.free_port()
-    env, bindir = run_local.environment(port, tmp_path, connection), Path(sys.executable).parent
-    procs = run_local.Processes(env, tmp_path)
-    try:
-        link = procs.start("superlink", [str(bindir / "flower-superlink"), *link_flags,
-                                         "--host", "127.0.0.1", "--port", str(port),
-                                         "--disable-runtime-dependency-installation"])
-        run_local.wait_port(port, link, "SuperLink", log=tmp_path / "superlink.log")
-        run_local.register(a, env, bindir, tmp_path)
-        assert (tmp_path / "superlink.log").read_text().count("Created node_id=") == 2
-        trusting = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as s, \
-                trusting.wrap_socket(s, server_hostname="127.0.0.1") as tls:
-            assert ("IP Address", "127.0.0.1") in tls.getpeercert()["subjectAltName"]
-        other = ssl.create_default_context(cafile=str(tmp_path / "another-ca" / "ca.crt"))
-        with pytest.raises(ssl.SSLCertVerificationError), \
-                socket.create_connection(("127.0.0.1", port), timeout=30) as s, \
-                other.wrap_socket(s, server_hostname="127.0.0.1"):
-            pass
-    finally:
-        procs.stop()
-    assert none_left(before)
-
-
-def test_credentials_refuses_bad_input_and_never_writes_over_a_key(tmp_path, capsys):
-    import credentials
-    for argv, why in ((["--nodes", "0"], "--nodes must be positive, got 0"),
-                      (["--nodes", "x"], "argument --nodes: invalid int value: 'x'")):
-        with pytest.raises(SystemExit) as e:
-            credentials.main(["--out", str(tmp_path / "c"), "--hosts", "127.0.0.1", *argv])
-        err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and err == [f"credentials.py: error: {why}"]
-    assert not (tmp_path / "c").exists()
-    made = credentials.main(["--out", str(tmp_path / "c"), "--hosts", "127.0.0.1", "--nodes", "1"])
-    before = {p: p.read_bytes() for p in made}
-    with pytest.raises(SystemExit) as e:
-        credentials.main(["--out", str(tmp_path / "c"), "--hosts", "127.0.0.1", "--nodes", "2"])
-    assert e.value.code == 2 and "credentials are never written over" in capsys.readouterr().err
-    assert {p: p.read_bytes() for p in made} == before and not (tmp_path / "c" / "node-1").exists()

@@ -1,0 +1,66 @@
+"""A node that answers badly, for the tests: the ways a registered but broken (or hostile) node can
+spoil its reply, and a ClientApp that does so. In process, test_flower.py wraps the honest
+ClientApp with `tampered`; on real processes, test_deploy.py submits a copy of this App whose
+ClientApp is `bad_node:app`: the node whose node config says `bad=true` spoils its reply to the
+exchange of round `tamper-round` (run config, default 2) the way `tamper` says (run config)."""
+import torch
+from flwr.clientapp import ClientApp
+
+import fl_adapter
+
+HOW = ("nan", "shape", "dtype", "missing", "extra", "began", "round", "oversized", "zeros")
+
+
+def spoil(r, how):
+    """The unpacked reply r of a client_update (its "theta"), spoiled the way `how` names."""
+    theta = r["theta"]
+    if how == "nan":
+        r["theta"] = theta.clone().index_fill_(0, torch.tensor([3]), float("nan"))
+    elif how == "shape":
+        r["theta"] = theta[:-1]
+    elif how == "dtype":
+        r["theta"] = theta.double()
+    elif how == "missing":
+        del r["loss"]
+    elif how == "extra":
+        r["note"] = "hello"
+    elif how == "began":                        # the node's own field, not the function's
+        del r["_began"]
+    elif how == "round":
+        r["_round"] -= 1
+    elif how == "oversized":
+        r["theta"] = theta.repeat(8)
+    elif how == "zeros":          # 64 MiB that Flower sends as a few equal chunks of 5 MiB
+        r["theta"] = torch.zeros(2 ** 24)
+    else:
+        raise ValueError(f"unknown way to spoil a reply: {how!r}")
+    return r
+
+
+def tampered(app, how, when=2, bad=lambda context: context.node_config["partition-id"] == 0):
+    """The ClientApp `app`, whose nodes that are `bad` spoil their train reply of round `when`."""
+    def answer(msg, context):
+        reply = app(msg, context)
+        if msg.metadata.message_type != "train.client" or not bad(context) \
+                or reply.has_error():
+            return reply
+        r = fl_adapter.unpack(reply.content)
+        if r["_round"] == when:
+            reply.content = fl_adapter.pack(spoil(r, how))
+        return reply
+    return answer
+
+
+def _real(msg, context):
+    """This node's answer on real processes: honest unless its node config says bad=true."""
+    how = str(context.run_config.get("tamper", ""))
+    when = int(context.run_config.get("tamper-round", 2))
+    if not how:
+        return _honest(msg, context)
+    return tampered(_honest, how, when, lambda c: bool(c.node_config.get("bad")))(msg, context)
+
+
+_honest = fl_adapter.client_app()
+app = ClientApp()
+app.query("hello")(lambda msg, context: _honest(msg, context))
+app.train("client")(_real)

@@ -1,0 +1,147 @@
+"""The SuperLink's public face (docs/flower.md, "The trust boundary"): an nginx configuration that
+terminates TLS on the address the SuperNodes reach and forwards the Fleet API alone, the twelve
+POST routes a SuperNode calls, to the SuperLink listening on 127.0.0.1. Everything else, the
+Control API (submit, stop or list runs, register nodes), the Runtime API, /openapi.json and
+/docs, is refused by nginx with 403 and never reaches the SuperLink.
+
+flwr 1.42's SuperLink serves its Fleet, Control and Runtime APIs on one port and authenticates no
+Control user, so the port itself must not be reachable: the SuperLink listens on 127.0.0.1, the
+operator runs `flwr` on the server's host (or through `ssh -L`), and nginx, a well-kept server
+that Debian packages (`apt-get install nginx-light`), stands on the public address.
+
+    python flower/proxy.py --certs certs --listen 0.0.0.0:9092 --superlink-port 9091 \
+        --workdir /var/lib/fedood-proxy > fedood-proxy.conf
+    nginx -e stderr -c "$PWD/fedood-proxy.conf"          # in the foreground (daemon off)
+
+The route is matched against the raw request line ($request_uri: before nginx decodes %XX,
+merges slashes or resolves dot segments), so a path trick never matches; the Fleet calls carry
+their SuperNode's signed headers through to the SuperLink, which checks them (its
+--enable-supernode-auth). Bodies are bounded per request (--max-body, default 8 MiB: Flower
+sends an array in chunks of at most 5 MiB, one object a request) and held in memory.
+"""
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+
+# The Fleet API of flwr 1.42.0 (flwr/superlink/routers/fleet/router.py): every route a SuperNode
+# calls, all POST under /v1/fleet/ (test_proxy.py checks this list against the installed flwr).
+FLEET = ("register-node", "activate-node", "deactivate-node", "unregister-node",
+         "send-node-heartbeat", "pull-messages", "push-messages", "get-run", "get-fab",
+         "push-object", "pull-object", "confirm-message-received")
+
+TEMPLATE = """\
+# The fedood federation's reverse proxy (flower/proxy.py): TLS on {listen}, the Fleet API alone
+# forwarded to the SuperLink at 127.0.0.1:{superlink_port}; everything else refused here.
+daemon off;
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/error.log warn;
+events {{
+    worker_connections 512;
+}}
+http {{
+    access_log {workdir}/access.log;
+    client_body_temp_path {workdir}/client-body;
+    proxy_temp_path {workdir}/proxy-temp;
+    fastcgi_temp_path {workdir}/fastcgi-temp;
+    uwsgi_temp_path {workdir}/uwsgi-temp;
+    scgi_temp_path {workdir}/scgi-temp;
+    server_tokens off;
+
+    # 1 for a Fleet route exactly as a SuperNode sends it (no query, no encoding, no dots)
+    map $request_uri $fleet_route {{
+        default 0;
+        "~^/v1/fleet/({routes})$" 1;
+    }}
+
+    server {{
+        listen {listen} ssl;
+        ssl_certificate {certs}/server.crt;
+        ssl_certificate_key {certs}/server.key;
+        ssl_protocols TLSv1.2 TLSv1.3;
+
+        client_max_body_size {max_body};
+        client_body_buffer_size {max_body};      # a body stays in memory, never on disk
+
+        location / {{
+            if ($fleet_route = 0) {{
+                return 403;
+            }}
+            if ($request_method != POST) {{
+                return 403;
+            }}
+            proxy_pass https://127.0.0.1:{superlink_port};
+            proxy_http_version 1.1;
+            proxy_buffering off;                 # replies stream through, never on disk
+            # the SuperLink's certificate names localhost (flower/credentials.py)
+            proxy_ssl_verify on;
+            proxy_ssl_trusted_certificate {certs}/ca.crt;
+            proxy_ssl_name localhost;
+            proxy_ssl_server_name on;
+        }}
+    }}
+}}
+"""
+
+
+def config(listen, superlink_port, certs, workdir, max_body="8m"):
+    """The nginx configuration: TLS with certs/server.crt and server.key on `listen` (host:port),
+    the Fleet routes forwarded to https://127.0.0.1:superlink_port (its certificate checked
+    against certs/ca.crt), its pid, logs and temporary folders in `workdir`."""
+    return TEMPLATE.format(listen=listen, superlink_port=superlink_port,
+                           certs=Path(certs).resolve(), workdir=Path(workdir).resolve(),
+                           max_body=max_body, routes="|".join(FLEET))
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):        # one line, not the usage
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def listen_address(text):
+    """host:port with an IP address (IPv6 in brackets) and a port in 1..65535."""
+    host, _, port = text.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects IP:PORT, got {text!r}") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be in 1..65535, got {number}")
+    return f"[{ip}]:{number}" if ip.version == 6 else f"{ip}:{number}"
+
+
+def port(text):
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a port number, got {text!r}") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {number}")
+    return number
+
+
+def main(argv=None):
+    p = Parser(prog="proxy.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--certs", required=True,
+                   help="credentials.py's folder: server.crt, server.key, ca.crt")
+    p.add_argument("--listen", required=True, type=listen_address,
+                   help="the address the SuperNodes reach, IP:PORT (0.0.0.0:PORT: every one)")
+    p.add_argument("--superlink-port", required=True, type=port,
+                   help="the SuperLink's port on 127.0.0.1 (flower-superlink --host 127.0.0.1)")
+    p.add_argument("--workdir", required=True,
+                   help="a folder for nginx's pid, logs and temporary folders")
+    p.add_argument("--max-body", default="8m", help="the largest request body (default 8m)")
+    a = p.parse_args(argv)
+    missing = [f for f in ("server.crt", "server.key", "ca.crt")
+               if not (Path(a.certs) / f).is_file()]
+    if missing:
+        p.error(f"--certs {a.certs} lacks {', '.join(missing)} (python flower/credentials.py)")
+    if not Path(a.workdir).is_dir():
+        p.error(f"--workdir {a.workdir} is not a folder")
+    sys.stdout.write(config(a.listen, a.superlink_port, a.certs, a.workdir, a.max_body))
+
+
+if __name__ == "__main__":
+    main()

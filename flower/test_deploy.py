@@ -1,0 +1,505 @@
+"""The Flower App on real processes, 127.0.0.1 (docs/flower.md): the federation's boundary held
+against an outsider and a registered node, a bad reply that reaches the operator, the honest runs
+equal to the method files' bit for bit. Minutes: marked slow, run by `pytest -q -m slow flower/`
+(.ci/run), deselected from the suite."""
+import importlib
+import json
+import os
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason="flwr not installed: pip install -r flower/requirements.txt")
+
+import torch  # noqa: E402
+
+import run_local  # noqa: E402
+from test_flower import HERE, RUN_LOCAL, flower_processes, history, none_left  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LOE_STAGES = ["--stage1-epochs", "1", "--stage1-comms", "1", "--stage2-epochs", "1",
+              "--stage2-comms", "1"]
+SYNTHETIC = ["--dataset", "synthetic", "--test-domain", "0", "--seed", "0", "--eval-every", "1"]
+
+
+def own_run(method, out, argv):
+    """The method file's own run at the nodes' thread count (run_local.py: OMP_NUM_THREADS, 1 by
+    default; the CPU kernels' sums depend on it): its checkpoint."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        importlib.import_module(method).main(argv + ["--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    return torch.load(f"{out}.ckpt", weights_only=True)
+
+
+def same_model(a, b):
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+# ------------------------------------------------------------------------- the honest runs
+
+@pytest.mark.parametrize("method", ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"])
+def test_run_local_real_processes(method, tmp_path, no_flower_left):
+    """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes: the
+    global model and the history equal the in-process run's bit for bit."""
+    out = tmp_path / "flower.json"
+    rounds = ["--"] + LOE_STAGES if method == "fedloe" else ["--rounds", "1"]
+    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--out", str(out),
+                                    "--timeout", "500"] + rounds,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert f"results: {out}" in r.stdout
+    own = own_run(method, tmp_path / "own.json", SYNTHETIC + ["--clients", "2"]
+                  + (LOE_STAGES if method == "fedloe" else ["--rounds", "1"]))
+    assert same_model(own["model"], torch.load(f"{out}.ckpt", weights_only=True)["model"])
+    assert (history(json.loads(out.read_text()))
+            == history(json.loads((tmp_path / "own.json").read_text())))
+
+
+def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(
+        tmp_path, capsys, no_flower_left):
+    """--secure: the SuperLink with TLS and SuperNode authentication on 127.0.0.1, the nodes
+    through the proxy. Two more SuperNodes try to join through it: one trusts the CA but its key
+    is not registered, one has its key registered but trusts another CA. Neither takes part (the
+    run, which needs partition ids 0 and 1 alone, would stop at a third node), and the run ends
+    with the in-process model bit for bit; no copy of the checkpoint stays in the log folder."""
+    out = tmp_path / "flower.json"
+    rc = run_local.main(["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--secure",
+                         "--out", str(out), "--timeout", "500"],
+                        intruders=("unregistered", "untrusting"))
+    said = capsys.readouterr()
+    assert rc == 0, said.err
+    logs = Path(re.search(r"\(logs: (\S+)\)", said.out)[1])
+    proxy_port = int(re.search(r"proxy 127\.0\.0\.1:(\d+)", said.out)[1])
+    assert "https://127.0.0.1" in (logs / "superlink.log").read_text()
+    for i, why in ((2, "Failed to activate SuperNode"), (3, "CERTIFICATE_VERIFY_FAILED")):
+        assert why in (logs / f"supernode-{i}.log").read_text(), i      # flwr 1.42's words
+    # the members' replies came through the proxy (its own port: its log's)
+    assert "POST /v1/fleet/push-messages" in (logs / "proxy" / "access.log").read_text()
+    assert f"127.0.0.1:{proxy_port}" in (logs / "proxy.conf").read_text()
+    own = own_run("fedavg", tmp_path / "own.json", SYNTHETIC + ["--clients", "2", "--rounds", "1"])
+    assert same_model(own["model"], torch.load(f"{out}.ckpt", weights_only=True)["model"])
+    assert not list(logs.glob("*.ckpt"))
+
+
+def test_run_local_real_nodes_train_at_the_same_time(tmp_path, no_flower_left):
+    """3 SuperNodes, every client sampled, 400 local epochs (so that a node's work, about 8 s on
+    2 cores, outlasts the start of Flower's process per message, up to 4 s there): in every round
+    at least two nodes' training overlaps, and in some round all three at one instant (the spans
+    the nodes report, the results' `flower` entry). On 2 cores the third node may start when
+    another has ended, hence "at least two" each round."""
+    out = tmp_path / "r.json"
+    r = subprocess.run(RUN_LOCAL + ["--method", "fedavg", "--nodes", "3", "--rounds", "2",
+                                    "--out", str(out), "--timeout", "500", "--", "--clients",
+                                    "3", "--sample", "3", "--local-epochs", "400"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    from test_flower import overlap
+    rounds = json.loads(out.read_text())["flower"]["rounds"]
+    trained = {t: [s for s in r["spans"] if s[0] == "client_update"] for t, r in rounds.items()
+               if int(t) > 0}
+    assert sorted(trained) == ["1", "2"] and all(sorted(c for _, c, _, _ in v) == [0, 1, 2]
+                                                 for v in trained.values())
+    pairs = lambda v: [(a, b) for i, a in enumerate(v) for b in v[i + 1:] if overlap([a, b])]
+    assert all(pairs(v) for v in trained.values()), trained
+    assert any(overlap(v) for v in trained.values()), trained
+
+
+def test_run_local_ctrl_c_stops_everything(tmp_path, no_flower_left):
+    p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5",
+                                      "--secure", "--out", str(tmp_path / "r.json")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "SuperLink 127.0.0.1:" in p.stdout.readline()       # the deployment is up
+    time.sleep(3)
+    assert flower_processes()                                     # ... and running
+    p.send_signal(2)                                              # Ctrl-C
+    assert p.wait(60) == 130
+    err = p.stderr.read().strip().splitlines()
+    assert len(err) == 1 and "interrupted" in err[0], err
+
+
+# ---------------------------------------------------------------------------- the boundary
+
+class Relay:
+    """The outsider's relay: plain TCP on 127.0.0.1, to `port` over TLS that checks no
+    certificate (what `curl -k` does), so that a client that speaks plain HTTP, `flwr` with
+    `insecure = true`, reaches a TLS server whose CA it never had."""
+
+    def __init__(self, port):
+        self.port, self.server = port, socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        blind = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        blind.check_hostname, blind.verify_mode = False, ssl.CERT_NONE
+        while True:
+            try:
+                inside, _ = self.server.accept()
+            except OSError:
+                return
+            outside = blind.wrap_socket(socket.create_connection(("127.0.0.1", self.port)))
+            for a, b in ((inside, outside), (outside, inside)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    def close(self):
+        self.server.close()
+
+
+def pipe(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def ask(port, line, body=b""):
+    """One raw HTTP/1.1 request (its request line as written, nothing normalised) over TLS with no
+    certificate check: (status, the response's bytes)."""
+    blind = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    blind.check_hostname, blind.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
+            blind.wrap_socket(raw) as tls:
+        tls.sendall(f"{line}\r\nHost: 127.0.0.1\r\nContent-Type: application/protobuf\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        got = b""
+        while chunk := tls.recv(65536):
+            got += chunk
+    return int(got.split(b" ", 2)[1]), got
+
+
+def flwr_as(home, address, connection, *args, timeout=120):
+    """`flwr` as someone else: a FLWR_HOME of theirs naming `address` (connection: their TLS line
+    or `insecure = true`)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "x"\n\n[superlink.x]\n'
+                                      f'address = "{address}"\n{connection}\n')
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0",
+               FLWR_DISABLE_UPDATE_CHECK="1")
+    return subprocess.run([str(Path(sys.executable).parent / "flwr"), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=home)
+
+
+def evil_app(folder, marker):
+    """A foreign App: its ServerApp writes `marker`.server when imported, then sends every node a
+    query; its ClientApp writes `marker`.node-<pid> when imported. Whoever runs it, runs that."""
+    folder.mkdir()
+    write = (f"import os\nopen({str(marker)!r} + '.' + __name__ + '-' + str(os.getpid()), "
+             f"'w').close()\n")
+    (folder / "evil_server.py").write_text(
+        write + "from flwr.app import Message, RecordDict\nfrom flwr.serverapp import ServerApp"
+        "\napp = ServerApp()\n\n\n@app.main()\ndef main(grid, context):\n"
+        "    grid.send_and_receive([Message(RecordDict(), n, 'query.x')\n"
+        "                           for n in grid.get_node_ids()], timeout=60)\n")
+    (folder / "evil_client.py").write_text(
+        write + "from flwr.app import Message, RecordDict\nfrom flwr.clientapp import ClientApp"
+        "\napp = ClientApp()\n\n\n@app.query('x')\ndef x(msg, context):\n"
+        "    return Message(RecordDict(), reply_to=msg)\n")
+    (folder / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        '[project]\nname = "evil"\nversion = "1.0.0"\ndependencies = []\n\n'
+        '[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n[tool.flwr.app]\n'
+        'publisher = "evil"\n\n[tool.flwr.app.components]\nserverapp = "evil_server:app"\n'
+        'clientapp = "evil_client:app"\n')
+    return folder
+
+
+def listening(port):
+    """The local addresses on which something listens at `port` (/proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            address, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:        # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+# Requests that must never reach the SuperLink: its other APIs, and path tricks that a
+# normalising proxy would turn into them (the raw request line, as an attacker writes it)
+REFUSED = [
+    "GET /openapi.json HTTP/1.1", "GET /docs HTTP/1.1", "GET / HTTP/1.1",
+    "POST /v1/control/list-runs HTTP/1.1", "POST /v1/control/register-node HTTP/1.1",
+    "POST /v1/control/start-run HTTP/1.1", "POST /v1/runtime/get-nodes HTTP/1.1",
+    "POST /v1/fleet/../control/list-runs HTTP/1.1", "POST //v1/control/list-runs HTTP/1.1",
+    "POST /v1/fleet/%2e%2e/control/list-runs HTTP/1.1",
+    "POST /v1/fleet/%2E%2E/control/list-runs HTTP/1.1",
+    "POST /v1/fleet/..%2fcontrol/list-runs HTTP/1.1",
+    "POST /v1/fleet/%2e%2e%2fcontrol%2flist-runs HTTP/1.1",
+    "POST /v1/fleet/get-run/../../control/list-runs HTTP/1.1",
+    "POST /v1/fleet/get-run;/../../control/list-runs HTTP/1.1",
+    "POST /./v1/control/list-runs HTTP/1.1", "POST /v1/./control/list-runs HTTP/1.1",
+    "POST /V1/CONTROL/LIST-RUNS HTTP/1.1", "POST /v1/Control/list-runs HTTP/1.1",
+    "POST /V1/FLEET/GET-RUN HTTP/1.1", "POST /v1/fleet/Get-Run HTTP/1.1",
+    "POST /v1/fleet//get-run HTTP/1.1", "POST /v1/fleet/get-run/ HTTP/1.1",
+    "POST /v1/fleet/get-run?next=/v1/control/list-runs HTTP/1.1",
+    "POST /v1/fleet/%67et-run HTTP/1.1",
+    "POST https://127.0.0.1/v1/control/list-runs HTTP/1.1",
+    "GET /v1/fleet/get-run HTTP/1.1", "PUT /v1/fleet/get-run HTTP/1.1",
+]
+
+
+@pytest.fixture(scope="module")
+def boundary(tmp_path_factory):
+    """A secure deployment as the recipe has it: the SuperLink (TLS, SuperNode authentication) on
+    127.0.0.1, nginx in front of it for the nodes, node keys 0 and 1 registered, their two
+    SuperNodes through the proxy; every process stopped afterwards."""
+    logdir = tmp_path_factory.mktemp("boundary")
+    before = flower_processes()
+    d = run_local.Deployment(logdir, run_local.free_port(), secure=True, keys=2).start()
+    try:
+        for k in range(2):
+            d.register(k)
+            d.node(f"supernode-{k}", k, 2, key=k)
+        wait_online(d, 2)
+        yield d
+    finally:
+        d.stop()
+        assert none_left(before)
+
+
+def wait_online(d, n, seconds=60):
+    """The SuperNodes the operator sees online, once there are n."""
+    end = time.time() + seconds
+    while time.time() < end:
+        nodes = json.loads(d.flwr("supernode", "list", "--format", "json").stdout)["nodes"]
+        online = [x for x in nodes if x["status"] == "online"]
+        if len(online) >= n:
+            return online
+        time.sleep(1)
+    raise AssertionError(f"fewer than {n} SuperNodes came online in {seconds} s")
+
+
+def test_the_superlink_listens_on_loopback_and_nginx_on_the_nodes_address(boundary):
+    assert listening(boundary.port) == {"0100007F"}                       # 127.0.0.1 alone
+    assert listening(boundary.proxy_port) == {"0100007F"}     # here the public address: loopback
+
+
+@pytest.mark.parametrize("line", REFUSED)
+def test_the_proxy_refuses_everything_but_the_fleet_api(boundary, line):
+    """What the outsider's `curl -k` got from the SuperLink's port (openapi.json, the Control and
+    Runtime APIs), and path tricks against the proxy (dot segments, doubled slashes,
+    percent-encoded dots and slashes, other letter cases, a query, an absolute URI, other
+    methods): nginx answers 403 (or 400) itself; nothing reaches the SuperLink."""
+    status, got = ask(boundary.proxy_port, line.replace("127.0.0.1", f"127.0.0.1:"
+                                                        f"{boundary.proxy_port}"))
+    assert status in (400, 403) and b"<center>nginx</center>" in got, (status, got[:300])
+
+
+def test_the_proxy_forwards_the_fleet_api(boundary):
+    """The control of the test above: a Fleet route passes the proxy; the SuperLink itself turns
+    down this request, which has no node's signature."""
+    status, got = ask(boundary.proxy_port, "POST /v1/fleet/get-run HTTP/1.1")
+    assert status not in (403, 405) and b"<center>nginx</center>" not in got, got[:300]
+    assert status == 401, got[:300]
+
+
+def test_no_outsider_and_no_node_submits_lists_or_registers(boundary, tmp_path):
+    """Through the outsider's relay that skips certificate checks, and as a registered node's
+    operator (the federation's CA, the public address): `flwr ls`, `flwr supernode list`,
+    `flwr supernode register` of their own key and `flwr run` of a foreign App are all refused.
+    The operator, on the server's host, then sees no run and the two registered nodes only; the
+    foreign App never ran anywhere. The operator's own submission of that App shows what a run is:
+    its code ran on the server and on every node."""
+    import credentials
+    credentials.make(tmp_path / "attacker", ["127.0.0.1"], 1)
+    marker = tmp_path / "ran"
+    app = evil_app(tmp_path / "evil", marker)
+    relay = Relay(boundary.proxy_port)
+    who = [(tmp_path / "outsider", relay.address, "insecure = true"),
+           (tmp_path / "node-0", boundary.address,
+            f'root-certificates = "{boundary.certs / "ca.crt"}"')]
+    try:
+        for home, address, connection in who:
+            for args in (["ls"], ["supernode", "list"],
+                         ["supernode", "register", str(tmp_path / "attacker" / "node-0.pub")],
+                         ["run", str(app), "--stream"]):
+                r = flwr_as(home, address, connection, *args)
+                assert r.returncode != 0, (home.name, args, r.stdout[-500:])
+                assert "403" in r.stdout + r.stderr or "Forbidden" in r.stdout + r.stderr, \
+                    (home.name, args, (r.stdout + r.stderr)[-500:])
+    finally:
+        relay.close()
+    time.sleep(3)
+    assert not list(tmp_path.glob("ran*"))
+    assert json.loads(boundary.flwr("ls", "--format", "json").stdout)["runs"] == []
+    assert len(json.loads(boundary.flwr("supernode", "list", "--format", "json")
+                          .stdout)["nodes"]) == 2
+    r = boundary.run("", app, timeout=300)                   # the operator's: it runs everywhere
+    assert r.returncode == 0, r.stdout[-1000:] + r.stderr[-1000:]
+    end = time.time() + 60
+    while len(list(tmp_path.glob("ran.evil_client-*"))) < 2 and time.time() < end:
+        time.sleep(1)
+    assert list(tmp_path.glob("ran.evil_server-*"))
+    assert len(list(tmp_path.glob("ran.evil_client-*"))) >= 2
+
+
+# ----------------------------------------------------------------- a bad reply and the operator
+
+def bad_app(folder, how="", when=2):
+    """A copy of this App whose ClientApp is bad_node's: the node with node config bad=true spoils
+    its reply of round `when` the way `how` says (run config tamper; "" honest)."""
+    shutil.copytree(HERE, folder, ignore=shutil.ignore_patterns("__pycache__", "test_*"))
+    conf = (folder / "pyproject.toml").read_text()
+    conf = conf.replace('clientapp = "fl_clientapp:app"', 'clientapp = "bad_node:app"')
+    (folder / "pyproject.toml").write_text(conf + f'tamper = "{how}"\ntamper-round = {when}\n')
+    return folder
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    """A secure deployment of 3 SuperNodes (partitions 0, 1, 2; keys 0, 1, 2 and 3 registered),
+    node 1 bad (node config bad=true), and the bad App: (deployment, {partition: node id},
+    the App's folder)."""
+    logdir = tmp_path_factory.mktemp("federation")
+    before = flower_processes()
+    d = run_local.Deployment(logdir, run_local.free_port(), secure=True, keys=4).start()
+    try:
+        for k in range(4):
+            d.register(k)
+        for k in range(3):
+            d.node(f"supernode-{k}", k, 3, key=k, config="bad=true" if k == 1 else "")
+        wait_online(d, 3)
+        ids = {k: node_id(logdir / f"supernode-{k}.log") for k in range(3)}
+        yield d, ids, bad_app(logdir / "app")
+    finally:
+        d.stop()
+        assert none_left(before)
+
+
+def node_id(log, seconds=60):
+    end = time.time() + seconds
+    while time.time() < end:
+        found = re.search(r"SuperNode ID: (\d+)", log.read_text())
+        if found:
+            return int(found[1])
+        time.sleep(0.5)
+    raise AssertionError(f"no SuperNode ID in {log}")
+
+
+ARGV = SYNTHETIC + ["--clients", "3", "--sample", "3", "--rounds", "2"]
+
+
+def submit(d, app, out, how, when=2, argv=(), keys=True):
+    """The operator's `flwr run --stream` of the bad App: (the completed process, its seconds)."""
+    line = " ".join(map(str, [*ARGV, "--out", out, *argv]))
+    config = f'method="fedavg" argv="{line}" tamper="{how}" tamper-round={when}'
+    config += f' keys="{d.certs}"' if keys else ' keys=""'
+    t0 = time.time()
+    r = d.run(config, app, timeout=300)
+    return r, time.time() - t0
+
+
+WHAT = {
+    "nan": "non-finite theta",
+    "shape": "theta is ('tensor', ({n},), 'torch.float32'), where the client function gives",
+    "missing": "missing loss",
+    "extra": "extra note",
+    "began": "missing _began",
+    "round": "it answers round {prev} (client_update), not round {t} (client_update)",
+    "oversized": "bytes, the most this exchange takes is",
+    "zeros": "bytes, the most this exchange takes is",
+}
+
+
+@pytest.mark.parametrize("how", list(WHAT))
+def test_a_bad_reply_reaches_the_operator_within_seconds(federation, how, tmp_path):
+    """Node 1 spoils its reply of round 2 (NaN, a wrong shape, a missing and an extra key, no
+    _began, another round's, oversized, 64 MiB of zeros that Flower sends as a few chunks): the
+    run ends at once, not after Flower's heartbeat timeout (2 minutes); the one line naming the
+    node, its partition and what was wrong is in `flwr run --stream`'s output and in
+    <out>.flower.json ("error"); Flower marks the run failed with it; the checkpoint is round
+    1's."""
+    d, ids, app = federation
+    out = tmp_path / "r.json"
+    r, seconds = submit(d, app, out, how)
+    n = sum(v.numel() for v in torch.load(f"{out}.ckpt", weights_only=True)["model"].values())
+    said = WHAT[how].format(n=n - 1, t=2, prev=1)
+    line = f"fedavg.py: error: a bad reply in round 2 from node {ids[1]} (partition 1): "
+    assert line in r.stdout and said in r.stdout.split(line, 1)[1].splitlines()[0], \
+        r.stdout[-2000:]
+    error = json.loads(Path(f"{out}.flower.json").read_text())["error"]
+    assert error.startswith(line) and said in error
+    assert torch.load(f"{out}.ckpt", weights_only=True)["round"] == 1
+    runs = json.loads(d.flwr("ls", "--format", "json").stdout)["runs"]
+    assert runs[-1]["status"] == "finished:failed", runs[-1]
+    assert seconds < 100, seconds                 # Flower's heartbeat timeout alone is 120 s
+
+
+def test_a_failed_run_resumes_from_its_last_good_checkpoint(federation, tmp_path):
+    """A NaN in round 2, then the same command with --resume once node 1 is honest: the run ends
+    with the method file's own model bit for bit."""
+    d, ids, app = federation
+    out = tmp_path / "r.json"
+    submit(d, app, out, "nan")
+    r, _ = submit(d, app, out, "", argv=["--resume"])
+    assert r.returncode == 0 and "resuming from" in r.stdout, r.stdout[-2000:]
+    own = own_run("fedavg", tmp_path / "own.json", ARGV)
+    assert same_model(own["model"], torch.load(f"{out}.ckpt", weights_only=True)["model"])
+
+
+def test_a_second_node_claiming_a_taken_partition_is_named(federation, tmp_path):
+    """A fourth SuperNode, its key (3) registered, claims partition 1 after the others are online.
+    With the nodes' keys (run config `keys`) it is named for holding partition 3's key; without,
+    as the later claimant. Never the honest node of partition 1."""
+    d, ids, app = federation
+    late = d.node("supernode-late", 1, 3, key=3)
+    try:
+        wait_online(d, 4)
+        late_id = node_id(d.logdir / "supernode-late.log")
+        for keys, said in ((True, "it claims partition id 1, and its registered key is "
+                                  "partition 3's key"),
+                           (False, f"it claims partition id 1, which node {ids[1]} has held "
+                                   f"since before it connected")):
+            r, _ = submit(d, app, tmp_path / f"r-{keys}.json", "", keys=keys)
+            assert f"fedavg.py: error: a bad reply from node {late_id}: {said}" in r.stdout, \
+                r.stdout[-2000:]
+    finally:
+        late.terminate()
+        late.wait(30)
+
+
+def test_run_local_says_which_node_failed_and_resumes(tmp_path, capsys, no_flower_left):
+    """run_local.py --secure with a node that answers NaN in round 2: one line on stderr naming
+    the node and its partition, exit 1, the last good checkpoint at <out>.ckpt and no copy of it
+    in the log folder; run_local.py --resume then ends with the method file's model bit for
+    bit."""
+    out = tmp_path / "r.json"
+    argv = ["--method", "fedavg", "--nodes", "3", "--rounds", "2", "--secure", "--out", str(out),
+            "--timeout", "500"]
+    rest = ["--", "--sample", "3"]
+    rc = run_local.main(argv + rest, app=bad_app(tmp_path / "app", "nan"),
+                        node_config={1: "bad=true"})
+    said = capsys.readouterr()
+    err = said.err.strip().splitlines()
+    logs = Path(re.search(r"logs in (\S+)", said.out)[1])
+    node = node_id(logs / "supernode-1.log")
+    assert rc == 1 and len(err) == 1, said.err
+    assert err[0].startswith(f"run_local.py: error: a bad reply in round 2 from node {node} "
+                             f"(partition 1): non-finite theta; stopped; the last good "
+                             f"checkpoint ({out}.ckpt) is kept: --resume goes on"), err
+    assert torch.load(f"{out}.ckpt", weights_only=True)["round"] == 1
+    assert not list(logs.glob("*.ckpt"))
+    rc = run_local.main(argv + ["--resume"] + rest)
+    assert rc == 0, capsys.readouterr().err
+    own = own_run("fedavg", tmp_path / "own.json", ARGV)
+    assert same_model(own["model"], torch.load(f"{out}.ckpt", weights_only=True)["model"])
