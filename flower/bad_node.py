@@ -8,7 +8,8 @@ from flwr.clientapp import ClientApp
 
 import fl_adapter
 
-HOW = ("nan", "shape", "dtype", "missing", "extra", "began", "round", "oversized", "zeros")
+HOW = ("nan", "shape", "dtype", "missing", "extra", "began", "round", "oversized", "zeros",
+       "chunk", "huge")
 
 
 def spoil(r, how):
@@ -32,6 +33,12 @@ def spoil(r, how):
         r["theta"] = theta.repeat(8)
     elif how == "zeros":          # 64 MiB that Flower sends as a few equal chunks of 5 MiB
         r["theta"] = torch.zeros(2 ** 24)
+    elif how == "huge":           # finite, of the right shape: every check passes it
+        r["theta"] = theta * 1e30
+    elif how == "chunk":          # 64 MiB as one object: one request, more than the proxy takes
+        import flwr.app.message.array as array
+        array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = 2 ** 27
+        r["theta"] = torch.rand(2 ** 24)
     else:
         raise ValueError(f"unknown way to spoil a reply: {how!r}")
     return r

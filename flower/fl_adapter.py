@@ -292,7 +292,7 @@ class Link:
                 (f" (partition {clients[k]})" if clients is not None else "")
             if r is None or r.has_error():
                 why = r.error.reason if r is not None else "no reply"
-                raise BadReply(f"{who} in round {t}: {why}")
+                raise BadReply(f"a bad reply in round {t} from {who}: {why}")
             size = unpacked_bytes(r.content)
             if most is not None and size > most[k]:     # before it is unpacked into tensors
                 raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, "

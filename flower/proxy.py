@@ -21,6 +21,7 @@ sends an array in chunks of at most 5 MiB, one object a request) and held in mem
 """
 import argparse
 import ipaddress
+import re
 import sys
 from pathlib import Path
 
@@ -85,13 +86,25 @@ http {{
 """
 
 
+# what nginx's configuration language would read as more than a path: whitespace, quotes, its
+# separators and variables
+UNSAFE = re.compile(r"[\s;{}'\"#$\\]")
+
+
 def config(listen, superlink_port, certs, workdir, max_body="8m"):
     """The nginx configuration: TLS with certs/server.crt and server.key on `listen` (host:port),
     the Fleet routes forwarded to https://127.0.0.1:superlink_port (its certificate checked
-    against certs/ca.crt), its pid, logs and temporary folders in `workdir`."""
-    return TEMPLATE.format(listen=listen, superlink_port=superlink_port,
-                           certs=Path(certs).resolve(), workdir=Path(workdir).resolve(),
-                           max_body=max_body, routes="|".join(FLEET))
+    against certs/ca.crt), its pid, logs and temporary folders in `workdir`. ValueError for a
+    path nginx would not read as one path, or a body size that is not nginx's N, Nk or Nm."""
+    certs, workdir = Path(certs).resolve(), Path(workdir).resolve()
+    for flag, path in (("--certs", certs), ("--workdir", workdir)):
+        if UNSAFE.search(str(path)):
+            raise ValueError(f"{flag} {path}: nginx would not read it as one path (it holds "
+                             f"whitespace, a quote, or one of ; {{ }} # $ \\); use another")
+    if not re.fullmatch(r"[1-9][0-9]{0,5}[km]?", str(max_body)):
+        raise ValueError(f"--max-body {max_body!r}: give a size as nginx writes it, e.g. 8m")
+    return TEMPLATE.format(listen=listen, superlink_port=superlink_port, certs=certs,
+                           workdir=workdir, max_body=max_body, routes="|".join(FLEET))
 
 
 class Parser(argparse.ArgumentParser):
@@ -140,7 +153,11 @@ def main(argv=None):
         p.error(f"--certs {a.certs} lacks {', '.join(missing)} (python flower/credentials.py)")
     if not Path(a.workdir).is_dir():
         p.error(f"--workdir {a.workdir} is not a folder")
-    sys.stdout.write(config(a.listen, a.superlink_port, a.certs, a.workdir, a.max_body))
+    try:
+        text = config(a.listen, a.superlink_port, a.certs, a.workdir, a.max_body)
+    except ValueError as e:
+        p.error(str(e))
+    sys.stdout.write(text)
 
 
 if __name__ == "__main__":

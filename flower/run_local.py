@@ -251,10 +251,11 @@ class Deployment:
     machine alone. secure: the SuperLink with TLS and SuperNode authentication (credentials.py's
     files in logdir/certs, `keys` node key pairs), and nginx (proxy.py) on its own port serving
     the nodes the Fleet API alone; the operator's `flwr` talks to the SuperLink directly, on
-    127.0.0.1. stop() ends every process, however the run ended."""
+    127.0.0.1 (proxy=False: the nodes too, as before the proxy; flower/overhead.py compares).
+    stop() ends every process, however the run ended."""
 
-    def __init__(self, logdir, port, secure=False, keys=0):
-        self.logdir, self.port, self.secure = Path(logdir), port, secure
+    def __init__(self, logdir, port, secure=False, keys=0, proxy=True):
+        self.logdir, self.port, self.secure, self.proxy = Path(logdir), port, secure, proxy
         self.certs, self.proxy_port = self.logdir / "certs", None
         if secure:
             import credentials
@@ -275,7 +276,7 @@ class Deployment:
                                               "--host", "127.0.0.1", "--port", str(self.port),
                                               "--disable-runtime-dependency-installation"])
         wait_port(self.port, link, "SuperLink", log=self.logdir / "superlink.log")
-        if self.secure:
+        if self.secure and self.proxy:
             import proxy
             self.proxy_port = free_port()
             work = self.logdir / "proxy"
@@ -305,12 +306,12 @@ class Deployment:
             raise Refused(f"flwr supernode register of node {k} failed "
                           f"(exit {r.returncode}: {tail[0][:200]})")
 
-    def node(self, name, partition, nodes, key=None, ca=None, config=""):
+    def node(self, name, partition, nodes, key=None, ca=None, config="", flags=()):
         """A SuperNode with this partition id (secure: with node key `key` and trusting the CA of
-        folder `ca`, default this run's); config: further node config."""
-        flags = ["--insecure"] if not self.secure else \
-            ["--root-certificates", str((ca or self.certs) / "ca.crt"),
-             "--auth-supernode-private-key", str(self.certs / f"node-{key}")]
+        folder `ca`, default this run's); config: further node config; flags: further flags."""
+        flags = [*flags, *(["--insecure"] if not self.secure else
+                           ["--root-certificates", str((ca or self.certs) / "ca.crt"),
+                            "--auth-supernode-private-key", str(self.certs / f"node-{key}")])]
         return self.procs.start(name, [str(self.bin / "flower-supernode"), *flags,
                                        "--superlink", self.address, "--host", "127.0.0.1",
                                        "--port", str(free_port()), "--node-config",

@@ -353,6 +353,35 @@ def test_no_outsider_and_no_node_submits_lists_or_registers(boundary, tmp_path):
     assert len(list(tmp_path.glob("ran.evil_client-*"))) >= 2
 
 
+def test_a_node_that_pins_trusted_entities_refuses_an_app_not_from_flower_hub(tmp_path,
+                                                                           no_flower_left):
+    """flwr 1.42: a SuperNode started with --trusted-entities (ed25519 keys of publishers) runs
+    only a FAB whose verifications hold "valid_license", which the SuperLink fills in for an App
+    fetched from Flower Hub alone; a FAB built from a folder (`flwr run flower/`) has none, so
+    such a node refuses this project's App whoever signed it: the node cannot pin the App it runs
+    without Flower Hub. The run ends naming that node."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    key = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    (tmp_path / "trusted.yaml").write_text(f"fpk_fedood: '{key}'\n")
+    d = run_local.Deployment(tmp_path, run_local.free_port()).start()
+    try:
+        d.node("supernode-0", 0, 2)
+        d.node("supernode-1", 1, 2, flags=["--trusted-entities", str(tmp_path / "trusted.yaml")])
+        wait_online(d, 2)
+        argv = " ".join(SYNTHETIC + ["--clients", "2", "--rounds", "1", "--out",
+                                     str(tmp_path / "r.json")])
+        r = d.run(f'method="fedavg" argv="{argv}"', timeout=300)
+        node = node_id(tmp_path / "supernode-1.log")
+        assert (f"fedavg.py: error: a bad reply in round 0 from node {node}: The FAB could not "
+                f"be verified.") in r.stdout, r.stdout[-2000:]
+        assert "App verification is not supported by the connected SuperLink" in \
+            (tmp_path / "supernode-1.log").read_text()
+    finally:
+        d.stop()
+
+
 # ----------------------------------------------------------------- a bad reply and the operator
 
 def bad_app(folder, how="", when=2):
@@ -418,31 +447,40 @@ WHAT = {
     "round": "it answers round {prev} (client_update), not round {t} (client_update)",
     "oversized": "bytes, the most this exchange takes is",
     "zeros": "bytes, the most this exchange takes is",
+    # one 64 MiB object: nginx refuses the request (413) before the SuperLink stores a byte
+    "chunk": "Reply message objects are unavailable",
 }
 
 
 @pytest.mark.parametrize("how", list(WHAT))
 def test_a_bad_reply_reaches_the_operator_within_seconds(federation, how, tmp_path):
     """Node 1 spoils its reply of round 2 (NaN, a wrong shape, a missing and an extra key, no
-    _began, another round's, oversized, 64 MiB of zeros that Flower sends as a few chunks): the
-    run ends at once, not after Flower's heartbeat timeout (2 minutes); the one line naming the
-    node, its partition and what was wrong is in `flwr run --stream`'s output and in
-    <out>.flower.json ("error"); Flower marks the run failed with it; the checkpoint is round
-    1's."""
+    _began, another round's, oversized, 64 MiB of zeros that Flower sends as a few chunks, 64 MiB
+    as one object, more than the proxy takes in a request): the run ends at once, not after
+    Flower's heartbeat timeout (2 minutes), but for the object the proxy refused, which Flower
+    waits for until its object-push session expires (3 minutes); the one line naming the node,
+    its partition and what was wrong is in `flwr run --stream`'s output and in <out>.flower.json
+    ("error"); Flower marks the run failed with it; the checkpoint is round 1's."""
     d, ids, app = federation
     out = tmp_path / "r.json"
     r, seconds = submit(d, app, out, how)
     n = sum(v.numel() for v in torch.load(f"{out}.ckpt", weights_only=True)["model"].values())
     said = WHAT[how].format(n=n - 1, t=2, prev=1)
     line = f"fedavg.py: error: a bad reply in round 2 from node {ids[1]} (partition 1): "
+    print(f"{how}: {seconds:.1f} s from flwr run to the failed run")
     assert line in r.stdout and said in r.stdout.split(line, 1)[1].splitlines()[0], \
         r.stdout[-2000:]
     error = json.loads(Path(f"{out}.flower.json").read_text())["error"]
     assert error.startswith(line) and said in error
     assert torch.load(f"{out}.ckpt", weights_only=True)["round"] == 1
+    if how == "chunk":
+        assert "client intended to send too large body" in \
+            (d.logdir / "proxy" / "error.log").read_text()
     runs = json.loads(d.flwr("ls", "--format", "json").stdout)["runs"]
     assert runs[-1]["status"] == "finished:failed", runs[-1]
-    assert seconds < 100, seconds                 # Flower's heartbeat timeout alone is 120 s
+    # Flower's heartbeat timeout alone is 120 s; a reply whose objects never arrive is given up
+    # when its object-push session expires, 180 s (flwr 1.42: OBJECT_PUSH_SESSION_TTL_SECONDS)
+    assert seconds < (100 if how != "chunk" else 300), seconds
 
 
 def test_a_failed_run_resumes_from_its_last_good_checkpoint(federation, tmp_path):

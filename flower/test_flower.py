@@ -7,6 +7,8 @@ import importlib
 import io
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -466,6 +468,17 @@ def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_p
         assert all(torch.equal(v, fl[k]) for k, v in own.items())
 
 
+def test_no_method_bounds_a_nodes_finite_update(tmp_path, capsys):
+    """What the checks do not catch: a node whose update is its honest one times 1e30, finite and
+    of the right shape, passes every check, and the global model takes it (docs/flower.md: what a
+    user who needs a bound adds)."""
+    grid = fake_grid.FakeGrid(bad_node.tampered(fl_adapter.client_app(), "huge"), 3)
+    results, _ = fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--sample", "3", "--out",
+                                                                    str(tmp_path / "r.json")])
+    model = torch.load(tmp_path / "r.json.ckpt", weights_only=True)["model"]
+    assert results["complete"] and max(v.abs().max().item() for v in model.values()) > 1e20
+
+
 @pytest.mark.parametrize("late", [0, 1])
 def test_a_second_node_claiming_a_taken_partition_id_is_named(late, tmp_path, capsys):
     """Two nodes claim one partition id: the one that came online later is named (whichever sorts
@@ -621,3 +634,51 @@ def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, w
         gaps.append(((sa - sb).abs() / sa.abs().clamp(min=sa.abs().max() * 1e-3)).max().item())
     gap = max(gaps)
     assert (gap < 2e-5) if needs == "sum" else (gap > 1e-2), gap
+
+
+# ----------------------------------------------------- the proxy's configuration (flower/proxy.py)
+
+def test_the_proxy_forwards_exactly_the_fleet_api_of_the_installed_flower():
+    """proxy.FLEET is every route of flwr's Fleet router, and nothing else: a Flower that adds a
+    Fleet route (the nodes would be cut off) or moves one fails here first."""
+    import proxy
+    from flwr.superlink.routers.fleet.router import router
+    assert sorted(f"/v1/fleet/{r}" for r in proxy.FLEET) == sorted(
+        route.path for route in router.routes)
+    assert all(route.methods == {"POST"} for route in router.routes)
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--listen", "example.org:443"], "argument --listen: expects IP:PORT, got 'example.org:443'"),
+    (["--listen", "0.0.0.0:70000"], "argument --listen: the port must be in 1..65535, got 70000"),
+    (["--superlink-port", "0"], "argument --superlink-port: must be in 1..65535, got 0"),
+    (["--max-body", "8m; allow all"], "--max-body '8m; allow all': give a size as nginx writes"),
+    (["--workdir", "missing"], "--workdir missing is not a folder"),
+    (["--certs", "nothing"], "--certs nothing lacks server.crt, server.key, ca.crt"),
+    (["--certs", "c;d"], "nginx would not read it as one path"),
+])
+def test_proxy_refuses_bad_input_in_one_line(argv, expect, tmp_path):
+    """Every flag checked before a line of configuration is written: one line, exit 2."""
+    import credentials
+    credentials.make(tmp_path / "certs", ["127.0.0.1"], 1)
+    shutil.copytree(tmp_path / "certs", tmp_path / "c;d")
+    (tmp_path / "work").mkdir()
+    given = dict(zip(argv[::2], argv[1::2]))
+    base = {"--certs": "certs", "--listen": "127.0.0.1:9092", "--superlink-port": "9091",
+            "--workdir": "work", **given}
+    r = subprocess.run([sys.executable, str(HERE / "proxy.py"), *[x for kv in base.items()
+                                                                   for x in kv]],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "", r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("proxy.py: error: ") and expect in lines[0]
+
+
+def test_the_proxy_configuration_names_the_routes_and_refuses_the_rest(tmp_path):
+    import proxy
+    text = proxy.config("0.0.0.0:9092", 9091, tmp_path, tmp_path)
+    routes = re.search(r'"~\^/v1/fleet/\((.*)\)\$" 1;', text)[1].split("|")
+    assert routes == list(proxy.FLEET)
+    assert "map $request_uri $fleet_route" in text and "return 403;" in text
+    assert "listen 0.0.0.0:9092 ssl;" in text and "proxy_pass https://127.0.0.1:9091;" in text
+    assert "proxy_ssl_verify on;" in text and "client_max_body_size 8m;" in text
