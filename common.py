@@ -23,7 +23,8 @@ import functools
 import hashlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -63,7 +64,8 @@ class GlobalMean(nn.Module):
 def conv_net(in_ch, width=64):
     """DomainBed's MNIST ConvNet: 4 conv3x3 (w, 2w, 2w, 2w; the 2nd strided), each ReLU +
     GroupNorm(8), global average pool -> 2w features (128 for w = 64)."""
-    layers, c = [], in_ch
+    layers = []
+    c = in_ch
     for out, stride in ((width, 1), (2 * width, 2), (2 * width, 1), (2 * width, 1)):
         layers += [nn.Conv2d(c, out, 3, stride, 1), nn.ReLU(), nn.GroupNorm(8, out)]
         c = out
@@ -274,6 +276,26 @@ def batches(n, batch_size, gen, device, epochs=None, steps=None):
             yield perm[i:i + batch_size]
 
 
+def chunks(site, x, y=None, train=False, size=512):
+    """A client's images x (and labels y) in order, in chunks of `size`, prepared for the model
+    (train: augmented from the client's stream): for what a client computes over all its data."""
+    gen = site.gen if train else None
+    for i in range(0, len(x), size):
+        yield site.prep(x[i:i + size], train=train, gen=gen), None if y is None else y[i:i + size]
+
+
+def features(site, theta, x, train=False, chunk=512):
+    """The featurizer's Φ(x) of a client's images x at θ (flat), without a graph, in chunks of
+    `chunk` rows: eval mode and the images as they are, or (train) train mode and the images
+    augmented from the client's stream, as its local steps see them."""
+    model = site.model
+    set_flat(model, theta)
+    model.train(train)
+    with torch.no_grad(), site.autocast():
+        z = torch.cat([model.featurizer(xb) for xb, _ in chunks(site, x, None, train, chunk)])
+    return z.to(theta.dtype)                                    # (bf16 under --amp)
+
+
 def local_train(site, theta, objective=cross_entropy, make_opt=None, epochs=None, steps=None,
                 keep_momentum=False):
     """A client's local training from θ (flat): minibatch steps (`batches`: --local-epochs passes
@@ -293,7 +315,8 @@ def local_train(site, theta, objective=cross_entropy, make_opt=None, epochs=None
         for p, m in zip(params, site.state["momentum"].split([p.numel() for p in params])):
             opt.state[p]["momentum_buffer"] = m.view_as(p).clone()
     model.train()
-    named, buffers, weights = dict(model.named_parameters()), dict(model.named_buffers()), {}
+    named, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    weights = {}                                                # 1 / b for each minibatch size b
     total, count = torch.zeros((), device=device), 0
     for idx in batches(client.n, args.batch_size, site.gen, device, epochs, steps):
         b = len(idx)
@@ -323,7 +346,8 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
     clients, gens, states, args, model = site.client, site.gen, site.state, site.args, site.model
     if site.args.dataset in data.PHOTOS:   # (refused before: their augmentation is per client)
         raise UserError("the clients of a photo dataset train one after another")
-    C, device = len(clients), theta.device
+    C = len(clients)
+    device = theta.device
     plans = [list(batches(c.n, args.batch_size, g, device, epochs, steps))
              for c, g in zip(clients, gens)]
     order = sorted(range(C), key=lambda i: -len(plans[i]))              # longest first
@@ -460,7 +484,8 @@ def make_context(args, fed, model, engine=None):
     """A held-out domain's Context: the server's sampler (fixed by the seed and the domain), a
     scratch copy of the model for the clients' work, and on_clients' engine (default: all at once
     with --parallel-clients on, else one by one)."""
-    device, salt = torch.device(args.device), sum(map(ord, fed.name))
+    device = torch.device(args.device)
+    salt = sum(map(ord, fed.name))
     engine = engine or (all_at_once if args.parallel_clients == "on" else None)
     return Context(device, torch.Generator().manual_seed(args.seed * 104729 + salt),
                    data.make_prep(args.dataset, device), args.amp, args, fed,
@@ -487,7 +512,8 @@ def checked_round(round_fn, t, model, fed, args, state, ctx):
     """Round t, then one host read: its clients' mean loss, or NonFinite naming the first
     non-finite client loss, else the model's or the state's tensors that are not finite."""
     out = round_fn(t, model, fed, args, state, ctx)
-    ids, vals, named = list(out), torch.stack([out[c] for c in out]), tensors(model, state)
+    ids, vals = list(out), torch.stack([out[c] for c in out])
+    named = tensors(model, state)
     ok = torch.stack([v.isfinite().all().to(vals.device) for _, v in named]).all()  # no host read
     vals = torch.cat([vals, ok.to(vals.dtype)[None]]).cpu()                   # one sync a round
     bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
@@ -525,3 +551,32 @@ class NonFinite(Exception):
     def __init__(self, message, saved=False):
         super().__init__(message)
         self.saved = saved
+
+
+# ------------------------------------------------------------------------------ a method's record
+
+@dataclass(frozen=True)
+class Method:
+    """What a method file declares (docs/protocol.md: the contract): its round, round(t, model, fed,
+    args, state, ctx) -> {client id: mean loss}, its init_state(model, fed, args, ctx) -> state
+    and its evaluation, which `train` runs; `clients`, the client functions its rounds pass to
+    on_clients (all that a federated node may run). Its configuration, for the harness that runs
+    it as a program: add_args(p) declares its flags (their help, no defaults); defaults holds
+    every default of its own ({"*": every dataset, dataset: where it differs}, also of a shared
+    flag it sets otherwise); auto: {flag: its rule}, the flags whose value "auto" the method
+    computes itself; derive(args) -> {flag: value}, the values that follow from other flags;
+    check(args, given) refuses bad values; parallel: whether its clients can train at once (a
+    bool, or a function of args giving None where they can, else the reason). A variant is
+    dataclasses.replace(METHOD, round=..., clients=...)."""
+    name: str
+    doc: str
+    round: Callable
+    init_state: Callable = None
+    evaluate: Callable = evaluate_global
+    add_args: Callable = None
+    defaults: dict = field(default_factory=dict)
+    derive: Callable = None
+    check: Callable = None
+    parallel: object = False
+    clients: tuple = ()
+    auto: dict = field(default_factory=dict)

@@ -2,24 +2,16 @@
 
 `load(name, root, seed, ...)` returns a `Dataset`: a list of `Domain`s, each holding its images as a
 uint8 tensor [N, C, H, W] and its labels as int64 [N], on the CPU. `federate` / `federate_fixed`
-turn its domains into clients by the two protocols of docs/protocol.md: "lodo" (leave one domain
-out: rmnist, pacs, vlcs, officehome, synthetic, stained; the others split over clients) and
-"clients" (fixed clients with their own test sets: the Dirichlet label skews of FedOMG's Table 1,
-RC-MNIST, WaterBird). Nothing here knows about models, methods or a command line (the flags and
-the downloads: harness/).
-
-Sources. The MNIST family reads the 5,000-digit subset embedded in assets/mnist5k.npz unless
---data-root is given; with --data-root it reads full MNIST through torchvision. Never one silently
-for the other. PACS / VLCS / OfficeHome use DomainBed's layout ROOT/<Dataset>/<domain>/<class>/
-<image>, a label being the index of the class folder's name among the dataset's CLASSES, decoded
-once and cached as uint8 tensors at the training resolution in ROOT/<Dataset>/.cache-<size>.pt.
-`python data.py --download pacs` or `--make-fake pacs`, `--data-root DIR`: harness/datasets.py.
+turn its domains into clients by the two protocols of docs/protocol.md, "lodo" (leave one domain
+out) and "clients" (fixed clients with their own test sets), and `enough_clients` /
+`stained_clients` say how many clients the data allows. Nothing here knows about models, methods
+or a command line; nothing here downloads (the datasets' sources and layouts: docs/datasets.md;
+the downloads: python -m harness.datasets). The MNIST family reads the 5,000 digits embedded in
+assets/mnist5k.npz unless --data-root is given, never one silently for the other.
 """
-import contextlib
 import hashlib
 import math
 import os
-import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,26 +43,36 @@ def why(e, limit=120):
     return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__}, no message"
 
 
-def torchvision_set(kind, root, build, how):
-    """build() torchvision's dataset `kind` under root (download=True: read it, or fetch it when it
-    is missing). On failure: one short line that says what was looked for and what to do, and root
-    left as it was (no empty raw/ folders behind)."""
+# What torchvision reads from --data-root (python -m harness.datasets --download NAME puts it
+# there): its class and arguments.
+TORCHVISION = {"mnist": ("MNIST", {}), "fmnist": ("FashionMNIST", {}),
+               "emnist": ("EMNIST", {"split": "mnist"}), "cifar10": ("CIFAR10", {}),
+               "cifar100": ("CIFAR100", {})}
+
+
+def torchvision_set(name, root, test=True):
+    """torchvision's dataset `name` as it is under root, its training and (test) test set: read,
+    never fetched (a run never reaches the network for its data). Missing or unreadable: one line
+    that says what was looked for and the command that fetches it."""
+    kind, kw = TORCHVISION[name]
+    get = f"python -m harness.datasets --download {name} --data-root {root or 'DIR'}"
+    if root is None:
+        raise UserError(f"{name} is not embedded: pass --data-root DIR ({get})")
+    import torchvision.datasets as tvd
     raw = Path(root) / kind / "raw"
-    had = sorted(p.name for p in raw.iterdir()) if raw.is_dir() else []
+    splits = (True, False) if test else (True,)
     try:
-        with as_it_was_on_failure(root):
-            return build()
+        return [getattr(tvd, kind)(root, train=t, **kw) for t in splits]
     except Exception as e:
-        # torchvision raises RuntimeError / URLError offline, AssertionError on a bad file
+        # torchvision raises RuntimeError where the files are missing, AssertionError on a bad one
+        had = sorted(p.name for p in raw.iterdir()) if raw.is_dir() else []
         if had:
             raise UserError(
                 f"{kind} under {root} could not be read ({why(e, 80)}); {raw} holds "
                 f"{', '.join(had[:4])}{' …' * (len(had) > 4)}: "
-                f"delete what is not {kind}'s and {how}"
+                f"delete what is not {kind}'s and get it with: {get}"
             ) from None
-        raise UserError(
-            f"no {kind} under {root}, and downloading it failed ({why(e, 80)}); {how}"
-        ) from None
+        raise UserError(f"no {kind} under {root}; get it with: {get}") from None
 
 
 @dataclass
@@ -98,26 +100,18 @@ def mnist_arrays(root=None, kind="MNIST", test=True):
     """All digits of MNIST (train + test pooled; `test=False`: the training set only) as uint8
     [N, 28, 28] and int64 [N], plus a line naming the source. root=None: the embedded 5,000-digit
     subset (sorted by label: shuffle it)."""
-    if root is None:
-        if kind != "MNIST":
-            raise UserError(
-                f"{kind} is not embedded: pass --data-root DIR (downloaded by torchvision)"
-            )
+    if root is None and kind == "MNIST":
         with np.load(EMBEDDED) as f:
             x, y = torch.from_numpy(f["images"]), torch.from_numpy(f["labels"]).long()
         return x, y, f"embedded MNIST subset ({len(y):,} real digits, assets/mnist5k.npz)"
-    import torchvision.datasets as tvd
-    how = ("get it with python data.py --download "
-           f"{dict(MNIST='mnist', FashionMNIST='fmnist')[kind]} --data-root {root}")
-    parts = torchvision_set(
-        kind, root,
-        lambda: [getattr(tvd, kind)(root, train=t, download=True)
-                 for t in ((True, False) if test else (True,))],
-        how)
+    parts = torchvision_set(dict(MNIST="mnist", FashionMNIST="fmnist")[kind], root, test)
     x = torch.cat([p.data for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
     return x, y, (f"torchvision {kind} under {root} ({len(y):,} images, "
                   f"{'train+test pooled' if test else 'train set'})")
+
+
+ANGLES = range(0, 90, 15)     # RotatedMNIST's six domains, in degrees
 
 
 def rmnist(root=None, seed=0):
@@ -126,7 +120,7 @@ def rmnist(root=None, seed=0):
     x, y, source = mnist_arrays(root)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm].unsqueeze(1), y[perm]
-    domains = [Domain(str(a), rotate(x[i::6], a), y[i::6]) for i, a in enumerate(range(0, 90, 15))]
+    domains = [Domain(str(a), rotate(x[i::6], a), y[i::6]) for i, a in enumerate(ANGLES)]
     return Dataset("rmnist", domains, 10, "lodo", source)
 
 
@@ -153,13 +147,10 @@ def colored(x, digit, p, g):
 
 
 def rcmnist(root=None, seed=0, p_test=0.1, kind="MNIST", rotation=True):
-    """RC-MNIST / RC-FMNIST as PerInvFL's Table 6 and Appendix: 4 fixed clients; client i's
-    training context has colour agreement P_TRAIN[i], its test context p_test, and all its images
-    are rotated by 90·i degrees (exact, no interpolation; `rotation=False`: not rotated, the rest
-    unchanged, so that the rotation cannot tell the model which client an image comes from).
-    Training images come from the first 5/6
-    of MNIST's training set (50,000 of 60,000: 12,500 per client), test images from the rest
-    (2,500 per client); both shuffled by `seed`. On the embedded 5,000 digits the same 5/6 : 1/6."""
+    """RC-MNIST / RC-FMNIST as PerInvFL's Table 6 and Appendix (docs/datasets.md): 4 fixed clients,
+    client i's training context of colour agreement P_TRAIN[i] and its test context of p_test, its
+    images rotated by 90·i degrees (rotation=False: upright); training images from the first 5/6
+    of the (seeded, shuffled) training set, test images from the rest."""
     x, digit, source = mnist_arrays(root, kind, test=False)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(digit), generator=g)
@@ -192,14 +183,10 @@ BIRD_RANGES = ((0, 1715), (1716, 2908), (2909, 3844), (3845, 5993))
 
 
 def waterbird(root, seed=0, p_test=0.1, size=224, n_train=400, n_test=100):
-    """WaterBird as PerInvFL's Table 6 on Sagawa et al.'s law: 4 fixed clients; client i draws
-    n_train + n_test birds (without replacement) from its index range of CUB-200-2011's training
-    images (ordered by image id), label = waterbird (the species families of Sagawa et al.); each
-    bird is cut out with its CUB segmentation mask and pasted on a Places photo that matches its
-    label with probability P_TRAIN[i] (training) or p_test (test): water = ocean / natural lake,
-    land = bamboo / broadleaf forest, drawn without replacement. Layout under ROOT: CUB_200_2011/
-    (images.txt, train_test_split.txt, images/), segmentations/ (CUB's separate download, same
-    relative paths, .png) and places/ (Places365's data_large: places/o/ocean/*.jpg, ...)."""
+    """WaterBird as PerInvFL's Table 6 on Sagawa et al.'s law (docs/datasets.md: the layout under
+    ROOT): 4 fixed clients; client i draws n_train + n_test birds from its index range of CUB's
+    training images (BIRD_RANGES), each cut out with its mask and pasted on a Places photo that
+    matches its label (WATER) with probability P_TRAIN[i] (training) or p_test (test)."""
     if root is None:
         raise UserError(
             "waterbird needs --data-root DIR holding CUB_200_2011/, segmentations/ and places/"
@@ -310,7 +297,8 @@ def label_skew(name, root=None, seed=0, clients=100, alpha=0.1, train_frac=0.75)
     else:
         x, y, source = cifar_arrays(root, name)
     num_classes = int(y.max()) + 1
-    domains, g = [], torch.Generator().manual_seed(seed)
+    domains = []
+    g = torch.Generator().manual_seed(seed)
     for k, idx in enumerate(dirichlet_split(y.numpy(), clients, alpha, seed)):
         idx = idx[torch.randperm(len(idx), generator=g)]
         cut = min(len(idx) - 1, max(1, int(train_frac * len(idx))))  # >= 1 train and 1 test
@@ -321,15 +309,7 @@ def label_skew(name, root=None, seed=0, clients=100, alpha=0.1, train_frac=0.75)
 
 
 def cifar_arrays(root, name):
-    if root is None:
-        raise UserError(f"{name} is not embedded: "
-                        "pass --data-root DIR (torchvision downloads it there)")
-    import torchvision.datasets as tvd
-    cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
-    parts = torchvision_set(
-        cls.__name__, root,
-        lambda: [cls(root, train=t, download=True) for t in (True, False)],
-        f"try again with network access (python data.py --download {name} --data-root {root})")
+    parts = torchvision_set(name, root)
     x = torch.cat([torch.from_numpy(p.data).permute(0, 3, 1, 2) for p in parts])
     y = torch.cat([torch.as_tensor(p.targets) for p in parts]).long()
     return x, y, f"torchvision {name} under {root} ({len(y):,} images, train+test pooled)"
@@ -339,17 +319,7 @@ def emnist_arrays(root):
     """EMNIST's 'mnist' split: FedOMG's Appendix D.1 describes its EMNIST as 70,000
     samples of 10 classes, which is that split. torchvision stores the images transposed;
     they are transposed back."""
-    if root is None:
-        raise UserError(
-            "emnist is not embedded: pass --data-root DIR (torchvision downloads it there)"
-        )
-    import torchvision.datasets as tvd
-    parts = torchvision_set(
-        "EMNIST", root,
-        lambda: [tvd.EMNIST(root, split="mnist", train=t, download=True)
-                 for t in (True, False)],
-        "try again with network access "
-        f"(python data.py --download emnist --data-root {root})")
+    parts = torchvision_set("emnist", root)
     x = torch.cat([p.data.transpose(1, 2) for p in parts]).unsqueeze(1)
     y = torch.cat([p.targets for p in parts]).long()
     return x, y, (f"torchvision EMNIST (mnist split) under {root} "
@@ -384,16 +354,8 @@ def image_folder(name, root, size=224):
     lack classes (a note names them) without moving another class's label, and a folder named as
     none of the classes is refused. Images are resized to size x size (the evaluation transform of
     DomainBed / FedIIR) and cached as uint8."""
-    if root is None:
-        raise UserError(f"{name} needs --data-root DIR holding "
-                        f"{FOLDERS[name]}/<domain>/<class>/<images>; "
-                        f"get it with: python data.py --download {name} --data-root DIR")
+    domains = photo_domains(name, root)
     base = Path(root) / FOLDERS[name]
-    if not base.is_dir():
-        raise UserError(f"{base} not found; get it with: python data.py --download {name} "
-                        f"--data-root {root} (or lay out any copy as "
-                        f"{FOLDERS[name]}/<domain>/<class>/<images>)")
-    domains = sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
     found = {d: sorted(c.name for c in (base / d).iterdir()
                        if c.is_dir() and not c.name.startswith("."))
              for d in domains}
@@ -442,6 +404,20 @@ def image_folder(name, root, size=224):
     return Dataset(name, out, len(classes), "lodo",
                    f"{base} ({len(files):,} images, cached at {size}px){fake}",
                    classes)
+
+
+def photo_domains(name, root):
+    """The domains of a photo dataset: the folders under ROOT/<Dataset>, sorted (DomainBed); a
+    missing one is refused in one line with the command that fetches it."""
+    get = f"python -m harness.datasets --download {name} --data-root {root or 'DIR'}"
+    if root is None:
+        raise UserError(f"{name} needs --data-root DIR holding "
+                        f"{FOLDERS[name]}/<domain>/<class>/<images>; get it with: {get}")
+    base = Path(root) / FOLDERS[name]
+    if not base.is_dir():
+        raise UserError(f"{base} not found; get it with: {get} (or lay out any copy as "
+                        f"{FOLDERS[name]}/<domain>/<class>/<images>)")
+    return sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith("."))
 
 
 def known_classes(name, base, found):
@@ -500,29 +476,6 @@ def decode(path, size):
                      interpolation=InterpolationMode.BILINEAR, antialias=True)
 
 
-@contextlib.contextmanager
-def as_it_was_on_failure(root):
-    """Whatever goes wrong inside (an exception, Ctrl-C), leave `root` as it was: the folders made
-    for it are removed, and in a folder that existed every entry that was not there before."""
-    root = Path(root)
-    top = root   # the highest folder still to be made
-    while not top.parent.exists():
-        top = top.parent
-    before = set(os.listdir(root)) if root.is_dir() else None
-    try:
-        yield
-    except BaseException:
-        if before is None:
-            if top.is_dir() and not top.is_symlink():
-                shutil.rmtree(top, ignore_errors=True)
-        else:
-            for name in set(os.listdir(root)) - before:
-                q = root / name
-                (shutil.rmtree(q, ignore_errors=True) if q.is_dir() and not q.is_symlink()
-                 else q.unlink(missing_ok=True))
-        raise
-
-
 # ------------------------------------------------------------------------- synthetic stand-ins
 
 def synthetic(seed=0, n_domains=3, n_per_domain=240, num_classes=4, size=16):
@@ -544,52 +497,20 @@ def synthetic(seed=0, n_domains=3, n_per_domain=240, num_classes=4, size=16):
 # Ten colours; colour i + 5 is the complement (255 - c) of colour i, the background of "both".
 PALETTE = torch.tensor([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 128, 0], [128, 0, 255],
                         [0, 255, 255], [255, 0, 255], [255, 255, 0], [0, 128, 255], [128, 255, 0]])
-# the colour-digit combinations' generator: fixed, not --seed (the same benchmark for every seed)
-STAIN_SEED = 0
-
-
-def unique_pairs(M):
-    """[K, 10] bool: combination k gives digit y a colour M[k, y] that no
-    other combination gives y."""
-    return (M[None] == M[:, None]).sum(0) == 1
-
-
-def stain_mappings(seed=STAIN_SEED, max_swaps=1000):
-    """The ten colour-digit combinations as a [10, 10] tensor M: digit y of combination k has colour
-    PALETTE[M[k, y]]; every row is a permutation of the ten colours. Construction: ten uniformly
-    random permutations (torch.randperm, one generator seeded with `seed`); then, as long as some
-    combination k gives a digit y a colour that no other combination gives y, pick one such (k, y)
-    at random and swap, within combination k, the colour of y with that of the digit y' that leaves
-    the fewest such unique pairs (ties: at random). At the end every colour-digit pair of every
-    combination occurs in at least one other: whichever combination is held out, each of its pairs
-    was seen in training, so the colour is not made to point away from the label (as it does when
-    the held-out pairs are exactly those never seen in training, e.g. colour (y + k) mod 10)."""
-    g = torch.Generator().manual_seed(seed)
-    M = torch.stack([torch.randperm(10, generator=g) for _ in range(10)])
-    for _ in range(max_swaps):
-        bad = unique_pairs(M).nonzero().tolist()
-        if not bad:
-            break
-        k, y = bad[int(torch.randint(len(bad), (), generator=g))]
-        left = []
-        for y2 in range(10):
-            S = M.clone()
-            S[k, [y, y2]] = M[k, [y2, y]]
-            left.append(int(unique_pairs(S).sum()) if y2 != y else 101)
-        best = [y2 for y2 in range(10) if left[y2] == min(left)]
-        y2 = best[int(torch.randint(len(best), (), generator=g))]
-        M[k, [y, y2]] = M[k, [y2, y]]
-    if unique_pairs(M).any() or len(set(map(tuple, M.tolist()))) < 10:
-        raise RuntimeError(f"stain_mappings({seed}): "
-                           "no ten distinct combinations without unique pairs")
-    return M
+# The ten colour-digit combinations: digit y of combination k has colour PALETTE[STAINS[k, y]].
+# Drawn once, the same for every --seed (docs/datasets.md: how and why; tests/test_data.py draws
+# them again): whichever combination is held out, each of its pairs was seen in training.
+STAINS = torch.tensor([[0, 9, 7, 5, 3, 1, 4, 8, 6, 2], [3, 9, 4, 2, 7, 8, 6, 5, 0, 1],
+                       [4, 8, 1, 5, 3, 0, 6, 9, 7, 2], [9, 6, 4, 7, 3, 8, 2, 5, 0, 1],
+                       [3, 9, 1, 7, 0, 8, 4, 5, 6, 2], [4, 5, 7, 0, 8, 1, 3, 9, 6, 2],
+                       [9, 6, 1, 7, 0, 3, 2, 8, 4, 5], [4, 5, 6, 2, 8, 0, 3, 9, 7, 1],
+                       [0, 8, 6, 5, 7, 3, 2, 9, 4, 1], [9, 6, 7, 0, 3, 1, 2, 8, 4, 5]])
 
 
 def stained(root=None, seed=0, stain="fg"):
     """Stained MNIST of FedIPG (Section VI-C): ten fixed colour-digit combinations, one domain each;
-    combination k stains digit y with colour PALETTE[M[k, y]], M = stain_mappings() (ten random
-    permutations of the colours drawn from STAIN_SEED, never from `seed`, then repaired by swaps so
-    that every colour-digit pair of a held-out combination occurs in one of the nine training ones).
+    combination k stains digit y with colour PALETTE[M[k, y]], M = STAINS (drawn once, never from
+    `seed`, so that every colour-digit pair of a held-out combination occurs in a training one).
     Within a combination the colour decides the label; across the nine, each colour goes with
     several digits. stain: "fg" colours the strokes (black background, under 50% of the area),
     "bg" the background (white strokes, over 50%), "both" the strokes and the background in the
@@ -600,7 +521,7 @@ def stained(root=None, seed=0, stain="fg"):
     is); the palette above. Clients (stained_clients) draw from the nine pooled."""
     if stain not in ("fg", "bg", "both"):
         raise UserError(f"--stain must be fg, bg or both, got {stain!r}")
-    M = stain_mappings()
+    M = STAINS
     x, y, source = mnist_arrays(root)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm][:, None, ::2, ::2].float() / 255, y[perm]
@@ -612,7 +533,7 @@ def stained(root=None, seed=0, stain="fg"):
         domains.append(Domain(f"c{k}", img.round().to(torch.uint8), lab))
     return Dataset("stained", domains, 10, "lodo",
                    f"{source}; stained ({stain}), 10 colour-digit combinations "
-                   f"(seeded mappings, STAIN_SEED {STAIN_SEED})")
+                   f"(the fixed mappings STAINS)")
 
 
 
@@ -710,14 +631,6 @@ def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, 
     raise UserError(f"unknown dataset {name!r}; choose from {', '.join(NAMES)}")
 
 
-def counts(ds):
-    """One line: how many domains (or clients), classes and images a dataset holds."""
-    images = sum(len(d.y) + (0 if d.y_test is None else len(d.y_test)) for d in ds.domains)
-    parts = (f"{len(ds.domains)} domains ({', '.join(d.name for d in ds.domains)})"
-             if ds.protocol == "lodo" else f"{len(ds.domains)} clients")
-    return f"{parts}, {ds.num_classes} classes, {images:,} images"
-
-
 # ------------------------------------------------------------ clients: the protocols' federation
 # How a dataset becomes clients (docs/protocol.md): leave-one-domain-out by FedIIR's Algorithm 2
 # (stained: pooled samples, stained_clients), or the fixed clients; each holds out a validation
@@ -791,13 +704,97 @@ def least_examples(batch_size):
     return n
 
 
+# How many clients the data allows, checked before a run trains (docs/protocol.md): every client
+# holds one full minibatch of training examples after its validation hold-out (Algorithm 2's
+# equal chunks of a domain), unless the batch asks for full-batch steps.
+
+def domain_names(name, root=None):
+    """A leave-one-domain-out dataset's domains by name, without loading it (the photos: the folders
+    under ROOT); None where the clients are fixed, each with its own test set."""
+    names = {"rmnist": [str(a) for a in ANGLES], "synthetic": [f"style{d}" for d in range(3)],
+             "stained": [f"c{k}" for k in range(len(PALETTE))]}
+    return photo_domains(name, root) if name in FOLDERS else names.get(name)
+
+
+def enough_clients(ds, todo, P, B):
+    """Leave-one-domain-out: the most clients of >= `least` examples each, testing on each domain
+    to be run; refused in one line where --clients or --batch-size asks for more. A B at least the
+    largest training domain, which no client can fill, asks for full-batch steps (PerInvFL's line
+    9 at once): then a client needs a training and a validation example only."""
+    sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
+    least = {test: 2 if B >= max(n) else least_examples(B) for test, n in sizes.items()}
+    top = {test: sum(split_counts(n, min(P, sum(n) // least[test] + 1), least[test]))
+           if min(n) >= least[test] else 0 for test, n in sizes.items()}
+    test = min(todo, key=top.get)                      # the held-out domain that allows fewest
+    where = f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of " \
+        f"{ds.name}"
+    if P > top[test] and least[test] == 2:
+        raise UserError(f"--clients {P} leaves clients without a training and a validation "
+                        f"example: {where} hold {sum(sizes[test]):,} examples, enough for at most "
+                        f"{top[test]:,} clients (Algorithm 2 cuts each domain into equal chunks "
+                        f"of at least 2)")
+    if top[test] == 0:    # not even one client per training domain holds a minibatch
+        fits = min(n - val_count(n) for ns in sizes.values() for n in ns)
+        small = min(sizes[test])
+        raise UserError(f"--batch-size {B} is more than a client can hold: {where} include one "
+                        f"of {small:,} examples, {small - val_count(small):,} for training after "
+                        f"its validation hold-out; use --batch-size {fits:,} at most (or at least "
+                        f"{max(max(n) for n in sizes.values()):,}, above every training domain: "
+                        f"full-batch steps)")
+    if P > top[test]:
+        raise UserError(f"--clients {P} leaves clients fewer training examples than one minibatch "
+                        f"(--batch-size {B}): {where} hold {sum(sizes[test]):,} examples, enough "
+                        f"for at most {top[test]:,} clients (Algorithm 2's equal chunks of a "
+                        f"domain need {least[test]:,} examples each: {B:,} to train on, the rest "
+                        f"for validation)")
+
+
+STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}   # Section VI-C: P, per client
+
+
+def stained_clients(ds, stain, P, size, C, B):
+    """Stained MNIST's clients (Section VI-C): P x size, defaults by stain (STAINED), drawn from the
+    nine pooled training combinations; a default size shrinks to fit the pool (a note says so),
+    every client is sampled unless C says otherwise (docs/protocol.md); a client must hold one
+    full minibatch of B for training, unless B is at least the pool (full-batch steps). Returns
+    the settled (P, size, C)."""
+    P0, n0 = STAINED[stain]
+    P = P0 if P is None else P
+    C = P if C in (None, "all") else C
+    pool = sum(len(d.y) for d in ds.domains) - max(len(d.y) for d in ds.domains)
+    if P < 1:
+        raise UserError(f"--clients must be positive, got {P}")
+    if size is None:
+        size = min(n0, pool // P)
+        if size < n0:
+            print(f"note: stained {stain}: {P} clients x {n0:,} examples exceed the {pool:,} of "
+                  f"the nine training combinations; each client gets {pool:,} // {P} = {size:,}")
+    elif P * size > pool:
+        raise UserError(f"--client-size {size} x --clients {P} exceeds the {pool:,} examples of "
+                        f"the nine training combinations (at most {pool // P:,} per client)")
+    if size < 2:
+        raise UserError(f"{P} clients leave {size} example(s) each: too few for a training and a "
+                        f"validation split; use fewer --clients")
+    least = least_examples(B)   # one full minibatch, unless none can fill one
+    if size < least and B < pool:
+        raise UserError(f"{P} clients x {size:,} examples leave a client "
+                        f"{size - val_count(size):,} for training after its validation hold-out, "
+                        f"fewer than one minibatch (--batch-size {B}): a client needs {least:,}, "
+                        f"and the {pool:,} examples of the nine training combinations allow at "
+                        f"most {pool // least:,} clients")
+    if not 1 <= C <= P:
+        raise UserError(f"--sample must be between 1 and --clients ({P}), got {C}")
+    return P, size, C
+
+
 def federate(ds, test, P, seed, device, val_frac=VAL_FRAC, client_size=None):
     """Leave-one-domain-out: domain `test` is the test set; every other domain is cut into
     Algorithm 2's clients (split_counts), each holding out `val_frac` for validation.
     client_size (stained): clients are disjoint seeded samples of the pooled training domains
     instead (docs/protocol.md)."""
     g = torch.Generator().manual_seed(seed)
-    train, t = [d for i, d in enumerate(ds.domains) if i != test], ds.domains[test]
+    train = [d for i, d in enumerate(ds.domains) if i != test]
+    t = ds.domains[test]
     clients = []
     if client_size is not None:
         origin = torch.cat([torch.full((len(d.y),), i) for i, d in enumerate(train)])
@@ -844,6 +841,8 @@ def _finish(name, clients, tests, device):
                       group.to(device), [n for n, _, _ in tests])
 
 
-if __name__ == "__main__":   # python data.py --download NAME | --make-fake NAME: the harness's
-    from harness.datasets import main
-    main()
+if __name__ == "__main__":   # the downloads and fake trees are the harness's (harness/datasets.py)
+    import sys
+    print("data.py: error: a module, not a program: fetch a dataset with python -m "
+          "harness.datasets --download NAME --data-root DIR (--help: the others)", file=sys.stderr)
+    sys.exit(2)

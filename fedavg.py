@@ -24,11 +24,11 @@ pooled validation accuracy. Figure 1's two claims, the results and the readings:
     python fedavg.py --rounds 20 --test-domain 0      # a quick look
     python fedavg.py --dataset pacs --data-root ./data --clients 50
 """
-import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
-import common
+if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
+    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
 import torch
 
-
+import common
 
 # ---------------------------------------------------------------- the method as plain functions
 # What a client computes from what the server sent (step 2), and the server's step 3. The
@@ -71,10 +71,12 @@ def add_args(p):
                    "uniformly (the FedIIR code) instead of by data size")
 
 
-METHOD = harness.Method("fedavg", __doc__, fedavg_round, add_args=add_args, parallel=True)
+METHOD = common.Method("fedavg", __doc__, fedavg_round, clients=(client_update,), add_args=add_args,
+                       parallel=True)
 
 
-def main(argv=None):
+def main(argv=None):                  # the program: the command line, checkpoints, results
+    import harness
     return harness.main(METHOD, argv)
 
 

@@ -27,12 +27,14 @@ it": docs/fediir.md.
     python fediir.py --clients 50 --test-domain 0
     python fediir.py --dataset pacs --data-root ./data
 """
+if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
+    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
 import functools
 
-import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
-import common
 import torch
 import torch.nn.functional as F
+
+import common
 
 DEFAULTS = {"*": dict(gamma=1e-2, ema=0.95),                  # γ: Table 3's RotatedMNIST; v: App. C
             "vlcs": dict(gamma=5e-3), "pacs": dict(gamma=1e-3), "officehome": dict(gamma=5e-4)}
@@ -50,7 +52,8 @@ def classifier_grads(classifier, z, y, batch_size=None):
     batch_size rows (the code's mean_grad; None: one over all of z, the paper's full-batch
     ∇_ω R_c), and their number. By linearity one gradient of Σ_j CE_j / |ζ(j)| (|ζ(j)|: the size
     of row j's minibatch) instead of one per minibatch: fewer kernel launches."""
-    n, omega = len(y), {k: p.detach() for k, p in classifier.named_parameters()}
+    n = len(y)
+    omega = {k: p.detach() for k, p in classifier.named_parameters()}
     b = batch_size or n
     k = -(-n // b)                                                   # the number of minibatches
     w = torch.full((n,), 1 / b, device=z.device)
@@ -115,15 +118,10 @@ def classifier_gradient(site, sent):
     pass: the photos augmented, from the client's own stream; the digits draw nothing), and their
     number."""
     model, client, b = site.model, site.client, site.args.batch_size
-    common.set_flat(model, sent["theta"])
-    model.train()
     # Φ(x) in chunks: with BatchNorm the code's minibatches (their statistics); else large ones
     if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         b = max(b, 2 ** 21 // client.x[0].numel())                # (fewer launches)
-    with torch.no_grad(), site.autocast():
-        z = torch.cat([model.featurizer(site.prep(client.x[i:i + b], train=True, gen=site.gen))
-                       for i in range(0, client.n, b)])
-    z = z.to(sent["theta"].dtype)                            # (bf16 under --amp)
+    z = common.features(site, sent["theta"], client.x, train=True, chunk=b)   # the training inputs
     grad, count = classifier_grads(model.classifier, z, client.y, site.args.batch_size)
     return {"grad": grad, "count": count}
 
@@ -170,11 +168,13 @@ def check(args, given):
         raise common.UserError(f"--ema must be in [0, 1), got {args.ema}")
 
 
-METHOD = harness.Method("fediir", __doc__, fediir_round, init_state, add_args=add_args,
-                        defaults=DEFAULTS, check=check, parallel=True)
+METHOD = common.Method("fediir", __doc__, fediir_round,
+                       clients=(classifier_gradient, client_update), init_state=init_state,
+                       add_args=add_args, defaults=DEFAULTS, check=check, parallel=True)
 
 
-def main(argv=None):
+def main(argv=None):                  # the program: the command line, checkpoints, results
+    import harness
     return harness.main(METHOD, argv)
 
 

@@ -20,12 +20,13 @@ reached 32.0% at RotatedMNIST-50, 0°, where FedAvg reaches 84.2: docs/fedipg.md
 middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
 silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP.
 """
-import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
-import common
+if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
+    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import common
 
 DEFAULTS = {"*": dict(local_step="sgd", exit="off", exit_warmup=5, exit_L=0.5)}  # (docstring)
 CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.GlobalMean, nn.Flatten)
@@ -33,9 +34,8 @@ CHAIN = (nn.Conv2d, nn.Linear, nn.ReLU, nn.GroupNorm, nn.MaxPool2d, common.Globa
 
 def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, client=None):
     """Steps 0-4 at round t; warmup: a round of Eq. 13's estimates (None: step 0 where due);
-    arrive(t, S, w_t, args, state, ctx, warmup): the (i, w^{t−τ_i}, τ_i) of the updates that
-    arrive (None: all of S, fresh; benchmark/fedipg_aberrant.py's slow or unreliable clients);
-    client: step 2 (None: client_update; benchmark/'s readings time other forms of it)."""
+    arrive(t, S, w_t, args, state, ctx, warmup): the (i, w^{t−τ_i}, τ_i) of the updates that arrive
+    (None: all of S, fresh; benchmark/fedipg_aberrant.py); client: step 2 (None: client_update)."""
     W = args.exit_warmup if args.exit == "auto" else 0
     if warmup is None and W and t == 1:                                  # step 0, before t = 1
         w_1 = common.get_flat(model)
@@ -48,7 +48,8 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, clie
     S = [ID[k] for k in common.sample_clients(ctx, len(ID), C)]
     arrived = arrive(abs(t), S, w_t, args, state, ctx, warmup) if arrive else \
         [(i, w_t, 0) for i in S]                                   # step 1: (i, w^{t−τ_i}, τ_i)
-    ids, sent = [i for i, _, _ in arrived], [{"w": start} for _, start, _ in arrived]
+    ids = [i for i, _, _ in arrived]
+    sent = [{"w": start} for _, start, _ in arrived]
     if warmup:                                                           # g_i = ∇R_i(w^{t−τ_i}) up
         g = [r["g"] for r in common.on_clients(risk_gradient, ids, sent, t, ctx)]
     up = common.on_clients(client or client_update, ids, sent, t, ctx)  # step 2: Δ_i on f_i up
@@ -64,7 +65,7 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, clie
 def client_update(site, sent):
     """Step 2 on client i from the w = w^{t−τ_i} it received; Δ_i and the mean loss up. sgd:
     --local-epochs of minibatch SGD on f_i; paper: w − η (∇f_i(w) + wd·w), whole split (Eq. 2)."""
-    args, model, w = site.args, site.model, sent["w"]
+    args, model, w = site.args, site.model, sent["w"]             # what it has, what it received
     if args.local_step == "sgd":
         layers = chain(model)
         w_i, loss = common.local_train(site, w, lambda *a: f_i(*a, lam=args.lam, layers=layers))
@@ -85,8 +86,7 @@ def risk_gradient(site, sent):
 # -------------------------- the method as plain functions: torch alone (docs/fedipg.md: Copy it)
 
 def f_i(model, params, buffers, x, y, w, lam, layers=None):
-    """f_i = R_i + λ d² on a minibatch (Eq. 9) at `params` (dicts by name): --local-step sgd's
-    objective, one client after another and under vmap alike."""
+    """f_i = R_i + λ d² on a minibatch (Eq. 9) at `params` (dicts by name), under vmap too."""
     def f():
         R, d = risk_and_d(model, x, y, w, layers, lam)
         return R if lam == 0 else R + lam * d * d
@@ -99,9 +99,8 @@ class Beside(torch.nn.ModuleDict):   # {"model": model}; forward(f) = f(), torch
 
 
 def full_gradient(model, chunks, n, lam=0.0, layers=None, autocast=None):
-    """∇f_i(w) (flat, the trainable parameters) and f_i(w) over the whole split, `chunks` of (x, y)
-    that hold its n examples once, each example weighted 1/n: R_i = Σ_c R_c, d = Σ_c d_c,
-    ∇f_i = ∇R_i + 2λ d ∇d (Eq. 9)."""
+    """∇f_i(w) (flat) and f_i(w) over the whole split, `chunks` of (x, y) holding its n examples
+    once, each weighted 1/n: R_i = Σ_c R_c, d = Σ_c d_c, ∇f_i = ∇R_i + 2λ d ∇d (Eq. 9)."""
     model.train()
     w = [p for p in model.parameters() if p.requires_grad]
     grad = torch.zeros(2, sum(p.numel() for p in w), dtype=w[0].dtype, device=w[0].device)  # ∇R, ∇d
@@ -133,29 +132,30 @@ def risk_and_d(model, x, y, w, layers=None, lam=1.0):
 
 
 def tangent(layers, x):
-    """The logits z and ż = d/ds z(x; s·w) at s = 1 by hand, layer by layer (a: a layer's input, ȧ
-    its tangent; None: ȧ = 0, before the first weighted layer; ȧ is a: ȧ = a, which the first
-    weighted layer gives, ż = z). z = W a + b: ż = W ȧ + z. GroupNorm: ẏ = γ rstd (ȧ − mean ȧ −
-    x̂ mean(x̂ ȧ)) + y. ReLU, pools, mean, flatten: as they map a (ReLU: ȧ ⊙ 1[a > 0])."""
-    a, da, nn = x, None, torch.nn                     # (copied alone it needs torch only)
+    """The logits z and ż = d/ds z(x; s·w) at s = 1 by hand, layer by layer (ȧ None: 0, before the
+    first weighted layer; ȧ is a: ȧ = a, which that layer gives, ż = z). z = W a + b: ż = W ȧ + z.
+    GroupNorm: ẏ = γ rstd (ȧ − mean ȧ − x̂ mean(x̂ ȧ)) + y. ReLU, pools, flatten: as they map a."""
+    a, da = x, None                                   # a layer's input and its tangent ȧ
     for m in layers:
         if isinstance(m, nn.GroupNorm) and da is not None:  # z = γ x̂ + β from x̂'s statistics
-            N, G, shape = a.shape[0], m.num_groups, a.shape[:2] + (1,) * (a.dim() - 2)
+            N, G = a.shape[0], m.num_groups
+            shape = a.shape[:2] + (1,) * (a.dim() - 2)
             xc = a.reshape(N, G, -1) - a.reshape(N, G, -1).mean(-1, keepdim=True)
             rstd = ((xc * xc).mean(-1, keepdim=True) + m.eps).rsqrt()
-            gamma, scale = m.weight.view(1, G, -1), (rstd * m.weight.view(1, G, -1)).reshape(shape)
-            z, idx = torch.addcmul(m.bias.view(shape[1:]), xc.view_as(a), scale), None
+            gamma = m.weight.view(1, G, -1)
+            scale = (rstd * gamma).reshape(shape)
+            z = torch.addcmul(m.bias.view(shape[1:]), xc.view_as(a), scale)
         elif isinstance(m, nn.MaxPool2d):                     # (its argmax positions as well)
             z, idx = F.max_pool2d(a, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode,
                                   return_indices=True)
         else:
-            z, idx = m(a), None
+            z = m(a)
         if not isinstance(m, (nn.Conv2d, nn.Linear, nn.GroupNorm)):        # ReLU, pools, flatten
             if da is a:
                 da = z                                        # positively homogeneous: ż = z
             elif da is not None and isinstance(m, nn.ReLU):
                 da = da * (a > 0).to(a.dtype)
-            elif da is not None and idx is not None:          # the max pool's argmax positions
+            elif da is not None and isinstance(m, nn.MaxPool2d):  # at its argmax positions
                 da = da.flatten(2).gather(2, idx.flatten(2)).view_as(z)
             elif da is not None:
                 da = m(da)
@@ -189,7 +189,8 @@ def client_contributions(g, n, fresh, n_all, lr, L):
     K = (G @ G.T).double().cpu()                                        # ⟨g_i, g_j⟩
     n = torch.tensor(n, dtype=torch.float64)
     p = n * torch.tensor(fresh, dtype=torch.float64)                    # p_j = n_j for fresh j
-    Kp, pKp, k = K @ p, p @ K @ p, K.diagonal()
+    k = K.diagonal()                                                    # ||g_i||²
+    Kp, pKp = K @ p, p @ K @ p
     P_i = p.sum() - p                                                   # ∇R(w^t): the other fresh
     dot = (Kp - p * k) / P_i                                            # ⟨∇R(w^t), g_i⟩
     norm2 = (pKp - 2 * p * Kp + p ** 2 * k) / P_i ** 2                  # ||∇R(w^t)||²
@@ -207,15 +208,14 @@ def chain(model):
 def in_chunks(site, train=False):
     """The client's whole split in order (train: augmented), in chunks of --batch-size or, if more,
     of 2^18 input values (334 digits: fewer launches; about 1.5 GB of graph at λ > 0)."""
-    client, gen = site.client, site.gen if train else None
-    b = max(site.args.batch_size, 2 ** 18 // client.x[0].numel())
-    for s in range(0, client.n, b):
-        yield site.prep(client.x[s:s + b], train=train, gen=gen), client.y[s:s + b]
+    b = max(site.args.batch_size, 2 ** 18 // site.client.x[0].numel())
+    return common.chunks(site, site.client.x, site.client.y, train, b)
 
 
 def exit_strategy(fed, args, state, ids, g, fresh, last):
     """Eq. 13's C_i^t of the arrived `ids` into state; after the last warm-up round, the exits."""
-    n, n_all = [float(fed.clients[i].n) for i in ids], sum(c.n for c in fed.clients)
+    n = [float(fed.clients[i].n) for i in ids]
+    n_all = sum(c.n for c in fed.clients)
     for i, C_i in zip(ids, client_contributions(g, n, fresh, n_all, args.lr, args.exit_L)):
         if C_i is not None:
             state["contrib"].setdefault(i, []).append(C_i)
@@ -237,8 +237,7 @@ def init_state(model, fed, args, ctx):
 
 
 def evaluate(model, fed, args, state, ctx):
-    """common.evaluate_global, model selection on I_ID; with exits, id_acc / ood_acc on I_ID /
-    I_OOD and the exited clients."""
+    """common.evaluate_global, model selection on I_ID; with exits, id_acc / ood_acc and exited."""
     hit = common.correct(model, fed.val_x, fed.val_y, ctx).float()
     test = common.correct(model, fed.test_x, fed.test_y, ctx).float()
     ood = torch.cat([torch.full_like(c.val_y, i in state["exited"], dtype=bool)
@@ -261,8 +260,7 @@ def add_args(p):
 
 
 def derive(args):
-    """λ by the model; every client of I_ID in a round (Eq. 3) where the dataset leaves C open;
-    --local-step paper: one plain gradient step (Eq. 2), no momentum."""
+    """λ by the model; C: every client of I_ID (Eq. 3) where no table sets it; the paper's step."""
     paper = dict(momentum=0.0, local_epochs=1) if args.local_step == "paper" else {}
     every = dict(sample="all") if args.sample is None else {}
     lam = 1e-4 if args.model.startswith("resnet") else 1e-3       # WaterBird's ResNet-18 too
@@ -288,11 +286,13 @@ def parallel_reason(args):
         "trains with --local-step paper one client after another (sgd at once)"
 
 
-METHOD = harness.Method("fedipg", __doc__, fedipg_round, init_state, evaluate, add_args,
-                        DEFAULTS, derive, check, parallel=parallel_reason)
+METHOD = common.Method("fedipg", __doc__, fedipg_round, clients=(risk_gradient, client_update),
+                       init_state=init_state, evaluate=evaluate, add_args=add_args,
+                       defaults=DEFAULTS, derive=derive, check=check, parallel=parallel_reason)
 
 
-def main(argv=None):
+def main(argv=None):                  # the program: the command line, checkpoints, results
+    import harness
     return harness.main(METHOD, argv)
 
 

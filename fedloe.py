@@ -20,11 +20,12 @@ only, the paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam
 clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
 the paper-against-code discussion: docs/fedloe.md.
 """
-import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
-import common
+if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
+    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
 import torch
 import torch.nn.functional as F
 
+import common
 import data
 
 PHOTO = dict(model="resnet50", head="linear")
@@ -160,7 +161,7 @@ def head_update(site, sent):
     """Eq. 10 on client c: its features g_θ̂(x) at the broadcast (θ̂ frozen, ψ), then E2/K2 epochs
     of SGD on its head from ψ, its minibatches from its own stream; ψ̂_c = (W, b) and the loss."""
     a, model, client = site.args, site.model, site.client
-    z = features(model, sent["theta"], client.x, site)
+    z = common.features(site, sent["theta"], client.x)                # θ̂ frozen: no augmentation
     steps = common.batches(client.n, a.batch_size, site.gen, z.device,
                            epochs=a.stage2_epochs // a.stage2_comms)
     head = model.classifier
@@ -171,18 +172,8 @@ def head_update(site, sent):
 
 def tuning_predictions(site, sent):
     """2.2 on client c: every head's predictions on its tuning split (at θ̂), and its labels."""
-    z = features(site.model, sent["theta"], site.client.tune_x, site)
+    z = common.features(site, sent["theta"], site.client.tune_x)
     return {"Y": head_predictions(z, sent["Ws"], sent["bs"]), "y": site.client.tune_y}
-
-
-def features(model, theta, x, site, chunk=512):
-    """g_θ̂(x) of a client's images at θ (flat): no graph (θ̂ is frozen), no augmentation."""
-    common.set_flat(model, theta)
-    model.eval()
-    with torch.no_grad(), site.autocast():
-        z = torch.cat([model.featurizer(site.prep(x[i:i + chunk]))
-                       for i in range(0, len(x), chunk)])
-    return z.to(theta.dtype)                                    # (bf16 under --amp)
 
 
 # ------------------------------------------------------------------------------------ one round
@@ -190,7 +181,8 @@ def features(model, theta, x, site, chunk=512):
 def fedloe_round(t, model, fed, args, state, ctx):
     """One communication: Eq. 4 (stage 1), or Algorithm 1's Eq. 10 on every client, 2.2, and
     Eq. 11 and 12 on the server."""
-    theta, every = common.get_flat(model), list(range(len(fed.clients)))   # every client, always
+    theta = common.get_flat(model)
+    every = list(range(len(fed.clients)))                                 # every client, always
     if t <= args.stage1_comms:                                            # Eq. 4
         up = common.on_clients(stage1_update, every, {"theta": theta}, t, ctx)
         n = [c.n for c in fed.clients]
@@ -220,7 +212,8 @@ def init_state(model, fed, args, ctx):
     """Appendix D.2, seeded, in place: each client's training split -> 90% train / 10% tune;
     leave-one-domain-out: its 10% hold-out -> half validation (pooled: fed.val_x), half in-domain
     test (pooled: fed.id_x)."""
-    g, lodo = torch.Generator().manual_seed(args.seed), args.dataset in data.LODO
+    g = torch.Generator().manual_seed(args.seed)
+    lodo = args.dataset in data.LODO
     for c in fed.clients:
         if c.n < 2:
             raise common.UserError(f"client {c.id} has {c.n} training example(s), too few for a "
@@ -288,11 +281,14 @@ def check(args, given):
             raise common.UserError(message)
 
 
-METHOD = harness.Method("fedloe", __doc__, fedloe_round, init_state, evaluate, add_args,
-                        DEFAULTS, derive, check, parallel=True)
+METHOD = common.Method("fedloe", __doc__, fedloe_round,
+                       clients=(stage1_update, head_update, tuning_predictions),
+                       init_state=init_state, evaluate=evaluate, add_args=add_args,
+                       defaults=DEFAULTS, derive=derive, check=check, parallel=True)
 
 
-def main(argv=None):
+def main(argv=None):                  # the program: the command line, checkpoints, results
+    import harness
     return harness.main(METHOD, argv)
 
 

@@ -25,16 +25,20 @@ Paper against code, the measurements, how to copy the server step: docs/fedomg.m
     python fedomg.py --dataset pacs --data-root ./data
     python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800
 """
-import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
-import common
+if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
+    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
 import torch
 
+import common
 import data
 
 DG = dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9, weight_decay=5e-4,
           local_epochs=5, global_lr=0.5)                          # η_g: the DG scripts'
-DG_SETS = ("pacs", "vlcs", "officehome")
-DEFAULTS = {"*": dict(kappa=0.5), **{name: DG for name in DG_SETS}}     # κ: Table 4
+FL = dict(global_lr=1.0)                                          # η_g: the FL code's
+DEFAULTS = {"*": dict(kappa=0.5, global_lr="auto"),               # κ: Table 4; η_g: AUTO
+            **{name: DG for name in ("pacs", "vlcs", "officehome")},
+            **{name: FL for name in data.FL}}
+AUTO = {"global_lr": "U (1 + κ²), U the clients sampled in the round (eta_g)"}
 
 
 # ---------------------------------------------------------------- the method as plain functions
@@ -147,20 +151,14 @@ def local_lr(t, args):
 
 
 def eta_g(args, U):
-    """η_g of a round of U sampled clients (Eq. 17): --global-lr, or the dataset's default, when
-    set; otherwise (args.global_lr None, see derive) U (1 + κ²): code_step's g_0 term is then
-    FedAvg's step."""
-    return args.global_lr if args.global_lr is not None else U * (1 + args.kappa ** 2)
+    """η_g of a round of U sampled clients (Eq. 17): --global-lr, or where it is "auto" (the
+    table's value but on the DG and FL datasets) U (1 + κ²): code_step's g_0 term is then FedAvg's
+    step."""
+    return U * (1 + args.kappa ** 2) if args.global_lr == "auto" else args.global_lr
 
 
 def add_args(p):
     p.add_argument("--kappa", type=float, help="searching radius κ (Table 4)")
-
-
-def derive(args):
-    """η_g where neither the paper nor the code gives one (not the DG or FL datasets): none, set
-    per round (eta_g)."""
-    return {} if args.dataset in DG_SETS + data.FL else dict(global_lr=None)
 
 
 def check(args, given):
@@ -168,11 +166,12 @@ def check(args, given):
         raise common.UserError(f"--kappa must be >= 0, got {args.kappa}")
 
 
-METHOD = harness.Method("fedomg", __doc__, fedomg_round, add_args=add_args, defaults=DEFAULTS,
-                        derive=derive, check=check, parallel=True)
+METHOD = common.Method("fedomg", __doc__, fedomg_round, clients=(client_update,), add_args=add_args,
+                       defaults=DEFAULTS, auto=AUTO, check=check, parallel=True)
 
 
-def main(argv=None):
+def main(argv=None):                  # the program: the command line, checkpoints, results
+    import harness
     return harness.main(METHOD, argv)
 
 

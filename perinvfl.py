@@ -25,15 +25,16 @@ with the same objectives). docs/perinvfl.md: the paper against this code, the re
 measurements, the "Copy it" loop; the ablations (kept θ_i, Adam on line 8, IRM-L2, IRM-FT,
 GroupDRO) and the Eq. 4 check: benchmark/diagnostics/perinvfl_variants.py.
 """
+if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
+    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
 import copy
 import functools
 import math
 
-import harness  # first: a Ctrl-C while torch loads is one line (harness/__init__.py)
-import common
 import torch
 import torch.nn.functional as F
 
+import common
 import data
 
 RC = dict(opt="adam", lr=4.898e-4, weight_decay=2 * 1.10794568e-3, lam=91257.186, anneal=190,
@@ -117,7 +118,9 @@ def client_update(site, sent):
     mean loss and θ_i (a copy, for the server to score it)."""
     args, nu, lam = site.args, sent["nu"], sent["lam"]
     plain = lambda lr: lambda params: torch.optim.SGD(params, lr=lr, foreach=True)
-    theta_i, nu_ir, total, R = nu, nu, 0.0, local_steps(site.client, args)
+    theta_i = nu_ir = nu                                          # θ_i ← ν^t; ν_{i,0} ← ν^t
+    total = 0.0
+    R = local_steps(site.client, args)
     for r in range(R):
         line8 = functools.partial(J_i, nu=nu_ir, lam=lam, weight_decay=args.weight_decay,
                                   beta=args.beta)
@@ -130,7 +133,8 @@ def client_update(site, sent):
 
 
 def perinvfl_round(t, model, fed, args, state, ctx):
-    nu, lam = common.get_flat(model), args.lam if t > args.anneal else 1.0   # IRM's λ schedule
+    nu = common.get_flat(model)
+    lam = args.lam if t > args.anneal else 1.0                               # IRM's λ schedule
     ids = common.sample_clients(ctx, len(fed.clients), args.sample)
     up = common.on_clients(client_update, ids, {"nu": nu, "lam": lam}, t, ctx)   # Δ_i back
     for i, r in zip(ids, up):
@@ -172,7 +176,9 @@ def evaluate(model, fed, args, state, ctx):
     """Fixed clients: θ_i on its client's validation split and test context, ν on all
     (`global_*`). Leave-one-domain-out: ν on the held-out domain; θ_i on its own validation split
     (`personal_*`)."""
-    lodo, net, val, hit = args.dataset in data.LODO, copy.deepcopy(model), [], []
+    lodo = args.dataset in data.LODO
+    net = copy.deepcopy(model)                                   # each θ_i in turn
+    val, hit = [], []
     for c in fed.clients:
         common.set_flat(net, state["theta"][c.id])
         val.append(common.correct(net, c.val_x, c.val_y, ctx))
@@ -222,11 +228,13 @@ def check(args, given):
                              f"got {args.momentum}")
 
 
-METHOD = harness.Method("perinvfl", __doc__, perinvfl_round, init_state, evaluate, add_args,
-                        DEFAULTS, derive, check, parallel=parallel_reason)
+METHOD = common.Method("perinvfl", __doc__, perinvfl_round, clients=(client_update,),
+                       init_state=init_state, evaluate=evaluate, add_args=add_args,
+                       defaults=DEFAULTS, derive=derive, check=check, parallel=parallel_reason)
 
 
-def main(argv=None):
+def main(argv=None):                  # the program: the command line, checkpoints, results
+    import harness
     return harness.main(METHOD, argv)
 
 

@@ -1,32 +1,22 @@
-"""The tests of the six methods and of the core (common.py): pytest -q -n auto runs them with
-the harness's, data.py's, benchmark/'s and the docs' tests (no GPU, no network; under five minutes
-on 2 CPU cores).
+"""The tests of the six methods: pytest -q -n auto runs them with the core's (tests/), the
+harness's, benchmark/'s and the docs' tests (no GPU, no network; under five minutes on 2 CPU cores).
 
-The core's section first (models, a round's clients, local training, the engines), then one
-section per method: its numerics against a hand computation or the authors' code, its copy test,
-its defaults, its refusals. Shared helpers: tests/helpers.py.
+First what every method shares (each copied alone with common.py and data.py; its clients at once
+against one after another), then one section per method: its numerics against a hand computation
+or the authors' code, its plain functions copied, its defaults, its refusals. Shared helpers:
+tests/helpers.py.
 """
 
 import argparse
-import ast
-import contextlib
 import copy
 import dataclasses
-import functools
-import importlib
-import inspect
 import json
 import math
-import os
-import re
-import sys
-import textwrap
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 import data
@@ -36,764 +26,26 @@ import fedipg
 import fedloe
 import fedomg
 import perinvfl
-from harness import config, datasets, runner
-
-from tests.helpers import (
-    HERE, J_by_hand, LOE_FULL, METHODS, QUICK, RC_ARGV, fails, grad_by_hand, hold,
-    interrupted_then_resumed, ipg_args, irm_derivative_by_hand, irm_penalty_by_hand, loe_split,
-    on_every_device, pinv_args, pinv_setup, resolved_args, rows, run, strip_times, tiny_args,
-    tiny_ctx, tiny_federation, tiny_model,
-)
-import fedipg_aberrant
+from harness import config, datasets, outputs
 import fedomg_readings as readings
 import perinvfl_variants as pv
 
-
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
+from tests.helpers import (
+    ARGS, as_federation, as_floats, assert_same_to_tolerance, both_ways, ce, copied,
+    copied_fediir_rounds, copied_perinvfl_rounds, F64, fails, final_theta, flat,
+    full_batch_step, FUNCTIONS, grad_by_hand, HERE, history_losses, hold, IIR,
+    interrupted_then_resumed, IPG, ipg_args, irm_derivative_by_hand, irm_penalty_by_hand, load,
+    LOE, LOE_FUNCTIONS, loe_own_rounds, loe_split, max_abs, max_diff, method_args,
+    method_rounds, on_every_device, own_local_sgd, own_model, own_rounds, perinvfl_rounds,
+    pinv_args, pinv_copied, pinv_flags, pinv_setup, PLAIN, QUICK, R, RC_ARGV, rel,
+    resolved_args, rows, run, SGD, SIZES, smallconv, split, streams, strip_times, three_clients,
+    tiny, tiny_args, tiny_ctx, tiny_federation, tiny_model, TINY_TOL, with_solver,
+)
 
 
 # ==================================================================================================
-# common.py: models, a round's clients, local training, the engines; every method through it
+# Every method
 # ==================================================================================================
-
-def test_sampling_is_without_replacement():
-    ctx = tiny_ctx()
-    for _ in range(20):
-        s = common.sample_clients(ctx, 50, 5)
-        # in the order of ids
-        assert len(set(s)) == 5 and all(0 <= c < 50 for c in s) and s == sorted(s)
-
-
-def test_each_client_stream_depends_on_its_five_values_alone():
-    """common.stream: the same (seed, domain, round, client, exchange) give the same draws on every
-    call; a change in any one of them gives other draws, also where seed + round + id would collide;
-    its seed is BLAKE2b's, as docs/protocol.md states it."""
-    import hashlib
-    draw = lambda *key: torch.randperm(1000, generator=common.stream(*key, "cpu"))
-    base = (0, "style0", 3, 7, "client_update")
-    assert torch.equal(draw(*base), draw(*base))
-    others = [(1, "style0", 3, 7, "client_update"), (0, "style1", 3, 7, "client_update"),
-              (0, "style0", 4, 7, "client_update"), (0, "style0", 3, 8, "client_update"),
-              (0, "style0", 3, 7, "classifier_gradient"), (0, "style0", 7, 3, "client_update"),
-              (1, "style0", 2, 7, "client_update"), (0, "style0", -3, 7, "client_update")]
-    assert all(not torch.equal(draw(*base), draw(*key)) for key in others)
-    want = int.from_bytes(hashlib.blake2b(b"0/style0/3/7/client_update", digest_size=8).digest(),
-                          "little")
-    assert common.stream(*base, "cpu").initial_seed() == want
-
-
-CLIENT_ORDER_ARGV = {   # 2 rounds on 3 clients (2 sampled where the
-                        # method samples): every exchange of a round
-    "fedavg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2",
-                           "--test-domain", "0"],
-    "fediir": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2",
-                           "--test-domain", "0"],
-    "fedomg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--sample", "2",
-                           "--test-domain", "0"],
-    "fedloe": QUICK[:2] + ["--clients", "3", "--test-domain", "0", "--stage1-epochs", "1",
-                           "--stage1-comms", "1",
-                           "--stage2-epochs", "1", "--stage2-comms", "1", "--batch-size", "64"],
-    "perinvfl": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0", "--R", "2",
-                             "--S", "2", "--batch-size", "32"],
-    "fedipg": QUICK[:2] + ["--rounds", "2", "--clients", "3", "--test-domain", "0",
-                           "--exit", "auto", "--exit-warmup", "1"],
-}
-
-
-@pytest.mark.parametrize("method", list(CLIENT_ORDER_ARGV))
-def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, monkeypatch):
-    """Every exchange of every round run with the sampled clients taken in reverse order: each
-    client's reply (its update, its loss, what it uploads) is the same, bit for bit, and so is the
-    run (the server reads the replies in the order of the ids either way). A client's work depends
-    on no other's."""
-    one_by_one, seen = common.one_by_one, {}
-    for order in ("forward", "reverse"):
-        def engine(fn, S, sents, t, phase, ctx):
-            if order == "reverse":
-                out = one_by_one(fn, S[::-1], sents[::-1], t, phase, ctx)[::-1]
-            else:
-                out = one_by_one(fn, S, sents, t, phase, ctx)
-            seen.setdefault(order, []).append((t, phase, list(S), out))
-            return out
-        monkeypatch.setattr(common, "one_by_one", engine)
-        run(importlib.import_module(method).main, CLIENT_ORDER_ARGV[method]
-            + ["--parallel-clients", "off"], tmp_path,
-            f"{order}.json")
-    forward, reverse = seen["forward"], seen["reverse"]
-    assert len(forward) == len(reverse) >= 2 and any(len(S) > 1 for _, _, S, _ in forward)
-    for (t, phase, S, a), (t2, phase2, S2, b) in zip(forward, reverse):
-        assert (t, phase, S) == (t2, phase2, S2)
-        for ra, rb in zip(a, b):
-            assert ra.keys() == rb.keys()
-            for k in ra:
-                same = torch.equal(ra[k], rb[k]) if torch.is_tensor(ra[k]) else ra[k] == rb[k]
-                assert same, (method, t, phase, k)
-    ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"]
-            for o in ("forward", "reverse")]
-    assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
-
-
-def test_group_means():
-    v, group = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), torch.tensor([2, 0, 2, 0, 2, 2])
-    assert common.group_means(v, group, 4).tolist() == [0.5, 0.0, 0.75, 0.0]      # empty groups: 0
-
-
-@on_every_device
-def test_determinism(tmp_path, device):
-    argv = QUICK + ["--clients", "5", "--sample", "3", "--device", device]
-    a, _ = run(fedavg.main, argv, tmp_path, "a.json")
-    b, _ = run(fedavg.main, argv, tmp_path, "b.json")
-    c, _ = run(fedavg.main, argv + ["--seed", "1"], tmp_path, "c.json")
-    assert strip_times(a) == strip_times(b)
-    assert strip_times(a)["domains"] != strip_times(c)["domains"]
-
-
-@pytest.mark.parametrize("module", ["fedipg", "fedloe"])
-def test_nondeterministic_changes_no_cpu_number(tmp_path, module):
-    """Deterministic mode is on by default and --nondeterministic turns it off; on the CPU, whose
-    kernels are deterministic either way, the numbers stay the same."""
-    main = {"fedipg": lambda a: fedipg.main(QUICK + ["--clients", "4", "--sample", "2"] + a),
-            "fedloe": lambda a: fedloe.main(LOE + a)}[module]
-    argv = ["--test-domain", "1", "--device", "cpu"]
-    a, _ = run(main, argv, tmp_path, "a.json")
-    assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
-    assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"]
-    b, _ = run(main, argv + ["--nondeterministic"], tmp_path, "b.json")
-    assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
-    common.set_deterministic(True)
-    assert strip_times(a)["domains"] == strip_times(b)["domains"]
-
-
-def test_label_skew_fl_path_on_embedded_mnist(tmp_path):
-    # alpha 1 and a larger lr: at the default alpha 0.1 FedAvg needs far more than a test's rounds
-    res, _ = run(fedavg.main, ["--dataset", "mnist", "--rounds", "6", "--eval-every", "3",
-                               "--local-epochs", "2", "--lr", "0.05", "--alpha", "1"], tmp_path)
-    d = res["domains"]["clients"]
-    assert (res["protocol"] == "clients" and res["args"]["clients"] == 100 and res["args"]["sample"]
-            == 20)
-    assert len(d["per_client_test_acc"]) == 100
-    assert d["test_acc"] > 0.25                                        # 10 classes: chance is 0.1
-
-
-def test_fedavg_on_a_fake_pacs_tree_with_resnet(tmp_path):
-    datasets.make_fake_tree(tmp_path, per_class=2)
-    res, _ = run(fedavg.main, ["--dataset", "pacs", "--data-root", str(tmp_path), "--no-pretrained",
-                               "--rounds", "1", "--test-domain", "sketch",
-                               "--batch-size", "8"], tmp_path)
-    assert res["args"]["model"] == "resnet18" and res["args"]["head"] == "mlp"
-    assert 0 <= res["domains"]["sketch"]["test_acc"] <= 1
-
-
-def test_resnet_batchnorm_stays_in_eval_mode():
-    a = type("A", (), dict(model="resnet18", no_pretrained=True, head="mlp"))
-    model = common.build_model(a, data.synthetic()).train()
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    assert bns and not any(m.training for m in bns) and model.classifier.training
-    before = [m.running_mean.clone() for m in bns]
-    model(torch.randn(4, 3, 32, 32)).sum().backward()
-    assert all(torch.equal(b, m.running_mean) for b, m in zip(before, bns))
-
-
-def test_global_pooling_is_a_plain_mean_in_every_model():
-    """AdaptiveAvgPool2d's CUDA backward kernel is not deterministic: no model may hold one."""
-    x = torch.randn(3, 8, 5, 7)
-    assert torch.equal(common.GlobalMean()(x), torch.nn.AdaptiveAvgPool2d(1)(x))  # the same numbers
-    for model in ("convnet", "smallconv", "resnet18"):
-        a = type("A", (), dict(model=model, no_pretrained=True, head="linear"))
-        net = common.build_model(a, data.synthetic())
-        assert any(isinstance(m, common.GlobalMean) for m in net.modules()), model
-        assert not any(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in net.modules()), model
-
-
-def test_heads_start_as_the_fedIIR_code():
-    for model, head in (("convnet", "linear"), ("convnet", "mlp")):
-        args = type("Args", (), dict(model=model, head=head, no_pretrained=True))
-        torch.manual_seed(0)
-        ws = [m.weight for m in common.build_model(args, data.synthetic()).classifier.modules()
-              if isinstance(m, torch.nn.Linear)]
-        for w in ws:                             # Kaiming-normal: std sqrt(2 / fan_in), not uniform
-            std = math.sqrt(2 / w.shape[1])
-            assert abs(w.std().item() - std) < 0.1 * std and w.abs().max() > 2.2 * std
-
-
-def test_mlp_has_irms_initialisation():
-    args = type("Args", (), dict(model="mlp", head="linear", no_pretrained=True))
-    net = common.build_model(args, data.load("rcmnist"))
-    linears = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(linears) == 3
-    for m in linears:                             # Xavier-uniform weights, zero biases (IRM's code)
-        bound = math.sqrt(6 / (m.in_features + m.out_features))
-        assert torch.all(m.bias == 0) and 0.98 * bound < m.weight.abs().max() <= bound
-        assert abs(m.weight.std().item() - bound / math.sqrt(3)) < 0.03 * bound
-
-
-def loe_why_sync(func, args, kwargs):
-    """Why the aten call `func` would make the host wait for a CUDA device, or None. The ops that
-    read device values on the host, whatever the device: a tensor read as a number, the ops whose
-    output size depends on the values, the comparisons returning a Python bool, and copies between
-    devices."""
-    name = func._schema.name.removeprefix("aten::")
-    if name == "_local_scalar_dense":
-        return ".item() / bool() / int() / float() / a format of a tensor"
-    if name in ("nonzero", "masked_select", "masked_scatter", "masked_scatter_", "equal",
-                "_unique2", "unique_dim",
-                "unique_consecutive", "unique_dim_consecutive", "bincount", "histc"):
-        return f"aten.{name} (its output size, or its answer, is a value on the device)"
-    if (name == "repeat_interleave" and func._overloadname == "Tensor"
-            and kwargs.get("output_size") is None):
-        return "repeat_interleave without output_size"
-    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-        if any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
-               if i is not None):
-            return f"aten.{name} with a boolean mask (x[mask]: a nonzero inside)"
-    if (name == "_to_copy" and kwargs.get("device") is not None
-            and torch.device(kwargs["device"]) != args[0].device):
-        return f"a copy from {args[0].device} to {kwargs['device']}"
-    if name == "copy_" and args[0].device != args[1].device:
-        return f"a copy from {args[1].device} to {args[0].device}"
-    return None
-
-
-def loe_in_torch_optim():
-    """Called from torch.optim: its step counts are CPU tensors (not capturable), read without a
-    device sync."""
-    f, here = sys._getframe(), os.path.join("torch", "optim", "")
-    while f is not None:
-        if here in f.f_code.co_filename:
-            return True
-        f = f.f_back
-    return False
-
-
-class loe_SyncGuard(TorchDispatchMode):
-    """Checks the calls of the functions wrapped by `checked`: any aten op that synchronises the
-    host with a CUDA device raises, on the CPU too (this machine has no GPU), and .tolist() / .cpu()
-    / .numpy(), which a dispatch mode cannot see on a CPU tensor, raise as well. On CUDA the same
-    calls also run under torch.cuda.set_sync_debug_mode("error") (unless cuda_debug=False).
-    `unchecked` exempts a call made inside a checked one. A copy of host data to the device is seen
-    on the CPU in its commonest form, a tensor indexed with a Python list (`host_index`; where
-    cuda_debug is on); not seen there: a .to() between devices (a no-op) and other copies (CUDA's
-    debug mode sees them)."""
-
-    def __init__(self, cuda):
-        super().__init__()
-        self.cuda, self.depth, self.paused, self.debugging, self.where, self.entered = (
-            cuda, 0, 0, False, None, {})
-        self.strict = 0                                  # depth of checked calls with cuda_debug on
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        why = None if self.paused else loe_why_sync(func, args, kwargs)
-        if why and not (func._schema.name == "aten::_local_scalar_dense" and args[0].device.type
-                        == "cpu"
-                        and (self.cuda or loe_in_torch_optim())):
-            raise AssertionError(f"host synchronisation inside {self.where}: {why}")
-        return func(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def cuda_debug(self, mode):
-        before, self.debugging = (torch.cuda.get_sync_debug_mode(), self.debugging), mode == "error"
-        torch.cuda.set_sync_debug_mode(mode)
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(before[0])
-            self.debugging = before[1]
-
-    def checked(self, fn, where, cuda_debug=True):
-        @functools.wraps(fn)                   # (keeps a client function's `stackable` mark)
-        def run(*a, **k):
-            self.entered[where] = self.entered.get(where, 0) + 1
-            outer, self.where = self.where, where
-            with contextlib.ExitStack() as stack:
-                if not self.depth:
-                    stack.enter_context(self)
-                if self.cuda and cuda_debug and not self.debugging:
-                    stack.enter_context(self.cuda_debug("error"))
-                self.depth, self.strict = self.depth + 1, self.strict + cuda_debug
-                try:
-                    return fn(*a, **k)
-                finally:
-                    self.depth, self.strict = self.depth - 1, self.strict - cuda_debug
-                    self.where = outer
-        return run
-
-    def host_index(self, name):
-        """t[[i, j]] / t[:, [i, j]]: the list becomes a CPU tensor copied to t's device (a sync on
-        CUDA)."""
-        original = getattr(torch.Tensor, name)
-
-        def run(t, index, *a):
-            parts = index if isinstance(index, tuple) else (index,)
-            if self.strict and not self.paused and any(isinstance(i, list) for i in parts):
-                raise AssertionError(f"host synchronisation inside {self.where}: a tensor indexed "
-                                     "with a Python list")
-            return original(t, index, *a)
-        return run
-
-    def unchecked(self, fn):
-        def run(*a, **k):
-            with contextlib.ExitStack() as stack:
-                if self.debugging:
-                    stack.enter_context(self.cuda_debug("default"))
-                self.paused += 1
-                try:
-                    return fn(*a, **k)
-                finally:
-                    self.paused -= 1
-        return run
-
-    def host_read(self, name):
-        original = getattr(torch.Tensor, name)
-
-        def run(t, *a, **k):
-            if self.depth and not self.paused:
-                raise AssertionError(f"host synchronisation inside {self.where}: .{name}()")
-            return original(t, *a, **k)
-        return run
-
-
-def loe_one_hot(one_hot, guard):
-    """F.one_hot with its number of classes given checks its input's range on the host on the CPU
-    only (on CUDA a device-side assert does it): no sync on CUDA, so not one here either."""
-    def run(x, num_classes=-1):
-        if num_classes < 0:
-            raise AssertionError(f"host synchronisation inside {guard.where}: F.one_hot without "
-                                 "num_classes")
-        return guard.unchecked(one_hot)(x, num_classes)
-    return run
-
-
-LOE_SYNTH = ["--dataset", "synthetic", "--test-domain", "1"]
-
-LOE_TINY = LOE_SYNTH + LOE_FULL + ["--clients", "4", "--stage1-epochs", "1", "--stage1-comms", "1",
-                                   "--stage2-epochs", "1",
-                        "--stage2-comms", "1", "--server-steps", "3"]
-
-LOE_STEPS = ["fedloe.features", "fedloe.overfit_head", "fedloe.fit_phi"]
-
-# The per-step loops: common.local_train (one client)
-# and common.at_once (stacked clients, entered through
-# local_train); the client functions around them are
-# checked whole (on CUDA under the debug mode too).
-ONCE = ["common.local_train", "common.at_once"]
-
-LOE_PINV = ["perinvfl.client_update", "common.local_train"]
-
-# (benchmark/diagnostics)
-LOE_PINV_VARIANT = ["perinvfl_variants.variant_update", "common.local_train"]
-
-LOE_ROUND_ONLY = set()
-
-LOE_SYNC_CASES = [                 # method, argv, the functions that hold its per-step loops
-    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"],
-                 ["common.local_train"],
-                 id="fedavg"),
-    pytest.param("fedavg", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"], ONCE,
-                 id="fedavg-parallel"),
-    pytest.param("fediir", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "off"],
-                 ["common.local_train", "fediir.classifier_gradient"], id="fediir"),
-    pytest.param("fediir", LOE_SYNTH + ["--rounds", "1", "--parallel-clients", "on"],
-                 ONCE + ["fediir.classifier_gradient"], id="fediir-parallel"),
-    pytest.param("fediir_readings", LOE_SYNTH + ["--rounds", "1", "--gbar", "clients",
-                                                 "--parallel-clients", "off"],
-                 ["common.local_train", "fediir_readings.readings_gradient"],
-                 id="fediir-readings-gbar-clients"),
-    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3",
-                                        "--parallel-clients", "off"],
-                 ["common.local_train"],
-                 id="fedomg"),
-    pytest.param("fedomg", LOE_SYNTH + ["--rounds", "2", "--sample", "2", "--clients", "3",
-                                        "--parallel-clients", "on"],
-                 ONCE, id="fedomg-parallel"),
-    pytest.param("fedloe", LOE_TINY + ["--dg", "irm", "--parallel-clients", "off"],
-                 ["common.local_train"] + LOE_STEPS,
-                 id="fedloe-irm"),
-    pytest.param("fedloe", LOE_TINY + ["--dg", "rex", "--parallel-clients", "on"], ONCE + LOE_STEPS,
-                 id="fedloe-rex-parallel"),
-    pytest.param("fedloe", LOE_TINY + ["--dg", "fish", "--parallel-clients", "off"],
-                 ["common.local_train"] + LOE_STEPS,
-                 id="fedloe-fish"),
-    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2", "--R", "2"],
-                 LOE_PINV + ["perinvfl.J_i"], id="perinvfl"),
-    pytest.param("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--S", "2",
-                              "--parallel-clients", "on"],
-                 LOE_PINV + ONCE[1:], id="perinvfl-parallel"),
-    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "2", "--theta", "kept",
-                                       "--theta-opt", "adam", "--anneal", "1"], LOE_PINV_VARIANT,
-                                       id="perinvfl-kept-adam"),
-    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1",
-                                       "--personalize", "l2", "--inv",
-                                       "groupdro", "--opt", "sgd"], LOE_PINV_VARIANT,
-                                       id="perinvfl-l2-groupdro"),
-    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1",
-                                       "--personalize", "ft", "--ft-batch",
-                                       "256"], LOE_PINV_VARIANT + ["perinvfl_variants.fine_tune"],
-                                       id="perinvfl-ft"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "paper"],
-                 ["fedipg.full_gradient"],
-                 id="fedipg-paper"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd",
-                                        "--parallel-clients", "off"],
-                 ["common.local_train"], id="fedipg-sgd"),
-    pytest.param("fedipg", LOE_SYNTH + ["--rounds", "1", "--local-step", "sgd",
-                                        "--parallel-clients", "on"], ONCE,
-                 id="fedipg-sgd-parallel"),
-]
-
-
-@on_every_device
-@pytest.mark.parametrize("method,argv,steps", LOE_SYNC_CASES)
-def test_every_method_has_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypatch, device, method,
-                                                              argv, steps):
-    """A round of every method (and every FedLOE stage and penalty) with the functions that hold its
-    per-step loops checked by loe_SyncGuard; the skeleton's once-per-round reads (the loss check,
-    evaluation, the client draw from the CPU generator) stay outside."""
-    import importlib
-    guard = loe_SyncGuard(device == "cuda")
-    for where in steps:
-        module, name = where.split(".")
-        module = importlib.import_module(module)
-        monkeypatch.setattr(module, name, guard.checked(getattr(module, name), where, where not
-                                                        in LOE_ROUND_ONLY))
-    monkeypatch.setattr(common, "sample_clients", guard.unchecked(common.sample_clients))
-    monkeypatch.setattr(F, "one_hot", loe_one_hot(F.one_hot, guard))
-    for name in ("tolist", "cpu", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, guard.host_read(name))
-    for name in ("__getitem__", "__setitem__"):
-        monkeypatch.setattr(torch.Tensor, name, guard.host_index(name))
-    run(importlib.import_module(method).main, argv + ["--device", device], tmp_path)
-    assert set(guard.entered) == set(steps)          # every per-step function ran (under the check)
-
-
-# Parallel and sequential runs of a seed agree to float rounding, not bit for bit: the batched
-# kernels (grouped convolutions, per-client sums) add in another order. Each comparison is therefore
-# made twice (the `dtype` fixture): in float64, where the two paths agree to ~1e-15 and a tight
-# tolerance checks the mathematics, and in float32 with a tolerance at least 10x the largest
-# difference measured on a 2-core AMD EPYC CPU (torch 2.15, at 1 and at 2 threads; the numbers are
-# given beside each test). Two things amplify the rounding and are avoided here, not hidden: Adam at
-# lr 1e-2 (it normalises near-zero gradients, whose rounding then moves weights by ~lr: 5.8e-3 after
-# 2 rounds; in float64 the same comparison gives 8e-7, so it is rounding) and the synthetic data's
-# `smallconv` (GroupNorm over single channels,
-# near-constant ones divided by sqrt(eps): up to 2e-1 on
-# one client after 2 epochs; 4e-8 in float64). ReLU kinks and max pools amplify it too, and more so
-# at 2 threads: FedIPG's penalty after 2 rounds differs by 1.6e-7 (relative) at one thread and by
-# 5.5e-5 at two in float32, by 4e-16 in float64.
-@pytest.fixture
-def float64(monkeypatch):
-    """The methods in float64: models built while the default dtype is float64 (so their parameters,
-    buffers and the methods' zeros/ones are float64) and the inputs' uint8 -> float made in float64.
-    Reported losses still pass through common's float32 running sums (loss.float()): they agree to
-    float32 rounding only, the parameters to float64 rounding."""
-    prep = data.make_prep
-
-    def make_prep(dataset, device):    # the digits' x / 255 in float64; the photos' prep, then cast
-        if dataset in data.PHOTOS:
-            return lambda x, **k: prep(dataset, device)(x, **k).double()
-        return lambda x, train=False, gen=None: x.double() / 255
-    monkeypatch.setattr(data, "make_prep", make_prep)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield torch.float64
-    torch.set_default_dtype(old)
-
-
-@pytest.fixture(params=["float32", "float64"])
-def dtype(request):
-    """Both precisions: float32 (what the methods run in) and float64 (the mathematics)."""
-    return request.getfixturevalue("float64") if request.param == "float64" else torch.float32
-
-
-def ragged_federation(sizes=(20, 45, 70, 108, 33)):
-    """Synthetic clients cut to uneven sizes: different step counts and partial last batches."""
-    fed = data.federate(data.synthetic(), 0, len(sizes), seed=0, device="cpu")
-    for c, n in zip(fed.clients, sizes):
-        c.x, c.y = c.x[:n], c.y[:n]
-    assert [c.n for c in fed.clients] == list(sizes)
-    return fed
-
-
-def method_args(module, name, argv, tmp_path):
-    """The method's resolved arguments on the synthetic data with the FL CNN (--compile: the clients
-    at once, as it needs)."""
-    on = (["--parallel-clients", "on"] if "--compile" in argv and "--parallel-clients" not in argv
-          else [])
-    return resolved_args(module, ["--dataset", "synthetic", "--model", "cnn"] + argv + on, tmp_path)
-
-
-def both_ways(round_fn, args, rounds, monkeypatch, init_state=lambda *a: {},
-              fed_fn=ragged_federation):
-    """The same seeded rounds with the clients one after another (common.one_by_one) and all at once
-    (common.all_at_once); the latter must never train one client alone. {mode: (θ_T, θ_0, state,
-    last losses)}."""
-    out, train = {}, common.local_train
-    for mode in ("off", "on"):
-        args.parallel_clients = mode
-        fed = fed_fn()
-        torch.manual_seed(0)
-        model = common.build_model(args, data.synthetic())
-        theta0 = common.get_flat(model)
-        ctx = tiny_ctx(args, fed, model, common.all_at_once if mode == "on" else common.one_by_one)
-        state = init_state(model, fed, args, ctx)
-        state["clients"] = ctx.clients
-        with monkeypatch.context() as m:
-            if mode == "on":
-                m.setattr(common, "local_train", lambda site, *a, **k: train(site, *a, **k)
-                          if site.stacked else
-                          pytest.fail("the clients-at-once run trained one client alone"))
-            for t in range(1, rounds + 1):
-                losses = round_fn(t, model, fed, args, state, ctx)
-        out[mode] = (common.get_flat(model), theta0, state, losses)
-    return out
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
-F64 = dict(params=1e-12, update=1e-12, losses=1e-6)    # float64: θ_T and θ_T − θ_0
-                                                       # relative; losses: float32 sums
-
-
-def assert_same_to_tolerance(out, params, update, losses=1e-5):
-    """Relative 2-norm differences of θ_T and of the update θ_T − θ_0, relative ones of the
-    losses."""
-    (seq, theta0, _, seq_loss), (par, _, _, par_loss) = out["off"], out["on"]
-    assert seq.dtype == par.dtype == torch.get_default_dtype()
-    assert rel(par, seq) < params and rel(par - theta0, seq - theta0) < update
-    assert rel(seq, theta0) > 1e-3                                  # they did train
-    assert sorted(par_loss) == sorted(seq_loss)
-    assert torch.allclose(torch.stack([par_loss[c] for c in seq_loss]),
-                          torch.stack(list(seq_loss.values())),
-                          rtol=losses, atol=0)
-
-
-def test_parallel_minibatches_are_the_sequential_ones(tmp_path, monkeypatch):
-    """Both ways every client draws its minibatches from its own stream (common.batches), the same
-    index tensors; at once they are the rows of the plan that at_once trains on (padding -1
-    aside)."""
-    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "5", "--batch-size", "16",
-                                          "--local-epochs", "3"], tmp_path)
-    drawn, batches = {}, common.batches
-
-    def logged(n, batch_size, gen, device, epochs=None, steps=None):
-        out = list(batches(n, batch_size, gen, device, epochs, steps))
-        drawn.setdefault(mode, {})[(n, gen.initial_seed())] = out
-        return iter(out)
-    monkeypatch.setattr(common, "batches", logged)
-    for mode in ("off", "on"):
-        both_ways(fedavg.fedavg_round, args, 1, monkeypatch)
-    assert drawn["off"].keys() == drawn["on"].keys() and len(drawn["on"]) == 5
-    assert sorted(n for n, _ in drawn["on"]) == [20, 33, 45, 70, 108]           # the ragged clients
-    for key, seq in drawn["off"].items():
-        assert len(seq) == 3 * -(-key[0] // 16) and all(torch.equal(a, b)
-                                                        for a, b in zip(seq, drawn["on"][key]))
-    assert len({s for _, s in drawn["on"]}) == 5                         # five streams, none shared
-
-
-def test_parallel_fedavg_matches_sequential_with_ragged_clients_momentum_and_weight_decay(
-        tmp_path, monkeypatch, dtype):
-    """2 rounds, relative differences. float64: θ 6e-17, update 5e-16, losses 0 (tolerance 1e-12).
-    float32 at lr 0.02, measured at 1 / 2 threads (Intel Xeon): θ 2.0e-8 / 2.0e-8, update 5.3e-7 /
-    5.2e-7; tolerances 1e-6 (50x), 1e-5 (19x). At the synthetic default lr 0.05 float32 training is
-    chaotic here (a max-pool or ReLU switch amplifies the rounding: θ 3.7e-4 apart after 2 rounds at
-    one thread, 4e-3 after 4; float64 6e-17)."""
-    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "4", "--batch-size", "16",
-                                          "--local-epochs", "2",
-                                          "--momentum", "0.9", "--weight-decay", "1e-2",
-                                          "--lr", "0.02"], tmp_path)
-    tol = dict(params=1e-6, update=1e-5) if dtype == torch.float32 else F64
-    assert_same_to_tolerance(both_ways(fedavg.fedavg_round, args, 2, monkeypatch), **tol)
-
-
-def test_parallel_client_with_fewer_steps_never_moves_after_its_last(tmp_path, dtype):
-    """Client 0 (6 examples: 2 steps) beside client 1 (40: 10 steps), momentum and weight decay:
-    were it not put back after its last step, its momentum would carry it on for 8 more. Relative
-    differences; float64: θ, momentum and loss 0 (tolerances 1e-12, 1e-12, 1e-6). float32, measured
-    at 1 / 2 threads: θ 3.5e-9 / 3.5e-9, momentum 6.7e-8 / 6.7e-8, loss 8.8e-8 / 8.8e-8; tolerances
-    1e-7 (28x), 1e-6 (15x), 1e-6 (11x)."""
-    fed = ragged_federation((6, 40))
-    args = method_args(fedavg, "fedavg", ["--batch-size", "4", "--momentum", "0.9",
-                                          "--weight-decay", "0.1",
-                                          "--lr", "0.05", "--parallel-clients", "on"], tmp_path)
-    torch.manual_seed(0)
-    model = common.build_model(args, data.synthetic())
-    theta = common.get_flat(model)
-    ends = {}
-    for ids in ([0, 1], [0]):                               # both, then client 0 alone: no put-back
-        ctx = tiny_ctx(args, fed, model)
-        site = common.site(ctx, ids, 1, "client_update")               # stacked, even alone
-        thetas, losses = common.local_train(site, theta, keep_momentum=True)
-        ends[len(ids)] = thetas[0], losses[0], ctx.clients[0]["momentum"]
-    (both, loss_both, m_both), (alone, loss_alone, m_alone) = ends[2], ends[1]
-    tol = (1e-7, 1e-6, 1e-6) if dtype == torch.float32 else (1e-12, 1e-12, 1e-6)
-    assert both.dtype == torch.get_default_dtype()
-    assert rel(both, alone) < tol[0] and rel(m_both, m_alone) < tol[1]
-    assert torch.allclose(loss_both, loss_alone, rtol=tol[2], atol=0)
-    assert rel(alone, theta) > 1e-3
-
-
-def test_compiled_step_is_one_graph_matches_the_clients_one_after_another_and_repeats(
-        tmp_path, monkeypatch, dtype):
-    """--compile: at_once's stacked step through torch.compile (fullgraph), on all clients at every
-    step (those done weigh 0 and are put back). FedAvg's 2 rounds of
-    test_parallel_fedavg_matches_sequential_... against the clients one after another, both on the
-    CPU: one graph for every step of both rounds, the same tolerances; a second compiled run equal
-    bit for bit. Measured float32 (2 threads, Intel Xeon): θ 1.4e-8, update 6.1e-7 (the eager step
-    at once: 1.4e-8); float64: below 1e-15."""
-    from torch._dynamo.utils import counters
-    args = method_args(fedavg, "fedavg", ["--clients", "5", "--sample", "4", "--batch-size", "16",
-                                          "--local-epochs", "2",
-                                          "--momentum", "0.9", "--weight-decay", "1e-2",
-                                          "--lr", "0.02", "--compile"],
-                       tmp_path)
-    torch._dynamo.reset()
-    counters.clear()
-    out = both_ways(fedavg.fedavg_round, args, 2, monkeypatch)
-    assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 0
-    tol = dict(params=1e-6, update=1e-5) if dtype == torch.float32 else F64
-    assert_same_to_tolerance(out, **tol)
-    assert torch.equal(both_ways(fedavg.fedavg_round, args, 2, monkeypatch)["on"][0], out["on"][0])
-    assert counters["stats"]["unique_graphs"] == 1                # the second run: no recompilation
-
-
-@on_every_device
-def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(
-        tmp_path, monkeypatch, device):
-    """A --compile run (FedAvg, 4 of 5 clients at once; on CUDA the step replayed as a CUDA graph)
-    twice: the same results bit for bit; cut after round 2 and resumed: the uninterrupted results.
-    Its args say so."""
-    argv = QUICK + ["--clients", "5", "--sample", "4", "--model", "cnn", "--batch-size", "16",
-                    "--test-domain", "0",
-                    # (the float32 test's graph)
-                    "--device", device, "--parallel-clients", "on", "--compile"]
-    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
-    assert full["args"]["compile"] is True and full["domains"]["style0"]["test_acc"] > 0.5
-    again, _ = run(fedavg.main, argv, tmp_path, "again.json")
-    assert strip_times(again) == strip_times(full)
-    resumed = interrupted_then_resumed(fedavg.main, argv, str(tmp_path / "cut.json"), monkeypatch,
-                                       lambda blob: blob["round"] == 2)
-    assert strip_times(resumed) == strip_times(full)
-
-
-@pytest.mark.parametrize("name,argv,rounds,tol", [
-    ("fediir", ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9",
-                "--weight-decay", "1e-2", "--gamma", "1", "--ema", "0.5"], 2, (1e-6, 1e-5)),
-    ("fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16", "--weight-decay", "1e-2"],
-     3, (2e-7, 2e-5)),
-    ("fedloe", ["--clients", "5", "--batch-size", "16", "--stage1-epochs", "4",
-                "--stage1-comms", "2",
-                "--weight-decay", "1e-3", "--lr", "1e-3"], 2, (3e-5, 1e-4))])
-def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(
-        name, argv, rounds, tol, tmp_path,
-                                                                             monkeypatch, dtype):
-    """--compile beyond FedAvg: FedIIR's nested-grad penalty, FedOMG's kept momentum, FedLOE's stage
-    1 (Adam), each traced as one graph (fullgraph) and as close to the clients one after another as
-    the eager step at once, on the CPU. Relative θ / update, the larger of 1 and 2 threads (Intel
-    Xeon). float32: FedIIR 2.0e-8 / 3.6e-7, FedOMG 1.3e-8 / 7.6e-7, FedLOE 3.6e-7 / 1.1e-6 (eager at
-    once, 2 threads: 1.9e-8 / 3.5e-7, 1.0e-8 / 9.0e-7, 6.1e-7 / 1.9e-6); tolerances those of their
-    test_parallel_* tests, FedOMG's θ 2e-7 (16x). float64: at most 2.4e-15 / 7.7e-15 (tolerance
-    1e-12)."""
-    from torch._dynamo.utils import counters
-    module = {"fediir": fediir, "fedomg": fedomg, "fedloe": fedloe}[name]
-    args = method_args(module, name, argv + ["--compile"], tmp_path)
-    torch._dynamo.reset()
-    counters.clear()
-    # (as their test_parallel_*)
-    out = both_ways(getattr(module, f"{name}_round"), args, rounds, monkeypatch,
-                    fediir.init_state if name == "fediir" else lambda *a: {})
-    assert counters["stats"]["unique_graphs"] == 1
-    assert_same_to_tolerance(out, **(dict(params=tol[0], update=tol[1]) if dtype == torch.float32
-                                     else F64))
-
-
-@on_every_device
-def test_parallel_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, device):
-    argv = QUICK + ["--clients", "4", "--sample", "3", "--test-domain", "0", "--rounds", "4",
-                    "--global-lr", "3",
-                    "--device", device, "--parallel-clients", "on"]   # η_g = U: the code rule
-                                                                      # steps g_FL / U at κ = 0
-    full, _ = run(fedomg.main, argv, tmp_path, "full.json")
-    assert full["args"]["parallel_clients"] == "on" and full["domains"]["style0"]["test_acc"] > 0.6
-    resumed = interrupted_then_resumed(fedomg.main, argv, str(tmp_path / "cut.json"), monkeypatch,
-                                       lambda blob: blob["round"] == 2)
-    assert strip_times(resumed) == strip_times(full)
-    auto, _ = run(fedomg.main, argv[:-2] + ["--rounds", "1", "--eval-every", "1"], tmp_path,
-                  "auto.json")
-    # what auto chose
-    assert auto["args"]["parallel_clients"] == {"cpu": "off", "cuda": "on"}[device]
-
-
-def smallconv():
-    torch.manual_seed(0)
-    return common.build_model(type("A", (), dict(model="smallconv", head="linear")),
-                              data.synthetic())
-
-
-# Copy a method, not the project: each method's plain functions are lifted by their source into a
-# namespace that holds torch alone, driven by a loop
-# written here (its own model, three clients of its
-# own data, no common.py, no data.py), and checked against the method file's own round on the same
-# data and minibatches.
-def copied(module, *names):
-    """The source of module's functions `names`, executed in a fresh namespace with torch alone
-    (and torch.nn.functional as F, math): a function that reaches for the project fails here."""
-    src = "\n\n".join(textwrap.dedent(inspect.getsource(getattr(module, n))) for n in names)
-    ns = {"__name__": "copied"}
-    exec("import math\nimport torch\nimport torch.nn.functional as F\n\n" + src, ns)
-    return types.SimpleNamespace(**{n: ns[n] for n in names})
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_a_method_file_is_the_method_once(method):
-    """At most 300 lines of at most 100 characters (CleanRL's ppo.py: 312, nanoGPT's model.py: 330),
-    a module docstring of at most 30 that links the method's docs page, and no other method imported
-    (common and data only, besides torch and the standard library)."""
-    source = (HERE / f"{method}.py").read_text()
-    tree = ast.parse(source)
-    doc = tree.body[0]
-    assert len(source.splitlines()) <= 300 and doc.end_lineno - doc.lineno + 1 <= 30
-    assert [n for n, line in enumerate(source.splitlines(), 1) if len(line) > 100] == []
-    assert f"docs/{method}.md" in ast.get_docstring(tree)
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-                for a in n.names} | \
-        {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-         and n.module}
-    assert not imported & (set(METHODS) - {method})
-
-
-PROJECT = {"common", "data", "harness", *METHODS}
-
-
-def project_imports(path, main_block=True):
-    """The project's modules a file imports, anywhere in it (a function's import included; its
-    `if __name__ == "__main__":` block only with main_block)."""
-    tree = ast.parse(path.read_text())
-    if not main_block:
-        tree.body = [n for n in tree.body if not (isinstance(n, ast.If)
-                                                   and "__main__" in ast.unparse(n.test))]
-    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    return {name.split(".")[0] for name in names} & PROJECT
-
-
-def test_the_core_is_read_alone_and_no_import_runs_back_up():
-    """common.py is the teaching core, in at most 600 lines, and data.py the datasets, in at most
-    850: a reader learns a method from its file and one stretch of common.py. The import graph
-    runs one way: data <- common <- the harness <- the methods; the harness never imports a
-    method, common never the harness, and data's only reach into the harness is its own command
-    line (`python data.py --download`, in its __main__ block)."""
-    assert len((HERE / "common.py").read_text().splitlines()) <= 600
-    assert len((HERE / "data.py").read_text().splitlines()) <= 850
-    assert project_imports(HERE / "common.py") == {"data"}
-    assert project_imports(HERE / "data.py", main_block=False) == set()
-    assert project_imports(HERE / "data.py") == {"harness"}
-    for f in (HERE / "harness").glob("*.py"):
-        if not f.name.startswith("test_"):
-            assert project_imports(f) <= {"common", "data", "harness"}, f.name
-    for m in METHODS:
-        assert project_imports(HERE / f"{m}.py") <= {"common", "data", "harness"}, m
-
 
 def test_copied_reaches_for_nothing_of_the_project():
     """The harness itself: a function that names common fails when copied."""
@@ -803,34 +55,6 @@ def test_copied_reaches_for_nothing_of_the_project():
     mod.leaky = leaky
     with pytest.raises(NameError):
         copied(mod, "leaky").leaky(torch.zeros(1))
-
-
-def load(model, vec):
-    i = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(vec[i:i + p.numel()].view_as(p))
-            i += p.numel()
-
-
-IIR = ["--gamma", "1", "--ema", "0.5"]      # γ and v large enough that the penalty moves θ by ~1e-2
-
-IPG = ["--local-step", "sgd", "--lam", "5"]
-
-
-def max_diff(a, b):
-    return (a - b).abs().max().item()
-
-
-def final_theta(out):
-    """θ_T from the last checkpoint, in float64 (exact for float32 checkpoints)."""
-    blob = torch.load(out + ".ckpt", weights_only=True)
-    return torch.cat([v.reshape(-1).double() for v in blob["model"].values()])
-
-
-def history_losses(r):
-    return torch.tensor([row["loss"] for row in r["domains"]["style0"]["history"]],
-                        dtype=torch.float64)
 
 
 # Through main(), 4 rounds (QUICK) at lr 0.01. max
@@ -881,14 +105,6 @@ def test_parallel_run_matches_sequential_and_resumes_to_the_uninterrupted_number
 # fedavg.py
 # ==================================================================================================
 
-def full_batch_step(model, client, lr):
-    """One plain gradient step on the client's whole training set, written independently."""
-    m = copy.deepcopy(model)
-    loss = F.cross_entropy(m(client.x.to(torch.get_default_dtype()) / 255), client.y)
-    grads = torch.autograd.grad(loss, list(m.parameters()))
-    return torch.cat([(p - lr * g).reshape(-1) for p, g in zip(m.parameters(), grads)]).detach()
-
-
 # The round against the same steps written by hand: float64 (the `dtype` fixture, below) agrees to
 # 2.8e-17 (tolerance 1e-12); float32 measured at most
 # 1.5e-8 at 1 and 2 threads (AMD EPYC), tolerance
@@ -904,9 +120,6 @@ def test_fedavg_round_is_weighted_mean_of_deltas(uniform, global_lr, dtype):
     losses = fedavg.fedavg_round(1, model, fed, args, {}, tiny_ctx(args, fed, model))
     assert sorted(losses) == [0, 1] and expected.dtype == dtype
     assert torch.allclose(common.get_flat(model), expected, **TINY_TOL[dtype])
-
-
-TINY_TOL = {torch.float32: dict(atol=1e-6), torch.float64: dict(rtol=0, atol=1e-12)}
 
 
 def test_one_client_one_step_is_plain_sgd(dtype):
@@ -953,65 +166,6 @@ def test_embedded_rmnist_above_chance(tmp_path):
     assert res["domains"]["30"]["test_acc"] > 0.15          # 10 classes: chance is 0.1 (CUDA: 0.19)
 
 
-def three_clients(seed=0, sizes=(7, 12, 9), shape=(1, 4, 4), classes=3):
-    """Three clients of uint8 images and labels, as a user's own data would be."""
-    g = torch.Generator().manual_seed(seed)
-    return [((torch.rand(n, *shape, generator=g) * 255).to(torch.uint8),
-             torch.randint(classes, (n,), generator=g))
-            for n in sizes]
-
-
-def as_federation(clients):
-    """The same clients for the method file's own round."""
-    cs = [data.Client(i, "d", x, y, x[:1], y[:1]) for i, (x, y) in enumerate(clients)]
-    return data.Federation("d", cs, None, None, None, None, None, [])
-
-
-def own_model(seed=0):
-    torch.manual_seed(seed)
-    return common.Net(torch.nn.Flatten(), torch.nn.Linear(16, 3))
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def own_local_sgd(model, x, y, gen, lr, momentum, batch_size, epochs, loss_fn):
-    """The test's own client loop: shuffled passes of minibatch SGD (the draws of a generator the
-    caller owns), pixels / 255."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    for _ in range(epochs):
-        perm = torch.randperm(len(y), generator=gen)
-        for i in range(0, len(y), batch_size):
-            idx = perm[i:i + batch_size]
-            loss = loss_fn(model, x[idx].float() / 255, y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return flat(model)
-
-
-def ce(model, x, y):
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-ARGS = dict(sample=3, batch_size=4, local_epochs=2, lr=0.1, momentum=0.9, weight_decay=0.0,
-            global_lr=1.0,
-            uniform_avg=False, parallel_clients="off", seed=0, dataset="rmnist", device="cpu")
-
-
-def method_rounds(round_fn, clients, rounds, state=None, **kw):
-    """The method file's own round, `rounds` times, from own_model(); returns the final θ."""
-    model, fed = own_model(), as_federation(clients)
-    args = types.SimpleNamespace(**dict(ARGS, **kw))
-    ctx = tiny_ctx(args, fed, model)
-    state = state if state is not None else {}
-    state["clients"] = ctx.clients
-    for t in range(1, rounds + 1):
-        round_fn(t, model, fed, args, state, ctx)
-    return flat(model)
-
-
 @pytest.mark.parametrize("uniform", [False, True])
 def test_fedavg_copied(uniform):
     """fedavg.server_update copied into a loop of the test's own (the clients sampled as the
@@ -1032,36 +186,6 @@ def test_fedavg_copied(uniform):
     expected = method_rounds(fedavg.fedavg_round, clients, 2, uniform_avg=uniform)
     assert torch.allclose(theta, expected, atol=1e-6), (theta - expected).abs().max()
     assert (theta - flat(own_model())).abs().max() > 1e-2                        # they trained
-
-
-def test_fedavg_docs_loop_runs():
-    """docs/fedavg.md's 'Copy it' loop, run as printed (2 rounds instead of 100) with the copied
-    server_update, on three clients of its own: it gets what the test's own loop gets."""
-    text = (HERE / "docs" / "fedavg.md").read_text()
-    block = text.split("## Copy it")[1].split("```python\n")[1].split("```")[0]
-    assert "range(100)" in block
-    m = copied(fedavg, "server_update")
-    clients = [(x.float() / 255, y) for x, y in three_clients()]
-    ns = {"model": own_model(), "clients": clients, "server_update": m.server_update}
-    torch.manual_seed(5)
-    exec(block.replace("range(100)", "range(2)"), ns)
-    model = own_model()
-    torch.manual_seed(5)
-    theta = flat(model)
-    for t in range(2):
-        thetas = []
-        for x, y in clients:
-            load(model, theta)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-            for idx in torch.randperm(len(y)).split(64):
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            thetas.append(flat(model))
-        theta = m.server_update(theta, thetas, [float(len(y)) for _, y in clients])
-    assert torch.equal(ns["theta"], theta) and torch.equal(flat(ns["model"]), theta)
-    assert not torch.equal(theta, flat(own_model()))
 
 
 # ==================================================================================================
@@ -1287,62 +411,6 @@ def test_fediir_gbar_pass_keeps_the_minibatches_of_a_batchnorm(tmp_path):
     assert torch.allclose(got, mean_batch_gradient(model, augmented, S, fed, b), atol=1e-6)
 
 
-# FedIIR copied: its plain functions (classifier_grads, gbar_update, iir_penalty, iir_objective,
-# server_update) lifted by their source into a torch-only
-# namespace, driven for two rounds by a loop written
-# here (the test's own model, three ragged clients of
-# its own data, no common.py, no data.py), and checked
-# against fediir.fediir_round on the same data and
-# minibatches (each client's own stream): bit for bit
-# (torch.equal, CPU). The "Copy it" loop of docs/fediir.md is run too, against this one.
-PLAIN = ("classifier_grads", "gbar_update", "iir_penalty", "iir_objective", "server_update")
-
-
-def streams(phase):
-    """Client c's generator in round t, as method_rounds' run draws it (seed 0, federation "d")."""
-    return lambda t, c: common.stream(0, "d", t, c, phase, "cpu")
-
-
-def copied_fediir_rounds(m, clients, rounds, gamma, v, batch_size, full_batch_gbar, size_avg,
-                         draws=None):
-    """Algorithm 1 with the copied functions: step 1 the sampled clients, step 2 their classifier
-    gradients at θ^{t-1} (features without a graph), summed and counted, into g_bar and smoothed
-    into g̃ (Appendix C), step 3 local SGD on R_c + γ||∇_ω R_c − g̃||², step 4 the server's average.
-    draws: the sampling generator and each client's (t, c) -> generator; default those of
-    method_rounds."""
-    model = own_model()
-    sampler, gen = draws or (torch.Generator().manual_seed(2), streams("client_update"))
-    net = torch.nn.ModuleDict({"featurizer": model.featurizer, "classifier": model.classifier})
-    params = dict(net.named_parameters())
-    g_tilde = torch.zeros(sum(p.numel() for p in model.classifier.parameters()))   # g̃^0 = 0
-    theta = flat(model)
-    for t in range(1, rounds + 1):
-        S = sorted(torch.randperm(len(clients), generator=sampler)[:3].tolist())    # step 1
-        model.train()
-        grad, count = 0, 0
-        for c in S:                                                            # step 2, client side
-            x, y = clients[c]
-            with torch.no_grad():
-                z = model.featurizer(x.float() / 255)
-            g, k = m.classifier_grads(model.classifier, z, y, None if full_batch_gbar
-                                      else batch_size)
-            grad, count = grad + g, count + k
-        g_tilde = m.gbar_update(g_tilde, grad / count, v)                  # step 2, server + App. C
-
-        def loss(model, x, y):
-            return m.iir_objective(net, params, {}, x, y, torch.full((len(y),), 1 / len(y)),
-                                   g_tilde, gamma)
-        thetas = []
-        for c in S:                                                             # step 3
-            load(model, theta)
-            thetas.append(own_local_sgd(model, *clients[c], gen(t, c), 0.1, 0.9, batch_size, 2,
-                                        loss))
-        p = [float(len(clients[c][1])) if size_avg else 1.0 for c in S]
-        theta = m.server_update(theta, thetas, p, 1.0)                          # step 4
-        load(model, theta)
-    return theta, g_tilde
-
-
 @pytest.mark.parametrize("gbar,size_avg,half", [("batches", False, False), ("clients", True, True)])
 def test_fediir_copied(gbar, size_avg, half):
     """Two rounds, γ = 0.5 (γ/2 with --half), v = 0.95, batch 4 over clients of 7, 12 and 9 (partial
@@ -1364,26 +432,6 @@ def test_fediir_copied(gbar, size_avg, half):
     assert (fedavg_like - theta).abs().max() > 1e-4               # and it acted: γ = 0 is elsewhere
 
 
-def test_fediir_docs_loop_is_the_copied_loop():
-    """The "Copy it" loop of docs/fediir.md, executed as printed with the copied functions (its
-    draws from the global generator), gives the θ and g̃ of the loop above with the same draws: bit
-    for bit, so the page's loop is the one checked against fediir_round."""
-    m = copied(fediir, *PLAIN)
-    clients = three_clients()
-    page = (HERE / "docs" / "fediir.md").read_text()
-    loop = re.search(r"## Copy it\n.*?```python\n(.*?)```", page, re.S).group(1)
-    model = own_model()      # seeds the global generator: the loop below draws from it as it stands
-    ns = dict(vars(m), torch=torch, featurizer=model.featurizer, classifier=model.classifier, T=2,
-              C=3, B=4, lr=0.1, E=2, gamma=0.5, clients=[(x.float() / 255, y) for x, y in clients])
-    exec(loop, ns)
-    theta, g_tilde = copied_fediir_rounds(m, clients, 2, 0.5, 0.95, 4, False, False,
-                                          draws=(torch.default_generator, lambda t,
-                                                 c: torch.default_generator))
-    assert torch.equal(ns["theta"], theta), (ns["theta"] - theta).abs().max()
-    assert torch.equal(flat(model), theta)                                 # and the model holds θ^T
-    assert torch.equal(ns["g_tilde"], g_tilde)
-
-
 # FedIIR's and FedIPG's clients at once (--parallel-clients on, common.at_once with the methods'
 # torch.func objectives) against one after another,
 # on the CPU with ragged synthetic clients (partial
@@ -1396,12 +444,10 @@ def test_fediir_docs_loop_is_the_copied_loop():
 # more so the more rounds and the more threads: 4 rounds through main() differ by 1.2e-5 here and by
 # 1.0e-4 on a 2-core Intel Xeon. So the mathematics is checked in float64 (agreement ~1e-16) and
 # float32 is held to 10x what was measured here, at 1 and 2 threads.
-SGD = ["--clients", "5", "--sample", "4", "--batch-size", "16", "--momentum", "0.9",
-       "--weight-decay", "1e-2"]
 
 
-def max_abs(out):
-    return max_diff(out["on"][0], out["off"][0])
+
+
 
 
 def test_parallel_fediir_with_penalty_and_ema_matches_sequential(tmp_path, monkeypatch, dtype):
@@ -1447,15 +493,30 @@ def test_fediir_flags_bad_input(argv, message, capsys):
     assert message in fails(fediir.main, argv, capsys)
 
 
+def test_fediir_gbar_inputs_change_nothing_on_the_digits(tmp_path):
+    import fediir_readings
+    argv = QUICK + ["--rounds", "2", "--clients", "3", "--test-domain", "1"]
+    a, _ = run(fediir.main, argv, tmp_path, "a.json")
+    b, _ = run(fediir_readings.main, argv + ["--gbar-inputs", "plain"], tmp_path, "b.json")
+    assert strip_times(a)["domains"] == strip_times(b)["domains"]
+
+
+def test_fediir_half_is_the_papers_gamma_over_2(tmp_path):
+    """The readings' --half: the local objective R + (γ/2)||∇_ω R − g̃||² (FedIIR's Eq.), i.e. a run
+    with --gamma γ --half is fediir.py's run with --gamma γ/2, bit for bit, and not the run with
+    γ."""
+    import fediir_readings
+    argv = QUICK + ["--rounds", "2", "--eval-every", "1", "--clients", "3", "--test-domain", "1"]
+    half, _ = run(fediir_readings.main, argv + ["--gamma", "2", "--half"], tmp_path, "half.json")
+    over2, _ = run(fediir.main, argv + ["--gamma", "1"], tmp_path, "over2.json")
+    full, _ = run(fediir.main, argv + ["--gamma", "2"], tmp_path, "full.json")
+    assert strip_times(half)["domains"] == strip_times(over2)["domains"]
+    assert strip_times(half)["domains"] != strip_times(full)["domains"]
+
+
 # ==================================================================================================
 # fedomg.py
 # ==================================================================================================
-
-def with_solver(monkeypatch, solver):
-    """fedomg's Γ solver for the test: Table 4's ("sgd", fedomg.solve) or SLSQP ("exact")."""
-    if solver == "exact":
-        monkeypatch.setattr(fedomg, "solve", readings.solve_exact)
-
 
 @pytest.mark.parametrize("solver", ["sgd", "exact"])
 def test_fedomg_steps_with_identical_updates(solver, monkeypatch):
@@ -1496,19 +557,6 @@ def test_fedomg_steps_are_invariant_to_client_order(solver, monkeypatch):
     assert not torch.allclose(a, 1.5 * (p @ G), atol=1e-3)             # κ does change the direction
     c, d = fedomg.code_step(G, p, 0.5), fedomg.code_step(G[perm], p[perm], 0.5)
     assert torch.allclose(c, d, atol=1e-7)
-
-
-def test_fedomg_step_matches_eq_16_computed_directly(monkeypatch):
-    with_solver(monkeypatch, "exact")
-    g = torch.Generator().manual_seed(4)
-    G = torch.randn(3, 50, generator=g, dtype=torch.float64)
-    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    g_FL = p @ G
-    K = G @ G.T
-    Gamma = readings.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
-    g_Gamma = Gamma @ G                                                  # without the Gram shortcut
-    expected = g_FL + 0.5 * g_FL.norm() / g_Gamma.norm() * g_Gamma           # Eq. 16 as printed
-    assert torch.allclose(readings.paper_step(G, g_FL, p, 0.5), expected, atol=1e-6)
 
 
 def test_fedomg_gram_is_float64_from_float32_updates():
@@ -1649,22 +697,6 @@ def test_fedomg_round_matches_the_rule_by_hand(rule, solver, dataset, tmp_path, 
 
 
 @on_every_device
-def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path, device):
-    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7",
-                    "--device", device]
-    a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
-    # Eq. 16 as printed: Corollary 1
-    paper = ["--server-rule", "paper", "--fresh-opt", "--lr-step", "1"]
-    b, _ = run(readings.main, argv + paper + ["--kappa", "0"], tmp_path, "omg.json")
-    assert strip_times(a)["domains"] == strip_times(b)["domains"]
-    c, _ = run(readings.main, argv + paper + ["--kappa", "0.5"], tmp_path, "omg.json")
-    assert strip_times(a)["domains"] != strip_times(c)["domains"]
-    d, _ = run(readings.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path,
-               "omg.json")
-    assert strip_times(a)["domains"] != strip_times(d)["domains"]        # the code's rule: g_FL / U
-
-
-@on_every_device
 def test_fedomg_keeps_client_momentum_and_resumes(tmp_path, monkeypatch, device):
     argv = QUICK + ["--clients", "3", "--sample", "2", "--test-domain", "0", "--rounds", "4",
                     "--device", device]
@@ -1741,15 +773,20 @@ def resolved(argv, tmp_path, by_hand):
 
 def test_fedomg_eta_g_defaults_by_setting(tmp_path):
     """DG: the official scripts' 0.5 (train_pacs_OMG.py, train_vlcs_GA.py: --global_model_lr), not
-    Table 4's 5e-2; FL: the FL code's 1 (--omg_meta_lr); elsewhere none: η_g is set per round."""
-    for name in fedomg.DG_SETS:
+    Table 4's 5e-2; FL: the FL code's 1 (--omg_meta_lr); elsewhere the rule, "auto": η_g is set
+    per round (also by hand: --global-lr auto); every value from fedomg's table."""
+    for name in ("pacs", "vlcs", "officehome"):
         assert resolved(["--dataset", name], tmp_path, False).global_lr == 0.5
     for name in data.FL:
         assert resolved(["--dataset", name], tmp_path, False).global_lr == 1.0
     for name in ("rmnist", "synthetic", "stained", "rcmnist", "rcfmnist", "waterbird"):
-        assert resolved(["--dataset", name], tmp_path, False).global_lr is None
+        assert resolved(["--dataset", name], tmp_path, False).global_lr == "auto"
         assert resolved(["--dataset", name, "--global-lr", "0.3"], tmp_path, True).global_lr == 0.3
     assert resolved(["--dataset", "pacs", "--global-lr", "5e-2"], tmp_path, True).global_lr == 5e-2
+    assert resolved(["--dataset", "pacs", "--global-lr", "auto"], tmp_path, 1).global_lr == "auto"
+    for name in (*data.NAMES, "*"):                        # no None, and not the shared table's
+        own = {**fedomg.DEFAULTS["*"], **fedomg.DEFAULTS.get(name, {})}
+        assert own["global_lr"] in (0.5, 1.0, "auto"), name
 
 
 def test_fedomg_eta_g_rule_restores_fedavgs_scale():
@@ -1761,7 +798,7 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     g_FL = p @ G
     for kappa in (0.0, 0.5, 1.0):
-        args = types.SimpleNamespace(global_lr=None, kappa=kappa)
+        args = types.SimpleNamespace(global_lr="auto", kappa=kappa)
         assert fedomg.eta_g(args, 4) == 4 * (1 + kappa ** 2)
         step = fedomg.eta_g(args, 4) * fedomg.code_step(G, p, kappa)
         if kappa == 0:
@@ -1770,7 +807,7 @@ def test_fedomg_eta_g_rule_restores_fedavgs_scale():
             # κ||g_FL||, up to the ε's
             assert abs((step - g_FL).norm() / g_FL.norm() - kappa) < 1e-3
             assert rel(step, g_FL) > 0.1                                           # κ does act
-    paper = types.SimpleNamespace(global_lr=None, kappa=0.5, server_rule="paper", solver="sgd",
+    paper = types.SimpleNamespace(global_lr="auto", kappa=0.5, server_rule="paper", solver="sgd",
                                   solver_evals=21, lr_step=None)
     assert readings.swaps(paper)["eta_g"](paper, 4) == 1.0                      # Eq. 16's own scale
     assert fedomg.eta_g(types.SimpleNamespace(global_lr=0.3, kappa=0.5), 4) == 0.3
@@ -1785,7 +822,7 @@ def test_fedomg_round_at_kappa_zero_steps_as_fedavg(tmp_path, dtype):
     # round 1: no kept momentum
     argv = ["--clients", "3", "--sample", "3", "--batch-size", "16", "--kappa", "0"]
     args = method_args(fedomg, "fedomg", argv, tmp_path)
-    assert args.global_lr is None
+    assert args.global_lr == "auto"
     ds = data.load("synthetic")
     moved = {}
     for name, module, a in (("avg", fedavg, method_args(fedavg, "fedavg", argv[:6], tmp_path)),
@@ -1812,64 +849,13 @@ def test_fedomg_global_lr_by_hand_in_every_argparse_form(tmp_path):
                  ["--global-l=0.3"]):
         assert resolved_args(fedomg, argv, tmp_path).global_lr == 0.3        # given: kept
     for argv in ([], ["--kappa", "0.3"], ["--lr", "0.3"]):
-        assert resolved_args(fedomg, argv, tmp_path).global_lr is None      # not given: per round
+        assert resolved_args(fedomg, argv, tmp_path).global_lr == "auto"    # not given: per round
     small = QUICK + ["--rounds", "1", "--eval-every", "1", "--clients", "3", "--sample", "2",
                      "--test-domain", "0"]
     by_hand, _ = run(fedomg.main, small + ["--global=0.3"], tmp_path, "hand.json")
     rule, _ = run(fedomg.main, small, tmp_path, "rule.json")
-    assert by_hand["args"]["global_lr"] == 0.3 and rule["args"]["global_lr"] is None
+    assert by_hand["args"]["global_lr"] == 0.3 and rule["args"]["global_lr"] == "auto"
     assert strip_times(by_hand)["domains"] != strip_times(rule)["domains"]
-
-
-# FedOMG copied: its server step (server_update on updates and code_step, the Gram matrix, Eq. 15's
-# objective and Table 4's solver) lifted by source into
-# a namespace holding torch alone, driven by the loop of
-# docs/fedomg.md's "Copy it" (each client's SGD kept across rounds, as the official DG code; the DG
-# code's lr step), and checked against fedomg_round on the same data and minibatches.
-FUNCTIONS = ("server_update", "updates", "code_step", "objective", "solve", "gram")
-
-R = 2                                       # rounds: the DG code's lr step (0.8 R) falls on round 2
-
-
-def own_rounds(m, clients, kappa, weighted, eta_g, keep, rounds=R, lr=0.1, momentum=0.9,
-               weight_decay=1e-2, batch_size=4, epochs=2, draws=None, lr_step=0.8, docs=False):
-    """The loop of docs/fedomg.md, with method_rounds' draws (the server's sampling, each client's
-    stream; docs: torch's global generator for all, as the docs' loop, and its mean cross-entropy;
-    otherwise the method's Σ_j CE_j / b, the same operations) and pixels / 255: each client trains
-    its own SGD from θ (kept across rounds when `keep`), the server steps by server_update.
-    eta_g(U): the round's η_g."""
-    model = own_model()
-    sampler, gen = (None, lambda r, c: None) if docs else draws or (
-        torch.Generator().manual_seed(2),
-                                                                      streams("client_update"))
-    ce = (lambda out, y: F.cross_entropy(out, y)) if docs else \
-        (lambda out, y: (F.cross_entropy(out, y, reduction="none")
-                         * torch.full((len(y),), 1 / len(y))).sum())
-    theta, opts = flat(model), {}
-    for r in range(1, rounds + 1):
-        S = sorted(torch.randperm(len(clients), generator=sampler).tolist())
-        lr_r = lr * (0.1 if r > lr_step * rounds else 1.0)     # the DG code's StepLR (FL: 1, never)
-
-        def trained(c):                                           # client c: E epochs of SGD from θ
-            x, y = clients[c]
-            load(model, theta)
-            if keep and c in opts:
-                opts[c].param_groups[0]["lr"] = lr_r
-            else:
-                opts[c] = torch.optim.SGD(model.parameters(), lr=lr_r, momentum=momentum,
-                                          weight_decay=weight_decay)
-            g = gen(r, c)                                           # the client's stream this round
-            for _ in range(epochs):
-                perm = torch.randperm(len(y), generator=g)
-                for i in range(0, len(y), batch_size):
-                    idx = perm[i:i + batch_size]
-                    opts[c].zero_grad()
-                    ce(model(x[idx].float() / 255), y[idx]).backward()
-                    opts[c].step()
-            return flat(model)                                       # the upload θ_u
-        N = [len(clients[c][1]) for c in S]
-        theta = m.server_update(theta, (trained(c) for c in S), N, eta_g(len(S)), kappa, weighted)
-    return theta
 
 
 def fedomg_rounds(clients, **kw):
@@ -1882,7 +868,7 @@ def fedomg_rounds(clients, **kw):
                                      solver_evals=21, fresh_opt=fresh, lr_step=None)
         return ((readings.readings_round if fresh else fedomg.fedomg_round)(
             t, model, fed, args, state, ctx))
-    args = dict(kappa=0.5, dataset="synthetic", global_lr=None, weight_decay=1e-2)
+    args = dict(kappa=0.5, dataset="synthetic", global_lr="auto", weight_decay=1e-2)
     return method_rounds(round_fn, clients, R, **{**args, **kw})
 
 
@@ -1916,26 +902,6 @@ def test_fedomg_copied_step_scale_is_in_the_signature():
     assert torch.allclose(m.server_update(theta, thetas, N, 1.0, 0.0) - theta, g_FL / 3, atol=1e-12)
     # Eq. 16 as printed
     assert torch.equal(readings.paper_update(theta, thetas, N, 1.0, 0.0), theta + g_FL)
-
-
-def test_fedomg_docs_loop_is_the_tested_loop():
-    """The loop of docs/fedomg.md's "Copy it", run as written (but 20 rounds, for time) on the
-    copied functions (own_model, three clients as float images, U = 3), finds the θ of own_rounds
-    with the docs' settings and torch's global generator: the page shows the loop that
-    test_fedomg_copied checks."""
-    page = (HERE / "docs" / "fedomg.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page.split("## Copy it")[1].split("\n## ")[0], re.S)
-    assert len(blocks) == 2
-    m = copied(fedomg, *FUNCTIONS)
-    clients = three_clients()
-    model = own_model()                                # seeds torch's generator, as own_rounds does
-    ns = dict(vars(m), model=model, clients=[(x.float() / 255, y) for x, y in clients], U=3)
-    loop = blocks[1].replace("R, kappa, lr, E, B = 100,", "R, kappa, lr, E, B = 20,")
-    assert loop != blocks[1]
-    exec(loop, ns)
-    expected = own_rounds(m, clients, 0.5, True, lambda U: U * 1.25, True, rounds=20, lr=1e-3,
-                          weight_decay=5e-4, batch_size=16, epochs=5, docs=True)
-    assert torch.equal(flat(model), expected) and torch.equal(ns["theta"], expected)
 
 
 class Seen(Exception):
@@ -2018,8 +984,10 @@ def test_fedomg_flags_bad_input(argv, message, capsys):
 
 LODO = ("pacs", "vlcs", "officehome", "rmnist", "synthetic")
 
+
 # fixed clients, with waterbird
 RC, FL = ("rcmnist", "rcfmnist"), ("mnist", "emnist", "cifar10", "cifar100")
+
 
 DATASETS = LODO + RC + FL + ("waterbird",)
 
@@ -2075,9 +1043,7 @@ def test_every_default_follows_its_source(loe_resolved, flag, value, source):
             f"--{flag.replace('_', '-')} on {name}: source {source}"
 
 
-LOE = ["--dataset", "synthetic", "--clients", "4", "--test-domain", "1", "--stage1-epochs", "4",
-       "--stage1-comms", "2",
-       "--stage2-epochs", "2", "--stage2-comms", "2", "--server-steps", "20"] + LOE_FULL
+
 
 
 def test_fedloe_ensemble_of_linear_heads_is_a_linear_head():
@@ -2087,7 +1053,6 @@ def test_fedloe_ensemble_of_linear_heads_is_a_linear_head():
     W, b = fedloe.ensemble(phi, Ws, bs)
     by_heads = sum(phi[c] * (z @ Ws[c].T + bs[c]) for c in range(5))     # Σ_c φ_c h_c(z)
     assert torch.allclose(F.linear(z, W, b), by_heads, atol=1e-12)  # = h_{Σ φ_c ψ_c}(z):
-                                                                    # Eq. 12 is exact
 
 
 def tiny_predictions():
@@ -2241,14 +1206,14 @@ def test_fedloe_split_follows_appendix_d2():
 
 @on_every_device
 def test_fedloe_end_to_end_frozen_featurizer_and_resume(tmp_path, monkeypatch, device):
-    blobs, save, argv = {}, runner.save_checkpoint, LOE + ["--device", device]
+    blobs, save, argv = {}, outputs.save_checkpoint, LOE + ["--device", device]
 
     def keep(path, blob):
         blobs[blob["round"]] = copy.deepcopy(blob)
         save(path, blob)
-    monkeypatch.setattr(runner, "save_checkpoint", keep)
+    monkeypatch.setattr(outputs, "save_checkpoint", keep)
     full, _ = run(fedloe.main, argv, tmp_path, "full.json")
-    monkeypatch.setattr(runner, "save_checkpoint", save)
+    monkeypatch.setattr(outputs, "save_checkpoint", save)
     d = full["domains"]["style1"]
     # chance 0.25; CUDA 0.59
     assert [r["round"] for r in d["history"]] == [1, 2, 3, 4] and d["last_test_acc"] > 0.5
@@ -2480,13 +1445,13 @@ TINY = ["--stage1-epochs", "2", "--stage1-comms", "1", "--stage2-epochs", "2",
 
 
 def keep_checkpoints(monkeypatch):
-    blobs, save = {}, runner.save_checkpoint
+    blobs, save = {}, outputs.save_checkpoint
 
     def keep(path, blob):
         blobs[blob["round"]] = copy.deepcopy({k: v for k, v in blob.items() if k
                                               in ("model", "state")})
         save(path, blob)
-    monkeypatch.setattr(runner, "save_checkpoint", keep)
+    monkeypatch.setattr(outputs, "save_checkpoint", keep)
     return blobs
 
 
@@ -2585,98 +1550,6 @@ def test_fedloe_on_mnist_label_skew(tmp_path):
     assert d["per_client_test_acc"] == per and abs(d["val_acc"] - val) < 1e-6
 
 
-# FedLOE copied: its plain functions (Eq. 4's average,
-# Eq. 10's overfit_head, the tuning predictions,
-# the server's Tuning, Eq. 11's fit_phi with its terms, Eq. 12's ensemble) lifted by source into a
-# namespace holding torch alone, driven by the loop
-# of docs/fedloe.md's "Copy it" (a tiny model of the
-# test's own with a trainable featurizer, three clients with their own tuning splits), and checked
-# against fedloe_round on the same data and minibatches: bit for bit on the CPU.
-LOE_FUNCTIONS = ("average", "overfit_head", "head_predictions", "Tuning", "risks", "irm_penalty",
-                 "rex_penalty", "fit_phi", "ensemble")
-
-SIZES = (30, 40, 50)
-
-
-class Tiny(torch.nn.Module):
-    """The test's own model: a featurizer with weights (stage 1 trains it, stage 2 freezes it), a
-    linear head."""
-
-    def __init__(self):
-        super().__init__()
-        self.featurizer = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 6),
-                                              torch.nn.ReLU())
-        self.classifier = torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.classifier(self.featurizer(x))
-
-
-def tiny(seed=0):
-    torch.manual_seed(seed)
-    return Tiny()
-
-
-def split(clients):
-    """Each client's own tuning split: its last 10% (at least one example); uint8 images."""
-    return [(x[:-max(1, len(y) // 10)], y[:-max(1, len(y) // 10)], x[-max(1, len(y) // 10):],
-             y[-max(1, len(y) // 10):])
-            for x, y in clients]
-
-
-def as_floats(clients):
-    return [(x.float() / 255, y, xt.float() / 255, yt) for x, y, xt, yt in clients]
-
-
-def loe_own_rounds(m, clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, steps, meta_lr,
-                   docs=False):
-    """The loop of docs/fedloe.md's "Copy it" with its numbers as arguments, each client's
-    minibatches drawn from its own stream as fedloe_round's clients draw them, the losses in the
-    method's form (Σ_j CE_j / b); docs: torch's global generator and the mean cross-entropy, as the
-    docs' loop. Returns θ and the last φ."""
-    model = tiny()
-    gen = (lambda t, c, phase: None) if docs else (lambda t, c,
-                                                   phase: common.stream(0, "d", t, c, phase, "cpu"))
-    ce = (lambda out, y: F.cross_entropy(out, y)) if docs else \
-        (lambda out, y: (F.cross_entropy(out, y, reduction="none")
-                         * torch.full((len(y),), 1 / len(y))).sum())
-
-    def epochs_of(n, E, g):                                  # E shuffled passes of minibatches of B
-        for _ in range(E):
-            perm = torch.randperm(n, generator=g)
-            yield from (perm[i:i + B] for i in range(0, n, B))
-    theta = flat(model)
-    for t in range(1, K1 + 1):                                   # stage 1
-        thetas = []
-        for c, (x, y, _, _) in enumerate(clients):          # client c: E1/K1 epochs of a fresh Adam
-            load(model, theta)
-            opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
-            for idx in epochs_of(len(y), E1 // K1, gen(t, c, "stage1_update")):
-                opt.zero_grad()
-                ce(model(x[idx]), y[idx]).backward()
-                opt.step()
-            thetas.append(flat(model))
-        theta = m.average(theta, thetas, [len(y) for _, y, _, _ in clients])     # Eq. 4
-    load(model, theta)
-    with torch.no_grad():                                        # stage 2: θ̂ frozen
-        Z = [(model.featurizer(x), model.featurizer(xt)) for x, _, xt, _ in clients]
-    head, phi = model.classifier, None
-    for t in range(K1 + 1, K1 + K2 + 1):
-        W0, b0 = head.weight.detach(), head.bias.detach()
-        psi = [m.overfit_head(W0, b0, z, y, epochs_of(len(y), E2 // K2, gen(t, c, "head_update")),
-                              lr2, 0.0, wd2)[:2]
-               for c, ((z, _), (_, y, _, _)) in enumerate(zip(Z, clients))]    # Eq. 10
-        Ws, bs = torch.stack([W for W, _ in psi]), torch.stack([b for _, b in psi])
-        Y = torch.cat([m.head_predictions(zt, Ws, bs) for _, zt in Z])
-        T = m.Tuning(Y, torch.cat([yt for *_, yt in clients]), [len(yt) for *_, yt in clients])
-        phi = m.fit_phi(T, r, lam, lr2, wd2, steps, meta_lr)                     # Eq. 11
-        W, b = m.ensemble(phi, Ws, bs)                                            # Eq. 12
-        with torch.no_grad():
-            head.weight.copy_(W)
-            head.bias.copy_(b)
-    return flat(model), phi
-
-
 def fedloe_rounds(clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, steps, meta_lr):
     """fedloe_round K1 + K2 times on the same clients (train and tuning splits), model and minibatch
     stream."""
@@ -2711,27 +1584,6 @@ def test_fedloe_copied(K1, K2, r):
     assert not torch.allclose(phi, torch.full((3,), 1 / 3), atol=1e-3)      # and the server moved φ
     assert torch.equal(theta, expected), (theta - expected).abs().max()
     assert torch.equal(phi, expected_phi), (phi - expected_phi).abs().max()
-
-
-def test_fedloe_docs_loop_is_the_tested_loop():
-    """The loop of docs/fedloe.md's "Copy it", run as written (but a smaller budget, for time) on
-    the copied functions, the test's model and its three clients, finds the θ of loe_own_rounds with
-    the docs' settings and torch's global generator: the page shows the loop that test_fedloe_copied
-    checks."""
-    page = (HERE / "docs" / "fedloe.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page.split("## Copy it")[1].split("\n## ")[0], re.S)
-    assert len(blocks) == 2
-    m = copied(fedloe, *LOE_FUNCTIONS)
-    clients = as_floats(split(three_clients(sizes=SIZES)))
-    model = tiny()                                 # seeds torch's generator, as loe_own_rounds does
-    ns = dict(vars(m), model=model, clients=clients)
-    loop = blocks[1].replace("K1, E1, K2, E2, B = 8, 256, 4, 8, 128",
-                             "K1, E1, K2, E2, B = 2, 4, 2, 4, 16")
-    assert loop != blocks[1]
-    exec(loop, ns)
-    expected, phi = loe_own_rounds(m, clients, 2, 4, 2, 4, 16, 1e-3, 0.0, 0.05, 5e-4, "fish", 100.0,
-                                   100, 0.05, docs=True)
-    assert torch.equal(flat(model), expected) and torch.equal(ns["phi"], phi)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -2782,29 +1634,6 @@ def test_irm_penalty_and_its_gradient_match_a_hand_computation():
     up = irm_penalty_by_hand(zz, y)
     zz[2, 1] -= 2 * e
     assert abs((up - irm_penalty_by_hand(zz, y)).item() / (2 * e) - gp[2, 1].item()) < 1e-7
-
-
-def test_perinvfl_lines_8_to_10_against_a_hand_computation(dtype):
-    """One round, plain steps: ν_{i,1} = ν − γ∇L_INV(ν; D_i) (line 9), θ_i = θ_i − η(∇L_INV(θ_i) +
-    2β(θ_i − ν_{i,0})) (line 8, from a kept θ_i), ν' = ν − α(ν − mean_i ν_{i,1}) (line 10), for α =
-    1 and 0.5. λ = 3 > 1: IRM's rescaling divides Eq. 4 as a whole, the β term included, so β keeps
-    its balance against L_IRM. float64: 2.8e-17 (tolerance 1e-12); float32, measured at 1 / 2
-    threads: 1.5e-8 (tolerance atol 1e-6 + rtol 1e-5: 150x)."""
-    for alpha in (1.0, 0.5):
-        model, fed, ctx, args, state = pinv_setup(beta=0.7, global_lr=alpha, theta="kept")
-        nu = common.get_flat(model)
-        theta0 = nu + 0.1 * torch.randn(len(nu), generator=torch.Generator().manual_seed(1))
-        hold(ctx, [theta0, theta0])
-        pv.variant_round(1, model, fed, args, state, ctx)
-        nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay)
-                for c in fed.clients]
-        assert nu.dtype == dtype
-        assert torch.allclose(common.get_flat(model), nu - alpha * (nu - sum(nu_i) / 2),
-                              **TINY_TOL[dtype])
-        for i, c in enumerate(fed.clients):
-            pull = 2 * args.beta * (theta0 - nu) / args.lam
-            want = theta0 - args.lr * (grad_by_hand(theta0, c, args.lam, args.weight_decay) + pull)
-            assert torch.allclose(state["theta"][i], want, **TINY_TOL[dtype])
 
 
 def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
@@ -2937,28 +1766,6 @@ def test_perinvfl_end_to_end_and_resume(tmp_path, monkeypatch, device):
         assert strip_times(resumed) == strip_times(straight)
 
 
-def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_switch():
-    """Default reading and line-8 steps, ν by the server's Adam as on RC-MNIST, λ = 1 for two rounds
-    then 50 (the objective divided by λ):
-    after every round J_i(θ_i; ν^t) < J_i(ν^t; ν^t) for both clients, J written out independently,
-    whatever θ_i held before the round (here far from ν); the file's own check records the same two
-    numbers per client."""
-    model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2, beta=1.0,
-                                              eval_every=1)
-    nu0 = common.get_flat(model)
-    state["theta"] = [nu0 + 3.0, nu0 - 3.0]
-    for t in range(1, 6):
-        nu = common.get_flat(model)
-        pv.variant_round(t, model, fed, args, state, ctx)
-        lam = 50.0 if t > 2 else 1.0
-        for i, c in enumerate(fed.clients):
-            j_theta, j_nu = (J_by_hand(state["theta"][i], nu, c, lam, args),
-                             J_by_hand(nu, nu, c, lam, args))
-            assert j_theta < j_nu, (t, i, j_theta.item(), j_nu.item())
-            assert torch.allclose(state["eq4"][:, i], torch.stack([j_theta, j_nu]), rtol=1e-5,
-                                  atol=0), t
-
-
 def test_one_environments_irmv1_penalty_is_its_head_gradient_against_the_head():
     """With a linear head (W, b), d/dw R(w·f)|_{w=1} = ⟨∇_(W,b) R, (W,b)⟩, so the IRMv1 penalty of
     one environment is zero wherever its risk is stationary in the head (the docstring's reason why
@@ -3073,92 +1880,6 @@ def test_perinvfl_refusal_on_lodo_is_one_line(capsys):
     assert "fixed-clients dataset" not in line
 
 
-# PerInvFL copied: its plain functions (risk_of_scale,
-# irm_penalty, l_inv, rescale, J_i, server_update,
-# server_adam; GroupDRO's q_update from perinvfl_variants.py) lifted by their
-# source into a torch-only namespace, driven for two rounds of Algorithm 1 by
-# a loop written here (the test's own model, three ragged clients of its own data, no common.py, no
-# data.py), and checked against perinvfl.perinvfl_round
-# on the same data and minibatches: bit for bit
-# (torch.equal, CPU). The loop of docs/perinvfl.md's
-# "Copy it" is run as printed and checked the same
-# way.
-PINV_PLAIN = ("risk_of_scale", "irm_penalty", "l_inv", "rescale", "J_i", "server_update",
-              "server_adam")
-
-
-def pinv_copied():
-    """perinvfl.py's plain functions and the variants' q_update, copied alone into one namespace."""
-    return types.SimpleNamespace(**vars(copied(perinvfl, *PINV_PLAIN)),
-                                 **vars(copied(pv, "q_update")))
-
-
-def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta, alpha, momentum,
-                           R, S, B, reading="reset", adam=True, groupdro=False, personalize="dual",
-                           eta_q=0.5, C=3):
-    """Algorithm 1 with the copied functions, every choice as perinvfl.py makes it: the C sampled
-    clients (in the order of their ids); θ_i from ν^t (`reset`) or kept on the client; per r: S
-    plain steps of line 8 on J_i(θ_i; ν_{i,r}) (SGD at η), then one of line 9 on L_INV / rescale
-    (SGD at γ); R an integer or "epoch" (2 passes of minibatches of B: the local_epochs of the copy
-    harness's ARGS); line 10 by the server's Adam or the plain average; GroupDRO's q from the risks
-    of ν^t on each client's split. Each step draws a random minibatch of B (all of a client's data
-    if B covers it) from the client's own stream, pixels / 255, losses Σ_j w_j ℓ_j with w_j = 1/b.
-    Returns ν, the θ_i and q."""
-    model = own_model()                                           # ν_{i,r} and θ_i take turns in it
-    gen, sampler = streams("client_update"), torch.Generator().manual_seed(2)
-    N = len(clients)
-    nu = flat(model)
-    theta, q, adam_state = [nu.clone() for _ in range(N)], torch.full((N,), 1.0 / N), None
-
-    def steps(lr, start, loss_fn, x_all, y_all, g, k):      # k steps of SGD from `start` on loss_fn
-        load(model, start)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=True)
-        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        for _ in range(k):
-            idx = (torch.arange(len(y_all)) if B >= len(y_all)
-                   else torch.randperm(len(y_all), generator=g)[:B])
-            x, y, w = x_all[idx].float() / 255, y_all[idx], torch.full((len(idx),), 1 / len(idx))
-            opt.zero_grad(set_to_none=True)
-            loss_fn(params, buffers, x, y, w).backward()
-            opt.step()
-        return flat(model)
-
-    for t in range(1, rounds + 1):
-        lam_t = lam if t > anneal else 1.0
-        pen = 0.0 if groupdro else lam_t                     # L_INV's IRMv1 weight (GroupDRO: none)
-        pen8 = 0.0 if personalize == "l2" or groupdro else pen     # ERM + β||θ_i − ν||² on
-                                                                   # line 8 (IRM-L2, GroupDRO)
-        deltas, risks = [], {}
-        S_t = sorted(torch.randperm(N, generator=sampler)[:C].tolist())
-        for i in S_t:
-            xi, yi = clients[i]
-            g = gen(t, i)
-            th, nu_ir = (nu if reading == "reset" else theta[i]), nu
-            for r in range(R if R != "epoch" else 2 * -(-len(yi) // B)):
-                J = lambda p, b, x, y, w: m.J_i(model, p, b, x, y, w, nu_ir, pen8, wd, beta)
-                th = steps(eta, th, J, xi, yi, g, S)               # line 8
-                if groupdro:                                       # N q_i R_i + IRM's L2
-                    L = lambda p, b, x, y, w: N * q[i] * m.l_inv(model, p, b, x, y, w, 0.0, wd)
-                else:
-                    L = lambda p, b, x, y, w: m.l_inv(model, p, b, x, y, w, pen,
-                                                      wd) / m.rescale(pen)
-                nu_ir = steps(gamma, nu_ir, L, xi, yi, g, 1)       # line 9
-            deltas.append(nu_ir - nu)                              # Δ_i, uploaded
-            theta[i] = th
-            load(model, nu)                                  # the risk of ν^t on the client's split
-            with torch.no_grad():
-                w = torch.full((len(yi),), 1 / len(yi))
-                risks[i] = (F.cross_entropy(model(xi.float() / 255), yi, reduction="none")
-                            * w).sum()
-        if adam:                                                   # line 10
-            nu, adam_state = m.server_adam(nu, deltas, alpha, gamma, adam_state)
-        else:
-            nu = m.server_update(nu, deltas, alpha)
-        if groupdro:
-            q = m.q_update(q, S_t, torch.stack([risks[i] for i in S_t]), eta_q)
-    return nu, theta, q
-
-
 CASES = {   # the loop's arguments, and the same as perinvfl.py's flags
     # IRM, θ_i reset, R = S = 2, minibatches, line 8 with
     # momentum, the server's Adam, λ = 50 from round 2
@@ -3178,31 +1899,6 @@ CASES = {   # the loop's arguments, and the same as perinvfl.py's flags
 }
 
 
-def flags(loop, extra):
-    """perinvfl.py's args for the loop's arguments, over the copy harness's ARGS (3 of 3 clients, 2
-    local epochs for --R epoch); no round is evaluated (the end-of-round check changes nothing but
-    its numbers)."""
-    return dict(ARGS, beta=loop["beta"], lam=loop["lam"], anneal=loop["anneal"],
-                weight_decay=loop["wd"], lr=loop["gamma"], eta=loop["eta"],
-                global_lr=loop["alpha"], momentum=loop["momentum"], batch_size=loop["B"],
-                theta_opt="sgd", eta_q=0.5, eval_every=10 ** 6, rounds=10 ** 6, **extra)
-
-
-def perinvfl_rounds(clients, T, kw):
-    """perinvfl_round (a variant: perinvfl_variants' round), T times, from own_model() and
-    init_state, as the copy harness's method_rounds draws (whose `rounds` cannot be the args' own);
-    returns ν and the state."""
-    model, fed = own_model(), as_federation(clients)
-    args = types.SimpleNamespace(**kw)
-    ctx = tiny_ctx(args, fed, model)
-    state = pv.init_state(model, fed, args, ctx)
-    # perinvfl.py's, else a variant
-    own = (kw["inv"], kw["personalize"], kw["theta"]) == ("irm", "dual", "reset")
-    for t in range(1, T + 1):
-        (perinvfl.perinvfl_round if own else pv.variant_round)(t, model, fed, args, state, ctx)
-    return flat(model), state
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_perinvfl_copied(case):
     """Two rounds: ν^2, every θ_i and q of the copied loop are those of perinvfl_round, bit for
@@ -3211,7 +1907,7 @@ def test_perinvfl_copied(case):
     clients = three_clients()
     loop, extra = CASES[case]
     nu, theta, q = copied_perinvfl_rounds(m, clients, 2, **loop)
-    expected, state = perinvfl_rounds(clients, 2, flags(loop, extra))
+    expected, state = perinvfl_rounds(clients, 2, pinv_flags(loop, extra))
     assert torch.equal(nu, expected), (nu - expected).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(theta, state["theta"]))
     assert torch.equal(q, state["q"])
@@ -3221,34 +1917,6 @@ def test_perinvfl_copied(case):
     else:
         other, _, _ = copied_perinvfl_rounds(m, clients, 2, **dict(loop, lam=0.0, anneal=0))
         assert (other - nu).abs().max() > 1e-4                         # the IRMv1 term acted
-
-
-def test_perinvfl_docs_loop_is_the_method():
-    """The "Copy it" loop of docs/perinvfl.md (the RC-MNIST reading: full batch, R = S = 1, θ_i ←
-    ν^t, plain line-8 steps, the server's Adam, λ's switch), executed as printed with the copied
-    functions and its client draw seeded like perinvfl_rounds' sampler: ν^2 and the θ_i are
-    perinvfl_round's and the loop above's, bit for bit."""
-    m = pinv_copied()
-    clients = three_clients()
-    page = (HERE / "docs" / "perinvfl.md").read_text()
-    loop = [b for b in re.findall(r"```python\n(.*?)```", page.split("## Copy it", 1)[1], re.S)
-            if "for t in" in b][0]
-    model = own_model()
-    hyper = dict(lam=50.0, anneal=1, beta=0.5, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0)
-    ns = dict(vars(m), torch=torch, copy=copy, model=model, T=2, C=3, **hyper,
-              clients=[(x.float() / 255, y) for x, y in clients])
-    torch.manual_seed(2)                                            # the loop's draw of the clients
-    exec(loop, ns)
-    loop_args = dict(hyper, momentum=0.0, R=1, S=1, B=10 ** 6)
-    expected, state = perinvfl_rounds(clients, 2, flags(loop_args,
-                                                        dict(inv="irm", personalize="dual",
-                                                             theta="reset",
-                                                                        opt="adam", R=1, S=1)))
-    assert torch.equal(ns["nu"], expected), (ns["nu"] - expected).abs().max()
-    assert torch.equal(flat(model), expected)                              # the model holds ν^T
-    assert all(torch.equal(ns["theta"][i], state["theta"][i]) for i in range(3))
-    nu, _, _ = copied_perinvfl_rounds(m, clients, 2, **loop_args)
-    assert torch.equal(ns["nu"], nu)
 
 
 # Lines 8 and 9 of every sampled client at once (--R
@@ -3755,26 +2423,6 @@ def test_fedipg_pretraining_runs_before_round_1_and_round_1_starts_from_w1(monke
     assert all(len(v) == W for v in state["contrib"].values())
 
 
-def test_fedipg_resumes_after_the_pretraining_phase(tmp_path, monkeypatch, capsys):
-    """Killed right after round 1 (the phase and round 1 checkpointed), --resume goes on at round 2
-    with the phase's exits and the unreliable client's last download, and does not run it again."""
-    argv = QUICK + ["--rounds", "3", "--eval-every", "1", "--clients", "4", "--sample", "4",
-                    "--test-domain", "1",
-                    "--exit", "auto", "--exit-warmup", "2", "--aberrant", "unreliable:0.5",
-                    "--exit-L", "1e-3"]
-    full, _ = run(fedipg_aberrant.main, argv, tmp_path, "full.json")
-    assert capsys.readouterr().out.count("exit strategy:") == 1
-    seen = []
-    resumed = interrupted_then_resumed(fedipg_aberrant.main, argv, str(tmp_path / "cut.json"),
-                                       monkeypatch, lambda blob: blob["round"] == 1,
-                                       check=lambda blob: seen.append(blob["state"]))
-    out = capsys.readouterr().out
-    assert out.count("exit strategy:") == 1 and "resuming from" in out  # the phase ran once,
-                                                                        # before the cut
-    assert all(len(v) == 2 for v in seen[0]["contrib"].values())
-    assert strip_times(resumed) == strip_times(full)
-
-
 # Copy FedIPG, not the project: its plain functions, lifted by their source into a namespace
 # that holds torch alone, driven by the loop of
 # docs/fedipg.md ("Copy it") written here — the pre-training
@@ -3782,6 +2430,7 @@ def test_fedipg_resumes_after_the_pretraining_phase(tmp_path, monkeypatch, capsy
 # fedipg.py's own round on the same three clients.
 IPG_FUNCTIONS = ("tangent", "risk_and_d", "f_i", "Beside", "full_gradient", "aggregate",
                  "client_contributions")
+
 
 W, T, LAM = 2, 2, 0.5
 
@@ -3898,24 +2547,6 @@ def test_parallel_fedipg_penalty_matches_sequential(tmp_path, monkeypatch, dtype
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-3, update=5e-2, losses=2e-4) if f32 else F64))
     assert max_abs(out) < (1e-3 if f32 else 1e-13)
-
-
-def test_parallel_fedipg_warmup_estimates_match_sequential(tmp_path, monkeypatch, dtype):
-    """--exit auto: the g_i of Eq. 13 are taken at w^t before the clients train at once. 2 rounds.
-    float64: max |Δθ| 9.0e-17 (tolerance 1e-13). float32, measured at 1 / 2 threads: 2.9e-7 /
-    2.7e-7, tolerance 5e-6 (17x). The contributions (warm-up round 1, at w^1 before any training)
-    agreed exactly in both; held to 1e-6 relative."""
-    args = method_args(fedipg_aberrant, "fedipg", SGD + IPG
-                       + ["--sample", "5", "--exit", "auto", "--warmup", "rounds",
-                                                                 "--exit-warmup", "1"], tmp_path)
-    out = both_ways(fedipg_aberrant.fedipg_round, args, 2, monkeypatch, fedipg_aberrant.init_state)
-    f32 = dtype == torch.float32
-    assert max_abs(out) < (5e-6 if f32 else 1e-13)
-    seq, par = out["off"][2]["contrib"], out["on"][2]["contrib"]
-    assert (sorted(seq) == sorted(par) == list(range(5)) and out["on"][2]["exited"]
-            == out["off"][2]["exited"])
-    for i in seq:
-        assert torch.allclose(torch.tensor(par[i]), torch.tensor(seq[i]), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("argv,reason", [

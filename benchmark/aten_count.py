@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line)
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import common  # noqa: E402
 from common import checked_round  # noqa: E402
 from harness.config import Parser  # noqa: E402
-from harness.runner import device_name  # noqa: E402
+from harness.provenance import device_name  # noqa: E402
 
 # Counts are taken on one thread: on more, a parallel cat writes through views (as_strided) that
 # add to the leaf count (2 threads: FedAvg +102 on full MNIST, FedIPG +3,077); the compute count

@@ -31,7 +31,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line)
 import torch  # noqa: E402
 
@@ -172,7 +172,7 @@ def parallel_reason(args):
 
 
 # fedipg.py's method with this round (its arrivals), state, evaluation and flags; the checkpoint
-# names this file (harness.runner.code_files: the round's)
+# names this file (harness.provenance.code_files: the round's)
 METHOD = dataclasses.replace(fedipg.METHOD, doc=__doc__, round=fedipg_round, init_state=init_state,
                              evaluate=evaluate, add_args=add_args, check=check,
                              parallel=parallel_reason)

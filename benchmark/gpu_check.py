@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import importlib
 import json
 import statistics
 import sys
@@ -44,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -52,19 +53,14 @@ import torch.nn.functional as F  # noqa: E402
 import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
-import fediir  # noqa: E402
 import fedipg  # noqa: E402
-import fedloe  # noqa: E402
-import fedomg  # noqa: E402
-import perinvfl  # noqa: E402
 from harness.config import Parser, after_load  # noqa: E402
 from harness.datasets import make_fake_tree  # noqa: E402
 from harness.outputs import write_json  # noqa: E402
 from speed import alternate, way  # noqa: E402
 
 METHOD_NAMES = {"fedavg": "FedAvg", "fediir": "FedIIR", "fedipg": "FedIPG", "fedomg": "FedOMG"}
-METHODS = {"fedavg": fedavg, "fediir": fediir, "fedomg": fedomg, "fedloe": fedloe,
-           "perinvfl": perinvfl, "fedipg": fedipg}
+METHODS = {name: importlib.import_module(name) for name in harness.METHODS}
 TWO_ROUNDS = {   # each method's own flags for two communication rounds, evaluated after each
     "fedloe": ["--stage1-comms", "1", "--stage1-epochs", "1", "--stage2-comms", "1",
                "--stage2-epochs", "1", "--eval-every", "1"],

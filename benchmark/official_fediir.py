@@ -80,8 +80,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# the method scripts' own: bad input is one line, exit 2
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 from data import UserError  # noqa: E402
 from harness.config import Parser, finite  # noqa: E402
 

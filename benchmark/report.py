@@ -54,10 +54,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 # the method scripts' own: bad input is one line, exit 2
 from data import UserError  # noqa: E402
-from harness import outputs  # noqa: E402
+from harness import METHODS, outputs  # noqa: E402
 from harness.config import Parser  # noqa: E402
 
 # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label, mean test accuracy %, source)]
@@ -413,8 +413,7 @@ def ptest_table(folder, paths, score=True):
     else read from the ptest.md that rcmnist_ptest.py wrote (checkpoints are not committed);
     (None, None, None) without."""
     if score and paths and all(Path(f"{f}.ckpt").is_file() for f in paths):
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
-        import rcmnist_ptest                                 # torch and the data: only when scoring
+        from diagnostics import rcmnist_ptest                # torch and the data: only when scoring
         try:
             scored = rcmnist_ptest.table(paths)
         except (AssertionError, OSError, RuntimeError, KeyError, UserError) as e:
@@ -684,20 +683,20 @@ CLAIMS = [
           "fedipg-exit-unreliable-full", "exit-auto", "kept", "exit above kept",
           short="unreliable:0.5 client"),
 ]
-METHODS = [  # file, method, paper
-    ("fedavg.py", "FedAvg", "McMahan et al., *Communication-Efficient Learning of Deep Networks "
-     "from Decentralized Data*, AISTATS 2017"),
-    ("fediir.py", "FedIIR", "Guo et al., *Out-of-Distribution Generalization of Federated "
-     "Learning via Implicit Invariant Relationships*, ICML 2023"),
-    ("fedomg.py", "FedOMG", "Nguyen et al., *Federated Domain Generalization with Data-free "
-     "On-server Matching Gradient*, ICLR 2025"),
-    ("fedloe.py", "FedLOE",
-     "*Federated Domain Generalization via Locally Overfit Ensemble* (under review)"),
-    ("perinvfl.py", "PerInvFL", "Tang, Guo, Zhang, *Exploiting Personalized Invariance for Better "
-     "OOD Generalization in FL*"),
-    ("fedipg.py", "FedIPG", "Hao et al., *Invariant FL for Edge Intelligence with Exit Strategy "
-     "and Invariant Penalty*"),
-]
+TITLES = {  # each method's name and paper, for the tables (the methods: harness.METHODS, in order)
+    "fedavg": ("FedAvg", "McMahan et al., *Communication-Efficient Learning of Deep Networks "
+               "from Decentralized Data*, AISTATS 2017"),
+    "fediir": ("FedIIR", "Guo et al., *Out-of-Distribution Generalization of Federated "
+               "Learning via Implicit Invariant Relationships*, ICML 2023"),
+    "fedomg": ("FedOMG", "Nguyen et al., *Federated Domain Generalization with Data-free "
+               "On-server Matching Gradient*, ICLR 2025"),
+    "fedloe": ("FedLOE",
+               "*Federated Domain Generalization via Locally Overfit Ensemble* (under review)"),
+    "perinvfl": ("PerInvFL", "Tang, Guo, Zhang, *Exploiting Personalized Invariance for Better "
+                 "OOD Generalization in FL*"),
+    "fedipg": ("FedIPG", "Hao et al., *Invariant FL for Edge Intelligence with Exit Strategy "
+               "and Invariant Penalty*"),
+}
 
 _loaded = {}
 
@@ -821,7 +820,7 @@ def block_glance(where):
              "|---|---|---|---|---|"]
     for c in CLAIMS:
         word, text, mv, bv = verdict(c)
-        name = next(m for f, m, _ in METHODS if f == c.paper + ".py")
+        name = TITLES[c.paper][0]
         scale = f" *(not the paper's scale: {c.scale})*" if c.scale else ""
         lines.append(f"| [{name}]({link(ROOT / 'docs' / (c.paper + '.md'), where)}), {c.group} "
                      f"| {c.claim}{scale} | {c.published} "
@@ -842,8 +841,10 @@ def block_methods(where):
     gain."""
     lines = ["| file | method and paper | verdict at the paper's scale: measured vs published gain "
              "(the rule: Results at a glance) | page |", "|---|---|---|---|"]
-    for f, name, paper in METHODS:
-        page = link(ROOT / "docs" / f.replace(".py", ".md"), where)
+    for method in METHODS:
+        f = f"{method}.py"
+        name, paper = TITLES[method]
+        page = link(ROOT / "docs" / f"{method}.md", where)
         form = f"{FORMS[f]}:<br>" if f in FORMS else ""
         lines.append(f"| [`{f}`]({link(ROOT / f, where)}) | {name}: {paper} "
                      f"| {form}{summary(f[:-3])} | [{name}]({page}) |")
@@ -1258,7 +1259,6 @@ def block_speed_glance(where):
 
 def block_leaderboard(where):
     """Every method on every MNIST-family benchmark (benchmark/leaderboard.py's table)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import leaderboard
     text, _ = leaderboard.table(list(leaderboard.BENCHMARKS), RESULTS / "leaderboard",
                                 leaderboard.SEEDS)
@@ -1274,10 +1274,10 @@ def block_leaderboard(where):
 def block_penalty_swap(where, name="penalty-swap/swap.json"):
     """Which penalties learn invariance in ν's federated optimisation
     (diagnostics/penalty_swap.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
     import contextlib
     import io
-    import penalty_swap
+
+    from diagnostics import penalty_swap
     SOURCES.add(RESULTS / name)
     with contextlib.redirect_stdout(io.StringIO()):
         return penalty_swap.report(RESULTS / name).splitlines()

@@ -49,14 +49,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 import harness  # noqa: E402  (first: a Ctrl-C during the imports is one line, exit 130)
 import data  # noqa: E402  (data.NAMES, data.UserError: the method scripts' own)
 from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
 from harness.config import Parser as OneLine  # noqa: E402
 
-ALL = ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"]
+ALL = harness.METHODS                # the method scripts (benchmark/diagnostics' variants besides)
 SEED_LIMIT = 2 ** 31             # the method scripts' --seed range (harness.resolve)
 
 
@@ -131,9 +131,9 @@ def variants(methods):
             raise UserError(f"unknown method {script!r}; choose from {', '.join(ALL)} "
                             "(or a script under benchmark/diagnostics/, "
                             "e.g. benchmark/diagnostics/perinvfl_variants)")
-        if script not in ALL and "harness.Method(" not in (ROOT / f"{script}.py").read_text():
+        if script not in ALL and "METHOD = " not in (ROOT / f"{script}.py").read_text():
             raise UserError(f"{script}.py is not a method script: it does not take the methods' "
-                            "--seed, --out and --resume (it declares no harness.Method)")
+                            "--seed, --out and --resume (it declares no METHOD, a common.Method)")
         if extra and "=" not in m:
             raise UserError(f"method {m!r}: give a variant its label, "
                             f"e.g. '{Path(script).name}-x={m}' "
@@ -159,10 +159,8 @@ def method_args(script, args):
     domains and client counts checked against it (harness.config.after_load), all that a method
     checks before its first round; nothing is trained or written."""
     from harness.config import after_load, load_data
-    folder = str((ROOT / script).parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    module, err = importlib.import_module(Path(script).name), io.StringIO()
+    module = importlib.import_module(script.replace("/", "."))   # benchmark.diagnostics.<name>
+    err = io.StringIO()
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(err):

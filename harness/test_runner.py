@@ -33,7 +33,7 @@ import fedloe
 import fedomg
 import harness
 import perinvfl
-from harness import config, datasets, outputs, runner
+from harness import config, datasets, outputs, provenance, runner
 
 from tests.helpers import (
     HERE, LOE_FULL, METHODS, MINI, QUICK, RC_ARGV, fails, fake_pacs, flag_blocks,
@@ -191,7 +191,7 @@ def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
                                    "--overwrite"])
     assert res["complete"] and not lock.exists()
     assert (not list(tmp_path.glob("*.tmp")) and "{path}.{os.getpid()}.tmp"
-            in inspect.getsource(outputs.write_json))
+            in inspect.getsource(outputs.write_atomically))
 
 
 def test_resume_takes_the_same_file_however_it_is_spelled(tmp_path, monkeypatch, capsys):
@@ -211,7 +211,8 @@ FEDAVG_BAD_INPUT = [
     (["--test-domain", "90"], "unknown test domain '90' for rmnist; choose 'all', one of 0, 15"),
     (["--dataset", "pacs"], "pacs needs --data-root DIR"),
     (["--dataset", "pacs", "--data-root", "/nonexistent"],
-     "/nonexistent/PACS not found; get it with: python data.py --download pacs"),
+     "/nonexistent/PACS not found; get it with: python -m harness.datasets --download pacs "
+     "--data-root /nonexistent"),
     (["--dataset", "cifar10"], "cifar10 is not embedded: pass --data-root"),
     (["--clients", "3"], "--clients 3 is below the 5 training domains"),
     (["--clients", "10", "--sample", "11"],
@@ -226,6 +227,8 @@ FEDAVG_BAD_INPUT = [
     (["--seed", "-1"], "--seed must be in [0, 2**31), got -1"),
     (["--data-root", ""], "--data-root is empty"),
     (["--out", ""], "--out is empty"),
+    (["--out", "somewhere/"], "--out somewhere/ is a folder; give a file name, e.g. "
+     "somewhere/results.json"),
 ]
 
 
@@ -267,7 +270,8 @@ def method(name):
 
 def float_flags(name):
     p = config.parser(method(name).METHOD)
-    return [a.option_strings[0] for a in p._actions if a.type in (float, config.finite)]
+    return [a.option_strings[0] for a in p._actions
+            if a.type in (float, config.finite, config.finite_or_auto)]
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -395,9 +399,8 @@ def test_provenance_records_a_commit_only_where_the_project_is_the_top_of_its_gi
                                             "user.email=t@t", *a], capture_output=True, text=True,
                                             check=True).stdout.strip()
     def commit_of(project, *own):
-        code = ("import common, torch, json; "
-                "print(json.dumps(__import__('harness').runner.provenance('fedavg', [], "
-                f"torch.device('cpu'), {own!r})))")
+        code = ("import torch, json; from harness.provenance import provenance; "
+                f"print(json.dumps(provenance('fedavg', [], torch.device('cpu'), {own!r})))")
         p = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True,
                            text=True, timeout=120)
         assert p.returncode == 0, p.stderr[-2000:]
@@ -436,7 +439,7 @@ def test_results_say_where_they_came_from_and_the_last_line_where_the_checkpoint
     prov = res["provenance"]
     assert prov["command"] == "python fedavg.py " + " ".join(argv + ["--out", out, "--overwrite"])
     assert prov["torch"] == torch.__version__ and prov["numpy"] == np.__version__
-    assert (prov["device"] == runner.device_name(torch.device(res["args"]["device"]))
+    assert (prov["device"] == provenance.device_name(torch.device(res["args"]["device"]))
             and prov["device"])
     assert (prov["python"] == sys.version.split()[0]
             and re.fullmatch(r"\d{4}-\d\d-\d\d", prov["date"]))
@@ -566,7 +569,7 @@ def test_parallel_clients_auto_is_on_for_cuda_and_the_small_models_only():
     assert config.parallel(a(device="cpu", parallel_clients="on"))
     for method, supported, expected in (("fedavg", True, "on"), ("perinvfl", False, "off")):
         args = a()
-        spec = config.Method(method, "", None, parallel=supported)
+        spec = common.Method(method, "", None, parallel=supported)
         config.check_parallel(args, spec)                           # 'auto' resolved for the record
         assert args.parallel_clients == expected
 
@@ -748,7 +751,7 @@ def test_dataset_defaults_take_the_methods_row_then_its_star_row_then_the_datase
     assert config.table(fedavg.METHOD, "mnist") == config.DEFAULTS["mnist"]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"])
+@pytest.mark.parametrize("method", METHODS)
 def test_help_shows_the_defaults_a_run_resolves(method, tmp_path, capsys):
     """Every value --help gives as a default is the one a run on rmnist (the default --dataset)
     takes: the flag's own, or the tables' after resolve and the method's check()."""

@@ -173,15 +173,8 @@ def now_at(name):
     return places
 
 
-@pytest.fixture
-def importable(monkeypatch):
-    for folder in reversed(FOLDERS):
-        if str(folder) not in sys.path:
-            monkeypatch.syspath_prepend(str(folder))
-
-
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_module_name_the_page_writes_exists(page, importable):
+def test_every_module_name_the_page_writes_exists(page):
     """Each repository reference of the page resolves; a failure lists every one that does not,
     as `file:line: module.name` (why; where the last name is defined now, if anywhere)."""
     missing = []
@@ -196,7 +189,7 @@ def test_every_module_name_the_page_writes_exists(page, importable):
                     pytrace=False)
 
 
-def test_what_counts_as_a_reference(importable):
+def test_what_counts_as_a_reference():
     """The reader's rules on a made-up page: repository names checked, file names, paths, other
     libraries and variables skipped; and a name that is gone does not resolve."""
     page = ("The clients train in `common.train_clients(fn, S)`, the penalty `fediir.iir_loss`,\n"

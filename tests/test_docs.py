@@ -1,6 +1,7 @@
 """The documentation: its generated tables match the committed results (benchmark/report.py
---check), the README's counts and rules hold, and no relative link points nowhere."""
-
+--check), the README's counts and rules hold, no relative link points nowhere, and each method
+page's "Copy it" loop runs as printed and gives the numbers of the method's copied functions."""
+import copy
 import json
 import re
 import subprocess
@@ -8,10 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from tests.helpers import HERE
+import fedavg
+import fediir
+import fedloe
+import fedomg
 import report as bench_report
-
+from tests.helpers import (
+    FUNCTIONS, HERE, LOE_FUNCTIONS, PLAIN, SIZES, as_floats, copied, copied_fediir_rounds,
+    copied_perinvfl_rounds, flat, load, loe_own_rounds, own_model, own_rounds, perinvfl_rounds,
+    pinv_copied, pinv_flags, split, three_clients, tiny,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
@@ -259,3 +269,122 @@ def test_the_link_checker_finds_broken_links(tmp_path):
                     "anchor](#nowhere) [bad](page.md#none)\n`[in code](../nope2.md)`\n\n```\n[in a "
                     "block](../nope3.md)\n```\n")
     assert broken_links(page) == ["../nope.md", "../missing.png", "#nowhere", "page.md#none"]
+
+
+def test_fedavg_docs_loop_runs():
+    """docs/fedavg.md's 'Copy it' loop, run as printed (2 rounds instead of 100) with the copied
+    server_update, on three clients of its own: it gets what the test's own loop gets."""
+    text = (HERE / "docs" / "fedavg.md").read_text()
+    block = text.split("## Copy it")[1].split("```python\n")[1].split("```")[0]
+    assert "range(100)" in block
+    m = copied(fedavg, "server_update")
+    clients = [(x.float() / 255, y) for x, y in three_clients()]
+    ns = {"model": own_model(), "clients": clients, "server_update": m.server_update}
+    torch.manual_seed(5)
+    exec(block.replace("range(100)", "range(2)"), ns)
+    model = own_model()
+    torch.manual_seed(5)
+    theta = flat(model)
+    for t in range(2):
+        thetas = []
+        for x, y in clients:
+            load(model, theta)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+            for idx in torch.randperm(len(y)).split(64):
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            thetas.append(flat(model))
+        theta = m.server_update(theta, thetas, [float(len(y)) for _, y in clients])
+    assert torch.equal(ns["theta"], theta) and torch.equal(flat(ns["model"]), theta)
+    assert not torch.equal(theta, flat(own_model()))
+
+
+def test_fediir_docs_loop_is_the_copied_loop():
+    """The "Copy it" loop of docs/fediir.md, executed as printed with the copied functions (its
+    draws from the global generator), gives the θ and g̃ of the loop above with the same draws: bit
+    for bit, so the page's loop is the one checked against fediir_round."""
+    m = copied(fediir, *PLAIN)
+    clients = three_clients()
+    page = (HERE / "docs" / "fediir.md").read_text()
+    loop = re.search(r"## Copy it\n.*?```python\n(.*?)```", page, re.S).group(1)
+    model = own_model()      # seeds the global generator: the loop below draws from it as it stands
+    ns = dict(vars(m), torch=torch, featurizer=model.featurizer, classifier=model.classifier, T=2,
+              C=3, B=4, lr=0.1, E=2, gamma=0.5, clients=[(x.float() / 255, y) for x, y in clients])
+    exec(loop, ns)
+    theta, g_tilde = copied_fediir_rounds(m, clients, 2, 0.5, 0.95, 4, False, False,
+                                          draws=(torch.default_generator, lambda t,
+                                                 c: torch.default_generator))
+    assert torch.equal(ns["theta"], theta), (ns["theta"] - theta).abs().max()
+    assert torch.equal(flat(model), theta)                                 # and the model holds θ^T
+    assert torch.equal(ns["g_tilde"], g_tilde)
+
+
+def test_fedomg_docs_loop_is_the_tested_loop():
+    """The loop of docs/fedomg.md's "Copy it", run as written (but 20 rounds, for time) on the
+    copied functions (own_model, three clients as float images, U = 3), finds the θ of own_rounds
+    with the docs' settings and torch's global generator: the page shows the loop that
+    test_fedomg_copied checks."""
+    page = (HERE / "docs" / "fedomg.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page.split("## Copy it")[1].split("\n## ")[0], re.S)
+    assert len(blocks) == 2
+    m = copied(fedomg, *FUNCTIONS)
+    clients = three_clients()
+    model = own_model()                                # seeds torch's generator, as own_rounds does
+    ns = dict(vars(m), model=model, clients=[(x.float() / 255, y) for x, y in clients], U=3)
+    loop = blocks[1].replace("R, kappa, lr, E, B = 100,", "R, kappa, lr, E, B = 20,")
+    assert loop != blocks[1]
+    exec(loop, ns)
+    expected = own_rounds(m, clients, 0.5, True, lambda U: U * 1.25, True, rounds=20, lr=1e-3,
+                          weight_decay=5e-4, batch_size=16, epochs=5, docs=True)
+    assert torch.equal(flat(model), expected) and torch.equal(ns["theta"], expected)
+
+
+def test_fedloe_docs_loop_is_the_tested_loop():
+    """The loop of docs/fedloe.md's "Copy it", run as written (but a smaller budget, for time) on
+    the copied functions, the test's model and its three clients, finds the θ of loe_own_rounds with
+    the docs' settings and torch's global generator: the page shows the loop that test_fedloe_copied
+    checks."""
+    page = (HERE / "docs" / "fedloe.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page.split("## Copy it")[1].split("\n## ")[0], re.S)
+    assert len(blocks) == 2
+    m = copied(fedloe, *LOE_FUNCTIONS)
+    clients = as_floats(split(three_clients(sizes=SIZES)))
+    model = tiny()                                 # seeds torch's generator, as loe_own_rounds does
+    ns = dict(vars(m), model=model, clients=clients)
+    loop = blocks[1].replace("K1, E1, K2, E2, B = 8, 256, 4, 8, 128",
+                             "K1, E1, K2, E2, B = 2, 4, 2, 4, 16")
+    assert loop != blocks[1]
+    exec(loop, ns)
+    expected, phi = loe_own_rounds(m, clients, 2, 4, 2, 4, 16, 1e-3, 0.0, 0.05, 5e-4, "fish", 100.0,
+                                   100, 0.05, docs=True)
+    assert torch.equal(flat(model), expected) and torch.equal(ns["phi"], phi)
+
+
+def test_perinvfl_docs_loop_is_the_method():
+    """The "Copy it" loop of docs/perinvfl.md (the RC-MNIST reading: full batch, R = S = 1, θ_i ←
+    ν^t, plain line-8 steps, the server's Adam, λ's switch), executed as printed with the copied
+    functions and its client draw seeded like perinvfl_rounds' sampler: ν^2 and the θ_i are
+    perinvfl_round's and the loop above's, bit for bit."""
+    m = pinv_copied()
+    clients = three_clients()
+    page = (HERE / "docs" / "perinvfl.md").read_text()
+    loop = [b for b in re.findall(r"```python\n(.*?)```", page.split("## Copy it", 1)[1], re.S)
+            if "for t in" in b][0]
+    model = own_model()
+    hyper = dict(lam=50.0, anneal=1, beta=0.5, wd=0.01, gamma=0.1, eta=0.05, alpha=1.0)
+    ns = dict(vars(m), torch=torch, copy=copy, model=model, T=2, C=3, **hyper,
+              clients=[(x.float() / 255, y) for x, y in clients])
+    torch.manual_seed(2)                                            # the loop's draw of the clients
+    exec(loop, ns)
+    loop_args = dict(hyper, momentum=0.0, R=1, S=1, B=10 ** 6)
+    expected, state = perinvfl_rounds(clients, 2, pinv_flags(loop_args,
+                                                        dict(inv="irm", personalize="dual",
+                                                             theta="reset",
+                                                                        opt="adam", R=1, S=1)))
+    assert torch.equal(ns["nu"], expected), (ns["nu"] - expected).abs().max()
+    assert torch.equal(flat(model), expected)                              # the model holds ν^T
+    assert all(torch.equal(ns["theta"][i], state["theta"][i]) for i in range(3))
+    nu, _, _ = copied_perinvfl_rounds(m, clients, 2, **loop_args)
+    assert torch.equal(ns["nu"], nu)

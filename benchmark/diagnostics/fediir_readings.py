@@ -23,7 +23,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import torch  # noqa: E402
 
 import common  # noqa: E402
@@ -80,7 +80,8 @@ def add_args(p):
                         "and the code's 1/C")
 
 
-METHOD = dataclasses.replace(fediir.METHOD, doc=__doc__, round=readings_round, add_args=add_args)
+METHOD = dataclasses.replace(fediir.METHOD, doc=__doc__, round=readings_round, add_args=add_args,
+                             clients=(readings_gradient, fediir.client_update))
 
 
 def main(argv=None):

@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line)
 import common  # noqa: E402
 import fedloe  # noqa: E402
@@ -148,6 +148,7 @@ def evaluate(model, fed, args, state, ctx):
 
 
 METHOD = dataclasses.replace(fedloe.METHOD, name="fedloe_spawn", doc=__doc__, round=spawn_round,
+                             clients=fedloe.METHOD.clients + (branch_update,),
                              init_state=init_state, evaluate=evaluate, add_args=add_args,
                              defaults=DEFAULTS, derive=derive, check=check)
 

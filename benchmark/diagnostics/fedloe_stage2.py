@@ -23,8 +23,8 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
-from harness.runner import identity, save_checkpoint  # noqa: E402  (first: Ctrl-C, harness/)
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
+from harness.outputs import identity, save_checkpoint  # noqa: E402  (first: Ctrl-C, harness/)
 import torch  # noqa: E402
 
 import common  # noqa: E402

@@ -41,7 +41,7 @@ import functools
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line)
 import torch  # noqa: E402
 
@@ -135,7 +135,7 @@ def swaps(args):
            if args.solver == "sgd" else solver}
     if args.server_rule == "paper":
         out["server_update"] = paper_update
-        out["eta_g"] = lambda args, U: 1.0 if args.global_lr is None else args.global_lr
+        out["eta_g"] = lambda args, U: 1.0 if args.global_lr == "auto" else args.global_lr
     if args.lr_step is not None:
         out["local_lr"] = lambda t, args: args.lr * (0.1 if t > args.lr_step * args.rounds else 1.0)
     return out
@@ -183,7 +183,7 @@ def check(args, given):
         raise common.UserError(f"--lr-step must be in (0, 1], got {args.lr_step}")
 
 
-# fedomg.py's method (its defaults, derive, parallel clients) with this round and these flags
+# fedomg.py's method (its defaults, auto rule, parallel clients) with this round and these flags
 METHOD = dataclasses.replace(fedomg.METHOD, doc=__doc__, round=readings_round, add_args=add_args,
                              check=check)
 

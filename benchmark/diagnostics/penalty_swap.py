@@ -67,7 +67,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import common  # noqa: E402
 import data  # noqa: E402
 import fediir  # noqa: E402

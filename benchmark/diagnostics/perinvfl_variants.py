@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import common  # noqa: E402
 import harness  # noqa: E402
 import data  # noqa: E402
@@ -216,8 +216,8 @@ def parallel_reason(args):
 
 
 METHOD = dataclasses.replace(perinvfl.METHOD, doc=__doc__, round=variant_round,
-                             init_state=init_state, evaluate=evaluate, add_args=add_args,
-                             check=check, parallel=parallel_reason)
+                             clients=(variant_update,), init_state=init_state, evaluate=evaluate,
+                             add_args=add_args, check=check, parallel=parallel_reason)
 
 
 def main(argv=None):

@@ -12,13 +12,12 @@ import torch.nn.functional as F
 import common
 import data
 import fedavg
-import fediir
 import fedomg
 import perinvfl
 
 from tests.helpers import (
-    J_by_hand, LOE_FULL, QUICK, fails, grad_by_hand, hold, pinv_setup, run, strip_times,
-    tiny_model,
+    fails, grad_by_hand, guarded_run, hold, J_by_hand, LOE_FULL, on_every_device, pinv_setup,
+    QUICK, run, strip_times, tiny_model, TINY_TOL, with_solver,
 )
 import fedloe_spawn
 import fedomg_readings as readings
@@ -419,27 +418,6 @@ def test_the_check_is_in_the_results_and_holds_under_the_default_reading(tmp_pat
     assert all(v > 0 for v in last["eq4_theta"] + last["eq4_nu"])
 
 
-def test_fediir_gbar_inputs_change_nothing_on_the_digits(tmp_path):
-    argv = QUICK + ["--rounds", "2", "--clients", "3", "--test-domain", "1"]
-    import fediir_readings
-    a, _ = run(fediir.main, argv, tmp_path, "a.json")
-    b, _ = run(fediir_readings.main, argv + ["--gbar-inputs", "plain"], tmp_path, "b.json")
-    assert strip_times(a)["domains"] == strip_times(b)["domains"]
-
-
-def test_fediir_half_is_the_papers_gamma_over_2(tmp_path):
-    """The readings' --half: the local objective R + (γ/2)||∇_ω R − g̃||² (FedIIR's Eq.), i.e. a run
-    with --gamma γ --half is fediir.py's run with --gamma γ/2, bit for bit, and not the run with
-    γ."""
-    import fediir_readings
-    argv = QUICK + ["--rounds", "2", "--eval-every", "1", "--clients", "3", "--test-domain", "1"]
-    half, _ = run(fediir_readings.main, argv + ["--gamma", "2", "--half"], tmp_path, "half.json")
-    over2, _ = run(fediir.main, argv + ["--gamma", "1"], tmp_path, "over2.json")
-    full, _ = run(fediir.main, argv + ["--gamma", "2"], tmp_path, "full.json")
-    assert strip_times(half)["domains"] == strip_times(over2)["domains"]
-    assert strip_times(half)["domains"] != strip_times(full)["domains"]
-
-
 def test_rcmnist_ptest_rows_name_line_8s_reading():
     """benchmark/diagnostics/rcmnist_ptest.py's row of a perinvfl run names --theta and --theta-opt,
     so that runs of the two readings never merge into one row; runs made before those flags say
@@ -651,3 +629,102 @@ def test_penalty_swap_bad_input_is_one_line(tmp_path, capsys):
 ])
 def test_perinvfl_variants_flags_bad_input(argv, message, capsys):
     assert message in fails(pv.main, argv, capsys)
+
+
+def test_fedomg_step_matches_eq_16_computed_directly(monkeypatch):
+    with_solver(monkeypatch, "exact")
+    g = torch.Generator().manual_seed(4)
+    G = torch.randn(3, 50, generator=g, dtype=torch.float64)
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    g_FL = p @ G
+    K = G @ G.T
+    Gamma = readings.solve_exact(K / K.diagonal().sqrt().mean() ** 2, p, 0.5)
+    g_Gamma = Gamma @ G                                                  # without the Gram shortcut
+    expected = g_FL + 0.5 * g_FL.norm() / g_Gamma.norm() * g_Gamma           # Eq. 16 as printed
+    assert torch.allclose(readings.paper_step(G, g_FL, p, 0.5), expected, atol=1e-6)
+
+
+@on_every_device
+def test_fedomg_with_kappa_zero_is_fedavg_bit_for_bit(tmp_path, device):
+    argv = QUICK + ["--clients", "4", "--sample", "2", "--test-domain", "1", "--global-lr", "0.7",
+                    "--device", device]
+    a, _ = run(fedavg.main, argv, tmp_path, "avg.json")
+    # Eq. 16 as printed: Corollary 1
+    paper = ["--server-rule", "paper", "--fresh-opt", "--lr-step", "1"]
+    b, _ = run(readings.main, argv + paper + ["--kappa", "0"], tmp_path, "omg.json")
+    assert strip_times(a)["domains"] == strip_times(b)["domains"]
+    c, _ = run(readings.main, argv + paper + ["--kappa", "0.5"], tmp_path, "omg.json")
+    assert strip_times(a)["domains"] != strip_times(c)["domains"]
+    d, _ = run(readings.main, argv + ["--kappa", "0", "--fresh-opt", "--lr-step", "1"], tmp_path,
+               "omg.json")
+    assert strip_times(a)["domains"] != strip_times(d)["domains"]        # the code's rule: g_FL / U
+
+
+def test_perinvfl_lines_8_to_10_against_a_hand_computation(dtype):
+    """One round, plain steps: ν_{i,1} = ν − γ∇L_INV(ν; D_i) (line 9), θ_i = θ_i − η(∇L_INV(θ_i) +
+    2β(θ_i − ν_{i,0})) (line 8, from a kept θ_i), ν' = ν − α(ν − mean_i ν_{i,1}) (line 10), for α =
+    1 and 0.5. λ = 3 > 1: IRM's rescaling divides Eq. 4 as a whole, the β term included, so β keeps
+    its balance against L_IRM. float64: 2.8e-17 (tolerance 1e-12); float32, measured at 1 / 2
+    threads: 1.5e-8 (tolerance atol 1e-6 + rtol 1e-5: 150x)."""
+    for alpha in (1.0, 0.5):
+        model, fed, ctx, args, state = pinv_setup(beta=0.7, global_lr=alpha, theta="kept")
+        nu = common.get_flat(model)
+        theta0 = nu + 0.1 * torch.randn(len(nu), generator=torch.Generator().manual_seed(1))
+        hold(ctx, [theta0, theta0])
+        pv.variant_round(1, model, fed, args, state, ctx)
+        nu_i = [nu - args.lr * grad_by_hand(nu, c, args.lam, args.weight_decay)
+                for c in fed.clients]
+        assert nu.dtype == dtype
+        assert torch.allclose(common.get_flat(model), nu - alpha * (nu - sum(nu_i) / 2),
+                              **TINY_TOL[dtype])
+        for i, c in enumerate(fed.clients):
+            pull = 2 * args.beta * (theta0 - nu) / args.lam
+            want = theta0 - args.lr * (grad_by_hand(theta0, c, args.lam, args.weight_decay) + pull)
+            assert torch.allclose(state["theta"][i], want, **TINY_TOL[dtype])
+
+
+def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_switch():
+    """Default reading and line-8 steps, ν by the server's Adam as on RC-MNIST, λ = 1 for two rounds
+    then 50 (the objective divided by λ):
+    after every round J_i(θ_i; ν^t) < J_i(ν^t; ν^t) for both clients, J written out independently,
+    whatever θ_i held before the round (here far from ν); the file's own check records the same two
+    numbers per client."""
+    model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2, beta=1.0,
+                                              eval_every=1)
+    nu0 = common.get_flat(model)
+    state["theta"] = [nu0 + 3.0, nu0 - 3.0]
+    for t in range(1, 6):
+        nu = common.get_flat(model)
+        pv.variant_round(t, model, fed, args, state, ctx)
+        lam = 50.0 if t > 2 else 1.0
+        for i, c in enumerate(fed.clients):
+            j_theta, j_nu = (J_by_hand(state["theta"][i], nu, c, lam, args),
+                             J_by_hand(nu, nu, c, lam, args))
+            assert j_theta < j_nu, (t, i, j_theta.item(), j_nu.item())
+            assert torch.allclose(state["eq4"][:, i], torch.stack([j_theta, j_nu]), rtol=1e-5,
+                                  atol=0), t
+
+
+VARIANT_SYNTH = ["--dataset", "synthetic", "--test-domain", "1"]
+VARIANT_PINV = ["perinvfl_variants.variant_update", "common.local_train"]
+
+
+@on_every_device
+@pytest.mark.parametrize("script,argv,steps", [   # as tests/test_sync.py's, for the variants
+    pytest.param("fediir_readings", VARIANT_SYNTH + ["--rounds", "1", "--gbar", "clients",
+                                                     "--parallel-clients", "off"],
+                 ["common.local_train", "fediir_readings.readings_gradient"],
+                 id="fediir-readings-gbar-clients"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "2", "--theta", "kept",
+                                       "--theta-opt", "adam", "--anneal", "1"], VARIANT_PINV,
+                 id="perinvfl-kept-adam"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--personalize",
+                                       "l2", "--inv", "groupdro", "--opt", "sgd"], VARIANT_PINV,
+                 id="perinvfl-l2-groupdro"),
+    pytest.param("perinvfl_variants", ["--dataset", "rcmnist", "--rounds", "1", "--personalize",
+                                       "ft", "--ft-batch", "256"],
+                 VARIANT_PINV + ["perinvfl_variants.fine_tune"], id="perinvfl-ft"),
+])
+def test_the_variants_have_no_host_sync_inside_a_per_step_loop(tmp_path, monkeypatch, device,
+                                                              script, argv, steps):
+    guarded_run(script, argv, steps, device, tmp_path, monkeypatch)

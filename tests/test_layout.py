@@ -1,0 +1,127 @@
+"""The layout the design card fixes, checked on the files themselves: a method file is the method
+once, within its budget, and imports only torch, common and data at module level (the harness only
+to run as a program); the core is read alone, within its budgets, and no import runs back up; one
+list of the methods; no test edits sys.path, and every script finds the checkout in one line of
+one form."""
+
+import ast
+import re
+import subprocess
+
+import pytest
+
+import harness
+from tests.helpers import HERE, METHODS
+
+PROJECT = {"common", "data", "harness", *METHODS}
+# The Flower App is kept to its own rules by its own tests (flower/): left out here for now.
+OURS = lambda p: "flower" not in p.relative_to(HERE).parts
+
+
+def python_files():
+    tracked = subprocess.run(["git", "-C", str(HERE), "ls-files", "--cached", "--others",
+                              "--exclude-standard", "*.py"], capture_output=True,
+                             text=True).stdout.split()
+    return [HERE / f for f in tracked if (HERE / f).is_file() and OURS(HERE / f)] or \
+        [p for p in HERE.rglob("*.py") if OURS(p) and ".venv" not in p.parts]
+
+
+def imported(tree):
+    """The top names of every module a syntax tree imports (a function's import included)."""
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {name.split(".")[0] for name in names}
+
+
+def project_imports(path, main_block=True):
+    """The project's modules a file imports, anywhere in it (its `if __name__ == "__main__":`
+    blocks only with main_block)."""
+    tree = ast.parse(path.read_text())
+    if not main_block:
+        tree.body = [n for n in tree.body if not as_program(n)]
+    return imported(tree) & PROJECT
+
+
+def as_program(node):
+    return isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_method_file_is_the_method_once(method):
+    """At most 300 lines of at most 100 characters (CleanRL's ppo.py: 312, nanoGPT's model.py: 330),
+    a module docstring of at most 30 that links the method's docs page, and no other method imported
+    (common and data only, besides torch and the standard library)."""
+    source = (HERE / f"{method}.py").read_text()
+    tree = ast.parse(source)
+    doc = tree.body[0]
+    assert len(source.splitlines()) <= 300 and doc.end_lineno - doc.lineno + 1 <= 30
+    assert [n for n, line in enumerate(source.splitlines(), 1) if len(line) > 100] == []
+    assert f"docs/{method}.md" in ast.get_docstring(tree)
+    assert not imported(tree) & (set(METHODS) - {method})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_method_file_imports_the_harness_only_to_run_as_a_program(method):
+    """At module level a method file imports torch (scipy where it needs it), common and data, and
+    nothing else of the project; the harness only in its `if __name__ == "__main__":` blocks (the
+    first of them before torch, for a one-line Ctrl-C while torch loads) and inside main()."""
+    tree = ast.parse((HERE / f"{method}.py").read_text())
+    top = ast.Module([n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], [])
+    assert imported(top) <= {"torch", "scipy", "common", "data", "copy", "functools", "math"}
+    guard = next(n for n in tree.body if as_program(n))
+    assert imported(guard) == {"harness"} and tree.body.index(guard) < min(
+        tree.body.index(n) for n in top.body if "torch" in imported(ast.Module([n], [])))
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert project_imports(HERE / f"{method}.py", main_block=False) - imported(main) <= {
+        "common", "data"}
+
+
+def test_the_core_is_read_alone_and_no_import_runs_back_up():
+    """common.py is the teaching core, in at most 600 lines, and data.py the datasets, in at most
+    850: a reader learns a method from its file and one stretch of common.py. The imports run one
+    way: data <- common <- the methods, and data, common <- the harness; common never imports the
+    harness or a method, data nothing of the project (its downloads: python -m harness.datasets),
+    the harness no method (harness.methods finds them by name)."""
+    assert len((HERE / "common.py").read_text().splitlines()) <= 600
+    assert len((HERE / "data.py").read_text().splitlines()) <= 850
+    assert project_imports(HERE / "common.py") == {"data"}
+    assert project_imports(HERE / "data.py") == set()
+    for f in (HERE / "harness").glob("*.py"):
+        if not f.name.startswith("test_"):
+            assert project_imports(f) <= {"common", "data", "harness"}, f.name
+
+
+def test_one_list_of_the_methods():
+    """The methods are listed once, harness.METHODS: no other file of the project spells out all
+    six in a list, tuple or set (a dict of each method's own settings is not a list of them)."""
+    six = set(METHODS)
+    seen = []
+    for path in python_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                words = {e.value.removesuffix(".py") for e in node.elts
+                         if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if six <= words:
+                    seen.append(f"{path.relative_to(HERE)}:{node.lineno}")
+    assert seen == ["harness/methods.py:5"] and tuple(METHODS) == harness.METHODS
+
+
+def test_no_test_edits_sys_path_and_every_script_finds_the_checkout_in_one_line():
+    """pyproject.toml's [tool.pytest.ini_options] pythonpath puts the checkout, benchmark/ and its
+    diagnostics on the path for the tests: none edits sys.path. A script under benchmark/ finds
+    the checkout in one line of one form, the same in every script but for its depth (the folders
+    from its own up to the checkout)."""
+    edits = re.compile(r"sys\.path\.(insert|append)|sys\.path\[|syspath_prepend")
+    for path in python_files():
+        if path.name == "test_layout.py":               # (this test names what it looks for)
+            continue
+        text = path.read_text()
+        rel = path.relative_to(HERE)
+        if path.name.startswith("test_") or rel.parts[0] == "tests" or path.name == "conftest.py":
+            assert not edits.search(text), rel
+        elif rel.parts[0] == "benchmark":
+            lines = [line for line in text.splitlines() if edits.search(line)]
+            depth = len(rel.parts)
+            form = (f"sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:{depth}]]"
+                    f"   # up to the checkout")
+            assert lines in ([], [form]), (rel, lines)
