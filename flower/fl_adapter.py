@@ -15,7 +15,6 @@ common.sample_clients on its own seeded generator (never Flower's sampling).
 import argparse
 import contextlib
 import dataclasses
-import functools
 import importlib
 import io
 import json
@@ -26,11 +25,10 @@ import threading
 import time
 from pathlib import Path
 
+# the checkout (FEDOOD_ROOT where the App runs from a copy of its own, as Flower installs it):
+# the methods, and their variants under benchmark/ whose client functions a node may run
 ROOT = Path(os.environ.get("FEDOOD_ROOT") or Path(__file__).resolve().parent.parent)
-# methods, their variants
-for where in (ROOT, ROOT / "benchmark", ROOT / "benchmark" / "diagnostics"):
-    if (ROOT / "common.py").exists() and str(where) not in sys.path:
-        sys.path.insert(0, str(where))
+sys.path[:0] = [str(ROOT / d) for d in (".", "benchmark", "benchmark/diagnostics")]
 
 import torch  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, RecordDict  # noqa: E402
@@ -41,9 +39,9 @@ import data  # noqa: E402
 import harness  # noqa: E402
 from harness import outputs  # noqa: E402
 from harness.config import after_load, load_data  # noqa: E402
-from harness.runner import to_device  # noqa: E402
+from harness.methods import METHODS, client_functions, qualified  # noqa: E402
+from harness.outputs import to_device  # noqa: E402
 
-METHODS = ("fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg")
 
 
 # ------------------------------------------------------------------------------------ the wire
@@ -96,24 +94,16 @@ def unpacked_bytes(rd):
     return arrays + sum(len(c.deflate()) for c in rd.config_records.values())
 
 
-def name_of(fn):
-    return None if fn is None else f"{fn.__module__}:{fn.__qualname__}"
-
-
 def function(name):
     module, qualname = name.split(":")
     return getattr(importlib.import_module(module), qualname)
 
 
-@functools.lru_cache(maxsize=None)
 def declared(method):
     """What a node may run for a run of `method`: the client functions its method file declares
     (METHOD.clients: those its round passes to common.on_clients) and its init_state, as
-    "module:name". Any other name in a message is refused."""
-    if method not in METHODS:
-        return frozenset()
-    own = importlib.import_module(method).METHOD
-    return frozenset(name_of(f) for f in (*own.clients, own.init_state) if f is not None)
+    "module:qualname" (harness.client_functions). Any other name in a message is refused."""
+    return client_functions(method) if method in METHODS else frozenset()
 
 
 def activated(info):
@@ -250,7 +240,7 @@ class Link:
             self.connect(len(ctx.fed.clients))
         expect = [self.reference(fn, c, sent, t, phase, ctx) for c, sent in zip(S, sents)]
         start = time.perf_counter()
-        head = {"fn": name_of(fn), "phase": phase, "round": t, "domain": ctx.fed.name,
+        head = {"fn": qualified(fn), "phase": phase, "round": t, "domain": ctx.fed.name,
                 "args": self.args, "init": self.init, "method": self.method}
         replies = self._send([(self.nodes[c], "train.client",
                                {**head, **{f"sent.{k}": v for k, v in sent.items()}})
@@ -273,7 +263,7 @@ class Link:
         """(schema, bytes) of what `fn` replies for client c in process: run on the server once per
         function, exchange, held-out domain and client (a reply's shapes may follow the client's
         data: FedLOE's predictions), with a scratch state and the random generators as they were."""
-        key = (name_of(fn), phase, ctx.fed.name, c)
+        key = (qualified(fn), phase, ctx.fed.name, c)
         if key not in self.expected:
             devices = [ctx.device] if ctx.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
@@ -328,7 +318,7 @@ def serve(grid, method, argv, wait=600.0, keys=None):
     link). A run that ends in an error writes its line into <out>.flower.json ("error") where
     --out is known, and raises RunFailed with it."""
     own = importlib.import_module(method).METHOD
-    link = Link(grid, wait, method, name_of(own.init_state))
+    link = Link(grid, wait, method, qualified(own.init_state) if own.init_state else None)
     on_nodes = dataclasses.replace(own, parallel=lambda args: "trains every client on its own "
                                    "node on Flower")
     said = Said(sys.stderr)
@@ -457,6 +447,6 @@ def client_app(also=()):
     def hello(msg, context):
         return Message(pack({"partition": int(context.node_config["partition-id"])}), reply_to=msg)
 
-    allowed = frozenset(name_of(f) for f in also)
+    allowed = frozenset(qualified(f) for f in also)
     app.train("client")(lambda msg, context: work(msg, context, allowed))
     return app

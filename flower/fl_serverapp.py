@@ -1,4 +1,4 @@
-"""The ServerApp: run config `method` (one of fl_adapter.METHODS) and `argv` (that method's
+"""The ServerApp: run config `method` (one of harness.METHODS) and `argv` (that method's
 command-line flags, as one string) -> the method file's own run, its clients' work on the nodes.
 Optional: `wait` (seconds for the nodes to connect) and `keys` (a folder on the server holding
 each node's node-K.pub: a node then holds the partition its registered key was made for).
@@ -10,7 +10,8 @@ import shlex
 
 from flwr.serverapp import ServerApp
 
-import fl_adapter
+import fl_adapter  # (first: it puts the checkout on the path)
+from harness.methods import METHODS
 
 app = ServerApp()
 
@@ -18,9 +19,9 @@ app = ServerApp()
 @app.main()
 def main(grid, context):
     method = str(context.run_config["method"])
-    if method not in fl_adapter.METHODS:
+    if method not in METHODS:
         raise fl_adapter.RunFailed(f"unknown method {method!r}; choose from "
-                                   f"{', '.join(fl_adapter.METHODS)}")
+                                   f"{', '.join(METHODS)}")
     argv = shlex.split(str(context.run_config.get("argv", "")))
     keys = str(context.run_config.get("keys", "")) or None
     fl_adapter.serve(grid, method, argv, float(context.run_config.get("wait", 600)), keys)

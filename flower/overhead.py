@@ -12,12 +12,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 
 import torch  # noqa: E402
 
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402
+from harness.methods import METHODS  # noqa: E402
 
 
 def argv_of(method, a):
@@ -39,8 +40,8 @@ def main():
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--methods", nargs="+", default=list(fl_adapter.METHODS),
-                   choices=list(fl_adapter.METHODS))
+    p.add_argument("--methods", nargs="+", default=list(METHODS),
+                   choices=list(METHODS))
     a = p.parse_args()
     if a.clients < 1 or a.rounds < 2:
         p.error(f"--clients must be positive and --rounds at least 2 (FedLOE: one stage-1 "

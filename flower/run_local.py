@@ -35,15 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line, exit 130)
 from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
 from harness.config import Parser  # noqa: E402  (bad input: one line, exit 2, not argparse's)
-
-METHODS = ("fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg")
+from harness.methods import METHODS  # noqa: E402
 
 
 Refused = UserError     # bad input or a failed start: one line on stderr, exit 2

@@ -22,7 +22,6 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "credentials.py"
-sys.path.insert(0, str(HERE))
 
 import credentials  # noqa: E402
 

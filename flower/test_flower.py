@@ -21,7 +21,6 @@ import pytest
 pytest.importorskip("flwr", reason="flwr not installed: pip install -r flower/requirements.txt")
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
@@ -123,7 +122,6 @@ def test_flower_equals_the_method_file(method, tmp_path):
 def test_flower_equals_fedipg_with_a_slow_client(tmp_path, monkeypatch):
     """benchmark/fedipg_aberrant.py's slow client (stale w^{t-τ}, fedipg.arrivals swapped) on Flower
     too."""
-    sys.path.insert(0, str(HERE.parent / "benchmark"))
     import fedipg
     import fedipg_aberrant
     monkeypatch.setattr(fedipg, "main", fedipg_aberrant.main)
@@ -566,7 +564,7 @@ def setting(method, flags):
     config.after_load(args, ds)
     fed = data.federate(ds, 0, args.clients, args.seed, torch.device("cpu"))
     with contextlib.redirect_stdout(io.StringIO()):
-        model, state, ctx, *_ = runner.start_domain(args, ds, fed, getattr(mod, "init_state", None))
+        model, state, ctx = runner.start_domain(args, ds, fed, getattr(mod, "init_state", None))
     return mod, args, fed, model, state, ctx
 
 
