@@ -77,6 +77,7 @@ def parse(argv):
     rest = json.dumps([args.nodes, args.rounds, args.rest])
     name = f"flower-{args.method}-{args.dataset}-{args.test_domain}-seed{args.seed}-" \
         f"{hashlib.sha256(rest.encode()).hexdigest()[:8]}.json"
+    args.given_out = args.out                # as typed: a trailing separator is refused (check)
     args.out = str(Path(args.out or Path("results") / name.replace("/", "_")).resolve())
     return args
 
@@ -109,6 +110,9 @@ def check(a):
         if any(r == flag or r.startswith(flag + "=") for r in a.rest):
             raise Refused(f"{flag} after --: give run_local.py's own --out, --overwrite and "
                           f"--resume, before --")
+    if a.given_out and a.given_out.endswith(("/", os.sep)):
+        raise Refused(f"--out {a.given_out} ends in a separator: give a file name, e.g. "
+                      f"{a.given_out}results.json")
     if a.secure and shutil.which("nginx") is None:
         raise Refused("--secure puts nginx in front of the SuperLink, and there is no nginx "
                       "here: install it (Debian: apt-get install nginx-light)")

@@ -268,6 +268,7 @@ def test_run_local_fedloe_rounds_from_its_stages():
     (["--rounds", "0"], "--rounds must be positive, got 0"),
     (["--out", "/proc/version/x.json"], "/proc/version is not a folder"),
     (["--out", "r.ckpt"], "a results file may not end in .ckpt"),
+    (["--out", "somewhere/"], "--out somewhere/ ends in a separator: give a file name"),
     (["--", "--resume"],
      "--resume after --: give run_local.py's own --out, --overwrite and --resume, before --"),
     (["--", "--out", "x.json"], "--out after --: give run_local.py's own --out"),
