@@ -8,14 +8,17 @@ Read in this order (a method file calls into it where its round needs it):
                        each sampled client, one_by_one or all_at_once, each with its own Site: its
                        data, its random stream (stream), its state, a scratch model
   local training       local_train: minibatch steps of an objective from θ (batches, sgd,
-                       cross_entropy); at_once: the same for stacked clients (torch.func.vmap)
+                       cross_entropy); at_once: the same for stacked clients (torch.func.vmap);
+                       chunks, features: what a client computes over its whole split
   evaluation           correct, evaluate_global, group_means
   the loop over rounds train: global_model, make_context, then round after round (checked_round),
                        an evaluation every args.eval_every rounds
+  a method's record    Method: what a method file declares (METHOD)
 
 A method plugs in with its round, round_fn(t, model, fed, args, state, ctx) -> {client id: mean
 local loss}, and optionally init_state(model, fed, args, ctx) -> state and evaluate_fn(model, fed,
-args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]): docs/protocol.md.
+args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]), declared in a Method with its
+client functions: docs/protocol.md.
 """
 import contextlib
 import copy

@@ -399,7 +399,7 @@ def image_folder(name, root, size=224):
                   "the next run decodes again")
     dom = np.array([d for d, _, _ in files])
     out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)]) for d in domains]
-    fake = ("; FAKE: random images from data.py --make-fake, not the dataset"
+    fake = ("; FAKE: random images from harness.datasets --make-fake, not the dataset"
             if (base / FAKE_MARK).exists() else "")
     return Dataset(name, out, len(classes), "lodo",
                    f"{base} ({len(files):,} images, cached at {size}px){fake}",

@@ -12,15 +12,15 @@ Eq. 15–16 on the scaled updates w_u g_u (w_u = p_u = N_u / Σ N, the DG code; 
 emnist, cifar10, cifar100, the FL code), g_0 their plain mean, inner products over s² (s: their
 mean norm), every norm sqrt(||x||² + ε), ε = 1e-4, the step added (g_u points downhill). Γ* from
 the U×U Gram matrix of the updates (float64) by Table 4's solver: Γ = softmax(v) from v = 0,
-torch's SGD on v (lr 25, momentum 0.5), the best of 21 evaluations. κ = 0.5 (Table 4). η_g: 0.5
-on pacs, vlcs, officehome (the DG scripts' --global_model_lr; Table 4 prints 5e-2), 1 on the FL
-datasets (the FL code's --omg_meta_lr), elsewhere U (1 + κ²) each round, which makes the g_0 term
+torch's SGD on v (lr 25, momentum 0.5), the best of 21 evaluations. κ = 0.5 (Table 4). η_g: 0.5 on
+pacs, vlcs, officehome (the DG scripts' --global_model_lr; Table 4 prints 5e-2), 1 on the FL
+datasets (the FL code's --omg_meta_lr), elsewhere `auto`: U (1 + κ²) each round, the g_0 term then
 FedAvg's step (κ = 0: FedAvg to rounding). Clients keep their SGD (its momentum) across rounds and
-divide their lr by 10 after 80% of the rounds, as the DG code (the FL code: no step, no
-momentum). DG: pretrained ResNet-18 + linear head, SGD lr 1e-3, batch 16, momentum 0.9, weight
-decay 5e-4, 5 local epochs. Eq. 15–17 as printed (FedAvg bit for bit at κ = 0), the exact
-solver, a fresh client optimiser, another lr step: benchmark/diagnostics/fedomg_readings.py.
-Paper against code, the measurements, how to copy the server step: docs/fedomg.md.
+divide their lr by 10 after 80% of the rounds, as the DG code (the FL code: no step, no momentum).
+DG: pretrained ResNet-18 + linear head, SGD lr 1e-3, batch 16, momentum 0.9, weight decay 5e-4, 5
+local epochs. Eq. 15–17 as printed (FedAvg bit for bit at κ = 0), the exact solver, a fresh client
+optimiser, another lr step: benchmark/diagnostics/fedomg_readings.py. Paper against code, the
+measurements, how to copy the server step: docs/fedomg.md.
 
     python fedomg.py --dataset pacs --data-root ./data
     python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800
@@ -77,19 +77,20 @@ def code_step(G, w, kappa, eps=1e-4):
     K = K / (K.diagonal() + eps).sqrt().mean() ** 2              # / s²
     a = torch.full((U,), 1.0 / U, dtype=torch.float64)           # g_0 = aᵀ ĝ
     Gamma = solve(K, a, kappa, eps) if kappa > 0 else a                          # Eq. 15
-    lam = kappa * (a @ K @ a + eps).sqrt() / ((Gamma @ K @ Gamma + eps).clamp(min=0).sqrt() + eps)
+    norm_g0 = (a @ K @ a + eps).sqrt()
+    lam = kappa * norm_g0 / ((Gamma @ K @ Gamma + eps).clamp(min=0).sqrt() + eps)     # Eq. 17
     coef = w * (a + lam * Gamma) / (1 + kappa ** 2)                              # Eq. 16
     return coef.to(G.dtype).to(G.device) @ G
 
 
-def objective(Gamma, K, a, kappa, eps=0.0):
+def objective(Gamma, K, a, kappa, eps=1e-4):
     """Eq. 15 from the Gram matrix K alone, g_0 = aᵀ𝐠: g_Γ · g_0 + κ ||g_0||_ε ||g_Γ||_ε =
     Γᵀ K a + κ sqrt(aᵀ K a + ε) sqrt(Γᵀ K Γ + ε)."""
     norm_g0, norm_gGamma = (a @ K @ a + eps).sqrt(), (Gamma @ K @ Gamma + eps).clamp(min=0).sqrt()
     return Gamma @ K @ a + kappa * norm_g0 * norm_gGamma
 
 
-def solve(K, a, kappa, eps=0.0, evaluations=21, lr=25.0, momentum=0.5):
+def solve(K, a, kappa, eps=1e-4, evaluations=21, lr=25.0, momentum=0.5):
     """Γ* of Eq. 15 by Table 4's solver, as the code's (CAGrad's): Γ = softmax(v) from v = 0,
     torch's SGD with momentum on v by autograd, the best of `evaluations` objective values (with lr
     25 the iterates oscillate when K is near singular). K, a: float64 CPU tensors."""

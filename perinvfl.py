@@ -166,8 +166,8 @@ def init_state(model, fed, args, ctx):
 
 
 def parallel_reason(args):
-    """common.check_parallel's `supported`: None where every client runs lines 5-9 at once, else
-    why not."""
+    """The record's `parallel` (METHOD below): None where every client runs lines 5-9 at once,
+    else why not."""
     return None if args.R == 1 else ("trains its clients one after another unless --R 1 (line 8 "
                                      "reads each client's own ν_{i,r} between line 9's steps)")
 

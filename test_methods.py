@@ -10,8 +10,13 @@ tests/helpers.py.
 import argparse
 import copy
 import dataclasses
+import inspect
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 import types
 
 import pytest
@@ -36,16 +41,73 @@ from tests.helpers import (
     full_batch_step, FUNCTIONS, grad_by_hand, HERE, history_losses, hold, IIR,
     interrupted_then_resumed, IPG, ipg_args, irm_derivative_by_hand, irm_penalty_by_hand, load,
     LOE, LOE_FUNCTIONS, loe_own_rounds, loe_split, max_abs, max_diff, method_args,
-    method_rounds, on_every_device, own_local_sgd, own_model, own_rounds, perinvfl_rounds,
-    pinv_args, pinv_copied, pinv_flags, pinv_setup, PLAIN, QUICK, R, RC_ARGV, rel,
-    resolved_args, rows, run, SGD, SIZES, smallconv, split, streams, strip_times, three_clients,
-    tiny, tiny_args, tiny_ctx, tiny_federation, tiny_model, TINY_TOL, with_solver,
+    method_rounds, METHODS, on_every_device, own_local_sgd, own_model, own_rounds,
+    perinvfl_rounds, pinv_args, pinv_copied, pinv_flags, pinv_setup, PLAIN, QUICK, R, RC_ARGV,
+    rel, resolved_args, rows, run, SGD, SIZES, smallconv, split, streams, strip_times,
+    three_clients, tiny, tiny_args, tiny_ctx, tiny_federation, tiny_model, TINY_TOL, with_solver,
 )
 
 
 # ==================================================================================================
 # Every method
 # ==================================================================================================
+
+# A method copied into another codebase: its file, common.py and data.py in an empty folder, run by
+# a fresh interpreter that sees nothing of this checkout (-E: no PYTHONPATH; the folder alone on
+# the path). The run's arguments are what a codebase of one's own would hold: the method's flags as
+# its add_args declares them, its own table of defaults, its derive, and a few shared settings;
+# then one round through common's pieces. The harness is never imported.
+COPY_RUN = """
+import argparse, math, pathlib, sys
+import torch
+import {method} as m
+import common, data
+
+here = pathlib.Path(__file__).resolve().parent
+assert {{pathlib.Path(mod.__file__).resolve().parent for mod in (m, common, data)}} == {{here}}
+M = m.METHOD
+p = argparse.ArgumentParser()
+if M.add_args:
+    M.add_args(p)
+args = p.parse_args([])
+vars(args).update(dataset="synthetic", model="smallconv", head="linear", no_pretrained=True,
+                  lr=0.05, batch_size=32, momentum=0.9, weight_decay=0.0, local_epochs=1,
+                  rounds=1, eval_every=1, global_lr=1.0, clients=2, sample=2, seed=0,
+                  device="cpu", amp=False, parallel_clients="off")
+vars(args).update({{**M.defaults.get("*", {{}}), **M.defaults.get("synthetic", {{}})}})
+vars(args).update(M.derive(args) if M.derive else {{}})
+args.sample = args.clients = 2
+ds = data.load("synthetic")
+fed = data.federate(ds, 0, args.clients, args.seed, "cpu")
+model = common.global_model(args, ds, torch.device("cpu"))
+ctx = common.make_context(args, fed, model)
+state = M.init_state(model, fed, args, ctx) if M.init_state else {{}}
+ctx.clients = state.setdefault("clients", {{}})
+before = common.get_flat(model)
+t, loss, scores = next(common.train(M.round, model, fed, args, state, ctx, M.evaluate))
+assert t == 1 and math.isfinite(loss) and 0 <= scores[1] <= 1, (t, loss, scores)
+assert not torch.equal(common.get_flat(model), before)
+assert not [k for k in sys.modules if k == "harness" or k.startswith("harness.")]
+print("round 1:", loss, scores[:2])
+"""
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_runs_copied_alone_with_common_and_data(method, tmp_path):
+    """The method file, common.py and data.py copied into an empty folder: the method imports there
+    and one round of its round function runs on synthetic data with common's pieces (the model,
+    the context, train), the arguments from its own declarations; nothing of the harness is
+    imported."""
+    for name in (f"{method}.py", "common.py", "data.py"):
+        shutil.copy(HERE / name, tmp_path / name)
+    (tmp_path / "run_copy.py").write_text(COPY_RUN.format(method=method))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    p = subprocess.run([sys.executable, "-E", "-s", "run_copy.py"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.startswith("round 1:"), p.stderr[-3000:]
+    listing = sorted(q.name for q in tmp_path.iterdir() if q.name != "__pycache__")
+    assert listing == sorted([f"{method}.py", "common.py", "data.py", "run_copy.py"])
+
 
 def test_copied_reaches_for_nothing_of_the_project():
     """The harness itself: a function that names common fails when copied."""
@@ -944,6 +1006,20 @@ def test_fedomg_lr_step_is_the_dg_codes_steplr(E, R, tmp_path, monkeypatch):
     assert local_lr(args, R, tmp_path, monkeypatch) == args.lr
 
 
+def test_fedomg_copied_with_its_defaults_steps_as_its_round():
+    """solve and objective default to the ε that code_step passes them (the code's 1e-4): a copy
+    that keeps their signatures' defaults finds the Γ* of fedomg's own step (not one ~5e-6 off)."""
+    eps = {f.__name__: inspect.signature(f).parameters["eps"].default
+           for f in (fedomg.code_step, fedomg.solve, fedomg.objective)}
+    assert set(eps.values()) == {1e-4}, eps
+    g = torch.Generator().manual_seed(7)
+    G = torch.randn(4, 30, generator=g, dtype=torch.float64)
+    K = G @ G.T / (G @ G.T).diagonal().sqrt().mean() ** 2
+    a = torch.full((4,), 0.25, dtype=torch.float64)
+    assert torch.equal(fedomg.solve(K, a, 0.5), fedomg.solve(K, a, 0.5, 1e-4))
+    assert not torch.equal(fedomg.solve(K, a, 0.5), fedomg.solve(K, a, 0.5, 0.0))
+
+
 def test_fedomg_sgd_solver_keeps_the_best_iterate():
     """Four updates in three dimensions (a singular Gram matrix): Table 4's lr 25 makes the iterates
     oscillate, the last is far above the best, and the solver returns the best of the first n
@@ -957,14 +1033,14 @@ def test_fedomg_sgd_solver_keeps_the_best_iterate():
     opt, values = torch.optim.SGD([v], lr=25, momentum=0.5), []
     for i in range(21):
         opt.zero_grad()
-        f = fedomg.objective(torch.softmax(v, 0), K, a, 0.5)
+        f = fedomg.objective(torch.softmax(v, 0), K, a, 0.5, 0.0)       # (ε 0: it oscillates)
         values.append(f.item())
         if i < 20:
             f.backward()
             opt.step()
     assert values[-1] - min(values) > 0.1                                 # the last is not the best
     for n in range(1, 22):
-        got = fedomg.objective(fedomg.solve(K, a, 0.5, evaluations=n), K, a, 0.5).item()
+        got = fedomg.objective(fedomg.solve(K, a, 0.5, 0.0, evaluations=n), K, a, 0.5, 0.0).item()
         assert got == pytest.approx(min(values[:n]), abs=1e-9)
 
 

@@ -61,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import common  # noqa: E402
 from common import checked_round  # noqa: E402
-from harness.config import Parser  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 from harness.provenance import device_name  # noqa: E402
 
 # Counts are taken on one thread: on more, a parallel cat writes through views (as_strided) that
@@ -348,7 +348,7 @@ def provenance(argv):
 
 
 def parse(argv):
-    p = Parser(prog="aten_count.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="aten_count.py", description=help_text(__doc__))
     p.add_argument("--data-root", default=None, help="full MNIST for torchvision under this "
                    "folder (default: the embedded 5,000 digits, fast)")
     p.add_argument("--methods", nargs="+", default=list(RUNS), metavar="RUN",
@@ -373,7 +373,7 @@ def parse(argv):
         p.error(f"--round must be at least 1, got {args.round}")
     if args.data_root is not None and not Path(args.data_root).is_dir():
         p.error(f"--data-root {args.data_root}: no such folder (full MNIST for torchvision: "
-                f"python data.py --download mnist --data-root DIR)")
+                f"python -m harness.datasets --download mnist --data-root DIR)")
     if args.json is not None:
         out = Path(args.json)
         if args.json == "" or out.is_dir():

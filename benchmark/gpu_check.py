@@ -54,7 +54,7 @@ import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
 import fedipg  # noqa: E402
-from harness.config import Parser, after_load  # noqa: E402
+from harness.config import after_load, Parser, help_text  # noqa: E402
 from harness.datasets import make_fake_tree  # noqa: E402
 from harness.outputs import write_json  # noqa: E402
 from speed import alternate, way  # noqa: E402
@@ -608,7 +608,7 @@ def check_speed(device, tmp, pacs_root, data_root, rounds, ipg_rounds, ratio_rou
 # ------------------------------------------------------------------------------------ main
 
 def main(argv=None):
-    p = Parser(prog="gpu_check.py", description=__doc__.splitlines()[0])   # bad input: one line
+    p = Parser(prog="gpu_check.py", description=help_text(__doc__))   # bad input: one line
     p.add_argument("--data-root", default=None, help="full MNIST for RotatedMNIST and RC-MNIST "
                    "(default: the embedded digits); the PACS tree is always generated")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" /

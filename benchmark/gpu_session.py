@@ -51,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
-from harness.config import Parser, finite  # noqa: E402
+from harness.config import finite, Parser, help_text  # noqa: E402
 
 LEADERBOARD = ROOT / "benchmark" / "results" / "leaderboard"
 ARCHIVE = "gpu-session.tar.gz"
@@ -284,9 +284,9 @@ def plan(steps, seconds):
 
 
 def main(argv=None):
-    p = Parser(prog="gpu_session.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="gpu_session.py", description=help_text(__doc__))
     p.add_argument("--data-root", required=True,
-                   help="full MNIST (python data.py --download mnist --data-root DIR)")
+                   help="full MNIST (python -m harness.datasets --download mnist --data-root DIR)")
     p.add_argument("--out-dir", required=True,
                    help="step logs and JSONs, and the archive to bring home")
     p.add_argument("--minutes", type=finite, default=9,

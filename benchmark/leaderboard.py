@@ -50,7 +50,7 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to 
 import run as bench_run  # noqa: E402
 from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
-from harness.config import Parser  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 RESULTS = ROOT / "benchmark" / "results"
 SEEDS = [0, 1, 2]
 
@@ -356,9 +356,9 @@ def write(benches, a):
 def main(argv=None):
     """The command line: bad input -> one line, exit 2, before any run; a failed run -> exit 1; a
     signal -> the runs stopped, one line, exit 128 + signum."""
-    p = Parser(prog="leaderboard.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="leaderboard.py", description=help_text(__doc__))
     p.add_argument("--data-root", default=None,
-                   help="full MNIST (python data.py --download mnist --data-root DIR)")
+                   help="full MNIST (python -m harness.datasets --download mnist --data-root DIR)")
     p.add_argument("--launcher", default="local", choices=["local", "multi_gpu", "slurm"],
                    help="benchmark/run.py's")
     p.add_argument("--jobs", type=int, default=1, help="local launcher: runs at once")
@@ -395,7 +395,7 @@ def main(argv=None):
     if todo and not a.dry_run and a.data_root is None \
             and any(BENCHMARKS[b][1] != "synthetic" for b in todo):
         p.error("the leaderboard is at full scale: give --data-root DIR with full MNIST "
-                "(python data.py --download mnist --data-root DIR)")
+                "(python -m harness.datasets --download mnist --data-root DIR)")
     # the runs start in ROOT
     if todo and a.data_root is not None and not (ROOT / a.data_root).is_dir():
         p.error(f"--data-root {a.data_root} is not a folder")

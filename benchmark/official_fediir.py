@@ -49,11 +49,12 @@ counts the clients' training splits as main.py cuts them (each training domain l
 held out).
 
 The subprocess's stdout and stderr go to <out>.log. The data: DATA/MNIST/raw holding the four
-uncompressed MNIST files, as torchvision's MNIST reads them (`python data.py --download mnist
---data-root DATA` lays them out so). `--loader-workers N` sets the official DataLoaders' worker
-count (8 each, 56 loaders: 448 processes) before main.py runs; the data and selection are unchanged,
-but each loader then draws its next shuffle from torch's generator at other moments, so the numbers
-differ from the default's as another seed's would: for machines where 448 processes do not fit.
+uncompressed MNIST files, as torchvision's MNIST reads them (`python -m harness.datasets --download
+mnist --data-root DATA` lays them out so). `--loader-workers N` sets the official DataLoaders'
+worker count (8 each, 56 loaders: 448 processes) before main.py runs; the data and selection are
+unchanged, but each loader then draws its next shuffle from torch's generator at other moments, so
+the numbers differ from the default's as another seed's would: for machines where 448 processes do
+not fit.
 
     git clone https://github.com/YamingGuo98/FedIIR ../FedIIR && git -C ../FedIIR checkout COMMIT
     for a in FedAvg FedIIR; do for s in 0 1; do
@@ -82,7 +83,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to the checkout
 from data import UserError  # noqa: E402
-from harness.config import Parser, finite  # noqa: E402
+from harness.config import finite, Parser, help_text  # noqa: E402
 
 REPOSITORY = "https://github.com/YamingGuo98/FedIIR"
 COMMIT = "3e7a785e30002ac75d9b3575e3e9062d8e22ea42"
@@ -107,7 +108,7 @@ class Failed(Exception):
 
 
 def parse(argv):
-    p = Parser(prog="official_fediir.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="official_fediir.py", description=help_text(__doc__))
     p.add_argument("--clone", required=True, help=f"a local clone of {REPOSITORY} at {COMMIT[:7]}")
     p.add_argument("--data-root", required=True,
                    help="the folder holding MNIST/raw (torchvision's layout)")
@@ -179,7 +180,7 @@ def mnist_count(root):
     if missing:
         raise UserError(f"--data-root {root}: {raw} lacks {', '.join(missing)} "
                         f"(uncompressed, as torchvision's MNIST reads them: "
-                        f"python data.py --download mnist --data-root {root})")
+                        f"python -m harness.datasets --download mnist --data-root {root})")
     n = 0
     for f in ("train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"):
         magic, count = struct.unpack(">II", (raw / f).read_bytes()[:8])

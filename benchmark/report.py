@@ -58,7 +58,7 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:2]]   # up to 
 # the method scripts' own: bad input is one line, exit 2
 from data import UserError  # noqa: E402
 from harness import METHODS, outputs  # noqa: E402
-from harness.config import Parser  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 
 # (dataset[-held-out domain | -stain | -alpha], scenario) -> [(label, mean test accuracy %, source)]
 PAPERS = {
@@ -174,9 +174,11 @@ def provenance(path):
             if isinstance(p, dict) else None for p in recs]
 
 
-def provenance_line(paths=None):
+def provenance_line(paths=None, brief=False):
     """One line: the torch and numpy versions, the device and the dates of the results behind a
-    table (`paths`, default the files read since the last call), or that they were not recorded."""
+    table (`paths`, default the files read since the last call), or that they were not recorded;
+    brief (the README, which says once when the clients' streams became their own): how many drew
+    from one shared stream, without the why."""
     global SOURCES
     paths, SOURCES = sorted(set(SOURCES if paths is None else paths)), set()
     recs = [p for f in paths for p in provenance(f)]
@@ -196,7 +198,10 @@ def provenance_line(paths=None):
         were = "were" if missing > 1 else "was"
         parts.append(f"not recorded for the other {runs} (made before {BEFORE})" if known else
                      f"not recorded (the {runs} behind this table {were} made before {BEFORE})")
-    if shared:
+    if shared and brief:
+        parts.append(("all" if shared == len(recs) else f"{shared} of the {len(recs)}")
+                     + " on the clients' one shared stream")
+    elif shared:
         parts.append(("all" if shared == len(recs) else f"{shared} of the {len(recs)}")
                      + " made when the clients shared one random stream "
                      f"(each draws its own since commit {STREAMS})")
@@ -828,11 +833,18 @@ def block_glance(where):
     return lines
 
 
-def summary(paper):
+def summary(paper, most=4):
     """Every verdict of one paper's claims with its numbers, one line each, e.g. 'Table 8, 0° held
-    out — not reproduced: −0.5 vs +6.1 (2 std 7.8)'."""
-    parts = [f"{c.group}, {c.short} — {verdict(c)[1]}" for c in CLAIMS if c.paper == paper]
-    scale = next((c.scale for c in CLAIMS if c.paper == paper and c.scale), "")
+    out — not reproduced: −0.5 vs +6.1 (2 std 7.8)'; more than `most` claims: how many of each
+    verdict, the claims themselves in the glance table."""
+    claims = [c for c in CLAIMS if c.paper == paper]
+    parts = [f"{c.group}, {c.short} — {verdict(c)[1]}" for c in claims]
+    if len(parts) > most:
+        words = [verdict(c)[0] for c in claims]
+        counts = ", ".join(f"{w}: {words.count(w)}" for w in dict.fromkeys(words))
+        parts = [f"{len(claims)} claims — {counts} (each: [Results at a glance]"
+                 f"(#results-at-a-glance))"]
+    scale = next((c.scale for c in claims if c.scale), "")
     return ("not at the paper's scale:<br>" if scale else "") + "<br>".join(parts)
 
 
@@ -848,7 +860,8 @@ def block_methods(where):
         form = f"{FORMS[f]}:<br>" if f in FORMS else ""
         lines.append(f"| [`{f}`]({link(ROOT / f, where)}) | {name}: {paper} "
                      f"| {form}{summary(f[:-3])} | [{name}]({page}) |")
-    return lines
+    provenance_line([])                        # the glance table's runs: its provenance line says
+    return lines + ["", "Provenance: the runs of [Results at a glance](#results-at-a-glance)."]
 
 
 # The form of a method that its verdicts were made with, where the script offers another (the
@@ -862,7 +875,7 @@ FORMS = {"fedipg.py": "every verdict with `--local-step sgd`, the default "
 QUICKLOOK = "quicklook"
 # How far the quick look's validation accuracy moved between CPU models (one thread each, the same
 # command): 0.754, 0.757 and 0.761 on three CPUs (2026-11-24, the code before each client drew its
-# own stream).
+# own stream, which ended at other numbers: only the spread is quoted).
 QUICKLOOK_CPU_SPREAD = (0.754, 0.761)
 
 
@@ -890,8 +903,8 @@ def block_quicklook(where, folder=QUICKLOOK):
             f"validation {d['val_acc']:.3f} (round {d['best_round']}, the best validation; "
             f"seed {r['seed']}), on one thread of {article(p['device'])} {p['device']}. "
             f"Another CPU model sums in another order and ends a few thousandths away "
-            f"(the validation from {lo:.3f} to {hi:.3f} on three CPUs with the code of "
-            f"2026-11-24). "
+            f"(three CPUs spread the validation over {hi - lo:.3f} with the code of 2026-11-24, "
+            f"whose numbers differ from these). "
             f"The committed run ([{f.parent.name}/]({link(f.parent, where)}/)) took "
             f"{user + system:.0f} s of CPU time ({user:.0f} s user, {system:.0f} s system) "
             f"and {wall / 60:.1f} minutes of wall clock"
@@ -1311,7 +1324,7 @@ def block_text(name, where):
         sys.exit(f"report.py: error: unknown block '{name}' (kinds: {', '.join(BLOCKS)})")
     provenance_line([])                                    # forget the files read before this block
     lines = BLOCKS[kind](where, *args.split(":")) if args else BLOCKS[kind](where)
-    line = provenance_line()
+    line = provenance_line(brief=Path(where).resolve() == ROOT)            # (the README: brief)
     return "\n".join(lines + (["", line] if line else [])) + "\n"
 
 
@@ -1358,7 +1371,7 @@ def update_docs(check, figures):
 def main(argv=None):
     """The command line: bad input (and a missing matplotlib) -> one line on stderr, exit 2, before
     anything is written; --check with a stale block -> exit 1."""
-    p = Parser(prog="report.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="report.py", description=help_text(__doc__))
     p.add_argument("folders", nargs="*", help="folders of results JSON files (a *.json that "
                    "holds no complete run, e.g. a JSON list, is skipped and named under its table)")
     p.add_argument("--speed", default=None,

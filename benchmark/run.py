@@ -54,7 +54,7 @@ import harness  # noqa: E402  (first: a Ctrl-C during the imports is one line, e
 import data  # noqa: E402  (data.NAMES, data.UserError: the method scripts' own)
 from data import UserError  # noqa: E402
 from harness import outputs  # noqa: E402
-from harness.config import Parser as OneLine  # noqa: E402
+from harness.config import Parser as OneLine, help_text  # noqa: E402
 
 ALL = harness.METHODS                # the method scripts (benchmark/diagnostics' variants besides)
 SEED_LIMIT = 2 ** 31             # the method scripts' --seed range (harness.resolve)
@@ -405,7 +405,7 @@ def plan(argv):
     argv = list(argv)
     common_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = Parser(prog="run.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="run.py", description=help_text(__doc__))
     p.add_argument("--dataset", required=True, help=f"one of {', '.join(data.NAMES)}")
     p.add_argument("--methods", nargs="+", default=["fedavg", "fediir", "fedomg"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

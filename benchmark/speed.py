@@ -75,7 +75,7 @@ SETTINGS = {"rmnist": "rmnist", "fl": "mnist"}   # --setting -> dataset
 
 def setup(method, own_args=None, argv=None, prog=None, about=None, check=None):
     """The shared CLI of the speed scripts (own_args adds a script's own flags) and what they time:
-    `method`'s (a harness.Method) arguments resolved for the setting's dataset (rmnist: test
+    `method`'s (a common.Method) arguments resolved for the setting's dataset (rmnist: test
     domain 0 held out; fl: the label-skew clients), the federation, the model and a context on
     --device; `about`: --help's first line; check(a): a script's own refusals (data.UserError:
     one line, exit 2), made before any data is loaded."""

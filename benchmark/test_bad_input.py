@@ -143,3 +143,17 @@ def test_leaderboard_refuses_an_out_dir_it_could_not_write_in(tmp_path, case):
         "file": f"--out-dir {out}: {out} is not a folder",
         "readme-is-a-folder": f"{out / 'README.md'} is not a file the table can be written to",
     }[case] in line
+
+
+HELPED = ["report.py", "run.py", "leaderboard.py", "official_fediir.py", "aten_count.py",
+          "gpu_session.py", "gpu_check.py", "rcmnist_ptest.py", "irm_central.py", "mcmahan_fig1.py",
+          "sensitivity.py"]
+
+
+@pytest.mark.parametrize("name", HELPED)
+def test_help_says_what_the_script_does_in_whole_sentences(name, tmp_path):
+    """--help opens with the docstring's first paragraph, whole (its last sentence ended)."""
+    p, _ = script(name, "--help", cwd=tmp_path)
+    first = " ".join(importlib.import_module(name[:-3]).__doc__.split("\n\n")[0].split())
+    said = " ".join(p.stdout.split("\n\n")[1].split())
+    assert p.returncode == 0 and said == first and said.endswith("."), said

@@ -1687,3 +1687,12 @@ def test_parallel_fedipg_warmup_estimates_match_sequential(tmp_path, monkeypatch
             == out["off"][2]["exited"])
     for i in seq:
         assert torch.allclose(torch.tensor(par[i]), torch.tensor(seq[i]), rtol=1e-6, atol=0)
+
+
+def test_report_names_every_method_of_the_one_list():
+    """report.py's table of names and papers covers harness.METHODS, each once, and its Methods
+    table has one row per method, in that order."""
+    assert list(bench_report.TITLES) == list(harness.METHODS)
+    table = bench_report.block_methods(bench_report.ROOT)
+    rows = [line for line in table if line.startswith("| [`")]
+    assert [r.split("`")[1] for r in rows] == [f"{m}.py" for m in harness.METHODS]

@@ -54,6 +54,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def help_text(doc):
+    """A docstring's first paragraph as one line: what a script's --help says it does."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def finite(text):
     """The type of every float flag: a finite number (nan and inf are refused when parsing)."""
     try:
@@ -83,12 +88,11 @@ def count_or_all(text):
 def parser(method):
     """The command line of `method`: the dataset's and its protocol's flags, training's, the run's,
     then the method's own; every help ends with its default for rmnist (help_defaults)."""
-    p = Parser(prog=f"{method.name}.py",
-               description=" ".join(method.doc.strip().split("\n\n")[0].split()))
+    p = Parser(prog=f"{method.name}.py", description=help_text(method.doc))
     a = p.add_argument
     a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
     a("--data-root", default=None, help="dataset folder; none: the MNIST family reads the "
-      "embedded 5,000 digits (the others need one: python data.py --help)")
+      "embedded 5,000 digits (the others need one: python -m harness.datasets --help)")
     a("--test-domain", default="all",
       help="held-out domain: 'all' (each in turn), a name or an index")
     a("--clients", type=int, default=None, help="number of clients P")

@@ -1,5 +1,7 @@
 """What a run owns, stated once (docs/results-format.md, "What a run owns") and enforced here, for
-the method scripts, flower/run_local.py and benchmark/run.py alike.
+the method scripts, flower/run_local.py and benchmark/run.py alike; and the files themselves: the
+results JSON and the checkpoint beside it (save_checkpoint, load_checkpoint: what a --resume may
+continue), each written by the one atomic writer, write_atomically.
 
 A run with --out F owns these files, each named from the whole path F, so that two --out paths
 never share one:

@@ -2,6 +2,7 @@
 run resolves, results files, checkpoints, --resume, signals, locks, provenance, progress lines.
 Every method goes through it; a method's own refusals are in its section of test_methods.py."""
 
+import argparse
 import dataclasses
 import importlib
 import inspect
@@ -834,3 +835,71 @@ def test_fixed_client_defaults_follow_fedavgs_default_run(tmp_path):
         assert [getattr(loe, k) for k in ("model", "batch_size", "weight_decay", "clients")] == \
             [getattr(fa, k) for k in ("model", "batch_size", "weight_decay", "clients")], name
         assert loe.sample == "all" and loe.local_epochs == 32             # every client, each round
+
+
+def print_config(main, argv, capsys):
+    """{flag: its line} of --print-config's table, which must exit 0 before any data loads."""
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--print-config"])
+    assert e.value.code == 0
+    return {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+
+
+def test_print_config_gives_every_value_and_where_it_comes_from(tmp_path, capsys, monkeypatch):
+    """--print-config: every argument a run resolves, its value and its source (the command line or
+    its default, the method's table for the dataset or for every dataset, the shared table, a rule,
+    or the data), and nothing loaded or written."""
+    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("--print-config loaded data"))
+    rows = print_config(fedomg.main, ["--lr", "0.02"], capsys)
+    args = harness.resolve(fedomg.METHOD, ["--lr", "0.02", "--out", str(tmp_path / "r.json")])
+    assert set(rows) == {f"--{k.replace('_', '-')}" for k in vars(args)}
+    assert rows["--lr"].split()[1:] == ["0.02", "command", "line"]
+    assert rows["--global-lr"].split()[1] == "auto" and rows["--global-lr"].endswith(
+        "fedomg's table, every dataset; auto: U (1 + κ²), U the clients sampled in the round "
+        "(eta_g)")
+    assert rows["--kappa"].endswith("fedomg's table, every dataset")
+    assert rows["--batch-size"].endswith("shared table, rmnist")
+    assert rows["--seed"].endswith("the command line's default")
+    assert "rule: auto" in rows["--device"] and "rule: auto" in rows["--parallel-clients"]
+    assert rows["--clients"].endswith("set once the data loads (docs/protocol.md: Federation)")
+    rows = print_config(fedomg.main, ["--dataset", "pacs"], capsys)
+    assert rows["--global-lr"].split()[1] == "0.5" and rows["--global-lr"].endswith(
+        "fedomg's table, pacs")
+    rows = print_config(fediir.main, [], capsys)
+    assert rows["--lr"].split()[1:] == ["0.01", "shared", "table,", "rmnist"]    # FedIIR's Table 3
+    rows = print_config(fedloe.main, [], capsys)
+    assert rows["--rounds"].endswith("rule: fedloe's derive (rounds from other flags)")
+    assert not list(tmp_path.iterdir()) and not Path("results").exists()
+
+
+def test_auto_is_a_value_only_where_the_method_has_its_rule(tmp_path, capsys):
+    """FedOMG's η_g takes "auto" (its rule: eta_g) in its table and on the command line; a method
+    without a rule for it refuses the word in one line, as any non-number."""
+    out = ["--out", str(tmp_path / "r.json")]
+    assert harness.resolve(fedomg.METHOD, ["--global-lr", "auto"] + out).global_lr == "auto"
+    assert harness.resolve(fedomg.METHOD, ["--global-lr", "0.3"] + out).global_lr == 0.3
+    assert fails(fedavg.main, ["--global-lr", "auto"], capsys) == (
+        "fedavg.py: error: argument --global-lr: expects a number, got 'auto'")
+    assert fomg_eta(4, "auto") == 4 * 1.25 and fomg_eta(4, 0.7) == 0.7
+
+
+def fomg_eta(U, global_lr):
+    return fedomg.eta_g(argparse.Namespace(global_lr=global_lr, kappa=0.5), U)
+
+
+def test_a_test_domain_is_checked_before_any_data_loads(tmp_path, capsys, monkeypatch):
+    """--test-domain against the dataset's domains before the data loads (nothing is claimed or
+    written): by their names (rmnist, synthetic, stained), a photo dataset's by its folders."""
+    fake_pacs(tmp_path / "d")
+    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("the data loaded"))
+    out = ["--out", str(tmp_path / "o" / "r.json")]
+    for argv, names in ((["--test-domain", "99"], "0, 15, 30, 45, 60, 75 or an index 0..5"),
+                        (["--dataset", "synthetic", "--test-domain", "style9"],
+                         "style0, style1, style2 or an index 0..2"),
+                        (["--dataset", "stained", "--test-domain", "10"],
+                         "c8, c9 or an index 0..9"),
+                        (["--dataset", "pacs", "--data-root", str(tmp_path / "d"), "--test-domain",
+                          "painting"], "art_painting, cartoon, photo, sketch or an index 0..3")):
+        line = fails(fedavg.main, argv + out, capsys)
+        assert line.startswith("fedavg.py: error: unknown test domain") and line.endswith(names)
+    assert not (tmp_path / "o").exists()

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
     [
         ("fedavg.py", "fedavg.py: interrupted while starting; nothing was run"),
         ("fedipg.py", "fedipg.py: interrupted while starting; nothing was run"),
+        ("fediir.py", "fediir.py: interrupted while starting; nothing was run"),
         ("benchmark/run.py", "run.py: interrupted while starting; nothing was run"),
         ("flower/run_local.py", "run_local.py: interrupted while starting; nothing was run"),
     ],

@@ -114,8 +114,8 @@ def interrupted_then_resumed(main, argv, out, monkeypatch, stop, check=None):
 
 
 def fake_pacs(root, per_class=1, odd=None):
-    """data.py --make-fake pacs under root; odd: a further class folder with one image, e.g.
-    'sketch/Dogs' (not 'sketch/Dog': a case-insensitive file system has it already as 'dog')."""
+    """python -m harness.datasets --make-fake pacs under root; odd: a further class folder with one
+    image, e.g. 'sketch/Dogs' (not 'sketch/Dog': a case-insensitive file system has it as 'dog')."""
     datasets.make_fake("pacs", str(root), per_class)
     if odd:
         folder = Path(root, "PACS", odd)

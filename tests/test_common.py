@@ -3,6 +3,7 @@ another, all at once, compiled), its streams and determinism, through the method
 round needs one. No benchmark code: the core stands without it.
 """
 
+import dataclasses
 import importlib
 import math
 import os
@@ -17,6 +18,7 @@ import fediir
 import fedipg
 import fedloe
 import fedomg
+import harness
 from harness import datasets
 
 from tests.helpers import (
@@ -74,10 +76,12 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
     """Every exchange of every round run with the sampled clients taken in reverse order: each
     client's reply (its update, its loss, what it uploads) is the same, bit for bit, and so is the
     run (the server reads the replies in the order of the ids either way). A client's work depends
-    on no other's."""
-    one_by_one, seen = common.one_by_one, {}
+    on no other's. And the functions the rounds ran on the clients are those the method's record
+    declares, each of them (what a Flower node may run: harness.client_functions)."""
+    one_by_one, seen, ran = common.one_by_one, {}, set()
     for order in ("forward", "reverse"):
         def engine(fn, S, sents, t, phase, ctx):
+            ran.add(harness.methods.qualified(fn))
             if order == "reverse":
                 out = one_by_one(fn, S[::-1], sents[::-1], t, phase, ctx)[::-1]
             else:
@@ -100,6 +104,23 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
     ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"]
             for o in ("forward", "reverse")]
     assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
+    record = harness.method(method)
+    assert ran == {harness.methods.qualified(f) for f in record.clients} and len(ran) >= 1
+    setup = {f"{method}:init_state"} if record.init_state else set()
+    assert harness.client_functions(method) == ran | setup
+
+
+def test_what_a_node_may_run_is_each_methods_declaration():
+    """harness.client_functions: the record's client functions and its init_state by full name, for
+    a method's name or a record (a variant declares its own); nothing for an unknown name."""
+    assert harness.client_functions("fediir") == {"fediir:classifier_gradient",
+                                                  "fediir:client_update", "fediir:init_state"}
+    assert harness.client_functions("fedavg") == {"fedavg:client_update"}
+    variant = dataclasses.replace(fedavg.METHOD, clients=(fedavg.client_update, common.features))
+    assert harness.client_functions(variant) == {"fedavg:client_update", "common:features"}
+    with pytest.raises(ValueError, match="unknown method 'fedx'"):
+        harness.client_functions("fedx")
+    assert all(harness.method(m).name == m for m in harness.METHODS)
 
 
 def test_group_means():

@@ -435,7 +435,7 @@ def test_rcfmnist_through_torchvision_on_a_stand_in(tmp_path, capsys):
     res, _ = run(fedavg.main, ["--dataset", "rcfmnist", "--data-root", str(tmp_path),
                                "--rounds", "2"], tmp_path)
     assert res["args"]["select"] == "last" and res["domains"]["clients"]["best_round"] == 2
-    assert ("FashionMNIST is not embedded: pass --data-root"
+    assert ("fmnist is not embedded: pass --data-root"
             in fails(perinvfl.main, ["--dataset", "rcfmnist"], capsys))
 
 

@@ -1,6 +1,7 @@
 """The documentation: its generated tables match the committed results (benchmark/report.py
 --check), the README's counts and rules hold, no relative link points nowhere, and each method
-page's "Copy it" loop runs as printed and gives the numbers of the method's copied functions."""
+page's "Copy it" loop runs as printed and gives the numbers of the method's copied functions, and
+every default a docstring or a page quotes is the tables' (QUOTED)."""
 import copy
 import json
 import re
@@ -16,6 +17,7 @@ import fedavg
 import fediir
 import fedloe
 import fedomg
+import harness
 import report as bench_report
 from tests.helpers import (
     FUNCTIONS, HERE, LOE_FUNCTIONS, PLAIN, SIZES, as_floats, copied, copied_fediir_rounds,
@@ -116,15 +118,24 @@ def test_report_ptest_block_names_equal_rows_together(tmp_path, monkeypatch):
 
 def test_readme_states_the_verdict_rule_and_the_methods_table_shows_the_gains():
     """The README's glance section prints report.RULE (the `rule` block), and every verdict of the
-    methods table stands beside its measured and published gain ("... vs ... (2 std ...)")."""
+    methods table stands beside its measured and published gain ("... vs ... (2 std ...)"), but for
+    a paper of more than four claims, whose cell counts them by verdict (each in the glance table),
+    one sentence under both tables, which hold the same runs."""
     readme = (HERE / "README.md").read_text()
     rule = readme.split("<!-- report:rule -->\n")[1].split("<!-- /report:rule -->")[0]
     assert (" ".join(rule.split()) == "**The rule**: " + bench_report.RULE[0].lower()
             + bench_report.RULE[1:])
     methods = readme.split("<!-- report:methods -->\n")[1].split("<!-- /report:methods -->")[0]
     verdicts = re.findall(r"— ([a-z ]+): ([+−][\d.]+)(?: vs ([+−][\d.]+))? \(2 std [\d.]+", methods)
-    assert len(verdicts) == len(bench_report.CLAIMS)
+    many = {c.paper for c in bench_report.CLAIMS} - {
+        p for p in {c.paper for c in bench_report.CLAIMS}
+        if sum(c.paper == p for c in bench_report.CLAIMS) <= 4}
+    assert many == {"fedipg"} and "11 claims — not reproduced: 9, direction holds: 2" in methods
+    assert len(verdicts) == sum(c.paper not in many for c in bench_report.CLAIMS)
     assert {w for w, *_ in verdicts} <= set(bench_report.WORDS)
+    assert methods.rstrip().endswith("Provenance: the runs of [Results at a glance]"
+                                     "(#results-at-a-glance).")
+    assert readme.count("when the clients shared one random stream") == 0
     assert "holds ×" not in readme and "within 2 std" not in readme
 
 
@@ -186,7 +197,8 @@ def test_quicklook_block_from_its_committed_run(tmp_path, monkeypatch):
     text = bench_report.block_text("quicklook", tmp_path)
     assert ("test accuracy 0.408 on the held-out 0° domain, validation 0.761 (round 20, the best "
             "validation; seed 0), on one thread of an AMD EPYC." in text)
-    assert "the validation from 0.754 to 0.761 on three CPUs" in text
+    assert ("three CPUs spread the validation over 0.007 with the code of 2026-11-24, whose "
+            "numbers differ from these" in text)
     assert ("took 240 s of CPU time (237 s user, 3 s system) and 4.1 minutes of wall clock "
             "(the machine shared with other jobs)." in text)
     assert len(re.findall(r"\d+ s of CPU time", text)) == 1                    # one measured figure
@@ -388,3 +400,81 @@ def test_perinvfl_docs_loop_is_the_method():
     assert all(torch.equal(ns["theta"][i], state["theta"][i]) for i in range(3))
     nu, _, _ = copied_perinvfl_rounds(m, clients, 2, **loop_args)
     assert torch.equal(ns["nu"], nu)
+
+
+# Every default that a docstring or a page quotes, beside the tables it comes from: (file, the
+# quoted text as it stands there, the method, the dataset, {flag: the value a run resolves}). A
+# changed table fails here until each quote that restates it is changed too.
+QUOTED = [
+    ("fedavg.py", "(RotatedMNIST: lr 1e-2, batch 64;", "fedavg", "rmnist",
+     dict(lr=1e-2, batch_size=64)),
+    ("fedavg.py", "VLCS 1e-3 / 32; PACS 2.5e-3 / 32; OfficeHome 1e-3 / 32), 100 rounds, 1 local "
+     "epoch, SGD with momentum 0.9", "fedavg", "vlcs",
+     dict(lr=1e-3, batch_size=32, rounds=100, local_epochs=1, momentum=0.9)),
+    ("fedavg.py", "PACS 2.5e-3 / 32", "fedavg", "pacs", dict(lr=2.5e-3, batch_size=32)),
+    ("fedavg.py", "OfficeHome 1e-3 / 32", "fedavg", "officehome", dict(lr=1e-3, batch_size=32)),
+    ("fedavg.py", "η_g = 1, evaluation every 10 rounds", "fedavg", "rmnist",
+     dict(global_lr=1.0, eval_every=10)),
+    ("fediir.py", "γ from Table 3 (RotatedMNIST 1e-2,", "fediir", "rmnist", dict(gamma=1e-2)),
+    ("fediir.py", "VLCS 5e-3,", "fediir", "vlcs", dict(gamma=5e-3)),
+    ("fediir.py", "PACS 1e-3,", "fediir", "pacs", dict(gamma=1e-3)),
+    ("fediir.py", "OfficeHome 5e-4,", "fediir", "officehome", dict(gamma=5e-4)),
+    ("fediir.py", "lr / batch from Table 3 (RotatedMNIST 1e-2 / 64); v = 0.95 (Appendix C); 100 "
+     "rounds, 1 local epoch, SGD momentum 0.9", "fediir", "rmnist",
+     dict(lr=1e-2, batch_size=64, ema=0.95, rounds=100, local_epochs=1, momentum=0.9)),
+    ("docs/fediir.md", "RotatedMNIST 1e-2 / 64 / 1e-2,", "fediir", "rmnist",
+     dict(lr=1e-2, batch_size=64, gamma=1e-2)),
+    ("docs/fediir.md", "VLCS 1e-3 / 32 / 5e-3,", "fediir", "vlcs",
+     dict(lr=1e-3, batch_size=32, gamma=5e-3)),
+    ("docs/fediir.md", "PACS 2.5e-3 / 32 / 1e-3,", "fediir", "pacs",
+     dict(lr=2.5e-3, batch_size=32, gamma=1e-3)),
+    ("docs/fediir.md", "OfficeHome 1e-3 / 32 / 5e-4", "fediir", "officehome",
+     dict(lr=1e-3, batch_size=32, gamma=5e-4)),
+    ("docs/fediir.md", "γ = 1e-2 (Table 3, the code's form), B = 64, lr = 1e-2, E = 1", "fediir",
+     "rmnist", dict(gamma=1e-2, batch_size=64, lr=1e-2, local_epochs=1)),
+    ("fedomg.py", "κ = 0.5 (Table 4). η_g: 0.5 on pacs, vlcs, officehome", "fedomg", "pacs",
+     dict(kappa=0.5, global_lr=0.5)),
+    ("fedomg.py", "1 on the FL datasets", "fedomg", "mnist", dict(global_lr=1.0)),
+    ("fedomg.py", "elsewhere `auto`", "fedomg", "rmnist", dict(global_lr="auto")),
+    ("fedomg.py", "DG: pretrained ResNet-18 + linear head, SGD lr 1e-3, batch 16, momentum 0.9, "
+     "weight decay 5e-4, 5 local epochs", "fedomg", "vlcs",
+     dict(model="resnet18", head="linear", lr=1e-3, batch_size=16, momentum=0.9,
+          weight_decay=5e-4, local_epochs=5)),
+    ("fedloe.py", "Table 5 (batch 128, E1 256, K1 8, Adam lr 5e-5 PACS /", "fedloe", "pacs",
+     dict(batch_size=128, stage1_epochs=256, stage1_comms=8, lr=5e-5)),
+    ("fedloe.py", "3e-5 OfficeHome, E2 8, K2 4, stage 2 lr 0.05 / wd 5e-4, λ 100, meta lr 0.05), "
+     "Figure 1a (20 clients)", "fedloe", "officehome",
+     dict(lr=3e-5, stage2_epochs=8, stage2_comms=4, stage2_lr=0.05, stage2_wd=5e-4,
+          dg_lambda=100.0, meta_lr=0.05, clients=20)),
+    ("perinvfl.py", "lr γ 4.898e-4, L2 1.10794568e-3, λ = 1 for 190 rounds then 91257.186",
+     "perinvfl", "rcmnist", dict(lr=4.898e-4, weight_decay=2 * 1.10794568e-3, anneal=190,
+                                 lam=91257.186)),
+    ("perinvfl.py", "500 rounds, R = S = 1, α = 1", "perinvfl", "rcmnist",
+     dict(rounds=500, R=1, S=1, global_lr=1.0)),
+    ("perinvfl.py", "plain steps of η = 0.1", "perinvfl", "rcmnist", dict(eta=0.1, beta=1.0)),
+    ("fedipg.py", "λ 1e-3, the middle of Figure 4's range", "fedipg", "rmnist", dict(lam=1e-3)),
+    ("fedipg.py", "1e-4 (its low end) for the ResNet datasets", "fedipg", "pacs", dict(lam=1e-4)),
+    ("fedipg.py", "η = --lr, --exit-L 0.5, --exit-warmup 5", "fedipg", "rmnist",
+     dict(exit_L=0.5, exit_warmup=5)),
+    ("docs/protocol.md", "rmnist 64 / 1e-2,", "fedavg", "rmnist", dict(batch_size=64, lr=1e-2)),
+    ("docs/protocol.md", "vlcs 32 / 1e-3, pacs 32 / 2.5e-3, officehome 32 / 1e-3", "fedavg",
+     "pacs", dict(batch_size=32, lr=2.5e-3)),
+    ("docs/protocol.md", "label skew 16 / 5e-3; stained 64 / 0.1", "fedavg", "mnist",
+     dict(batch_size=16, lr=5e-3, local_epochs=5, momentum=0.0)),
+    ("docs/protocol.md", "stained 64 / 0.1", "fedavg", "stained", dict(batch_size=64, lr=0.1)),
+    ("README.md", "1 local epoch, SGD lr 1e-2, batch 64", "fedavg", "rmnist",
+     dict(local_epochs=1, lr=1e-2, batch_size=64)),
+]
+
+
+@pytest.mark.parametrize("path,text,method,dataset,values", QUOTED,
+                         ids=[f"{q[0]}:{q[3]}:{','.join(q[4])}" for q in QUOTED])
+def test_every_quoted_default_is_the_one_a_run_resolves(path, text, method, dataset, values,
+                                                        tmp_path):
+    """The numbers a docstring or a page quotes are those of the tables (harness.resolve with the
+    dataset alone on the command line)."""
+    page = " ".join((HERE / path).read_text().split())
+    assert " ".join(text.split()) in page, (path, text)
+    argv = ["--dataset", dataset, "--out", str(tmp_path / "r.json")]
+    args = harness.resolve(harness.method(method), argv)
+    assert {k: getattr(args, k) for k in values} == values

@@ -125,3 +125,18 @@ def test_no_test_edits_sys_path_and_every_script_finds_the_checkout_in_one_line(
             form = (f"sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:{depth}]]"
                     f"   # up to the checkout")
             assert lines in ([], [form]), (rel, lines)
+
+
+def test_the_readme_keeps_its_budget_and_pyproject_installs_no_module():
+    """README.md in at most 250 lines (the design card). pyproject.toml carries the project's
+    metadata, pytest's path (the folders the scripts find) and ruff's settings, and lists no module
+    to install: `pip install .` puts its dependencies in an environment, never a module named
+    common or data."""
+    import tomllib
+    assert len((HERE / "README.md").read_text().splitlines()) <= 250
+    meta = tomllib.loads((HERE / "pyproject.toml").read_text())
+    assert meta["project"]["name"] and meta["project"]["dependencies"]
+    assert meta["tool"]["setuptools"] == {"py-modules": [], "packages": []}
+    assert meta["tool"]["pytest"]["ini_options"]["pythonpath"][:3] == [
+        ".", "benchmark", "benchmark/diagnostics"]
+    assert meta["tool"]["ruff"]["line-length"] == 100 and not (HERE / "ruff.toml").exists()

@@ -96,7 +96,7 @@ def paper_step(G, g_FL, p, kappa, solve=None):
     p = p.double().cpu()
     K = fedomg.gram(G)
     K = K / K.diagonal().clamp(min=0).sqrt().mean().clamp(min=1e-30) ** 2   # the code's scale
-    Gamma = (solve or fedomg.solve)(K, p, kappa)                    # Eq. 15 (argmin unchanged)
+    Gamma = (solve or fedomg.solve)(K, p, kappa, 0.0)          # Eq. 15 as printed: no ε
     norm_g_FL, norm_g_Gamma = (p @ K @ p).clamp(min=0).sqrt(), \
         (Gamma @ K @ Gamma).clamp(min=0).sqrt()
     if norm_g_Gamma == 0:

@@ -21,12 +21,12 @@ import common  # noqa: E402
 import data  # noqa: E402
 import fedomg  # noqa: E402
 import fedomg_readings as readings  # noqa: E402   --solver exact, --server-rule paper
-from harness.config import Parser  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 
 
 def main():
     # bad input: one line, exit 2
-    p = Parser(prog="fedomg_server.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="fedomg_server.py", description=help_text(__doc__))
     p.add_argument("--solver", default="sgd", choices=["sgd", "exact"])
     p.add_argument("--server-rule", default="code", choices=["code", "paper"])
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per U")

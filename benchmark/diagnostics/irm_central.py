@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import data  # noqa: E402
 from harness import outputs  # noqa: E402
-from harness.config import Parser  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 
 LR, L2, PENALTY, ANNEAL, STEPS = 4.898536566546834e-4, 1.10794568e-3, 91257.18613115903, 190, 501
 REPORTED = {"colored": {"irm": (70.8, 66.9), "erm": (None, 17.1)}}   # IRM paper, Section 5.1
@@ -137,7 +137,7 @@ def table(results):
 
 def main(argv=None):
     """Bad input -> one line on stderr, exit 2, before any training or any file is written."""
-    p = Parser(prog="irm_central.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="irm_central.py", description=help_text(__doc__))
     p.add_argument("--data-root", default=None,
                    help="full MNIST (torchvision layout); none: the embedded digits")
     p.add_argument("--data", nargs="+", default=["colored", "rc-norot", "rc"],

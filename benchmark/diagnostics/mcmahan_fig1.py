@@ -26,7 +26,7 @@ sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to 
 import common  # noqa: E402
 import data  # noqa: E402
 from harness import outputs  # noqa: E402
-from harness.config import Parser  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 
 N, LR, BATCH, UPDATES = 600, 0.1, 50, 240            # Section 2
 
@@ -84,7 +84,7 @@ def summary(run):
 
 
 def main(argv=None):
-    p = Parser(prog="mcmahan_fig1.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="mcmahan_fig1.py", description=help_text(__doc__))
     p.add_argument("--data-root", default=None,
                    help="full MNIST (torchvision layout); none: the embedded digits")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

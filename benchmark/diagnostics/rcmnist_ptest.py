@@ -26,7 +26,7 @@ import torch
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:3]]   # up to the checkout
 import common  # noqa: E402
 import data  # noqa: E402
-from harness.config import Parser  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 
 P_TEST = (0.1, 0.2, 0.3, 0.4, 0.5)
 
@@ -130,7 +130,7 @@ def checkpoint(path, args):
 
 
 def main(argv=None):
-    p = Parser(prog="rcmnist_ptest.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="rcmnist_ptest.py", description=help_text(__doc__))
     p.add_argument("paths", nargs="+", metavar="RESULTS.json",
                    help="results of rcmnist / rcfmnist runs, each with its .ckpt beside it")
     a = p.parse_args(argv)

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import gpu_check  # noqa: E402
-from harness.config import Parser, finite  # noqa: E402
+from harness.config import finite, Parser, help_text  # noqa: E402
 
 
 def perturbed(s):
@@ -36,7 +36,7 @@ def perturbed(s):
 
 
 def main(argv=None):
-    p = Parser(prog="sensitivity.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="sensitivity.py", description=help_text(__doc__))
     p.add_argument("--scale", type=finite, nargs="+", default=[2 ** -22, 2 ** -11],
                    help="relative perturbations s of the initial weights (0: the control, "
                         "nothing moves)")              # (finite: nan, inf refused)

@@ -59,13 +59,14 @@ def brute_force(K, p, kappa, steps=400):
     return vals.min().item()
 
 
+# Eq. 15 as printed (ε = 0, as solve_exact takes it), the solvers' own question.
 @pytest.mark.parametrize("U,kind", [(2, "random"), (3, "random"), (3, "wide-range"),
                                     (2, "parallel"), (3, "client-like")])
 def test_fedomg_exact_solver_is_the_minimum(U, kind):
     K, p = gram(U, kind)
     gamma = readings.solve_exact(K, p, 0.5)
     assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12          # on the simplex
-    exact = fedomg.objective(gamma, K, p, 0.5).item()
+    exact = fedomg.objective(gamma, K, p, 0.5, 0.0).item()
     assert exact <= brute_force(K, p, 0.5) + 1e-9
     assert (exact >= brute_force(K, p, 0.5, steps=50) - 0.02 * abs(brute_force(K, p, 0.5, steps=50))
             - 1e-6)
@@ -77,18 +78,18 @@ def test_fedomg_exact_solver_is_the_minimum(U, kind):
     (20, "random", 201), (3, "parallel", 21), (20, "parallel", 21)])
 def test_fedomg_sgd_solver_reaches_the_exact_objective(U, kind, evals):
     K, p = gram(U, kind, seed=U)
-    gamma = fedomg.solve(K, p, 0.5, evaluations=evals)
+    gamma = fedomg.solve(K, p, 0.5, 0.0, evaluations=evals)
     assert gamma.min() >= 0 and abs(gamma.sum().item() - 1) < 1e-12
-    sgd = fedomg.objective(gamma, K, p, 0.5).item()
-    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
+    sgd = fedomg.objective(gamma, K, p, 0.5, 0.0).item()
+    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5, 0.0).item()
     assert exact <= sgd + 1e-12 and (sgd - exact) / abs(exact) < 1e-3
 
 
 def test_fedomg_sgd_solver_falls_short_when_norms_span_orders_of_magnitude():
     """The documented limit of Table 4's solver: exact is far better here, never worse."""
     K, p = gram(10, "wide-range")
-    sgd = fedomg.objective(fedomg.solve(K, p, 0.5), K, p, 0.5).item()
-    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5).item()
+    sgd = fedomg.objective(fedomg.solve(K, p, 0.5, 0.0), K, p, 0.5, 0.0).item()
+    exact = fedomg.objective(readings.solve_exact(K, p, 0.5), K, p, 0.5, 0.0).item()
     assert exact < sgd and (sgd - exact) / abs(exact) > 1e-3
 
 
