@@ -47,11 +47,10 @@ def started():
 
 starting()
 
-from common import Method  # noqa: E402  (the old name of common.Method, until flower/ moves)
 from harness.config import resolve  # noqa: E402  (after starting(): they load torch)
 from harness.methods import METHODS, client_functions, method  # noqa: E402
 from harness.runner import main, run  # noqa: E402
 
-__all__ = ["METHODS", "Method", "client_functions", "method", "resolve", "main", "run",
-           "starting", "started"]
+__all__ = ["METHODS", "client_functions", "method", "resolve", "main", "run", "starting",
+           "started"]
 started()

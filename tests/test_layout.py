@@ -140,3 +140,15 @@ def test_the_readme_keeps_its_budget_and_pyproject_installs_no_module():
     assert meta["tool"]["pytest"]["ini_options"]["pythonpath"][:3] == [
         ".", "benchmark", "benchmark/diagnostics"]
     assert meta["tool"]["ruff"]["line-length"] == 100 and not (HERE / "ruff.toml").exists()
+
+
+def test_no_test_of_the_core_imports_benchmark_code():
+    """The core's tests (tests/test_common.py, test_sync.py, test_data.py) import nothing of
+    benchmark/, and the shared helpers nothing at import (the few that compare with a
+    benchmark/ variant import it when called): the core stands without the benchmark."""
+    bench = {p.stem for p in (HERE / "benchmark").rglob("*.py")} | {"benchmark", "diagnostics"}
+    for name in ("test_common.py", "test_sync.py", "test_data.py"):
+        assert not imported(ast.parse((HERE / "tests" / name).read_text())) & bench, name
+    helpers = ast.parse((HERE / "tests" / "helpers.py").read_text())
+    top = ast.Module([n for n in helpers.body if isinstance(n, (ast.Import, ast.ImportFrom))], [])
+    assert not imported(top) & bench
