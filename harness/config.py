@@ -50,8 +50,18 @@ DEFAULTS = {
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse's, with bad input in one line; a method's (`method` set) writes each flag's
+    default into its help when --help asks for it (help_defaults), not on every run."""
+    method = None
+
     def error(self, message):  # one line, not usage + message
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def format_help(self):
+        if self.method is not None:
+            help_defaults(self, self.method)
+            self.method = None                                  # (once)
+        return super().format_help()
 
 
 def help_text(doc):
@@ -154,7 +164,9 @@ def parser(method):
       "it comes from (command line, a table, a rule), then exit: nothing is loaded or run")
     if method.add_args:
         method.add_args(p)
-    help_defaults(p, method)
+    for act in p._actions:                      # the method's own float flags: finite numbers too
+        act.type = finite if act.type is float else act.type
+    p.method = method                           # --help: every default (help_defaults)
     return p
 
 
@@ -176,13 +188,12 @@ def table_sources(method, dataset):
 def help_defaults(p, method):
     """Every flag's help ends with its default: the flag's own, or the one rmnist (the default
     --dataset) takes (docs/protocol.md and the method's page give every dataset's), unless it
-    speaks of its default already. The method's own float flags become `finite` too."""
+    speaks of its default already."""
     base = {a.dest: a.default for a in p._actions if a.dest != "help"}
     values = table(method, "rmnist")
     if method.derive:
         values.update(method.derive(argparse.Namespace(**{**base, **values, "dataset": "rmnist"})))
     for act in p._actions:
-        act.type = finite if act.type is float else act.type
         if act.nargs == 0 or not act.option_strings or not act.help or act.default == "" \
                 or "default" in act.help.lower():
             continue
