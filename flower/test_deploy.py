@@ -22,6 +22,7 @@ pytest.importorskip("flwr", reason="flwr not installed: pip install -r flower/re
 import torch  # noqa: E402
 
 import run_local  # noqa: E402
+from harness.methods import METHODS  # noqa: E402
 from test_flower import HERE, RUN_LOCAL, flower_processes, history, none_left  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,7 @@ def same_model(a, b):
 
 # ------------------------------------------------------------------------- the honest runs
 
-@pytest.mark.parametrize("method", ["fedavg", "fediir", "fedomg", "fedloe", "perinvfl", "fedipg"])
+@pytest.mark.parametrize("method", METHODS)
 def test_run_local_real_processes(method, tmp_path, no_flower_left):
     """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes: the
     global model and the history equal the in-process run's bit for bit."""

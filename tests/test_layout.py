@@ -14,16 +14,14 @@ import harness
 from tests.helpers import HERE, METHODS
 
 PROJECT = {"common", "data", "harness", *METHODS}
-# The Flower App is kept to its own rules by its own tests (flower/): left out here for now.
-OURS = lambda p: "flower" not in p.relative_to(HERE).parts
 
 
 def python_files():
     tracked = subprocess.run(["git", "-C", str(HERE), "ls-files", "--cached", "--others",
                               "--exclude-standard", "*.py"], capture_output=True,
                              text=True).stdout.split()
-    return [HERE / f for f in tracked if (HERE / f).is_file() and OURS(HERE / f)] or \
-        [p for p in HERE.rglob("*.py") if OURS(p) and ".venv" not in p.parts]
+    return [HERE / f for f in tracked if (HERE / f).is_file()] or \
+        [p for p in HERE.rglob("*.py") if ".venv" not in p.parts]
 
 
 def imported(tree):
@@ -108,9 +106,10 @@ def test_one_list_of_the_methods():
 
 def test_no_test_edits_sys_path_and_every_script_finds_the_checkout_in_one_line():
     """pyproject.toml's [tool.pytest.ini_options] pythonpath puts the checkout, benchmark/ and its
-    diagnostics on the path for the tests: none edits sys.path. A script under benchmark/ finds
-    the checkout in one line of one form, the same in every script but for its depth (the folders
-    from its own up to the checkout)."""
+    diagnostics on the path for the tests: none edits sys.path. A script under benchmark/ or
+    flower/ finds the checkout in one line of one form, the same in every script but for its depth
+    (the folders from its own up to the checkout). flower/fl_adapter.py, which Flower imports
+    from its own copy of the App, finds it by FEDOOD_ROOT, in one line too."""
     edits = re.compile(r"sys\.path\.(insert|append)|sys\.path\[|syspath_prepend")
     for path in python_files():
         if path.name == "test_layout.py":               # (this test names what it looks for)
@@ -119,11 +118,14 @@ def test_no_test_edits_sys_path_and_every_script_finds_the_checkout_in_one_line(
         rel = path.relative_to(HERE)
         if path.name.startswith("test_") or rel.parts[0] == "tests" or path.name == "conftest.py":
             assert not edits.search(text), rel
-        elif rel.parts[0] == "benchmark":
+        elif rel.parts[0] in ("benchmark", "flower"):
             lines = [line for line in text.splitlines() if edits.search(line)]
             depth = len(rel.parts)
             form = (f"sys.path[:0] = [str(p) for p in Path(__file__).resolve().parents[:{depth}]]"
                     f"   # up to the checkout")
+            if rel.as_posix() == "flower/fl_adapter.py":
+                form = ('sys.path[:0] = [str(ROOT / d) for d in (".", "benchmark", '
+                        '"benchmark/diagnostics")]')
             assert lines in ([], [form]), (rel, lines)
 
 
