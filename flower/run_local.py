@@ -217,7 +217,10 @@ class Processes:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            p.wait()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:       # (a process that SIGKILL cannot end yet)
+                pass
         for pid in below:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -2,6 +2,7 @@
 against an outsider and a registered node, a bad reply that reaches the operator, the honest runs
 equal to the method files' bit for bit. Minutes: marked slow, run by `pytest -q -m slow flower/`
 (.ci/run), deselected from the suite."""
+import contextlib
 import importlib
 import json
 import os
@@ -118,16 +119,26 @@ def test_run_local_real_nodes_train_at_the_same_time(tmp_path, no_flower_left):
 
 
 def test_run_local_ctrl_c_stops_everything(tmp_path, no_flower_left):
-    p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5",
-                                      "--secure", "--out", str(tmp_path / "r.json")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert "SuperLink 127.0.0.1:" in p.stdout.readline()       # the deployment is up
+    """Ctrl-C in the middle of a --secure run: exit 130, one line, every process it started (nginx
+    included) stopped. Its output goes to files, not pipes: nothing it writes can block it."""
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        p = subprocess.Popen(RUN_LOCAL + ["--method", "fedavg", "--nodes", "2", "--rounds", "5",
+                                          "--secure", "--out", str(tmp_path / "r.json")],
+                             stdout=out, stderr=err, text=True)
+    end = time.time() + 300
+    while "SuperLink 127.0.0.1:" not in (tmp_path / "stdout").read_text():   # the deployment is up
+        assert p.poll() is None and time.time() < end, (tmp_path / "stderr").read_text()
+        time.sleep(0.5)
     time.sleep(3)
     assert flower_processes()                                     # ... and running
     p.send_signal(2)                                              # Ctrl-C
-    assert p.wait(60) == 130
-    err = p.stderr.read().strip().splitlines()
-    assert len(err) == 1 and "interrupted" in err[0], err
+    try:
+        code = p.wait(120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        code = f"still running 120 s after Ctrl-C: {(tmp_path / 'stderr').read_text()[-2000:]}"
+    said = (tmp_path / "stderr").read_text().strip().splitlines()
+    assert code == 130 and len(said) == 1 and "interrupted" in said[0], (code, said)
 
 
 # ---------------------------------------------------------------------------- the boundary
@@ -259,23 +270,31 @@ REFUSED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def boundary(tmp_path_factory):
+@contextlib.contextmanager
+def deployed(logdir, keys, nodes, config=lambda k: ""):
     """A secure deployment as the recipe has it: the SuperLink (TLS, SuperNode authentication) on
-    127.0.0.1, nginx in front of it for the nodes, node keys 0 and 1 registered, their two
-    SuperNodes through the proxy; every process stopped afterwards."""
-    logdir = tmp_path_factory.mktemp("boundary")
+    127.0.0.1, nginx in front of it for the nodes, node keys 0..keys-1 registered, SuperNodes
+    0..nodes-1 (partition k with key k, node config config(k)) through the proxy, online; every
+    process stopped afterwards."""
     before = flower_processes()
-    d = run_local.Deployment(logdir, run_local.free_port(), secure=True, keys=2).start()
+    d = run_local.Deployment(logdir, run_local.free_port(), secure=True, keys=keys).start()
     try:
-        for k in range(2):
+        for k in range(keys):
             d.register(k)
-            d.node(f"supernode-{k}", k, 2, key=k)
-        wait_online(d, 2)
+        for k in range(nodes):
+            d.node(f"supernode-{k}", k, nodes, key=k, config=config(k))
+        wait_online(d, nodes)
         yield d
     finally:
         d.stop()
         assert none_left(before)
+
+
+@pytest.fixture(scope="module")
+def boundary(tmp_path_factory):
+    """Two registered SuperNodes behind the proxy (deployed)."""
+    with deployed(tmp_path_factory.mktemp("boundary"), 2, 2) as d:
+        yield d
 
 
 def wait_online(d, n, seconds=60):
@@ -401,19 +420,9 @@ def federation(tmp_path_factory):
     node 1 bad (node config bad=true), and the bad App: (deployment, {partition: node id},
     the App's folder)."""
     logdir = tmp_path_factory.mktemp("federation")
-    before = flower_processes()
-    d = run_local.Deployment(logdir, run_local.free_port(), secure=True, keys=4).start()
-    try:
-        for k in range(4):
-            d.register(k)
-        for k in range(3):
-            d.node(f"supernode-{k}", k, 3, key=k, config="bad=true" if k == 1 else "")
-        wait_online(d, 3)
+    with deployed(logdir, 4, 3, lambda k: "bad=true" if k == 1 else "") as d:
         ids = {k: node_id(logdir / f"supernode-{k}.log") for k in range(3)}
         yield d, ids, bad_app(logdir / "app")
-    finally:
-        d.stop()
-        assert none_left(before)
 
 
 def node_id(log, seconds=60):
