@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torchvision.transforms.functional as TF
-from torchvision.transforms import InterpolationMode
 
 # torchvision >= 0.29 warns on every image-codec call that TorchCodec supersedes it
 warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
@@ -126,7 +124,8 @@ def rmnist(root=None, seed=0):
 
 def rotate(x, degrees):
     """Rotate a uint8 batch [N, C, H, W] counter-clockwise (bilinear, fill 0), staying uint8."""
-    return TF.rotate(x, float(degrees), interpolation=InterpolationMode.BILINEAR, fill=0)
+    import torchvision.transforms.functional as TF      # (here: what rotates nothing starts sooner)
+    return TF.rotate(x, float(degrees), interpolation=TF.InterpolationMode.BILINEAR, fill=0)
 
 
 # ------------------------------------------------------------- RC-MNIST (PerInvFL, Table 6)
@@ -472,8 +471,9 @@ def read_rgb(path):
 def decode(path, size):
     """read_rgb, resized to size x size (bilinear, antialiased: within
     one level of PIL's resize)."""
+    import torchvision.transforms.functional as TF
     return TF.resize(read_rgb(path), [size, size],
-                     interpolation=InterpolationMode.BILINEAR, antialias=True)
+                     interpolation=TF.InterpolationMode.BILINEAR, antialias=True)
 
 
 # ------------------------------------------------------------------------- synthetic stand-ins

@@ -4,7 +4,7 @@ Every method goes through it; a method's own refusals are in its section of test
 
 import argparse
 import dataclasses
-import importlib
+import importlib.util
 import inspect
 import io
 import json
@@ -399,13 +399,13 @@ def test_provenance_records_a_commit_only_where_the_project_is_the_top_of_its_gi
     git = lambda where, *a: subprocess.run(["git", "-C", str(where), "-c", "user.name=t", "-c",
                                             "user.email=t@t", *a], capture_output=True, text=True,
                                             check=True).stdout.strip()
-    def commit_of(project, *own):
-        code = ("import torch, json; from harness.provenance import provenance; "
-                f"print(json.dumps(provenance('fedavg', [], torch.device('cpu'), {own!r})))")
-        p = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True,
-                           text=True, timeout=120)
-        assert p.returncode == 0, p.stderr[-2000:]
-        prov = json.loads(p.stdout.splitlines()[-1])
+    def commit_of(project, *own):                  # the copy's own provenance.py, loaded from it
+        spec = importlib.util.spec_from_file_location(
+            "copied_provenance", project / "harness" / "provenance.py")
+        copied = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copied)
+        assert copied.HERE == project.resolve()
+        prov = copied.provenance("fedavg", [], torch.device("cpu"), [project / o for o in own])
         return prov["commit"], prov["dirty"]
     outer = tmp_path / "outer"
     for project in (outer / "project", tmp_path / "alone"):
@@ -512,7 +512,7 @@ def test_non_finite_loss_stops_and_keeps_what_was_written(tmp_path, capsys, devi
 
 def test_scripts_fail_without_a_traceback(tmp_path):
     """What a user sees: real processes, one line, no traceback; a diverging run is caught."""
-    for argv, code in ((["--dataset", "nope"], 2), (["--sample", "0"], 2), (["--bogus-flag"], 2),
+    for argv, code in ((["--dataset", "nope"], 2), (["--sample", "0"], 2),   # argparse's, ours
                        (QUICK + ["--lr", "1e30", "--test-domain", "0"], 1)):
         p = subprocess.run([sys.executable, str(HERE / "fedavg.py"), *argv,
                             "--out", str(tmp_path / "x.json")],
