@@ -119,20 +119,16 @@ def test_copied_reaches_for_nothing_of_the_project():
         copied(mod, "leaky").leaky(torch.zeros(1))
 
 
-# Through main(), 4 rounds (QUICK) at lr 0.01. max
-# |Δθ_T| between --parallel-clients off and on, and the
-# relative difference of the logged losses (float32
-# running sums, see `float64`), measured on a 2-core Intel
-# Xeon at 1 and 2 threads (torch 2.14):  float64       float32             float32 tolerance
-#   FedIIR (γ 1, v 0.5)                  1e-13 holds   θ 1.6e-6, loss 0     θ 2e-5 (12x), loss 1e-5
-# FedIPG (sgd, λ 5)                    1e-13 holds
-# θ 1.5e-8, 1.3e-7     θ 2e-7 (13x), loss 2e-6 (15x)
-# At the synthetic default lr 0.05 float32 training
-# is chaotic: a ReLU or max-pool switch amplifies the
-# rounding about 40x a round (FedIIR θ 1.5e-8 after round 1, 3.7e-6 after 3, 1.4e-4 after 4; FedIPG
-# 4.3e-5), while float64 holds the two paths to 1e-13
-# whatever the lr. So the float32 check runs where it
-# measures rounding, not a kink.
+# Through main(), 4 rounds (QUICK) at lr 0.01: max |Δθ_T| between --parallel-clients off and on,
+# and the relative difference of the logged losses (float32 running sums, see `float64`), measured
+# on a 2-core Intel Xeon at 1 and 2 threads (torch 2.14):
+#                        float64       float32                float32 tolerance
+#   FedIIR (γ 1, v 0.5)  1e-13 holds   θ 1.6e-6, loss 0       θ 2e-5 (12x), loss 1e-5
+#   FedIPG (sgd, λ 5)    1e-13 holds   θ 1.5e-8, loss 1.3e-7  θ 2e-7 (13x), loss 2e-6 (15x)
+# At the synthetic default lr 0.05 float32 training is chaotic: a ReLU or max-pool switch amplifies
+# the rounding about 40x a round (FedIIR θ 1.5e-8 after round 1, 3.7e-6 after 3, 1.4e-4 after 4;
+# FedIPG 4.3e-5), while float64 holds the two paths to 1e-13 whatever the lr. So the float32 check
+# runs where it measures rounding, not a kink.
 PARALLEL_RUN_TOL = {"fediir": {torch.float32: (2e-5, 1e-5), torch.float64: (1e-13, 1e-6)},
                     "fedipg": {torch.float32: (2e-7, 2e-6), torch.float64: (1e-13, 1e-6)}}
 
@@ -140,8 +136,7 @@ PARALLEL_RUN_TOL = {"fediir": {torch.float32: (2e-5, 1e-5), torch.float64: (1e-1
 @pytest.mark.parametrize("main,extra", [(fediir.main, IIR), (fedipg.main, IPG)],
                          ids=["fediir", "fedipg"])
 def test_parallel_run_matches_sequential_and_resumes_to_the_uninterrupted_numbers(
-        main, extra, tmp_path, monkeypatch,
-                                                                                   dtype):
+        main, extra, tmp_path, monkeypatch, dtype):
     argv = QUICK + ["--model", "cnn", "--clients", "4", "--sample", "3", "--test-domain", "0",
                     "--batch-size", "16",
                     "--lr", "0.01", "--device", "cpu"] + extra  # the tolerances:

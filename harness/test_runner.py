@@ -330,8 +330,7 @@ TWO_ROUNDS = {"fedavg": [], "fediir": [], "fedomg": [], "perinvfl": [], "fedipg"
 @pytest.mark.parametrize("where", ["model", "state"])
 @pytest.mark.parametrize("name", METHODS)
 def test_a_non_finite_model_or_server_quantity_is_never_written_as_a_result(
-        name, where, tmp_path, monkeypatch,
-                                                                          capsys):
+        name, where, tmp_path, monkeypatch, capsys):
     break_the_server(monkeypatch, where)
     argv = ["--dataset", "synthetic", "--model", "cnn", "--test-domain", "0",
             "--out", str(tmp_path / "r.json")]
