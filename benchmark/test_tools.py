@@ -1428,8 +1428,7 @@ BAD_INPUT = [   # (script, its main, argv (run in an empty folder), words of the
 @pytest.mark.parametrize("script,main,argv,words", BAD_INPUT,
                          ids=[f"{s}-{k}" for k, (s, *_) in enumerate(BAD_INPUT)])
 def test_benchmark_scripts_refuse_bad_input_in_one_line_before_any_work(
-        script, main, argv, words, tmp_path,
-                                                                         monkeypatch, capsys):
+        script, main, argv, words, tmp_path, monkeypatch, capsys):
     """Each script's bad input: exactly one line `<script>.py: error: ...` on stderr, exit 2, and
     nothing made in the folder it runs in (its runs, folders and files go there by default or by the
     relative paths given)."""

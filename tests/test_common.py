@@ -334,8 +334,7 @@ def test_compiled_run_repeats_and_resumes_to_the_uninterrupted_numbers(
                 "--stage1-comms", "2",
                 "--weight-decay", "1e-3", "--lr", "1e-3"], 2, (3e-5, 1e-4))])
 def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(
-        name, argv, rounds, tol, tmp_path,
-                                                                             monkeypatch, dtype):
+        name, argv, rounds, tol, tmp_path, monkeypatch, dtype):
     """--compile beyond FedAvg: FedIIR's nested-grad penalty, FedOMG's kept momentum, FedLOE's stage
     1 (Adam), each traced as one graph (fullgraph) and as close to the clients one after another as
     the eager step at once, on the CPU. Relative θ / update, the larger of 1 and 2 threads (Intel
