@@ -294,16 +294,26 @@ def decide(files, resume, overwrite):
 @contextlib.contextmanager
 def claim(out, resume=False, overwrite=False):
     """--out for this run alone, by the rules above: yields the Plan; the lock is released however
-    the run ends. UserError (one line) before any work for everything the rules refuse."""
-    check_out(out)
-    files = Files(out)
-    refuse_foreign(files)
-    mine = take_lock(files)
+    the run ends. UserError (one line) before any work for everything the rules refuse. The
+    folders it made for --out are removed again if the run leaves nothing in them."""
+    parent = Path(out).absolute().parent
+    made = [q for q in [parent, *parent.parents] if not q.exists()]     # the deepest first
     try:
-        refuse_foreign(files)  # (anything made while the lock was taken)
-        yield decide(files, resume, overwrite)
+        check_out(out)
+        files = Files(out)
+        refuse_foreign(files)
+        mine = take_lock(files)
+        try:
+            refuse_foreign(files)  # (anything made while the lock was taken)
+            yield decide(files, resume, overwrite)
+        finally:
+            release(files, mine)
     finally:
-        release(files, mine)
+        for folder in made:
+            try:
+                folder.rmdir()                                      # empty ones only
+            except OSError:
+                break
 
 
 def write_atomically(path, write):

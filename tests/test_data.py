@@ -199,14 +199,15 @@ def no_network(monkeypatch):
 def test_a_data_root_without_the_dataset_names_the_command_that_fetches_it(
         dataset, made, tmp_path, monkeypatch, capsys):
     """A missing dataset never reaches the network (the README: everything runs offline): one line
-    with the command that downloads it, before any work, and --data-root left as it was."""
+    with the command that downloads it, before any work, and --data-root left as it was; the
+    folder made for --out is gone again."""
     no_network(monkeypatch)
     root = tmp_path / "data"
     if made:
         root.mkdir()
     name = {"rmnist": "mnist", "rcfmnist": "fmnist"}.get(dataset, dataset)
     line = fails(fedavg.main, ["--dataset", dataset, "--data-root", str(root), "--out",
-                               str(tmp_path / "r.json")], capsys)
+                               str(tmp_path / "new" / "r.json")], capsys)
     assert line.startswith("fedavg.py: error: no ") and line.endswith(
         f" under {root}; get it with: python -m harness.datasets --download {name} --data-root "
         f"{root}"), line
