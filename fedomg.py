@@ -86,7 +86,8 @@ def code_step(G, w, kappa, eps=1e-4):
 def objective(Gamma, K, a, kappa, eps=1e-4):
     """Eq. 15 from the Gram matrix K alone, g_0 = aᵀ𝐠: g_Γ · g_0 + κ ||g_0||_ε ||g_Γ||_ε =
     Γᵀ K a + κ sqrt(aᵀ K a + ε) sqrt(Γᵀ K Γ + ε)."""
-    norm_g0, norm_gGamma = (a @ K @ a + eps).sqrt(), (Gamma @ K @ Gamma + eps).clamp(min=0).sqrt()
+    norm_g0 = (a @ K @ a + eps).sqrt()
+    norm_gGamma = (Gamma @ K @ Gamma + eps).clamp(min=0).sqrt()
     return Gamma @ K @ a + kappa * norm_g0 * norm_gGamma
 
 
