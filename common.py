@@ -124,7 +124,7 @@ def build_model(args, ds):
     phi, d = {"convnet": lambda: conv_net(x0.shape[1]),
               "smallconv": lambda: conv_net(x0.shape[1], width=8),
               "cnn": lambda: small_cnn(x0.shape[1], x0.shape[-1]),
-              "mlp": lambda: mlp(x0[0].numel()),
+              "mlp": lambda: mlp(math.prod(x0.shape[1:])),
               "resnet18": lambda: (ResNet(18, not args.no_pretrained), 512),
               "resnet50": lambda: (ResNet(50, not args.no_pretrained), 2048)}[args.model]()
     omega = nn.Linear(d, C) if args.head == "linear" else \
@@ -210,6 +210,34 @@ def stackable(fn):
     return fn
 
 
+def replies(schema):
+    """Declares what a client function replies, for a server that checks each reply before the
+    round sees it and holds no client's data (Flower): schema(site, sent) -> {key: a tensor of the
+    reply's shape and dtype (SCALAR, or one the server has), a Count, or a Python number of its
+    type}, from what the server knows: the model, what it sent, the client's sizes (site.client:
+    on the server, a stand-in of those sizes)."""
+    def declared(fn):
+        fn.replies = schema
+        return fn
+    return declared
+
+
+SCALAR = torch.empty((), device="meta")                       # a float32 number, as a tensor
+
+
+@dataclass(frozen=True)
+class Count:
+    """In a declared reply: how many of `most` examples (an int64 number, 0..most)."""
+    most: int
+
+
+def keep(site, key, value):
+    """value into the client's own state (site.state[key]), kept across rounds and never sent;
+    stacked: row j into the j-th client's."""
+    for state, v in zip(site.state, value) if site.stacked else [(site.state, value)]:
+        state[key] = v.clone() if site.stacked else v
+
+
 def on_clients(fn, S, sent, t, ctx, phase=None):
     """Each client c of S runs fn(site, sent_c) and replies with a dict: the replies, in the order
     of S. sent: one dict for all, or a list of one per client; phase (default fn's name) names
@@ -224,7 +252,7 @@ def site(ctx, c, t, phase):
         one = [site(ctx, i, t, phase) for i in c]
         return Site([s.client for s in one], [s.gen for s in one], [s.state for s in one],
                     ctx.model, ctx.args, ctx.prep, ctx.amp)
-    return Site(ctx.fed.clients[c], stream(ctx.args.seed, ctx.fed.name, t, c, phase, ctx.device),
+    return Site(ctx.fed.sites[c], stream(ctx.args.seed, ctx.fed.name, t, c, phase, ctx.device),
                 ctx.clients.setdefault(c, {}), ctx.model, ctx.args, ctx.prep, ctx.amp)
 
 
@@ -439,24 +467,60 @@ def correct(model, x, y, ctx, batch_size=512):
     """Per-example correctness (bool tensor on the device) of model on uint8 images x."""
     model.eval()
     with ctx.autocast():
-        return torch.cat([model(ctx.prep(x[i:i + batch_size])).argmax(1) == y[i:i + batch_size]
-                          for i in range(0, len(y), batch_size)])
+        hits = [model(ctx.prep(x[i:i + batch_size])).argmax(1) == y[i:i + batch_size]
+                for i in range(0, len(y), batch_size)]
+    return torch.cat(hits) if hits else y == y
 
 
-def evaluate_global(model, fed, args, state, ctx):
-    """Accuracy of the global model on the pooled validation split and on the pooled test set(s),
-    plus the accuracy on each test set (one per client in the fixed-clients protocol)."""
-    val = correct(model, fed.val_x, fed.val_y, ctx).float().mean()
-    hit = correct(model, fed.test_x, fed.test_y, ctx).float()
-    per = group_means(hit, fed.test_group, len(fed.test_names))
-    return val.item(), hit.mean().item(), per.tolist()
+SPLITS = ("val", "test")            # what a site scores unless the server names others
 
 
-def group_means(v, group, k):
-    """The mean of v over each of the k groups (0 if empty), as a product with the one-hot
-    membership."""
-    member = F.one_hot(group, k).to(v.dtype)
-    return (v @ member) / member.sum(0).clamp(min=1)
+def split(client, k):
+    """A client's split k ("val", "test", FedLOE's "id"): (x, y), or (None, None) if it has none."""
+    return getattr(client, f"{k}_x", None), getattr(client, f"{k}_y", None)
+
+
+def size(client, k):
+    y = split(client, k)[1]
+    return 0 if y is None else len(y)
+
+
+@replies(lambda site, sent: {k: Count(size(site.client, k)) for k in sent.get("splits", SPLITS)})
+def score(site, sent):
+    """A site's own evaluation (a client's, an evaluation site's): how many examples of each of its
+    splits (sent["splits"], default its validation and test sets; none: 0) the model θ
+    (sent["theta"]) classifies right. The server sums them (evaluate_global)."""
+    set_flat(site.model, sent["theta"])
+    none = torch.zeros((), dtype=torch.long, device=sent["theta"].device)
+    return {k: none if y is None else correct(site.model, x, y, site).sum()
+            for k, (x, y) in ((k, split(site.client, k)) for k in sent.get("splits", SPLITS))}
+
+
+def scores(t, model, fed, ctx, splits=None):
+    """Every site's score of the global model after round t: one reply per site, in id order."""
+    sent = {"theta": get_flat(model), **({"splits": splits} if splits else {})}
+    return on_clients(score, range(len(fed.sites)), sent, t, ctx)
+
+
+def evaluate_global(t, model, fed, args, state, ctx):
+    """The global model's accuracy on the clients' pooled validation splits, on the pooled test
+    set(s) and on each test set (one per fixed client): each site scores its own data, the server
+    sums (accuracies)."""
+    return accuracies(fed, scores(t, model, fed, ctx))
+
+
+def accuracies(fed, hits, on=None, keys=("val", "test")):
+    """(validation, test, [each test set]) accuracy from the sites' counts of right answers (hits:
+    a reply per site): Σ right / Σ examples, in float32 as the mean of the pooled answers; on: the
+    sites whose validation splits count (default all)."""
+    right = torch.stack([torch.stack([h[k] for k in keys]) for h in hits]).cpu().float()  # 1 read
+    n = torch.tensor([[size(s, "val"), size(s, "test")] for s in fed.sites], dtype=torch.float32)
+    on = list(range(len(hits)) if on is None else on)
+    group = [fed.test_names.index(s.domain) if s.test_y is not None else 0 for s in fed.sites]
+    member = F.one_hot(torch.tensor(group), len(fed.test_names)).float()     # site -> test set
+    per = (right[:, 1] @ member) / (n[:, 1] @ member).clamp(min=1)
+    return ((right[on, 0].sum() / n[on, 0].sum()).item(),
+            (right[:, 1].sum() / n[:, 1].sum()).item(), per.tolist())
 
 
 # ----------------------------------------------------------------------- the loop over rounds
@@ -508,7 +572,7 @@ def train(round_fn, model, fed, args, state, ctx, evaluate_fn=None, start=1):
     for t in range(start, args.rounds + 1):
         loss = checked_round(round_fn, t, model, fed, args, state, ctx)
         due = t % args.eval_every == 0 or t == args.rounds
-        yield t, loss, evaluate_fn(model, fed, args, state, ctx) if due else None
+        yield t, loss, evaluate_fn(t, model, fed, args, state, ctx) if due else None
 
 
 def checked_round(round_fn, t, model, fed, args, state, ctx):
@@ -583,3 +647,4 @@ class Method:
     parallel: object = False
     clients: tuple = ()
     auto: dict = field(default_factory=dict)
+    evaluations: tuple = (score,)

@@ -644,7 +644,7 @@ class Client:
     y: torch.Tensor
     val_x: torch.Tensor      # this client's validation hold-out
     val_y: torch.Tensor
-    test_x: torch.Tensor | None = None   # fixed-clients protocol: the client's own test set
+    test_x: torch.Tensor | None = None   # a fixed client's own test set; an evaluation site's
     test_y: torch.Tensor | None = None
 
     @property
@@ -654,14 +654,25 @@ class Client:
 
 @dataclass
 class Federation:
+    """The training clients (ids 0..P-1) and the evaluation sites, which hold a test set and never
+    train (the held-out domain; ids P, P+1, ...). Every site evaluates on its own data and the
+    server sums (common.evaluate_global): a site's test examples belong to the test set
+    test_names.index(site.domain)."""
     name: str                # results key: the held-out domain, or "clients"
     clients: list
-    val_x: torch.Tensor      # pooled validation split of all clients (model selection)
-    val_y: torch.Tensor
-    test_x: torch.Tensor     # pooled test set(s)
-    test_y: torch.Tensor
-    test_group: torch.Tensor  # index into test_names for every test example
+    evals: list
     test_names: list
+
+    @property
+    def sites(self):
+        return self.clients + self.evals                        # on_clients' ids: their indices
+
+    def pooled(self, split):
+        """Every site's `split` ("val" or "test") in one: x, y and the id of each example's site."""
+        have = [(i, getattr(s, f"{split}_x"), getattr(s, f"{split}_y"))
+                for i, s in enumerate(self.sites) if getattr(s, f"{split}_y") is not None]
+        return (torch.cat([x for _, x, _ in have]), torch.cat([y for _, _, y in have]),
+                torch.cat([torch.full_like(y, i) for i, _, y in have]))
 
 
 def split_counts(sizes, P, least=0):
@@ -816,7 +827,9 @@ def federate(ds, test, P, seed, device, val_frac=VAL_FRAC, client_size=None):
                 idx = perm[j * size:(j + 1) * size if j < k - 1 else len(perm)]
                 split = holdout(d.x[idx], d.y[idx], val_frac, g)
                 clients.append(Client(len(clients), d.name, *(t.to(device) for t in split)))
-    return _finish(t.name, clients, [(t.name, t.x, t.y)], device)
+    none = t.x[:0].to(device), t.y[:0].to(device)
+    held_out = Client(len(clients), t.name, *none, *none, t.x.to(device), t.y.to(device))
+    return Federation(t.name, clients, [held_out], [t.name])
 
 
 def federate_fixed(ds, seed, device, val_frac=VAL_FRAC):
@@ -826,19 +839,7 @@ def federate_fixed(ds, seed, device, val_frac=VAL_FRAC):
                       *(t.to(device)
                         for t in (*holdout(d.x, d.y, val_frac, g), d.x_test, d.y_test)))
                for i, d in enumerate(ds.domains)]
-    return _finish("clients", clients, [(d.name, d.x_test, d.y_test) for d in ds.domains], device)
-
-
-def _finish(name, clients, tests, device):
-    """The Federation of clients (on the device): their pooled validation
-    splits, the pooled test sets."""
-    group = torch.cat([torch.full((len(y),), i) for i, (_, _, y) in enumerate(tests)])
-    return Federation(name, clients,
-                      torch.cat([c.val_x for c in clients]),
-                      torch.cat([c.val_y for c in clients]),
-                      torch.cat([x for _, x, _ in tests]).to(device),
-                      torch.cat([y for _, _, y in tests]).to(device),
-                      group.to(device), [n for n, _, _ in tests])
+    return Federation("clients", clients, [], [d.name for d in ds.domains])
 
 
 if __name__ == "__main__":   # the downloads and fake trees are the harness's (harness/datasets.py)

@@ -36,6 +36,7 @@ import common
 # from the client's own random stream); what is FedAvg's own is the server's step.
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
+@common.replies(lambda site, sent: {"theta": sent["theta"], "loss": common.SCALAR})
 def client_update(site, sent):
     """Step 2 on client c: θ_c ← θ^{t-1}, E epochs of minibatch SGD on R_c; θ_c and the loss."""
     theta_c, loss = common.local_train(site, sent["theta"])

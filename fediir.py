@@ -112,6 +112,7 @@ def server_update(theta, thetas, p, global_lr=1.0):
 
 # ------------------------------------------------------------------------- what a client runs
 
+@common.replies(lambda site, sent: {"grad": common.get_flat(site.model.classifier), "count": 0})
 def classifier_gradient(site, sent):
     """Step 2 on client c: its classifier gradients at θ^{t-1} (train mode) summed over its
     minibatches of the local batch size, on the inputs its local steps train on (the code's g_bar
@@ -127,6 +128,7 @@ def classifier_gradient(site, sent):
 
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
+@common.replies(lambda site, sent: {"theta": sent["theta"], "loss": common.SCALAR})
 def client_update(site, sent):
     """Step 3 on client c: θ_c ← θ^{t-1}, K minibatch steps on the penalised objective; θ_c and
     its mean loss."""

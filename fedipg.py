@@ -62,6 +62,7 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, clie
 
 
 @common.stackable                # --local-step sgd with --parallel-clients on: all clients at once
+@common.replies(lambda site, sent: {"delta": sent["w"], "loss": common.SCALAR})
 def client_update(site, sent):
     """Step 2 on client i from the w = w^{t−τ_i} it received; Δ_i and the mean loss up. sgd:
     --local-epochs of minibatch SGD on f_i; paper: w − η (∇f_i(w) + wd·w), whole split (Eq. 2)."""
@@ -76,6 +77,7 @@ def client_update(site, sent):
     return {"delta": -args.lr * (grad + args.weight_decay * w), "loss": loss}      # Eq. 2
 
 
+@common.replies(lambda site, sent: {"g": sent["w"]})
 def risk_gradient(site, sent):
     """Eq. 13's g_i = ∇R_i(w) on client i's whole split (no augmentation), at the w it received."""
     common.set_flat(site.model, sent["w"])
@@ -236,17 +238,13 @@ def init_state(model, fed, args, ctx):
     return {"exited": [], "contrib": {}}                               # I_OOD, C_i^t per client
 
 
-def evaluate(model, fed, args, state, ctx):
+def evaluate(t, model, fed, args, state, ctx):
     """common.evaluate_global, model selection on I_ID; with exits, id_acc / ood_acc and exited."""
-    hit = common.correct(model, fed.val_x, fed.val_y, ctx).float()
-    test = common.correct(model, fed.test_x, fed.test_y, ctx).float()
-    ood = torch.cat([torch.full_like(c.val_y, i in state["exited"], dtype=bool)
-                     for i, c in enumerate(fed.clients)])
-    per = common.group_means(test, fed.test_group, len(fed.test_names)).tolist()
-    out = hit[~ood].mean().item(), test.mean().item(), per
-    extra = {"id_acc": out[0], "ood_acc": hit[ood].mean().item() if ood.any() else None,
-             "exited": list(state["exited"])}
-    return out if args.exit == "off" and not state["exited"] else (*out, extra)
+    hits, out = common.scores(t, model, fed, ctx), state["exited"]
+    val, test, per = common.accuracies(fed, hits, on=[i for i in range(len(hits)) if i not in out])
+    extra = {"id_acc": val, "ood_acc": common.accuracies(fed, hits, on=out)[0] if out else None,
+             "exited": list(out)}
+    return (val, test, per) if args.exit == "off" and not out else (val, test, per, extra)
 
 
 def add_args(p):

@@ -149,6 +149,7 @@ def ensemble(phi, Ws, bs):
 # ------------------------------------------------------------------------- what a client runs
 
 @common.stackable                       # with --parallel-clients on, every client at once
+@common.replies(lambda site, sent: {"theta": sent["theta"], "loss": common.SCALAR})
 def stage1_update(site, sent):
     """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from (θ, ψ); (θ_c, ψ_c), its mean loss."""
     a = site.args
@@ -157,6 +158,8 @@ def stage1_update(site, sent):
     return {"theta": theta_c, "loss": loss}
 
 
+@common.replies(lambda site, sent: {"W": site.model.classifier.weight, "loss": common.SCALAR,
+                                    "b": site.model.classifier.bias})
 def head_update(site, sent):
     """Eq. 10 on client c: its features g_θ̂(x) at the broadcast (θ̂ frozen, ψ), then E2/K2 epochs
     of SGD on its head from ψ, its minibatches from its own stream; ψ̂_c = (W, b) and the loss."""
@@ -170,6 +173,8 @@ def head_update(site, sent):
     return {"W": W, "b": b, "loss": loss}
 
 
+@common.replies(lambda site, sent: {"y": site.client.tune_y, "Y": torch.empty(
+    len(site.client.tune_y), *sent["Ws"].shape[:2], device="meta")})          # [n, P, m]
 def tuning_predictions(site, sent):
     """2.2 on client c: every head's predictions on its tuning split (at θ̂), and its labels."""
     z = common.features(site, sent["theta"], site.client.tune_x)
@@ -210,8 +215,7 @@ def fedloe_round(t, model, fed, args, state, ctx):
 
 def init_state(model, fed, args, ctx):
     """Appendix D.2, seeded, in place: each client's training split -> 90% train / 10% tune;
-    leave-one-domain-out: its 10% hold-out -> half validation (pooled: fed.val_x), half in-domain
-    test (pooled: fed.id_x)."""
+    leave-one-domain-out: its 10% hold-out -> half validation, half in-domain test (id_x)."""
     g = torch.Generator().manual_seed(args.seed)
     lodo = args.dataset in data.LODO
     for c in fed.clients:
@@ -222,18 +226,17 @@ def init_state(model, fed, args, ctx):
         if lodo:
             h = len(c.val_y) // 2
             c.id_x, c.id_y, c.val_x, c.val_y = c.val_x[:h], c.val_y[:h], c.val_x[h:], c.val_y[h:]
-    for k in ("val_x", "val_y", "id_x", "id_y") if lodo else ():          # pooled
-        setattr(fed, k, torch.cat([getattr(c, k) for c in fed.clients]))
     return {"phi": torch.zeros(0, device=ctx.device)}
 
 
-def evaluate(model, fed, args, state, ctx):
-    """common's scores; leave-one-domain-out: the in-domain test accuracy as well."""
-    val, test, per = common.evaluate_global(model, fed, args, state, ctx)
-    if args.dataset not in data.LODO:
-        return val, test, per, {}
-    hit = common.correct(model, fed.id_x, fed.id_y, ctx) if len(fed.id_y) else None
-    return val, test, per, {"in_domain_acc": None if hit is None else hit.float().mean().item()}
+def evaluate(t, model, fed, args, state, ctx):
+    """common's accuracies; leave-one-domain-out: the in-domain test accuracy as well."""
+    lodo = args.dataset in data.LODO
+    hits = common.scores(t, model, fed, ctx, ("val", "test", "id") if lodo else None)
+    val, test, per = common.accuracies(fed, hits)
+    n = sum(len(c.id_y) for c in fed.clients) if lodo else 0
+    in_domain = (sum(h["id"] for h in hits).float() / n).item() if n else None
+    return val, test, per, {"in_domain_acc": in_domain} if lodo else {}
 
 
 def add_args(p):

@@ -124,6 +124,7 @@ def gram(G, cols=1 << 16):
 # ------------------------------------------------------------------------------------ one round
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
+@common.replies(lambda site, sent: {"theta": sent["theta"], "loss": common.SCALAR})
 def client_update(site, sent):
     """On client u: plain local SGD from θ^(r-1) at the round's lr, its momentum its own across
     rounds (the DG code; none at --momentum 0, the FL code); θ_u and its mean loss."""

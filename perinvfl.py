@@ -27,7 +27,6 @@ GroupDRO) and the Eq. 4 check: benchmark/diagnostics/perinvfl_variants.py.
 """
 if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
     import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
-import copy
 import functools
 import math
 
@@ -111,11 +110,12 @@ def server_adam(nu, deltas, alpha, gamma, adam_state=None):
 # ------------------------------------------------------------------------------- Algorithm 1
 
 @common.stackable            # with --parallel-clients on (--R 1): every client at once
+@common.replies(lambda site, sent: {"delta": sent["nu"], "loss": common.SCALAR})
 def client_update(site, sent):
     """Lines 5-9 on client i (pFedMe's code): θ_i ← ν^t, ν_{i,0} ← ν^t, then R times S plain steps
     of line 8 on θ_i and one of line 9 on ν_{i,r}, each minibatch drawn afresh from its own
-    stream (the whole split when --batch-size covers it). Replies Δ_i = ν_{i,R} − ν^t, line 9's
-    mean loss and θ_i (a copy, for the server to score it)."""
+    stream (the whole split when --batch-size covers it). Replies Δ_i = ν_{i,R} − ν^t and line
+    9's mean loss; θ_i stays with the client (its state), which scores it (`score`)."""
     args, nu, lam = site.args, sent["nu"], sent["lam"]
     plain = lambda lr: lambda params: torch.optim.SGD(params, lr=lr, foreach=True)
     theta_i = nu_ir = nu                                          # θ_i ← ν^t; ν_{i,0} ← ν^t
@@ -129,7 +129,8 @@ def client_update(site, sent):
         line9 = functools.partial(line9_loss, lam=lam, weight_decay=args.weight_decay)
         nu_ir, loss = common.local_train(site, nu_ir, line9, plain(args.lr), steps=1)  # line 9: γ
         total = total + loss
-    return {"delta": nu_ir - nu, "loss": total / R, "theta": theta_i}
+    common.keep(site, "theta", theta_i)                           # θ_i: the client's own
+    return {"delta": nu_ir - nu, "loss": total / R}
 
 
 def perinvfl_round(t, model, fed, args, state, ctx):
@@ -137,8 +138,6 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     lam = args.lam if t > args.anneal else 1.0                               # IRM's λ schedule
     ids = common.sample_clients(ctx, len(fed.clients), args.sample)
     up = common.on_clients(client_update, ids, {"nu": nu, "lam": lam}, t, ctx)   # Δ_i back
-    for i, r in zip(ids, up):
-        state["theta"][i] = r["theta"]                # θ_i is client i's: this copy only scores it
     common.set_flat(model, line10(nu, [r["delta"] for r in up], args, state))
     return {i: r["loss"] for i, r in zip(ids, up)}
 
@@ -161,8 +160,8 @@ def local_steps(client, args):
 
 
 def init_state(model, fed, args, ctx):
-    """θ_i^0 = ν^0 (the copies the server scores) and the server's Adam for ν."""
-    return {"theta": [common.get_flat(model) for _ in fed.clients], "server_opt": None}
+    """The server's Adam for ν (line 10)."""
+    return {"server_opt": None}
 
 
 def parallel_reason(args):
@@ -172,27 +171,32 @@ def parallel_reason(args):
                                      "reads each client's own ν_{i,r} between line 9's steps)")
 
 
-def evaluate(model, fed, args, state, ctx):
+@common.replies(lambda site, sent: {who + k: n for k, n in common.score.replies(site, sent).items()
+                                    for who in ("", "own_")})
+def score(site, sent):
+    """On a site: ν's right answers (common.score), and its own θ_i's (`own_`; ν where it has not
+    trained yet, as an evaluation site)."""
+    own = common.score(site, {"theta": site.state.get("theta", sent["theta"])})
+    return {**common.score(site, sent), **{f"own_{k}": v for k, v in own.items()}}
+
+
+def evaluate(t, model, fed, args, state, ctx):
     """Fixed clients: θ_i on its client's validation split and test context, ν on all
     (`global_*`). Leave-one-domain-out: ν on the held-out domain; θ_i on its own validation split
-    (`personal_*`)."""
+    (`personal_*`). Every site scores its own (`score`), the server sums."""
     lodo = args.dataset in data.LODO
-    net = copy.deepcopy(model)                                   # each θ_i in turn
-    val, hit = [], []
-    for c in fed.clients:
-        common.set_flat(net, state["theta"][c.id])
-        val.append(common.correct(net, c.val_x, c.val_y, ctx))
-        hit += [] if lodo else [common.correct(net, c.test_x, c.test_y, ctx).float()]
-    nu_val, nu_test, nu_per = common.evaluate_global(model, fed, args, state, ctx)
+    hits = common.on_clients(score, range(len(fed.sites)), {"theta": common.get_flat(model)}, t,
+                             ctx)
+    nu_val, nu_test, nu_per = common.accuracies(fed, hits)
+    theta_val, theta_test, per_test = common.accuracies(fed, hits, keys=("own_val", "own_test"))
     extra = {"test_model": "nu" if lodo else "theta",
              "global_val_acc": nu_val, "global_test_acc": nu_test, "global_per_test": nu_per}
-    theta_val = torch.cat(val).float().mean().item()
     if lodo:
-        per_val = torch.stack([v.float().mean() for v in val]).tolist()
-        extra.update(personal_val_acc=theta_val, personal_per_val=per_val)
+        right = torch.stack([h["own_val"] for h in hits[:len(fed.clients)]]).cpu().float()
+        per_val = right / torch.tensor([float(len(c.val_y)) for c in fed.clients])
+        extra.update(personal_val_acc=theta_val, personal_per_val=per_val.tolist())
         return nu_val, nu_test, nu_per, extra
-    per_test = torch.stack([h.mean() for h in hit]).tolist()
-    return theta_val, torch.cat(hit).mean().item(), per_test, extra
+    return theta_val, theta_test, per_test, extra
 
 
 def add_args(p):
@@ -229,8 +233,9 @@ def check(args, given):
 
 
 METHOD = common.Method("perinvfl", __doc__, perinvfl_round, clients=(client_update,),
-                       init_state=init_state, evaluate=evaluate, add_args=add_args,
-                       defaults=DEFAULTS, derive=derive, check=check, parallel=parallel_reason)
+                       init_state=init_state, evaluate=evaluate, evaluations=(score,),
+                       add_args=add_args, defaults=DEFAULTS, derive=derive, check=check,
+                       parallel=parallel_reason)
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results

@@ -44,7 +44,8 @@ from tests.helpers import (
     method_rounds, METHODS, on_every_device, own_local_sgd, own_model, own_rounds,
     perinvfl_rounds, pinv_args, pinv_copied, pinv_flags, pinv_setup, PLAIN, QUICK, R, RC_ARGV,
     rel, resolved_args, rows, run, SGD, SIZES, smallconv, split, streams, strip_times,
-    three_clients, tiny, tiny_args, tiny_ctx, tiny_federation, tiny_model, TINY_TOL, with_solver,
+    thetas, three_clients, tiny, tiny_args, tiny_ctx, tiny_federation, tiny_model, TINY_TOL,
+    with_solver,
 )
 
 
@@ -1271,8 +1272,8 @@ def test_fedloe_split_follows_appendix_d2():
         assert rows(c.val_x) | rows(c.id_x) == held and not rows(c.val_x) & rows(c.id_x)
         # 5% + 5%
         assert abs(len(c.val_y) - 0.05 * total) <= 1 and abs(len(c.id_y) - 0.05 * total) <= 1
-    assert len(fed.val_y) == sum(len(c.val_y) for c in fed.clients)
-    assert len(fed.id_y) == sum(len(c.id_y) for c in fed.clients)
+    assert len(fed.pooled("val")[1]) == sum(len(c.val_y) for c in fed.clients)
+    assert not hasattr(fed, "id_x")          # each client keeps its own: scored there (evaluate)
 
 
 @on_every_device
@@ -1538,7 +1539,8 @@ def scored_by_hand(ds, model_kind, state_dict):
         per = {d.name: (model(prep(d.x_test)).argmax(1) == d.y_test).float().mean().item()
                for d in ds.domains}
         fed = data.federate_fixed(ds, 0, "cpu")
-        val = (model(prep(fed.val_x)).argmax(1) == fed.val_y).float().mean().item()
+        val_x, val_y, _ = fed.pooled("val")
+        val = (model(prep(val_x)).argmax(1) == val_y).float().mean().item()
     return per, val
 
 
@@ -1715,7 +1717,7 @@ def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
         theta = nu.clone()
         for _ in range(6):
             theta = theta - args.lr * grad_by_hand(theta, c, args.lam, args.weight_decay)
-        assert torch.allclose(state["theta"][i], theta, atol=1e-5)
+        assert torch.allclose(thetas(state)[i], theta, atol=1e-5)
     # 2βη = 1: line 8 becomes θ ← ν_{i,r} − η∇L_INV(θ): θ_i never strays more than one gradient step
     model, fed, ctx, args, state = pinv_setup(beta=1 / (2 * 0.05), S=4, lam=1.0, theta="kept")
     far = [common.get_flat(model) + 5.0, common.get_flat(model) - 5.0]
@@ -1723,7 +1725,7 @@ def test_perinvfl_beta_zero_is_local_irm_and_a_large_beta_pins_theta_to_nu():
     nu = common.get_flat(model)
     pv.variant_round(1, model, fed, args, state, ctx)
     for i, c in enumerate(fed.clients):
-        assert (state["theta"][i] - nu).norm() < 0.05 * (far[i] - nu).norm()
+        assert (thetas(state)[i] - nu).norm() < 0.05 * (far[i] - nu).norm()
 
 
 def test_perinvfl_nu_is_centralised_irm_step_for_step():
@@ -1771,7 +1773,7 @@ def spurious_colour_federation(n=1000, p_train=(0.9, 0.8), p_test=0.1, seed=0):
     for i, p in enumerate(p_train):
         (x, y), (xt, yt) = context(p), context(p_test)
         clients.append(data.Client(i, f"p{p}", x, y, x[:1], y[:1], xt, yt))
-    return data.Federation("clients", clients, None, None, None, None, None, [])
+    return data.Federation("clients", clients, [], [c.domain for c in clients])
 
 
 def spurious_colour_model():
@@ -1893,19 +1895,19 @@ def test_perinvfl_lodo_scores_nu_on_the_held_out_domain(tmp_path):
     nu = common.get_flat(model)
     held_out = ds.domains[1]
     nu_test = accuracy(model, held_out.x, held_out.y).mean().item()
-    nu_val = accuracy(model, fed.val_x, fed.val_y).mean().item()
+    nu_val = accuracy(model, *fed.pooled("val")[:2]).mean().item()
     last = hist[-1]
     assert abs(last["test_acc"] - nu_test) < 1e-6 and abs(last["global_test_acc"] - nu_test) < 1e-6
     assert abs(last["val_acc"] - nu_val) < 1e-6 and last["test_model"] == "nu"
 
     hits = []
-    for c, theta_i in zip(fed.clients, blob["state"]["theta"]):
+    for c, theta_i in zip(fed.clients, thetas(blob["state"]), strict=True):
         common.set_flat(model, theta_i)
         hits.append(accuracy(model, c.val_x, c.val_y))
     assert len(last["personal_per_val"]) == len(fed.clients) == 2
     assert all(abs(a - h.mean().item()) < 1e-6 for a, h in zip(last["personal_per_val"], hits))
     assert abs(last["personal_val_acc"] - torch.cat(hits).mean().item()) < 1e-6
-    assert min((th - nu).abs().max() for th in blob["state"]["theta"]) > 1e-6   # the θ_i are not ν
+    assert min((th - nu).abs().max() for th in thetas(blob["state"])) > 1e-6   # the θ_i are not ν
 
     best = max(hist, key=lambda h: h["val_acc"])                               # the first of equals
     assert (r["best_round"] == best["round"] and r["test_acc"] == best["test_acc"]
@@ -1981,7 +1983,7 @@ def test_perinvfl_copied(case):
     nu, theta, q = copied_perinvfl_rounds(m, clients, 2, **loop)
     expected, state = perinvfl_rounds(clients, 2, pinv_flags(loop, extra))
     assert torch.equal(nu, expected), (nu - expected).abs().max()
-    assert all(torch.equal(a, b) for a, b in zip(theta, state["theta"]))
+    assert all(torch.equal(a, b) for a, b in zip(theta, thetas(state), strict=True))
     assert torch.equal(q, state["q"])
     assert min((th - nu).abs().max() for th in theta) > 1e-4          # the θ_i are not ν
     if loop.get("groupdro"):
@@ -2018,7 +2020,7 @@ def test_parallel_perinvfl_line_9_matches_sequential_across_the_lambda_switch(
     assert seq.dtype == torch.get_default_dtype()
     assert (rel(seq, nu0) > 1e-4 and rel(par, seq) < nu_tol and rel(par - nu0, seq - nu0)
             < update_tol)
-    assert all(rel(p, s) < theta_tol for p, s in zip(p_state["theta"], s_state["theta"]))
+    assert all(rel(p, s) < theta_tol for p, s in zip(thetas(p_state), thetas(s_state), strict=True))
     assert sorted(p_loss) == sorted(s_loss)
     assert torch.allclose(torch.stack([p_loss[i] for i in s_loss]),
                           torch.stack(list(s_loss.values())),

@@ -98,23 +98,21 @@ def init_state(model, fed, args, ctx):
     if kind == "rotate":                               # this client's images turn
         c = fed.clients[args.aberrant_client]
         c.x, c.val_x = (rotate(v.cpu(), value).to(v.device) for v in (c.x, c.val_x))
-        fed.val_x = torch.cat([c.val_x for c in fed.clients])
     state = {**fedipg.init_state(model, fed, args, ctx), **start(common.get_flat(model), args)}
     return {**state, "exited": list(args.exit_clients)}  # I_OOD from the start: --exit-clients
 
 
-def evaluate(model, fed, args, state, ctx):
-    """fedipg.evaluate, and the validation accuracy on the aberrant client and on the others."""
-    val, test, per, *extra = fedipg.evaluate(model, fed, args, state, ctx)
+def evaluate(t, model, fed, args, state, ctx):
+    """fedipg.evaluate, and the validation accuracy on the aberrant client and on the others (the
+    sites scored again)."""
+    val, test, per, *extra = fedipg.evaluate(t, model, fed, args, state, ctx)
     if args.aberrant is None:
         return (val, test, per, *extra)
-    hit = common.correct(model, fed.val_x, fed.val_y, ctx).float()
-    owner = torch.repeat_interleave(torch.arange(len(fed.clients)),
-                                    torch.tensor([len(c.val_y) for c in fed.clients]))
-    mine = owner.to(hit.device) == args.aberrant_client
+    hits, mine = common.scores(t, model, fed, ctx), args.aberrant_client
+    rest = [i for i in range(len(fed.clients)) if i != mine]
     extra = extra[0] if extra else {"id_acc": val, "ood_acc": None, "exited": []}
-    return val, test, per, {**extra, "aberrant_acc": hit[mine].mean().item(),
-                            "regular_acc": hit[~mine].mean().item()}
+    return val, test, per, {**extra, "aberrant_acc": common.accuracies(fed, hits, on=[mine])[0],
+                            "regular_acc": common.accuracies(fed, hits, on=rest)[0]}
 
 
 def add_args(p):

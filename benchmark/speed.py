@@ -201,7 +201,7 @@ def curves(a, args, fed, model, ctx, rounds):
             acc[mode], t0 = [], time.perf_counter()
             for t in range(1, rounds + 1):
                 fn(t, model, fed, m_args, state, m_ctx)
-                acc[mode].append(common.evaluate_global(model, fed, m_args, state, ctx)[1])
+                acc[mode].append(common.evaluate_global(t, model, fed, m_args, state, ctx)[1])
             secs[mode], end[mode] = time.perf_counter() - t0, common.get_flat(model)
         gap = max(abs(x - y) for x, y in zip(acc["off"], acc["on"]))
         rel = ((end["on"] - end["off"]).norm() / end["off"].norm()).item()

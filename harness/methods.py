@@ -17,10 +17,12 @@ def qualified(fn):
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
-def client_functions(record):
+def client_functions(record, evaluate_only=False):
     """What a node may run for a run of a method (a record, or a name of METHODS): the client
-    functions its record declares (`clients`) and its init_state (a node builds the method's
-    state as the server does), as "module:qualname". Nothing else."""
+    functions its record declares (`clients`, its `evaluations`) and its init_state (a node builds
+    the method's state as the server does), as "module:qualname"; an evaluation-only node its
+    evaluations alone (and the setup). Nothing else."""
     record = method(record) if isinstance(record, str) else record
     setup = (record.init_state,) if record.init_state else ()
-    return frozenset(qualified(fn) for fn in record.clients + setup)
+    work = () if evaluate_only else record.clients
+    return frozenset(qualified(fn) for fn in work + record.evaluations + setup)

@@ -259,9 +259,10 @@ def start_domain(args, ds, fed, init_state, resume=None, engine=None, model_fn=N
     model = (model_fn or common.global_model)(args, ds, device)
     ctx = common.make_context(args, fed, model, engine)
     state = init_state(model, fed, args, ctx) if init_state else {}
-    print(f"-- test domain {fed.name}: {len(fed.clients)} clients, "
-          f"{sum(c.n for c in fed.clients):,} training / {len(fed.val_y):,} validation / "
-          f"{len(fed.test_y):,} test examples")
+    count = lambda split: sum(len(getattr(s, split)) for s in fed.sites
+                              if getattr(s, split) is not None)
+    print(f"-- test domain {fed.name}: {len(fed.clients)} clients, {count('y'):,} training / "
+          f"{count('val_y'):,} validation / {count('test_y'):,} test examples")
     if resume is not None:
         model.load_state_dict(resume["model"])
         ctx.sampler.set_state(resume["sampler"])

@@ -164,7 +164,7 @@ def tiny_federation(n=(6, 10)):
                            torch.randint(3, (k,), generator=g),
                            torch.zeros(1, 1, 4, 4, dtype=torch.uint8),
                            torch.zeros(1, dtype=torch.long)) for i, k in enumerate(n)]
-    return data.Federation("d", clients, None, None, None, None, None, [])
+    return data.Federation("d", clients, [], [])
 
 
 def tiny_args(**kw):
@@ -245,9 +245,9 @@ def pinv_setup(**kw):
     return model, fed, ctx, args, state
 
 
-def hold(ctx, thetas):
+def hold(ctx, kept):
     """Each client i keeps θ_i = thetas[i] (the variants' --theta kept: line 8 starts there)."""
-    for i, th in enumerate(thetas):
+    for i, th in enumerate(kept):
         ctx.clients.setdefault(i, {})["theta"] = th.clone()
 
 
@@ -561,7 +561,7 @@ def three_clients(seed=0, sizes=(7, 12, 9), shape=(1, 4, 4), classes=3):
 def as_federation(clients):
     """The same clients for the method file's own round."""
     cs = [data.Client(i, "d", x, y, x[:1], y[:1]) for i, (x, y) in enumerate(clients)]
-    return data.Federation("d", cs, None, None, None, None, None, [])
+    return data.Federation("d", cs, [], [])
 
 
 def own_model(seed=0):
@@ -918,9 +918,16 @@ def perinvfl_rounds(clients, T, kw):
     state = pv.init_state(model, fed, args, ctx)
     # perinvfl.py's, else a variant
     own = (kw["inv"], kw["personalize"], kw["theta"]) == ("irm", "dual", "reset")
+    state["clients"] = ctx.clients                               # the clients' own (θ_i kept there)
     for t in range(1, T + 1):
         (perinvfl.perinvfl_round if own else pv.variant_round)(t, model, fed, args, state, ctx)
     return flat(model), state
+
+
+def thetas(state):
+    """PerInvFL's θ_i, in the order of the clients' ids: each kept in its client's own state."""
+    return [state["clients"][i]["theta"] for i in sorted(state["clients"])
+            if "theta" in state["clients"][i]]
 
 
 def with_solver(monkeypatch, solver):

@@ -105,27 +105,49 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
             for o in ("forward", "reverse")]
     assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
     record = harness.method(method)
-    assert ran == {harness.methods.qualified(f) for f in record.clients} and len(ran) >= 1
+    declared = record.clients + record.evaluations
+    assert ran == {harness.methods.qualified(f) for f in declared} and len(ran) >= 2
     setup = {f"{method}:init_state"} if record.init_state else set()
     assert harness.client_functions(method) == ran | setup
 
 
 def test_what_a_node_may_run_is_each_methods_declaration():
-    """harness.client_functions: the record's client functions and its init_state by full name, for
-    a method's name or a record (a variant declares its own); nothing for an unknown name."""
-    assert harness.client_functions("fediir") == {"fediir:classifier_gradient",
+    """harness.client_functions: the record's client functions, its evaluations and its init_state
+    by full name, for a method's name or a record (a variant declares its own); an evaluation-only
+    node's, the evaluations and the setup alone; nothing for an unknown name."""
+    assert harness.client_functions("fediir") == {"fediir:classifier_gradient", "common:score",
                                                   "fediir:client_update", "fediir:init_state"}
-    assert harness.client_functions("fedavg") == {"fedavg:client_update"}
+    assert harness.client_functions("fediir", evaluate_only=True) == {"common:score",
+                                                                      "fediir:init_state"}
+    assert harness.client_functions("fedavg") == {"fedavg:client_update", "common:score"}
+    assert harness.client_functions("perinvfl", True) == {"perinvfl:score", "perinvfl:init_state"}
     variant = dataclasses.replace(fedavg.METHOD, clients=(fedavg.client_update, common.features))
-    assert harness.client_functions(variant) == {"fedavg:client_update", "common:features"}
+    assert harness.client_functions(variant) == {"fedavg:client_update", "common:features",
+                                                 "common:score"}
     with pytest.raises(ValueError, match="unknown method 'fedx'"):
         harness.client_functions("fedx")
     assert all(harness.method(m).name == m for m in harness.METHODS)
 
 
-def test_group_means():
-    v, group = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), torch.tensor([2, 0, 2, 0, 2, 2])
-    assert common.group_means(v, group, 4).tolist() == [0.5, 0.0, 0.75, 0.0]      # empty groups: 0
+def test_accuracies_from_the_sites_counts_equal_the_means_of_the_pooled_answers():
+    """Each site counts its right answers, the server sums: the accuracies are those of the pooled
+    answers in float32 (torch.equal with .mean()), on the CPU; an empty test set's is 0; `on`
+    restricts the validation accuracy to those sites."""
+    g = torch.Generator().manual_seed(0)
+    part = lambda n: (torch.zeros(n, 1, dtype=torch.uint8), torch.zeros(n, dtype=torch.long))
+    sizes = [(7, 13), (11, 3), (5, 17)]                       # (validation, test) of fixed clients
+    sites = [data.Client(i, f"c{i}", *part(1), *part(v), *part(t))
+             for i, (v, t) in enumerate(sizes)]
+    fed = data.Federation("clients", sites, [], ["c0", "c1", "c2", "nobody"])
+    answers = [(torch.rand(v, generator=g) < 0.6, torch.rand(t, generator=g) < 0.3)
+               for v, t in sizes]
+    hits = [{"val": a.sum(), "test": b.sum()} for a, b in answers]
+    val, test, per = common.accuracies(fed, hits)
+    pooled = lambda k, idx: torch.cat([answers[i][k] for i in idx]).float().mean().item()
+    assert val == pooled(0, [0, 1, 2]) and test == pooled(1, [0, 1, 2])
+    assert per == [answers[0][1].float().mean().item(), answers[1][1].float().mean().item(),
+                   answers[2][1].float().mean().item(), 0.0]
+    assert common.accuracies(fed, hits, on=[0, 2])[0] == pooled(0, [0, 2])
 
 
 @on_every_device

@@ -56,8 +56,11 @@ def test_federation_rmnist_50_clients():
     sizes = sorted(c.n + len(c.val_y) for c in fed.clients)
     assert sizes[-1] - sizes[0] <= 10                                     # Algorithm 2: even sizes
     assert seen == set().union(*(by_domain[d.name] for d in ds.domains[1:]))  # nothing dropped
-    assert rows(fed.test_x) == test_rows
-    assert len(fed.val_y) == sum(len(c.val_y) for c in fed.clients)
+    held_out, = fed.evals                       # the held-out domain: an evaluation site, id 50
+    assert (held_out.id, held_out.domain, held_out.n, len(held_out.val_y)) == (50, "0", 0, 0)
+    assert rows(held_out.test_x) == rows(fed.pooled("test")[0]) == test_rows
+    assert fed.test_names == ["0"] and fed.sites == fed.clients + [held_out]
+    assert len(fed.pooled("val")[1]) == sum(len(c.val_y) for c in fed.clients)
 
 
 def test_rmnist_domains_are_rotations():
@@ -98,8 +101,8 @@ def test_label_skew_clients_have_disjoint_train_and_test():
     assert not rows(d.x) & rows(d.x_test)
     fed = data.federate_fixed(ds, 0, "cpu")                           # the 10% validation hold-out
     assert all(c.n >= 1 and len(c.val_y) >= 1 for c in fed.clients)     # leaves every client data
-    assert (len(fed.test_y) == sum(len(d.y_test) for d in ds.domains) and fed.test_names[0]
-            == "client0")
+    assert (len(fed.pooled("test")[1]) == sum(len(d.y_test) for d in ds.domains)
+            and fed.test_names[0] == "client0" and fed.evals == [])      # the tests: the clients'
 
 
 def write_fake_mnist(root, n_train=42, n_test=18, kind="MNIST"):
@@ -634,7 +637,7 @@ def test_stained_clients_pool_the_training_combinations():
         assert len({i % 10 for i in mine}) >= 5                             # mixes the combinations
         seen += mine
     assert len(seen) == len(set(seen)) == 320                            # disjoint, without repeats
-    assert ident(fed.test_x) == ids[3::10].tolist()
+    assert ident(fed.pooled("test")[0]) == ids[3::10].tolist()
     assert (data.federate(ds, 3, 4, seed=0, device="cpu", client_size=80).clients[2].y.tolist()
             == fed.clients[2].y.tolist())
     assert (data.federate(ds, 3, 4, seed=1, device="cpu", client_size=80).clients[2].y.tolist()
@@ -976,9 +979,9 @@ def test_fixed_clients_keep_their_validation_split_whole():
     ds = data.load("rcmnist", None, 0)
     fed = data.federate_fixed(ds, 0, "cpu")
     before = [(rows(c.x), rows(c.val_x)) for c in fed.clients]
-    val_x = fed.val_x.clone()
+    val_x = fed.pooled("val")[0].clone()
     loe_split(fed, 0, "rcmnist")
     for c, (train, val) in zip(fed.clients, before):
         assert len(c.tune_y) == int(0.1 * len(train)) and rows(c.x) | rows(c.tune_x) == train
         assert not rows(c.x) & rows(c.tune_x) and rows(c.val_x) == val and not hasattr(c, "id_x")
-    assert torch.equal(fed.val_x, val_x) and not hasattr(fed, "id_x")
+    assert torch.equal(fed.pooled("val")[0], val_x) and not hasattr(fed, "id_x")

@@ -22,7 +22,7 @@ import report as bench_report
 from tests.helpers import (
     FUNCTIONS, HERE, LOE_FUNCTIONS, PLAIN, SIZES, as_floats, copied, copied_fediir_rounds,
     copied_perinvfl_rounds, flat, load, loe_own_rounds, own_model, own_rounds, perinvfl_rounds,
-    pinv_copied, pinv_flags, split, three_clients, tiny,
+    pinv_copied, pinv_flags, split, thetas, three_clients, tiny,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
@@ -397,7 +397,7 @@ def test_perinvfl_docs_loop_is_the_method():
                                                                         opt="adam", R=1, S=1)))
     assert torch.equal(ns["nu"], expected), (ns["nu"] - expected).abs().max()
     assert torch.equal(flat(model), expected)                              # the model holds ν^T
-    assert all(torch.equal(ns["theta"][i], state["theta"][i]) for i in range(3))
+    assert all(torch.equal(ns["theta"][i], thetas(state)[i]) for i in range(3))
     nu, _, _ = copied_perinvfl_rounds(m, clients, 2, **loop_args)
     assert torch.equal(ns["nu"], nu)
 

@@ -109,22 +109,24 @@ def branch(t, model, fed, args, ctx):
     theta, every = common.get_flat(model), list(range(len(fed.clients)))
     delta_sum, weight_sum, alone_test, alone_in_domain = torch.zeros_like(theta), 0.0, [], []
     p_test, p_id = 0, 0                                       # the ensemble: summed softmax outputs
+    test_x, test_y, _ = fed.pooled("test")                    # (in process: the held-out domain)
+    id_x, id_y = (torch.cat([getattr(c, k) for c in fed.clients]) for k in ("id_x", "id_y"))
     trained = common.on_clients(branch_update, every, {"theta": theta}, t, ctx, phase="branch")
     for client, r in zip(fed.clients, trained):
         common.set_flat(model, r["theta"])
-        alone_test.append(accuracy(model, fed.test_x, fed.test_y, ctx))
-        alone_in_domain.append(accuracy(model, fed.id_x, fed.id_y, ctx))
-        p_test = p_test + probabilities(model, fed.test_x, ctx)
-        p_id = p_id + probabilities(model, fed.id_x, ctx)
+        alone_test.append(accuracy(model, test_x, test_y, ctx))
+        alone_in_domain.append(accuracy(model, id_x, id_y, ctx))
+        p_test = p_test + probabilities(model, test_x, ctx)
+        p_id = p_id + probabilities(model, id_x, ctx)
         delta_sum += client.n * (r["theta"] - theta)                   # as fedloe's stage 1 (Eq. 4)
         weight_sum += client.n
     common.set_flat(model, theta + args.global_lr * delta_sum / weight_sum)
-    out = {"average_test": accuracy(model, fed.test_x, fed.test_y, ctx),
-           "average_in_domain": accuracy(model, fed.id_x, fed.id_y, ctx),
+    out = {"average_test": accuracy(model, test_x, test_y, ctx),
+           "average_in_domain": accuracy(model, id_x, id_y, ctx),
            "clients_test": sum(alone_test) / len(alone_test),
            "clients_in_domain": sum(alone_in_domain) / len(alone_in_domain),
-           "ensemble_test": (p_test.argmax(1) == fed.test_y).float().mean().item(),
-           "ensemble_in_domain": (p_id.argmax(1) == fed.id_y).float().mean().item()}
+           "ensemble_test": (p_test.argmax(1) == test_y).float().mean().item(),
+           "ensemble_in_domain": (p_id.argmax(1) == id_y).float().mean().item()}
     common.set_flat(model, theta)
     return out
 
@@ -139,10 +141,10 @@ def init_state(model, fed, args, ctx):
     return dict(fedloe.init_state(model, fed, args, ctx), branch=None)
 
 
-def evaluate(model, fed, args, state, ctx):
+def evaluate(t, model, fed, args, state, ctx):
     """fedloe's evaluation of the trunk; the round's branch, if any, goes into the same history
     row."""
-    val, test, per, extra = fedloe.evaluate(model, fed, args, state, ctx)
+    val, test, per, extra = fedloe.evaluate(t, model, fed, args, state, ctx)
     extra["spawn"], state["branch"] = state["branch"], None
     return val, test, per, extra
 

@@ -165,11 +165,11 @@ def measure(name, model, fed, clients, state, ctx):
         P.append(None if pen is None else pen.item())
     train = torch.cat([common.correct(model, c.x, c.y, ctx)
                        for c in fed.clients]).float().mean().item()
-    test = common.correct(model, fed.test_x, fed.test_y, ctx).float()
+    x, y, owner = fed.pooled("test")                            # the clients' own test contexts
+    test = common.correct(model, x, y, ctx).float()
     return {"train_acc": train, "test_acc": test.mean().item(), "risk": sum(R) / len(R),
             "penalty": None if P[0] is None else sum(P) / len(P),
-            "per_client_test_acc": common.group_means(test, fed.test_group,
-                                                      len(fed.test_names)).tolist()}
+            "per_client_test_acc": [test[owner == i].mean().item() for i in range(len(P))]}
 
 
 def train(name, seed, args, log=print):

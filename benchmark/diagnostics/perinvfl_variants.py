@@ -24,7 +24,6 @@ perinvfl.py's run (the same histories) plus the check.
     python benchmark/diagnostics/perinvfl_variants.py --dataset rcmnist --data-root DIR \\
         --personalize ft
 """
-import copy
 import dataclasses
 import functools
 import sys
@@ -71,8 +70,8 @@ def variant_update(site, sent):
     """perinvfl.client_update (lines 5-9 on client i) with the variant's line 8 (its start θ_i: ν^t,
     or kept on the client; plain steps of η, or Adam at --lr with its state kept on the client, new
     when λ changes; J_i, or ERM + β||θ_i − ν||²; none under ft) and line 9 (L_INV, or GroupDRO's
-    N q_i R). Replies as client_update, plus the risk R(f_ν^t; D_i) on the whole split and, when
-    scored, J_i at θ_i and at ν_{i,R−1} (the Eq. 4 check)."""
+    N q_i R). Replies as client_update (θ_i kept on the client), plus the risk R(f_ν^t; D_i) on the
+    whole split and, when scored, J_i at θ_i and at ν_{i,R−1} (the Eq. 4 check)."""
     args, nu, lam, model, client = site.args, sent["nu"], sent["lam"], site.model, site.client
     kept = site.state
     theta_i = nu if args.theta == "reset" else kept.get("theta", nu)          # θ_i's start
@@ -103,19 +102,25 @@ def variant_update(site, sent):
         total = total + loss
     if made and args.theta_opt == "adam":
         kept.update(opt=made[0].state_dict(), opt_lam=lam)
-    if args.theta == "kept":
-        kept["theta"] = theta_i
+    common.keep(site, "theta", theta_i)     # scored there; the next start under --theta kept
     w = torch.full((client.n,), 1.0 / client.n, device=nu.device)
     x = site.prep(client.x)
     with torch.no_grad():
         out = {"delta": nu_ir - nu, "loss": total / perinvfl.local_steps(client, args),
-               "theta": theta_i,
                "risk": common.cross_entropy(model, *params_at(model, nu), x, client.y, w)}
         if sent["scored"] and args.personalize != "ft":                 # J_i(θ_i) vs J_i(ν_{i,R−1})
             J = line8_loss(args, last, lam)
             out["eq4"] = torch.stack([J(model, *params_at(model, v), x, client.y, w)
                                       for v in (theta_i, last)])
     return out
+
+
+def fine_tuned(site, sent):
+    """IRM-FT's θ_i on client i, kept there to be scored: ν fine-tuned (fine_tune) from its stream
+    of the exchange "fine_tune"."""
+    common.set_flat(site.model, sent["theta"])
+    common.keep(site, "theta", fine_tune(site.model, site.client, site.args, site.gen, site.prep))
+    return {}
 
 
 def fine_tune(net, client, args, gen, prep):
@@ -155,7 +160,6 @@ def variant_round(t, model, fed, args, state, ctx):
     if scored:
         state["took"].zero_()
     for i, r in zip(ids, up):
-        state["theta"][i] = r["theta"]
         if "eq4" in r:
             state["eq4"][:, i], state["took"][i] = r["eq4"], True
     common.set_flat(model, perinvfl.line10(nu, [r["delta"] for r in up], args, state))
@@ -164,15 +168,14 @@ def variant_round(t, model, fed, args, state, ctx):
     return {i: r["loss"] for i, r in zip(ids, up)}
 
 
-def evaluate(model, fed, args, state, ctx):
-    """perinvfl.evaluate, with IRM-FT's θ_i fine-tuned first, and the Eq. 4 check's numbers."""
+def evaluate(t, model, fed, args, state, ctx):
+    """perinvfl.evaluate, with IRM-FT's θ_i fine-tuned first on each client (its stream: the
+    exchange "fine_tune" of the evaluation's number), and the Eq. 4 check's numbers."""
     if args.personalize == "ft":
-        net, state["scored"] = copy.deepcopy(model), state["scored"] + 1
-        for c in fed.clients:
-            common.set_flat(net, common.get_flat(model))
-            gen = common.stream(args.seed, fed.name, state["scored"], c.id, "fine_tune", ctx.device)
-            state["theta"][c.id] = fine_tune(net, c, args, gen, ctx.prep)
-    *scores, extra = perinvfl.evaluate(model, fed, args, state, ctx)
+        state["scored"] += 1
+        common.on_clients(fine_tuned, range(len(fed.clients)), {"theta": common.get_flat(model)},
+                          state["scored"], ctx, phase="fine_tune")
+    *scores, extra = perinvfl.evaluate(t, model, fed, args, state, ctx)
     if args.personalize != "ft":
         (j_theta, j_nu), took = state["eq4"], state["took"]
         extra.update(eq4_holds=((j_theta <= j_nu) & took).sum().item() / max(took.sum().item(), 1),
@@ -216,8 +219,9 @@ def parallel_reason(args):
 
 
 METHOD = dataclasses.replace(perinvfl.METHOD, doc=__doc__, round=variant_round,
-                             clients=(variant_update,), init_state=init_state, evaluate=evaluate,
-                             add_args=add_args, check=check, parallel=parallel_reason)
+                             clients=(variant_update, fine_tuned), init_state=init_state,
+                             evaluate=evaluate, add_args=add_args, check=check,
+                             parallel=parallel_reason)
 
 
 def main(argv=None):

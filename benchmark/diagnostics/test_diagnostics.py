@@ -17,7 +17,7 @@ import perinvfl
 
 from tests.helpers import (
     fails, grad_by_hand, guarded_run, hold, J_by_hand, LOE_FULL, on_every_device, pinv_setup,
-    QUICK, run, strip_times, tiny_model, TINY_TOL, with_solver,
+    QUICK, run, strip_times, thetas, tiny_model, TINY_TOL, with_solver,
 )
 import fedloe_spawn
 import fedomg_readings as readings
@@ -120,11 +120,10 @@ def test_perinvfl_groupdro_updates_q_from_the_uploaded_risks():
 def test_perinvfl_ablations_l2_and_ft():
     model, fed, ctx, args, state = pinv_setup(personalize="ft", beta=5.0, S=2, ft_epochs=2,
                                               ft_batch=4)
-    theta0 = [t.clone() for t in state["theta"]]
     nu = common.get_flat(model)
     pv.variant_round(1, model, fed, args, state, ctx)
-    # ft: θ_i is made when scored
-    assert all(torch.equal(a, b) for a, b in zip(state["theta"], theta0))
+    # ft: θ_i is made when scored; until then it is the round's start, ν
+    assert [torch.equal(th, nu) for th in thetas(state)] == [True, True]
     net, c = tiny_model(), fed.clients[1]         # ft: ν after 2 epochs of minibatch ERM, no β term
     common.set_flat(net, nu)
     gen = common.stream(0, fed.name, 1, c.id, "fine_tune", "cpu")   # the minibatch order
@@ -152,7 +151,7 @@ def test_perinvfl_ablations_l2_and_ft():
         W, b = t_[:48].view(3, 16), t_[48:]
         loss = (F.cross_entropy(c.x.float().flatten(1) / 255 @ W.T + b, c.y)
                 + 0.005 * t_.pow(2).sum() + 0.7 * (t_ - nu).pow(2).sum())
-        assert torch.allclose(state["theta"][i], theta0 - args.lr
+        assert torch.allclose(thetas(state)[i], theta0 - args.lr
                               * torch.autograd.grad(loss, t_)[0], atol=1e-6)
 
 
@@ -367,11 +366,11 @@ def test_theta_readings_and_r_above_one_against_a_hand_computation(reading, monk
                     th = th - args.lr * grad_J(th, nu_r, c, args.lam, args)
                 centre = nu_r
                 nu_r = nu_r - args.lr * grad_by_hand(nu_r, c, args.lam, args.weight_decay)
-            assert torch.allclose(state["theta"][i], th, atol=1e-6), (t, i)
+            assert torch.allclose(thetas(state)[i], th, atol=1e-6), (t, i)
             want = torch.stack([J_by_hand(th, centre, c, args.lam, args),
                                 J_by_hand(centre, centre, c, args.lam, args)])
             assert torch.allclose(state["eq4"][:, i], want, rtol=1e-5), (t, i)
-            theta[i], ends = state["theta"][i].clone(), ends + [nu_r]
+            theta[i], ends = thetas(state)[i].clone(), ends + [nu_r]
         assert torch.allclose(common.get_flat(model), sum(ends) / 2, atol=1e-6), t
 
 
@@ -384,7 +383,7 @@ def test_line8_adam_state_across_rounds_and_at_the_lambda_switch(reading):
     hand."""
     model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2, beta=0.7,
                                               theta=reading, theta_opt="adam")
-    adam, prev = [None, None], [t.clone() for t in state["theta"]]
+    adam, prev = [None, None], [common.get_flat(model)] * 2       # θ_i^0 = ν^0
     for t in range(1, 5):
         nu = common.get_flat(model)
         pv.variant_round(t, model, fed, args, state, ctx)
@@ -395,8 +394,8 @@ def test_line8_adam_state_across_rounds_and_at_the_lambda_switch(reading):
                 adam[i] = None
             want, adam[i] = adam_step_by_hand(start, grad_J(start, nu, c, lam, args), adam[i],
                                               args.lr)
-            assert torch.allclose(state["theta"][i], want, atol=1e-6), (t, i)
-            prev[i] = state["theta"][i].clone()
+            assert torch.allclose(thetas(state)[i], want, atol=1e-6), (t, i)
+            prev[i] = thetas(state)[i].clone()
 
 
 def test_the_check_is_in_the_results_and_holds_under_the_default_reading(tmp_path):
@@ -681,7 +680,7 @@ def test_perinvfl_lines_8_to_10_against_a_hand_computation(dtype):
         for i, c in enumerate(fed.clients):
             pull = 2 * args.beta * (theta0 - nu) / args.lam
             want = theta0 - args.lr * (grad_by_hand(theta0, c, args.lam, args.weight_decay) + pull)
-            assert torch.allclose(state["theta"][i], want, **TINY_TOL[dtype])
+            assert torch.allclose(thetas(state)[i], want, **TINY_TOL[dtype])
 
 
 def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_switch():
@@ -693,13 +692,13 @@ def test_line8_ends_below_nu_on_its_own_objective_every_round_across_the_lambda_
     model, fed, ctx, args, state = pinv_setup(opt="adam", lr=0.01, lam=50.0, anneal=2, beta=1.0,
                                               eval_every=1)
     nu0 = common.get_flat(model)
-    state["theta"] = [nu0 + 3.0, nu0 - 3.0]
+    hold(ctx, [nu0 + 3.0, nu0 - 3.0])
     for t in range(1, 6):
         nu = common.get_flat(model)
         pv.variant_round(t, model, fed, args, state, ctx)
         lam = 50.0 if t > 2 else 1.0
         for i, c in enumerate(fed.clients):
-            j_theta, j_nu = (J_by_hand(state["theta"][i], nu, c, lam, args),
+            j_theta, j_nu = (J_by_hand(thetas(state)[i], nu, c, lam, args),
                              J_by_hand(nu, nu, c, lam, args))
             assert j_theta < j_nu, (t, i, j_theta.item(), j_nu.item())
             assert torch.allclose(state["eq4"][:, i], torch.stack([j_theta, j_nu]), rtol=1e-5,
