@@ -25,6 +25,7 @@ import torch.nn.functional as F
 warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
 
 EMBEDDED = Path(__file__).resolve().parent / "assets" / "mnist5k.npz"
+SIZE = 224      # the photos' side in pixels: DomainBed's and the FedIIR code's evaluation transform
 
 
 class UserError(Exception):
@@ -80,6 +81,7 @@ class Domain:
     y: torch.Tensor                      # int64 [N]
     x_test: torch.Tensor | None = None   # "clients" protocol only: this client's own test set
     y_test: torch.Tensor | None = None
+    paths: list | None = None            # the photo datasets: the image file of each row
 
 
 @dataclass
@@ -181,15 +183,14 @@ PLACES = {1: ("o/ocean", "l/lake/natural"),               # water
 BIRD_RANGES = ((0, 1715), (1716, 2908), (2909, 3844), (3845, 5993))
 
 
-def waterbird(root, seed=0, p_test=0.1, size=224, n_train=400, n_test=100):
+def waterbird(root, seed=0, p_test=0.1, size=SIZE, n_train=400, n_test=100):
     """WaterBird as PerInvFL's Table 6 on Sagawa et al.'s law (docs/datasets.md: the layout under
     ROOT): 4 fixed clients; client i draws n_train + n_test birds from its index range of CUB's
     training images (BIRD_RANGES), each cut out with its mask and pasted on a Places photo that
     matches its label (WATER) with probability P_TRAIN[i] (training) or p_test (test)."""
     if root is None:
-        raise UserError(
-            "waterbird needs --data-root DIR holding CUB_200_2011/, segmentations/ and places/"
-        )
+        raise UserError("waterbird needs --data-root DIR holding CUB_200_2011/, segmentations/ "
+                        "and places/")
     cub, seg, places = (Path(root) / "CUB_200_2011", Path(root) / "segmentations",
                         Path(root) / "places")
     for d in (cub / "images", seg, places):
@@ -347,7 +348,7 @@ FAKE_MARK = "FAKE.txt"   # beside the domains of a tree that harness/datasets.py
 IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp"}
 
 
-def image_folder(name, root, size=224):
+def image_folder(name, root, size=SIZE):
     """ROOT/<Dataset>/<domain>/<class>/<image>, domains sorted (DomainBed). A label is the index of
     its class folder's name among the dataset's classes (CLASSES), in every domain: a domain may
     lack classes (a note names them) without moving another class's label, and a folder named as
@@ -366,43 +367,44 @@ def image_folder(name, root, size=224):
         raise UserError(f"no images under {base}/<domain>/<class>/ "
                         f"(looked for {sorted(IMAGE_EXT)})")
     missing_classes(name, base, domains, {(d, k) for d, k, _ in files})
-    # the cache is keyed by the image files in order; the labels are not taken from it but from
-    # the class names, so that a cache written when labels were numbered otherwise cannot bring
-    # them back
-    key = hashlib.sha256(
-        "\n".join(str(f.relative_to(base)) for _, _, f in files).encode()
-    ).hexdigest()
-    cache = base / f".cache-{size}.pt"
-    x = None
+    x = decoded([f for _, _, f in files], base, size)
+    y = torch.tensor([k for _, k, _ in files])
+    dom = np.array([d for d, _, _ in files])
+    out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)],
+                  paths=[f for e, _, f in files if e == d]) for d in domains]
+    fake = ("; FAKE: random images from harness.datasets --make-fake, not the dataset"
+            if (base / FAKE_MARK).exists() else "")
+    return Dataset(name, out, len(classes), "lodo",
+                   f"{base} ({len(files):,} images, cached at {size}px){fake}",
+                   classes)
+
+
+def decoded(files, base, size):
+    """The image files (under `base`), each resized to size x size, as one uint8 tensor: decoded
+    once, cached in base/.cache-<size>.pt, keyed by the files in order with their sizes and
+    modification times (a file added, removed or changed rebuilds it). Never the labels."""
+    listed = "\n".join(f"{f.relative_to(base)} {f.stat().st_size} {f.stat().st_mtime_ns}"
+                       for f in files)
+    key, cache = hashlib.sha256(listed.encode()).hexdigest(), base / f".cache-{size}.pt"
     if cache.exists():
         try:
             blob = torch.load(cache, weights_only=True)
             x, cached_key = blob["x"], blob["key"]
         except Exception as e:
             raise UserError(f"corrupt cache {cache} ({type(e).__name__}); delete it to rebuild it")
-        if cached_key != key:
-            print(f"note: the files under {base} changed since {cache.name} was written; "
-                  "rebuilding it")
-            x = None
-    y = torch.tensor([k for _, k, _ in files])
-    if x is None:
-        print(f"decoding {len(files):,} images under {base} once (cached in {cache.name})")
-        with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-            x = torch.stack(list(pool.map(lambda f: decode(f[2], size), files)))
-        tmp = cache.with_suffix(".tmp")
-        try:
-            torch.save({"x": x, "y": y, "key": key}, tmp)
-            os.replace(tmp, cache)
-        except OSError as e:  # e.g. a read-only copy of the dataset: go on, decode again next time
-            print(f"note: cannot write the cache {cache} ({e.strerror or e}); "
-                  "the next run decodes again")
-    dom = np.array([d for d, _, _ in files])
-    out = [Domain(d, x[torch.from_numpy(dom == d)], y[torch.from_numpy(dom == d)]) for d in domains]
-    fake = ("; FAKE: random images from harness.datasets --make-fake, not the dataset"
-            if (base / FAKE_MARK).exists() else "")
-    return Dataset(name, out, len(classes), "lodo",
-                   f"{base} ({len(files):,} images, cached at {size}px){fake}",
-                   classes)
+        if cached_key == key:
+            return x
+        print(f"note: the files under {base} changed since {cache.name} was written; rebuilding it")
+    print(f"decoding {len(files):,} images under {base} once (cached in {cache.name})")
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+        x = torch.stack(list(pool.map(lambda f: decode(f, size), files)))
+    tmp = cache.with_suffix(".tmp")
+    try:
+        torch.save({"x": x, "key": key}, tmp)
+        os.replace(tmp, cache)
+    except OSError as e:  # e.g. a read-only copy of the dataset: go on, decode again next time
+        print(f"note: cannot write the cache {cache} ({e.strerror or e}); the next run decodes again")
+    return x
 
 
 def photo_domains(name, root):
@@ -461,9 +463,10 @@ def missing_classes(name, base, domains, have):
 def read_rgb(path):
     """An image file (JPEG, PNG, BMP) as uint8 RGB [3, H, W]; a grayscale one with its value in
     every channel, as PIL's .convert("RGB"), which DomainBed's loader applies, gives it."""
-    from torchvision.io import ImageReadMode, decode_image, read_file
-    try:
-        return decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+    from torchvision.io import ImageReadMode, decode_image
+    try:            # (the bytes read by Python's open: audit hooks see it, tests/test_sites.py)
+        raw = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+        return decode_image(raw, mode=ImageReadMode.RGB)
     except Exception as e:
         raise UserError(f"cannot decode image {path} ({type(e).__name__})")
 
@@ -610,7 +613,7 @@ FIXED = ("rcmnist", "rcfmnist", "waterbird")     # fixed clients, each with its 
 NAMES = LODO + FL + FIXED
 
 
-def load(name, root=None, seed=0, clients=100, alpha=0.1, size=224, p_test=0.1, stain="fg",
+def load(name, root=None, seed=0, clients=100, alpha=0.1, size=SIZE, p_test=0.1, stain="fg",
          rotation=True):
     """The dataset `name` as per-domain CPU tensors (see the module docstring)."""
     if name == "rmnist":
@@ -692,8 +695,7 @@ VAL_FRAC = 0.1   # the share of each client's examples held out for validation (
 
 
 def val_count(n, frac=VAL_FRAC):
-    """How many of n examples holdout() keeps for validation: `frac` of
-    them, at least one, never all."""
+    """How many of n examples holdout() keeps for validation: `frac` of them, at least 1, not all."""
     return min(n - 1, max(1, int(frac * n)))
 
 
@@ -707,8 +709,7 @@ def holdout(x, y, frac, g):
 
 def least_examples(batch_size):
     """The fewest examples a client needs for one full minibatch of batch_size training examples
-    after its validation hold-out (at least 2: one of each). n - val_count(n) never falls as n
-    grows: the first n will do."""
+    after its validation hold-out (at least 2). n - val_count(n) never falls as n grows."""
     n = max(2, batch_size)
     while n - val_count(n) < batch_size:
         n += 1

@@ -21,16 +21,21 @@ def round_trip(rd):
 
 
 class FakeGrid(Grid):
-    """n nodes, node k holding partition k; node ids unrelated to partition ids. Each node's
-    NodeInfo (get_nodes) says when it came online (node k at second k) and its public key, as
-    the SuperLink's do: `keys`, {node id: PEM bytes}, default none."""
+    """A node per folder of `folders`, node k holding site k (its node config: partition-id k, data
+    its folder, evaluate-only from site `train` on; `train` None: every node trains); node ids
+    unrelated to partition ids. Each node's NodeInfo (get_nodes) says when it came online (node k
+    at second k) and its public key, as the SuperLink's do: `keys`, {node id: PEM bytes}, default
+    none."""
 
-    def __init__(self, client_app, n, run_config=None, node_ids=None, keys=None):
+    def __init__(self, client_app, folders, run_config=None, node_ids=None, keys=None,
+                 train=None):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
         self.app = client_app
+        n = len(folders)
         ids = node_ids or [1000 + 7 * k for k in range(n)][::-1]
-        self.contexts = {nid: Context(1, nid, {"partition-id": p, "num-partitions": n},
-                                      RecordDict(), run_config or {})
+        config = lambda p: {"partition-id": p, "num-partitions": n, "data": str(folders[p]),
+                            "evaluate-only": train is not None and p >= train}
+        self.contexts = {nid: Context(1, nid, config(p), RecordDict(), run_config or {})
                          for p, nid in enumerate(ids)}
         self.activated = {nid: f"2026-01-01T00:00:{k:02d}+00:00" for k, nid in enumerate(ids)}
         self.keys = keys or {}

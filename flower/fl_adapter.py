@@ -37,8 +37,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  
 import common  # noqa: E402
 import data  # noqa: E402
 import harness  # noqa: E402
-from harness import outputs  # noqa: E402
-from harness.config import after_load, load_data  # noqa: E402
+from harness import outputs, sites  # noqa: E402
 from harness.methods import METHODS, client_functions, qualified  # noqa: E402
 from harness.outputs import to_device  # noqa: E402
 
@@ -99,11 +98,12 @@ def function(name):
     return getattr(importlib.import_module(module), qualname)
 
 
-def declared(method):
+def declared(method, evaluate_only=False):
     """What a node may run for a run of `method`: the client functions its method file declares
-    (METHOD.clients: those its round passes to common.on_clients) and its init_state, as
-    "module:qualname" (harness.client_functions). Any other name in a message is refused."""
-    return client_functions(method) if method in METHODS else frozenset()
+    (METHOD.clients: those its round passes to common.on_clients; METHOD.evaluations) and its
+    init_state, as "module:qualname" (harness.client_functions); an evaluation-only node the
+    evaluations alone (and the setup). Any other name in a message is refused."""
+    return client_functions(method, evaluate_only) if method in METHODS else frozenset()
 
 
 def activated(info):
@@ -134,30 +134,44 @@ class BadReply(common.NonFinite):
     on once the node is fixed."""
 
 
-# a reply may be at most this many times the bytes of the same reply in process (+ 64 kB)
+# a reply may be at most this many times the bytes of its declaration (+ 64 kB)
 MAX_BYTES = 4
 
 
+def kind(v):
+    """What a reply's value is, to compare with its declaration: ("tensor", shape, dtype),
+    ("count", most) (declared: common.Count), ("list", ...) or ("value", type name)."""
+    if isinstance(v, common.Count):
+        return ("count", v.most)
+    if torch.is_tensor(v):
+        return ("tensor", tuple(v.shape), str(v.dtype))
+    if isinstance(v, (list, tuple)):
+        return ("list", tuple(kind(x) for x in v))
+    return ("value", type(v).__name__)
+
+
 def schema(reply):
-    """{key: ("tensor", shape, dtype) or ("value", type name)} of a client function's reply."""
-    def one(v):
-        if torch.is_tensor(v):
-            return ("tensor", tuple(v.shape), str(v.dtype))
-        if isinstance(v, (list, tuple)):
-            return ("list", tuple(one(x) for x in v))
-        return ("value", type(v).__name__)
-    return {k: one(v) for k, v in reply.items()}
+    """{key: kind} of a reply, or of a client function's declaration (common.replies)."""
+    return {k: kind(v) for k, v in reply.items()}
+
+
+def declared_bytes(want):
+    """The bytes a reply of this declaration takes: its tensors', 8 a number, 1 kB for the rest."""
+    size = lambda v: v.numel() * v.element_size() if torch.is_tensor(v) else \
+        sum(map(size, v)) if isinstance(v, (list, tuple)) else 8
+    return sum(size(v) for v in want.values()) + 1024
 
 
 # what every reply carries besides the client function's own keys (work, on the node)
 SPAN = {"_began": "float", "_ended": "float", "_round": "int", "_phase": "str"}
+COUNT = ("tensor", (), "torch.int64")
 
 
 def what_is_wrong(reply, expect, t, phase):
     """None, or what makes a node's reply to round t's exchange `phase` unusable: missing or extra
     keys, the node's own fields (SPAN) of another type, another round or exchange, a span that
-    ends before it begins, tensors of other shapes or dtypes than the same function gives in
-    process (`expect`: schema), non-finite values."""
+    ends before it begins, tensors of other shapes or dtypes than the client function declares
+    (`expect`: schema), a count outside 0..its examples, non-finite values."""
     got = schema(reply)
     want = {**expect, **{k: ("value", kind) for k, kind in SPAN.items()}}
     if got.keys() != want.keys():
@@ -172,9 +186,12 @@ def what_is_wrong(reply, expect, t, phase):
     if not (math.isfinite(reply["_began"]) and math.isfinite(reply["_ended"])
             and reply["_began"] <= reply["_ended"]):
         return f"its span {reply['_began']}-{reply['_ended']} is not a span of time"
-    for k in expect:
-        if got[k] != expect[k]:
-            return f"{k} is {got[k]}, where the client function gives {expect[k]}"
+    for k, want_k in expect.items():
+        if want_k[0] == "count" and got[k] == COUNT:
+            if not 0 <= int(reply[k]) <= want_k[1]:
+                return f"{k} counts {int(reply[k])} of {want_k[1]} examples"
+        elif got[k] != want_k:
+            return f"{k} is {got[k]}, where the client function declares {want_k}"
 
     def finite(v):
         if torch.is_tensor(v):
@@ -186,62 +203,141 @@ def what_is_wrong(reply, expect, t, phase):
     return f"non-finite {', '.join(bad)}" if bad else None
 
 
+def what_the_node_said(r):
+    """None, or what makes a node's answer to query.hello (its report, harness.sites.read) unusable:
+    a field missing or of another type."""
+    entry = r.get("roster")
+    checks = [(isinstance(r.get("site"), int), "site"),
+              (r.get("role") in ("train", "evaluate"), "role"),
+              (isinstance(r.get("dataset"), str), "dataset"),
+              (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+               and all(isinstance(n, int) and n >= 0 for n in entry[1:3])
+               and (entry[3] is None or isinstance(entry[3], int) and entry[3] >= 0), "sizes"),
+              (isinstance(r.get("shape"), list) and len(r["shape"]) == 3
+               and all(isinstance(n, int) and n > 0 for n in r["shape"]), "shape"),
+              (isinstance(r.get("classes"), int) and r["classes"] > 1, "classes")]
+    bad = [name for ok, name in checks if not ok]
+    return f"its report has no usable {', '.join(bad)}" if bad else None
+
+
 # --------------------------------------------------------------------------------- the server
 
 class Link:
-    """common.on_clients' engine on Flower: which node holds which client, and each exchange as one
-    message to every node of it at once. Per round: bytes down and up, seconds, and each node's
-    working span."""
+    """The server's side of the federation: which node holds which site (`sites`, at connection:
+    what each node reports of its data, the only thing the server learns of it), and each exchange
+    of common.on_clients as one message to every node of it at once, every reply checked against
+    the client function's declaration. Per round: bytes down and up, seconds, each node's span."""
 
-    def __init__(self, grid, wait=600.0, method=None, init=None, keys=None):
+    def __init__(self, grid, wait=600.0, method=None, init=None, keys=None, evaluators=None):
         self.grid, self.wait, self.nodes, self.args, self.out = grid, wait, None, None, None
         self.method, self.init = method, init       # the run's method and its init_state, by name
         self.keys = keys          # {a node's public key (PEM): the partition id it was made for}
+        self.evaluators = evaluators                # evaluation sites (None: by the protocol)
+        self.roster = None                          # [[domain, n, n_val, n_test]] by site
         # round -> [down, up]; seconds; node spans
         self.moved, self.times, self.spans = {}, {}, {}
-        self.expected = {}                                 # (fn, phase, domain) -> the replies
 
-    def connect(self, P):
-        """Wait for P nodes, ask each its partition id: {client id: node id}. With `keys`, a node
-        holds the partition its registered key was made for, whatever it claims; without, of two
-        claims of one partition the later node's is refused (its activation time)."""
-        end = time.time() + self.wait
-        while len(ids := sorted(self.grid.get_node_ids())) < P:
+    def sites(self, args, load=None):
+        """harness.run's `sites`: the federation that the nodes hold, as they report it: --clients
+        training sites (0..P-1) and the evaluation sites (P..; run config `evaluators`, by default
+        one for a held-out domain, none for fixed clients). The server loads no data: it knows the
+        sites' sizes, the images' shape and the classes, and settles --sample from them."""
+        self.out = args.out
+        if args.clients is None:
+            raise common.UserError("on Flower give --clients: the number of training sites (one "
+                                   "node each)")
+        P = args.clients
+        E = self.evaluators if self.evaluators is not None else int(args.dataset in data.LODO)
+        reports = self.connect(args, P, E)
+        self.roster = [reports[k]["roster"] for k in range(P + E)]
+        shape, classes = reports[0]["shape"], reports[0]["classes"]
+        for k, r in reports.items():
+            if (r["shape"], r["classes"]) != (shape, classes):
+                raise BadReply(f"a bad reply from node {self.nodes[k]} (partition {k}): its "
+                               f"images are {r['shape']} of {r['classes']} classes, site 0's "
+                               f"{shape} of {classes}")
+        sites.settle(args, self.roster)
+        fed = sites.federation(self.roster, P)
+        ds = sites.dataset(args, shape, classes, f"the sites' own data, on their nodes: {P} "
+                           f"training, {E} evaluation (the server reads none)")
+        count = lambda k: sum(e[k] or 0 for e in self.roster)
+        print(f"data: {ds.source}\ndata: {count(1) + count(2) + count(3):,} images of "
+              f"{classes} classes, {shape[0]}x{shape[1]}x{shape[2]}", flush=True)
+        return ds, [(fed.name, lambda: fed)]
+
+    def connect(self, args, P, E):
+        """Wait for a node of every site (0..P+E-1; `wait` seconds at most), ask each new one its
+        report (query.hello, with the run's arguments: it reads its folder): {site: report}. With
+        `keys`, a node holds the partition its registered key was made for, whatever it claims;
+        without, of two claims of one partition the later node's is refused (its activation
+        time); a node's role (training or evaluation-only) must be its site's."""
+        hello = {"args": json.dumps(vars(args)), "method": self.method}
+        end, said = time.time() + self.wait, {}
+        while True:
+            new = sorted(set(self.grid.get_node_ids()) - set(said))
+            for i, r in zip(new, self._send([(i, "query.hello", hello) for i in new], 0)
+                            if new else []):
+                report = json.loads(r["report"]) if isinstance(r.get("report"), str) else {}
+                where = f"node {i}" + (f" (partition {report['site']})"
+                                       if isinstance(report.get("site"), int) else "")
+                wrong = report.get("refused") or what_the_node_said(report)
+                if wrong:
+                    raise BadReply(f"a bad reply from {where}: {wrong}")
+                said[i] = report
+            missing = sorted(set(range(P + E)) - {r["site"] for r in said.values()})
+            if not missing:
+                break
             if time.time() > end:
-                raise common.UserError(f"{len(ids)} node(s) connected, {P} needed "
-                                       "(one per client)")
+                raise common.UserError(self.absent(missing, P, len(said)))
             time.sleep(0.5)
         info = {n.node_id: n for n in self.grid.get_nodes()}
-        said = [(i, int(r["partition"]))
-                for i, r in zip(ids, self._send([(i, "query.hello", {}) for i in ids], 0))]
         if self.keys is not None:
-            for i, p in said:
+            for i, r in said.items():
                 own = self.keys.get(bytes(getattr(info.get(i), "public_key", b"")))
-                if own != p:
+                if own != r["site"]:
                     whose = "a key of no partition" if own is None else f"partition {own}'s key"
-                    raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, and "
-                                   f"its registered key is {whose}")
+                    raise BadReply(f"a bad reply from node {i}: it claims partition id "
+                                   f"{r['site']}, and its registered key is {whose}")
         parts = {}
-        for i, p in sorted(said, key=lambda s: activated(info.get(s[0]))):
+        for i, r in sorted(said.items(), key=lambda s: activated(info.get(s[0]))):
+            p, role = r["site"], "train" if r["site"] < P else "evaluate"
             if p in parts:
                 raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, which "
                                f"node {parts[p]} has held since before it connected; "
-                               f"this run needs 0..{P - 1}, one node each")
+                               f"this run needs 0..{P + E - 1}, one node each")
+            if not 0 <= p < P + E:
+                raise BadReply(f"a bad reply from node {i}: it claims partition id {p}; this run "
+                               f"has sites 0..{P + E - 1} ({P} training, {E} evaluation)")
+            says = {"train": "it trains", "evaluate": "evaluate-only"}
+            site_is = {"train": "a training site", "evaluate": "an evaluation site"}
+            if r["dataset"] != args.dataset:
+                raise BadReply(f"a bad reply from node {i} (partition {p}): its data are of "
+                               f"{r['dataset']}, this run's of {args.dataset}")
+            if r["role"] != role:
+                raise BadReply(f"a bad reply from node {i} (partition {p}): its node config says "
+                               f"{says[r['role']]}, and site {p} is {site_is[role]} (sites "
+                               f"0..{P - 1} train, {P}..{P + E - 1} evaluate)")
             parts[p] = i
-        if sorted(parts) != list(range(P)):
-            raise common.UserError(f"the nodes' partition ids are {sorted(parts)}; "
-                                   f"this run needs 0..{P - 1}, one each")
         self.nodes = parts
+        return {p: said[i] for p, i in parts.items()}
+
+    def absent(self, missing, P, connected):
+        """The line for sites no node held after `wait` seconds."""
+        train, ev = [k for k in missing if k < P], [k for k in missing if k >= P]
+        named = [f"training site(s) {', '.join(map(str, train))}"] * bool(train) + \
+            [f"evaluation site(s) {', '.join(map(str, ev))} (evaluate-only=true: the held-out "
+             f"domain)"] * bool(ev)
+        return (f"{connected} node(s) connected within {self.wait:g} s, and none holds "
+                f"{' or '.join(named)}: start one node per site (node config partition-id, data)")
 
     def __call__(self, fn, S, sents, t, phase, ctx):
         if self.args is None:          # the run's arguments, as the nodes set themselves up with
             self.args, self.out = json.dumps(vars(ctx.args)), ctx.args.out
-        if self.nodes is None:
-            self.connect(len(ctx.fed.clients))
-        expect = [self.reference(fn, c, sent, t, phase, ctx) for c, sent in zip(S, sents)]
+        expect = [self.expected(fn, c, sent, t, phase, ctx) for c, sent in zip(S, sents)]
         start = time.perf_counter()
         head = {"fn": qualified(fn), "phase": phase, "round": t, "domain": ctx.fed.name,
-                "args": self.args, "init": self.init, "method": self.method}
+                "args": self.args, "init": self.init, "method": self.method,
+                "roster": json.dumps(self.roster)}
         replies = self._send([(self.nodes[c], "train.client",
                                {**head, **{f"sent.{k}": v for k, v in sent.items()}})
                               for c, sent in zip(S, sents)], t, clients=S,
@@ -259,17 +355,14 @@ class Link:
         return [to_device({k: v for k, v in r.items() if not k.startswith("_")}, ctx.device)
                 for r in replies]
 
-    def reference(self, fn, c, sent, t, phase, ctx):
-        """(schema, bytes) of what `fn` replies for client c in process: run on the server once per
-        function, exchange, held-out domain and client (a reply's shapes may follow the client's
-        data: FedLOE's predictions), with a scratch state and the random generators as they were."""
-        key = (qualified(fn), phase, ctx.fed.name, c)
-        if key not in self.expected:
-            devices = [ctx.device] if ctx.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                out = fn(common.site(dataclasses.replace(ctx, clients={}), c, t, phase), sent)
-            self.expected[key] = schema(out), unpacked_bytes(pack(out))
-        return self.expected[key]
+    def expected(self, fn, c, sent, t, phase, ctx):
+        """(schema, bytes) of what `fn` replies for site c, from its declaration (common.replies)
+        at the site as the server knows it: a stand-in of its sizes."""
+        if getattr(fn, "replies", None) is None:
+            raise common.UserError(f"{qualified(fn)} declares no reply (common.replies): on "
+                                   f"Flower the server checks every reply against it")
+        want = fn.replies(common.site(dataclasses.replace(ctx, clients={}), c, t, phase), sent)
+        return schema(want), declared_bytes(want)
 
     def _send(self, items, t, clients=None, most=None):
         msgs = [Message(pack(d), node, kind, group_id=str(t)) for node, kind, d in items]
@@ -311,21 +404,23 @@ class Said(io.TextIOBase):
         self.stream.flush()
 
 
-def serve(grid, method, argv, wait=600.0, keys=None):
+def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None):
     """The ServerApp's work: `method`'s own run, harness.main(METHOD, argv), with a Link as
-    common.on_clients' engine; its clients never train at once in process (--parallel-clients
-    auto: off; on: refused). keys: a folder of the nodes' node-K.pub (Link). Returns (results,
-    link). A run that ends in an error writes its line into <out>.flower.json ("error") where
-    --out is known, and raises RunFailed with it."""
+    common.on_clients' engine and as the run's `sites` (the nodes hold the data: the server reads
+    none); its clients never train at once in process (--parallel-clients auto: off; on:
+    refused). keys: a folder of the nodes' node-K.pub; evaluators: the evaluation sites (Link).
+    Returns (results, link). A run that ends in an error writes its line into <out>.flower.json
+    ("error") where --out is known, and raises RunFailed with it."""
     own = importlib.import_module(method).METHOD
-    link = Link(grid, wait, method, qualified(own.init_state) if own.init_state else None)
+    link = Link(grid, wait, method, qualified(own.init_state) if own.init_state else None,
+                evaluators=evaluators)
     on_nodes = dataclasses.replace(own, parallel=lambda args: "trains every client on its own "
                                    "node on Flower")
     said = Said(sys.stderr)
     try:
         with contextlib.redirect_stderr(said):
             link.keys = node_keys(keys) if keys else None
-            results = harness.main(on_nodes, argv, engine=link)
+            results = harness.main(on_nodes, argv, engine=link, sites=link.sites)
     except (SystemExit, common.UserError) as e:
         if isinstance(e, SystemExit) and not e.code:
             raise
@@ -356,75 +451,107 @@ def report(link, error=None):
 
 # ----------------------------------------------------------------------------------- the nodes
 
-class Node:
-    """A node's view: the run's federation as the server builds it (its seed fixes it; the method's
-    own setup, init_state, done here too: FedLOE's tuning split), a model to compute with, the
-    client it holds."""
+def own_site(context):
+    """This node's site (node config `partition-id`), its folder (`data`) and whether it is
+    evaluation-only (`evaluate-only`, default false)."""
+    config = context.node_config
+    if "data" not in config:
+        raise common.UserError("this node's config has no data=FOLDER (its own data)")
+    only = config.get("evaluate-only", False)
+    return int(config["partition-id"]), str(config["data"]), only is True or only == "true"
 
-    def __init__(self, init, args, domain, partition):
+
+class Node:
+    """A node's view: its own site, read from its folder alone (harness.sites.read), among the
+    others as the server's roster says (stand-ins of their sizes: the method's own setup,
+    init_state, runs here on that federation, as on the server; FedLOE's tuning split), and a
+    model to compute with."""
+
+    def __init__(self, init, args, roster, site, folder, evaluate_only):
         common.set_deterministic(not args.nondeterministic)
-        # (the loader's notes are the server's to print)
-        with contextlib.redirect_stdout(io.StringIO()):
-            ds = load_data(args)
-            after_load(args, ds)       # as harness.run: settles --clients, --sample, --client-size
         device = torch.device(args.device)
-        names = [d.name for d in ds.domains]
-        fed = data.federate_fixed(ds, args.seed, device) if domain == "clients" else \
-            data.federate(ds, names.index(domain), args.clients, args.seed, device,
-                          client_size=getattr(args, "client_size", None))
+        with contextlib.redirect_stdout(io.StringIO()):     # (its cache's notes: the node's own)
+            own, report = sites.read(folder, args, site, evaluate_only)
+        if roster[site] != report["roster"]:
+            raise common.UserError(f"node folder {folder}: it holds {report['roster']}, the run's "
+                                   f"roster has site {site} as {roster[site]}")
+        own = dataclasses.replace(own, **{k: v.to(device) for k, v in vars(own).items()
+                                          if torch.is_tensor(v)})
+        fed = sites.federation(roster, args.clients, own)
+        ds = sites.dataset(args, report["shape"], report["classes"], report["source"])
         with torch.random.fork_rng(devices=[]):
             model = common.global_model(args, ds, device)
         self.ctx = common.Context(device, torch.Generator(), data.make_prep(args.dataset, device),
                                   args.amp, args, fed, model, {})
         if init:
             function(init)(model, fed, args, self.ctx)
-        self.partition, self.domain = partition, domain
+        self.partition = site
 
 
-_NODES = {}   # (args, init, domain, partition) -> Node: reused while this process lives (one run)
+_NODES = {}   # (args, init, roster, site, folder, role) -> Node: reused while this process lives
 _NODES_LOCK = threading.Lock()   # nodes that answer in threads of one process (simulation engines)
 
 
 def node_for(req, context):
-    """This node's client: made once per run and held-out domain (under the lock: the seeded model
-    and the dropping of another run's nodes are one at a time), then reused."""
-    key = (req["args"], req["init"], req["domain"], int(context.node_config["partition-id"]))
+    """This node's site: made once per run (under the lock: the seeded model and the dropping of
+    another run's nodes are one at a time), then reused."""
+    site, folder, only = own_site(context)
+    key = (req["args"], req["init"], req["roster"], site, folder, only)
     with _NODES_LOCK:
         if key not in _NODES:
             args = argparse.Namespace(**json.loads(req["args"]))
-            if "data-root" in context.node_config:            # this device's copy of the data
-                args.data_root = str(context.node_config["data-root"])
-            for old in [k for k in _NODES if k[:3] != key[:3]]:   # another run or held-out domain's
+            for old in [k for k in _NODES if k[:3] != key[:3]]:   # another run's
                 del _NODES[old]
-            _NODES[key] = Node(req["init"], args, req["domain"], key[3])
+            _NODES[key] = Node(req["init"], args, json.loads(req["roster"]), site, folder, only)
         return _NODES[key]
 
 
 def refused(req, context, also=frozenset()):
     """Why this node will not run what `req` names (None: it will): a function that the run's method
-    file does not declare a client's work (declared), or a method that is not one of the six."""
+    file does not declare a client's work (declared; an evaluation-only node: an evaluation), or a
+    method that is not one of the six."""
     method = str(context.run_config.get("method", "") or req.get("method") or "")
-    allowed = declared(method) | set(also)
+    only = own_site(context)[2] if "data" in context.node_config else False
+    allowed = declared(method, only) | set(also)
     for name in (req.get("fn"), req.get("init")):
         if name is not None and name not in allowed:
-            return f"{name} is not a client function of {method or 'this run'}.py; nothing was run"
+            what = "an evaluation of" if only else "a client function of"
+            return f"{name} is not {what} {method or 'this run'}.py; nothing was run"
     return None
 
 
+def hello(msg, context):
+    """query.hello: this node's report of its own data (harness.sites.read, with the run's
+    arguments), or why it refuses (its folder, in one line)."""
+    req, site = unpack(msg.content), int(context.node_config["partition-id"])
+    try:
+        args = argparse.Namespace(**json.loads(req["args"]))
+        site, folder, only = own_site(context)
+        with contextlib.redirect_stdout(io.StringIO()):
+            report = sites.read(folder, args, site, only)[1]
+    except common.UserError as e:
+        report = {"site": site, "refused": str(e)}
+    return Message(pack({"report": json.dumps(report)}), reply_to=msg)
+
+
 def work(msg, context, also=frozenset()):
-    """One exchange on this node: the named client function on its client, its stream, its state;
-    an error reply, and nothing run, where the function is not the method file's (refused)."""
+    """One exchange on this node: the named client function on its site, its stream, its state;
+    an error reply, and nothing run, where the function is not the method file's (refused) or
+    its folder cannot be read."""
     began, req = time.time(), unpack(msg.content)          # the node's span: its setup and its work
     why = refused(req, context, also)
     if why:
         return Message(reply_to=msg, error=Error(code=403, reason=why))
-    node = node_for(req, context)
+    try:
+        node = node_for(req, context)
+    except common.UserError as e:
+        return Message(reply_to=msg, error=Error(code=400, reason=str(e)))
     ctx, c = node.ctx, node.partition
     sent = to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
     # the client's own state, per held-out domain
     record = context.state.get("fedood", ConfigRecord())
-    kept = (torch.load(io.BytesIO(record[node.domain]), weights_only=True)
-            if node.domain in record else {})
+    kept = (torch.load(io.BytesIO(record[req["domain"]]), weights_only=True)
+            if req["domain"] in record else {})
     ctx.clients = {c: to_device(kept, ctx.device)}
     out = function(req["fn"])(common.site(ctx, c, req["round"], req["phase"]), sent)
     out = {**out, "_began": began, "_ended": time.time(), "_round": req["round"],
@@ -432,21 +559,17 @@ def work(msg, context, also=frozenset()):
     if ctx.clients[c]:
         buf = io.BytesIO()
         torch.save(ctx.clients[c], buf)
-        record[node.domain] = buf.getvalue()
+        record[req["domain"]] = buf.getvalue()
         context.state["fedood"] = record
     return Message(pack(out), reply_to=msg)
 
 
 def client_app(also=()):
-    """The ClientApp: its partition id on `query.hello`, an exchange of a round on `train.client`.
+    """The ClientApp: its report on `query.hello`, an exchange of a round on `train.client`.
     also: functions it runs besides the method files' own (a test's stand-ins)."""
     from flwr.clientapp import ClientApp
     app = ClientApp()
-
-    @app.query("hello")
-    def hello(msg, context):
-        return Message(pack({"partition": int(context.node_config["partition-id"])}), reply_to=msg)
-
+    app.query("hello")(hello)
     allowed = frozenset(qualified(f) for f in also)
     app.train("client")(lambda msg, context: work(msg, context, allowed))
     return app

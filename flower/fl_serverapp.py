@@ -1,7 +1,9 @@
 """The ServerApp: run config `method` (one of harness.METHODS) and `argv` (that method's
 command-line flags, as one string) -> the method file's own run, its clients' work on the nodes.
-Optional: `wait` (seconds for the nodes to connect) and `keys` (a folder on the server holding
-each node's node-K.pub: a node then holds the partition its registered key was made for).
+Optional: `wait` (seconds for the nodes to connect), `keys` (a folder on the server holding each
+node's node-K.pub: a node then holds the partition its registered key was made for) and
+`evaluators` (the evaluation sites, default one for a held-out domain, none for fixed clients).
+The server reads no data: each node reads its own folder (node config `data`).
 
 A run that ends in an error (a bad reply, bad flags, a non-finite number) raises
 fl_adapter.RunFailed with its one line: Flower marks the run failed at once, with that line as
@@ -24,4 +26,6 @@ def main(grid, context):
                                    f"{', '.join(METHODS)}")
     argv = shlex.split(str(context.run_config.get("argv", "")))
     keys = str(context.run_config.get("keys", "")) or None
-    fl_adapter.serve(grid, method, argv, float(context.run_config.get("wait", 600)), keys)
+    evaluators = str(context.run_config.get("evaluators", ""))
+    fl_adapter.serve(grid, method, argv, float(context.run_config.get("wait", 600)), keys,
+                     int(evaluators) if evaluators.strip() else None)

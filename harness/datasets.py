@@ -7,6 +7,7 @@ input preparation: data.py.
 """
 import contextlib
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -249,11 +250,32 @@ def make_fake(name, root, per_class=1):
 
 # ------------------------------------------------------------------------------ the command line
 
+def export(folder, method, rest):
+    """--export: the split that `method`'s run with the flags `rest` makes, one folder per site."""
+    from harness import config, sites
+    from harness.methods import METHODS, method as record
+    if method not in METHODS:
+        raise UserError(f"--method {method}: choose from {', '.join(METHODS)}")
+    args = config.resolve(record(method), list(rest))
+    written = sites.export(args, folder)
+    P = args.clients
+    for path in written:
+        k = int(path.name.split("-")[1])
+        m = json.loads((path / sites.MANIFEST).read_text())["sizes"]
+        role = "train" if k < P else "evaluate-only=true"
+        print(f"{path}: site {k} ({role}): {m['n']:,} training, {m['n_val']:,} validation, "
+              f"{m['n_test'] or 0:,} test examples")
+    print(f"each node: --node-config 'partition-id=K data=\"{Path(folder).resolve()}/site-K\"' "
+          f"(and evaluate-only=true for sites {P} and up); the run: --clients {P} "
+          f"--seed {args.seed}")
+
+
 def main(argv=None):
     p = Parser(prog=PROG,
                description="Fetch a dataset into --data-root and lay it out as the methods read it "
-                           "(--data-root DIR of every method), or write a tiny fake photo dataset "
-                           "to try the code on.",
+                           "(--data-root DIR of every method), write a tiny fake photo dataset "
+                           "to try the code on, or export a run's split as one folder per site "
+                           "(a federation's nodes).",
                epilog="A failure leaves DIR as it was. The methods read pacs / vlcs / officehome "
                       "from DIR/<Dataset>/<domain>/<class>/<image> (any copy laid out so, "
                       "its class folders named as the dataset's classes, works) "
@@ -269,14 +291,30 @@ def main(argv=None):
                       help="pacs, vlcs, officehome: a tiny tree of random images with the "
                            "dataset's domains and classes under DIR/<Dataset>, to try a method on "
                            "(add --no-pretrained offline); never over an existing one")
-    p.add_argument("--data-root", required=True, metavar="DIR",
-                   help="the folder to write into (made if missing)")
+    what.add_argument("--export", metavar="OUT",
+                      help="write the split of a run into OUT/site-K, one folder per site (the "
+                           "training clients, then the evaluation sites: the held-out domain), "
+                           "exactly as --method's run with the flags that follow splits it "
+                           "(--dataset, --data-root, --clients, --test-domain, --seed, ...); "
+                           "docs/flower.md: Several devices")
+    p.add_argument("--data-root", metavar="DIR",
+                   help="the folder to write into (made if missing); --export: the dataset's")
     p.add_argument("--per-class", type=int, default=None,
                    help="--make-fake: images per class and domain (default: 1)")
-    args = p.parse_args(argv)
+    p.add_argument("--method", default="fedavg",
+                   help="--export: the method whose defaults the split takes (default fedavg)")
+    args, rest = p.parse_known_args(argv)
     try:
+        if args.export is not None:
+            if not args.export:
+                raise UserError("--export is empty: give the folder to write the sites into")
+            root = [] if args.data_root is None else ["--data-root", args.data_root]
+            return export(args.export, args.method, root + rest)
+        if rest:
+            p.error(f"unrecognized arguments: {' '.join(rest)}")
         if not args.data_root:
-            raise UserError("--data-root is empty: give the folder to write into")
+            raise UserError("--data-root is empty: give the folder to write into"
+                            if args.data_root == "" else "--data-root DIR is required")
         if args.per_class is not None and not args.make_fake:
             raise UserError("--per-class applies to --make-fake only")
         if args.make_fake:

@@ -11,6 +11,7 @@ engine: Flower's nodes), after_round (called after every round with (t, model, s
 model_fn (a stand-in for common.global_model), load (for data.load); a swapped round or state:
 dataclasses.replace(method, round=...), the round written from the method's plain functions.
 """
+import functools
 import os
 import signal
 import sys
@@ -34,7 +35,7 @@ from harness.provenance import code_files, provenance
 def main(method, argv=None, **hooks):
     """The entry point of every method script: bad input -> one line on stderr and exit 2, a
     non-finite loss or server quantity -> exit 1, SIGINT / SIGTERM -> saved after the round,
-    exit 128 + the signal. hooks: run's (engine, after_round, model_fn, load)."""
+    exit 128 + the signal. hooks: run's (engine, after_round, model_fn, load, sites)."""
     plan, handlers, name = None, {}, method.name
 
     def how():                   # how to continue, and what stays meanwhile
@@ -71,22 +72,22 @@ def main(method, argv=None, **hooks):
 
 
 def run(method, args, argv=None, engine=None, plan=None, after_round=None, model_fn=None,
-        load=None):
+        load=None, sites=None):
     """Load, then for every held-out domain: federate and train_domain; results JSON and
     checkpoint. args: resolve's; argv: the command line, recorded in the provenance; engine:
     on_clients' (default: one_by_one, or all_at_once with --parallel-clients on); plan: what to
     do with --out's files (harness/outputs.py, claim; None: continue <out>.ckpt with --resume,
     and write it); after_round(t, model, state, ctx): called after every round; model_fn(args,
-    ds, device): the initial model (default common.global_model); load: data.load's stand-in."""
+    ds, device): the initial model (default common.global_model); load: data.load's stand-in;
+    sites(args, load) -> (ds, [(name, make)]): the data and the federations in place of
+    `federations` (Flower: the nodes hold the data, the server their sizes)."""
     name = method.name
     if plan is None:
         files = outputs.Files(args.out)
         plan = outputs.Plan(files, read=files.ckpt if args.resume and files.ckpt.exists()
                             else None, write=files.ckpt)
     common.set_deterministic(not args.nondeterministic)   # before anything meets CUDA
-    ds = load_data(args, load)
-    print(f"data: {ds.source}\ndata: {counts(ds)}", flush=True)
-    todo = after_load(args, ds)
+    ds, todo = (sites or federations)(args, load)
     device, ckpt_path = torch.device(args.device), str(plan.write)
     code = code_files(method.round)
     blob = outputs.load_checkpoint(plan.read, args, name, code) if plan.read is not None else None
@@ -118,12 +119,10 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
           f"{args.batch_size}, device {device}")
     own = {"method": name, "code": versions}
     hooks = dict(engine=engine, after_round=after_round, model_fn=model_fn)
-    for k, test in enumerate(todo):
-        if ("clients" if test is None else ds.domains[test].name) in results["domains"]:
+    for k, (domain, make) in enumerate(todo):
+        if domain in results["domains"]:
             continue                                            # finished before a --resume
-        fed = data.federate_fixed(ds, args.seed, device) if test is None else \
-            data.federate(ds, test, args.clients, args.seed, device,
-                          client_size=getattr(args, "client_size", None))
+        fed = make()
         resume = blob if blob is not None and blob["domain"] == fed.name else None
         try:
             with Progress():
@@ -150,6 +149,19 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
               f"method's state, the only copy of the trained model; deleting it loses the model, "
               f"not the results")
     return results
+
+
+def federations(args, load=None):
+    """The run's data, loaded here, and its federations, one per held-out domain to be run (the
+    fixed clients: one), as (name, make): each made when its turn comes."""
+    ds = load_data(args, load)
+    print(f"data: {ds.source}\ndata: {counts(ds)}", flush=True)
+    device = torch.device(args.device)
+    make = lambda test: data.federate_fixed(ds, args.seed, device) if test is None else \
+        data.federate(ds, test, args.clients, args.seed, device,
+                      client_size=getattr(args, "client_size", None))
+    name = lambda test: "clients" if test is None else ds.domains[test].name
+    return ds, [(name(test), functools.partial(make, test)) for test in after_load(args, ds)]
 
 
 def counts(ds):
