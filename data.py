@@ -403,7 +403,7 @@ def decoded(files, base, size):
         torch.save({"x": x, "key": key}, tmp)
         os.replace(tmp, cache)
     except OSError as e:  # e.g. a read-only copy of the dataset: go on, decode again next time
-        print(f"note: cannot write the cache {cache} ({e.strerror or e}); the next run decodes again")
+        print(f"note: cannot write the cache {cache} ({e.strerror or e}); decoding again next time")
     return x
 
 
@@ -695,7 +695,7 @@ VAL_FRAC = 0.1   # the share of each client's examples held out for validation (
 
 
 def val_count(n, frac=VAL_FRAC):
-    """How many of n examples holdout() keeps for validation: `frac` of them, at least 1, not all."""
+    """How many of n examples holdout() keeps for validation: `frac`, at least 1, never all."""
     return min(n - 1, max(1, int(frac * n)))
 
 

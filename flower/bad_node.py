@@ -52,7 +52,7 @@ def tampered(app, how, when=2, bad=lambda context: context.node_config["partitio
                 or reply.has_error():
             return reply
         r = fl_adapter.unpack(reply.content)
-        if r["_round"] == when:
+        if r["_round"] == when and "theta" in r:         # an update (not the evaluation's counts)
             reply.content = fl_adapter.pack(spoil(r, how))
         return reply
     return answer

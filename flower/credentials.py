@@ -19,8 +19,13 @@ Checked before anything is written; a refusal is one line on stderr naming the f
 - --hosts: IP addresses (no networks, no IPv6 zone) and DNS names (RFC 1123: labels of 1 to 63
   letters, digits and inner hyphens, at most 253 characters in all; a trailing dot dropped; letter
   case ignored; no wildcard; a last label of digits alone, neither a name nor an IP address, is
-  refused). A name given twice is refused: it is a mistake, not a wish.
+  refused). A name given twice is refused: it is a mistake, not a wish. An address no client
+  connects to is refused too: 0.0.0.0 and :: (the unspecified address, in any spelling, IPv4 in
+  IPv6 included: "any address" is where a server listens, not an address it is reached at), a
+  multicast address and 255.255.255.255 (a TLS connection has one peer).
 - --nodes: 1 to MAX_NODES (1000).
+- --out: no control character (below 0x20, or 0x7f) in its full path: a newline, tab or escape
+  in a folder's name is a mistake, not a wish.
 - --out must not exist, or be an empty folder, not a symbolic link (never followed), owned by this
   user and writable by no one else: it is then replaced. The folder that holds --out must exist;
   it and each folder above it must belong to this user or root and be writable by no one else,
@@ -61,6 +66,10 @@ FIXED_COMMON_NAME = "fedood SuperLink"
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # One DNS label (RFC 1123): letters and digits, hyphens inside, 1 to 63 characters (ASCII only).
 LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", re.ASCII)
+# The control characters (C0 and DEL), refused in --out.
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# The one IPv4 address that is neither unspecified nor multicast and still names no one peer.
+BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 
 
 class Refused(ValueError):
@@ -103,6 +112,16 @@ def host(text):
     if ip is not None:
         if getattr(ip, "scope_id", None):
             raise Refused(f"--hosts {text!r}: an IPv6 zone (%...) cannot be in a certificate")
+        # ::ffff:0.0.0.0 is 0.0.0.0 for a client: judged as the IPv4 address it carries
+        plain = getattr(ip, "ipv4_mapped", None) or ip
+        if plain.is_unspecified:
+            raise Refused(f"--hosts {text!r}: the unspecified address means 'any address', where "
+                          f"a server listens; a certificate names an address clients connect to: "
+                          f"give the SuperLink's own")
+        if plain.is_multicast or plain == BROADCAST:
+            kind = "a multicast" if plain.is_multicast else "the broadcast"
+            raise Refused(f"--hosts {text!r}: {kind} address, which no TLS client connects to: "
+                          f"give the SuperLink's own")
         return str(ip)
     name = text[:-1] if text.endswith(".") else text
     name = name.lower()
@@ -165,7 +184,13 @@ def destination(out):
     and the folders above it in the module's docstring."""
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
         raise Refused("--out is empty")
-    path = os.path.abspath(os.fspath(out))
+    text = os.fsdecode(os.fspath(out))
+    path = os.path.abspath(text)
+    bad = CONTROL.search(path)
+    if bad:
+        where = "" if CONTROL.search(text) else f" (its full path {one_line(path)})"
+        raise Refused(f"--out {one_line(text)}{where} holds a control character "
+                      f"({one_line(bad[0])}): give a folder name without one")
     name = os.path.basename(path)
     if not name:
         raise Refused(f"--out {out} names no folder")
@@ -415,8 +440,9 @@ def parser():
         nargs="+",
         required=True,
         help="the SuperLink's IP addresses and DNS names as the SuperNodes reach it, each once "
-        "(no networks, no wildcards); the certificate also holds 127.0.0.1 and localhost, where "
-        "the server's own processes reach it; its CommonName is the first entry, or "
+        "(no networks, no wildcards; not 0.0.0.0, :: or a multicast address, which no client "
+        "connects to); the certificate also holds 127.0.0.1 and localhost, where the server's "
+        "own processes reach it; its CommonName is the first entry, or "
         f"'{FIXED_COMMON_NAME}' if that is over 64 characters",
     )
     p.add_argument(

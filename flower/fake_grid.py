@@ -1,7 +1,7 @@
 """A Grid in one process for tests and timing: no ports, no ray. Every message and every reply goes
 through Flower's own serialisation (the objects a SuperLink stores, deflated to bytes and inflated
 back) on its way to the ClientApp, which runs with a Context per node (its node config and
-state)."""
+state) and on behalf of its folder (audit.acting: what the node may read)."""
 import itertools
 import uuid
 
@@ -10,6 +10,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.task_identity import TaskIdentity
+
+import audit
 
 
 def round_trip(rd):
@@ -65,7 +67,9 @@ class FakeGrid(Grid):
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             msg.content = round_trip(msg.content)
-            reply = self.app(msg, self.contexts[msg.metadata.dst_node_id])
+            context = self.contexts[msg.metadata.dst_node_id]
+            with audit.acting(str(context.node_config["data"])):     # on the node's behalf
+                reply = self.app(msg, context)
             reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             if reply.has_content():
                 reply.content = round_trip(reply.content)

@@ -267,12 +267,10 @@ class Link:
 
     def connect(self, args, P, E):
         """Wait for a node of every site (0..P+E-1; `wait` seconds at most), ask each new one its
-        report (query.hello, with the run's arguments: it reads its folder): {site: report}. With
-        `keys`, a node holds the partition its registered key was made for, whatever it claims;
-        without, of two claims of one partition the later node's is refused (its activation
-        time); a node's role (training or evaluation-only) must be its site's."""
+        report (query.hello, with the run's arguments: it reads its folder) and check it at once
+        (`admit`): {site: report}."""
         hello = {"args": json.dumps(vars(args)), "method": self.method}
-        end, said = time.time() + self.wait, {}
+        end, said, self.nodes = time.time() + self.wait, {}, {}
         while True:
             new = sorted(set(self.grid.get_node_ids()) - set(said))
             for i, r in zip(new, self._send([(i, "query.hello", hello) for i in new], 0)
@@ -284,23 +282,32 @@ class Link:
                 if wrong:
                     raise BadReply(f"a bad reply from {where}: {wrong}")
                 said[i] = report
-            missing = sorted(set(range(P + E)) - {r["site"] for r in said.values()})
+            if new:
+                self.admit(said, args, P, E)
+            missing = sorted(set(range(P + E)) - set(self.nodes))
             if not missing:
-                break
+                return {p: said[i] for p, i in self.nodes.items()}
             if time.time() > end:
                 raise common.UserError(self.absent(missing, P, len(said)))
             time.sleep(0.5)
+
+    def admit(self, said, args, P, E):
+        """The nodes that reported so far ({node id: report}) by site, into self.nodes. With `keys`,
+        a node holds the partition its registered key was made for, whatever it claims; without,
+        of two claims of one partition the later node's is refused (its activation time); a node's
+        role (training or evaluation-only) and dataset must be its site's."""
         info = {n.node_id: n for n in self.grid.get_nodes()}
-        if self.keys is not None:
-            for i, r in said.items():
-                own = self.keys.get(bytes(getattr(info.get(i), "public_key", b"")))
-                if own != r["site"]:
-                    whose = "a key of no partition" if own is None else f"partition {own}'s key"
-                    raise BadReply(f"a bad reply from node {i}: it claims partition id "
-                                   f"{r['site']}, and its registered key is {whose}")
+        says = {"train": "it trains", "evaluate": "evaluate-only"}
+        site_is = {"train": "a training site", "evaluate": "an evaluation site"}
         parts = {}
         for i, r in sorted(said.items(), key=lambda s: activated(info.get(s[0]))):
             p, role = r["site"], "train" if r["site"] < P else "evaluate"
+            own = self.keys.get(bytes(getattr(info.get(i), "public_key", b""))) \
+                if self.keys is not None else p
+            if own != p:
+                whose = "a key of no partition" if own is None else f"partition {own}'s key"
+                raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, and its "
+                               f"registered key is {whose}")
             if p in parts:
                 raise BadReply(f"a bad reply from node {i}: it claims partition id {p}, which "
                                f"node {parts[p]} has held since before it connected; "
@@ -308,8 +315,6 @@ class Link:
             if not 0 <= p < P + E:
                 raise BadReply(f"a bad reply from node {i}: it claims partition id {p}; this run "
                                f"has sites 0..{P + E - 1} ({P} training, {E} evaluation)")
-            says = {"train": "it trains", "evaluate": "evaluate-only"}
-            site_is = {"train": "a training site", "evaluate": "an evaluation site"}
             if r["dataset"] != args.dataset:
                 raise BadReply(f"a bad reply from node {i} (partition {p}): its data are of "
                                f"{r['dataset']}, this run's of {args.dataset}")
@@ -319,7 +324,6 @@ class Link:
                                f"0..{P - 1} train, {P}..{P + E - 1} evaluate)")
             parts[p] = i
         self.nodes = parts
-        return {p: said[i] for p, i in parts.items()}
 
     def absent(self, missing, P, connected):
         """The line for sites no node held after `wait` seconds."""
@@ -404,6 +408,13 @@ class Said(io.TextIOBase):
         self.stream.flush()
 
 
+def on_nodes(record):
+    """A method's record as it runs on Flower: its clients never train at once in process
+    (--parallel-clients auto: off; on, and --compile, refused)."""
+    return dataclasses.replace(record, parallel=lambda args: "trains every client on its own "
+                               "node on Flower")
+
+
 def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None):
     """The ServerApp's work: `method`'s own run, harness.main(METHOD, argv), with a Link as
     common.on_clients' engine and as the run's `sites` (the nodes hold the data: the server reads
@@ -414,13 +425,11 @@ def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None):
     own = importlib.import_module(method).METHOD
     link = Link(grid, wait, method, qualified(own.init_state) if own.init_state else None,
                 evaluators=evaluators)
-    on_nodes = dataclasses.replace(own, parallel=lambda args: "trains every client on its own "
-                                   "node on Flower")
     said = Said(sys.stderr)
     try:
         with contextlib.redirect_stderr(said):
             link.keys = node_keys(keys) if keys else None
-            results = harness.main(on_nodes, argv, engine=link, sites=link.sites)
+            results = harness.main(on_nodes(own), argv, engine=link, sites=link.sites)
     except (SystemExit, common.UserError) as e:
         if isinstance(e, SystemExit) and not e.code:
             raise

@@ -17,7 +17,24 @@ The route is matched against the raw request line ($request_uri: before nginx de
 merges slashes or resolves dot segments), so a path trick never matches; the Fleet calls carry
 their SuperNode's signed headers through to the SuperLink, which checks them (its
 --enable-supernode-auth). Bodies are bounded per request (--max-body, default 8 MiB: Flower
-sends an array in chunks of at most 5 MiB, one object a request) and held in memory.
+sends an array in chunks of at most 5 MiB, one object a request).
+
+What an outsider can make nginx hold. Reaching nginx takes no certificate (a node's credentials
+are inside Flower's signed headers, which the SuperLink checks), and nginx holds a request's body
+in memory until it has all of it, so anyone could open connections that send bodies just under
+--max-body and then wait. So:
+- one client address has at most PER_ADDRESS (8) requests in progress at once (headers read,
+  body being read or forwarded): more are answered 503, which Flower's SuperNode retries (flwr
+  1.42, flwr/supercore/retry/http_retry.py). One address holds at most PER_ADDRESS bodies. An
+  honest SuperNode has up to 3 at once (its heartbeat, and its messages or 2 object pushes or
+  pulls at a time: FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES, _PULLS). 127.0.0.1 and ::1 are not
+  limited: a process on the server's host reaches the SuperLink directly anyway, and a local
+  federation's SuperNodes (run_local.py --secure) all come from there;
+- headers and body must keep arriving: TIMEOUT (10 s) without a byte of either ends the request
+  (nginx's default, 60 s, let a silent connection keep its body six times as long).
+A body stays in memory, never on disk (as replies do): nginx's workers, `nobody` when nginx is
+started as root, could not write into a private --workdir anyway. flower/proxy_memory.py
+measures nginx's memory under such connections, with this configuration and the one before.
 """
 import argparse
 import ipaddress
@@ -30,6 +47,10 @@ from pathlib import Path
 FLEET = ("register-node", "activate-node", "deactivate-node", "unregister-node",
          "send-node-heartbeat", "pull-messages", "push-messages", "get-run", "get-fab",
          "push-object", "pull-object", "confirm-message-received")
+# What one client address may make nginx hold (the module's docstring): requests in progress at
+# once, seconds without a byte of a request's headers or body.
+PER_ADDRESS = 8
+TIMEOUT = "10s"
 
 TEMPLATE = """\
 # The fedood federation's reverse proxy (flower/proxy.py): TLS on {listen}, the Fleet API alone
@@ -49,6 +70,13 @@ http {{
     uwsgi_temp_path {workdir}/uwsgi-temp;
     scgi_temp_path {workdir}/scgi-temp;
     server_tokens off;
+    # requests in progress per client address, but the server's own (1 MiB: thousands at once)
+    map $remote_addr $client_address {{
+        default $binary_remote_addr;
+        127.0.0.1 "";
+        "::1" "";
+    }}
+    limit_conn_zone $client_address zone=per_address:1m;
 
     # 1 for a Fleet route exactly as a SuperNode sends it (no query, no encoding, no dots)
     map $request_uri $fleet_route {{
@@ -64,6 +92,10 @@ http {{
 
         client_max_body_size {max_body};
         client_body_buffer_size {max_body};      # a body stays in memory, never on disk
+        client_header_timeout {timeout};         # without a byte of the headers
+        client_body_timeout 60s;
+        limit_conn per_address {per_address};
+        limit_conn_status 503;                   # what Flower's SuperNode retries
 
         location / {{
             if ($fleet_route = 0) {{
@@ -94,8 +126,10 @@ UNSAFE = re.compile(r"[\s;{}'\"#$\\]")
 def config(listen, superlink_port, certs, workdir, max_body="8m"):
     """The nginx configuration: TLS with certs/server.crt and server.key on `listen` (host:port),
     the Fleet routes forwarded to https://127.0.0.1:superlink_port (its certificate checked
-    against certs/ca.crt), its pid, logs and temporary folders in `workdir`. ValueError for a
-    path nginx would not read as one path, or a body size that is not nginx's N, Nk or Nm."""
+    against certs/ca.crt), its pid, logs and temporary folders in `workdir`; PER_ADDRESS
+    requests at once per client address, TIMEOUT without a byte of a request's headers or body.
+    ValueError for a path nginx would not read as one path, or a body size that is not nginx's
+    N, Nk or Nm."""
     certs, workdir = Path(certs).resolve(), Path(workdir).resolve()
     for flag, path in (("--certs", certs), ("--workdir", workdir)):
         if UNSAFE.search(str(path)):
@@ -104,7 +138,8 @@ def config(listen, superlink_port, certs, workdir, max_body="8m"):
     if not re.fullmatch(r"[1-9][0-9]{0,5}[km]?", str(max_body)):
         raise ValueError(f"--max-body {max_body!r}: give a size as nginx writes it, e.g. 8m")
     return TEMPLATE.format(listen=listen, superlink_port=superlink_port, certs=certs,
-                           workdir=workdir, max_body=max_body, routes="|".join(FLEET))
+                           workdir=workdir, max_body=max_body, routes="|".join(FLEET),
+                           per_address=PER_ADDRESS, timeout=TIMEOUT)
 
 
 class Parser(argparse.ArgumentParser):

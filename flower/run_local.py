@@ -1,6 +1,8 @@
-"""Run a method on a real Flower deployment on this machine: a SuperLink and one SuperNode per
-client, all on 127.0.0.1 (free ports), then `flwr run` of the Flower App in flower/. Every process
-it starts is stopped again, by its process group, on success, on failure and on Ctrl-C.
+"""Run a method on a real Flower deployment on this machine: the run's split exported into one
+folder per site (harness.sites), a SuperLink and one SuperNode per site, each given its own folder
+alone (the held-out domain's node evaluation-only), all on 127.0.0.1 (free ports), then `flwr run`
+of the Flower App in flower/, whose server reads no data. Every process it starts is stopped
+again, by its process group, on success, on failure and on Ctrl-C.
 
     python flower/run_local.py --method fediir --nodes 3 --rounds 2
     python flower/run_local.py --method fedomg --nodes 3 --rounds 2 --out results/omg.json
@@ -8,7 +10,8 @@ it starts is stopped again, by its process group, on success, on failure and on 
     python flower/run_local.py --method fediir --nodes 3 --rounds 2 --secure
         # as across machines: TLS, registered node keys, the nodes through the proxy
 
---nodes is the number of clients (one SuperNode each). The dataset is the synthetic one unless
+--nodes is the number of clients (one SuperNode each; the held-out domain's site one more). The
+dataset is the synthetic one unless
 --dataset says otherwise (it needs no download; the digits' domains need --nodes >= 5). Flags
 after `--` go to the method as they are (python <method>.py --help). --out follows the method
 scripts' rules (docs/results-format.md, "What a run owns"): its lock is held for the whole run,
@@ -25,6 +28,7 @@ import io
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -40,9 +44,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 import harness  # noqa: E402  (first: a Ctrl-C while torch loads is one line, exit 130)
 from data import UserError  # noqa: E402
-from harness import outputs  # noqa: E402
+from harness import outputs, sites  # noqa: E402
 from harness.config import Parser  # noqa: E402  (bad input: one line, exit 2, not argparse's)
 from harness.methods import METHODS  # noqa: E402
+from harness.provenance import code_files  # noqa: E402
 
 
 Refused = UserError     # bad input or a failed start: one line on stderr, exit 2
@@ -90,8 +95,9 @@ def method_argv(a, resume=False):
 
 
 def check(a):
-    """Refuse what the run would refuse, before any process starts: the
-    method, the nodes, the flags."""
+    """Refuse what the run would refuse, before any process starts: the method, the nodes, the
+    flags (those the ServerApp refuses too: fl_adapter.on_nodes). Returns the run's arguments,
+    resolved, and its data settled; an --resume of a complete result: None (nothing to do)."""
     if a.method not in METHODS:
         raise Refused(f"unknown method {a.method!r}; choose from {', '.join(METHODS)}")
     if a.method == "fedloe" and a.rounds is not None:
@@ -121,17 +127,24 @@ def check(a):
     outputs.check_out(a.out)
     from harness.config import after_load, load_data
 
-    said, method = io.StringIO(), importlib.import_module(a.method).METHOD
+    import fl_adapter
+    said, method = io.StringIO(), fl_adapter.on_nodes(importlib.import_module(a.method).METHOD)
     try:        # the run's arguments and clients, as it would resolve them (--out: checked above)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
             args = harness.resolve(method, method_argv(a))
-            after_load(args, load_data(args))
+            ds = load_data(args)
+            after_load(args, ds)
+            if a.resume and outputs.complete(a.out) and not a.overwrite:     # as harness.run
+                outputs.load_checkpoint(outputs.Files(a.out).ckpt, args, a.method,
+                                        code_files(method.round))
+                return None
     except (UserError, SystemExit) as e:   # its own refusal (one line), of --nodes, not --clients
         line = str(e) if isinstance(e, UserError) else \
             (said.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1].split("error: ", 1)[-1]
         raise Refused(line.replace(f"--clients {a.nodes}", f"--nodes {a.nodes}")) from None
     if args.clients != a.nodes:
         raise Refused(f"--nodes {a.nodes}: the run has {args.clients} clients (one SuperNode each)")
+    return args
 
 
 def free_port():
@@ -166,9 +179,10 @@ class Processes:
     def __init__(self, env, logdir):
         self.env, self.logdir, self.procs = env, logdir, []
 
-    def start(self, name, cmd):
+    def start(self, name, cmd, env=None):
         log = open(self.logdir / f"{name}.log", "w")
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env,
+                                                                              **(env or {})},
                              cwd=self.logdir, start_new_session=True)
         self.procs.append((name, p))
         return p
@@ -260,7 +274,7 @@ class Deployment:
     127.0.0.1 (proxy=False: the nodes too, as before the proxy; flower/overhead.py compares).
     stop() ends every process, however the run ended."""
 
-    def __init__(self, logdir, port, secure=False, keys=0, proxy=True):
+    def __init__(self, logdir, port, secure=False, keys=0, proxy=True, env=None):
         self.logdir, self.port, self.secure, self.proxy = Path(logdir), port, secure, proxy
         self.certs, self.proxy_port = self.logdir / "certs", None
         if secure:
@@ -270,6 +284,7 @@ class Deployment:
             "insecure = true"
         self.env, self.bin = environment(port, self.logdir, connection), \
             Path(sys.executable).parent
+        self.env.update(env or {})           # (the tests': the SuperLink's and its ServerApp's)
         self.procs = Processes(self.env, self.logdir)
 
     def start(self):
@@ -312,9 +327,10 @@ class Deployment:
             raise Refused(f"flwr supernode register of node {k} failed "
                           f"(exit {r.returncode}: {tail[0][:200]})")
 
-    def node(self, name, partition, nodes, key=None, ca=None, config="", flags=()):
+    def node(self, name, partition, nodes, key=None, ca=None, config="", flags=(), env=None):
         """A SuperNode with this partition id (secure: with node key `key` and trusting the CA of
-        folder `ca`, default this run's); config: further node config; flags: further flags."""
+        folder `ca`, default this run's); config: further node config (its folder: data=...);
+        flags: further flags; env: further environment (the tests')."""
         flags = [*flags, *(["--insecure"] if not self.secure else
                            ["--root-certificates", str((ca or self.certs) / "ca.crt"),
                             "--auth-supernode-private-key", str(self.certs / f"node-{key}")])]
@@ -322,7 +338,7 @@ class Deployment:
                                        "--superlink", self.address, "--host", "127.0.0.1",
                                        "--port", str(free_port()), "--node-config",
                                        f"partition-id={partition} num-partitions={nodes} "
-                                       f"{config}".strip()])
+                                       f"{config}".strip()], env)
 
     def run(self, config, app=HERE, timeout=3600):
         """`flwr run` of the App in `app` with this run config, its logs streamed: the completed
@@ -348,26 +364,36 @@ def environment(port, logdir, connection):
                 OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def deploy(a, port, logdir, intruders=(), app=HERE, node_config=None):
-    """The deployment (Deployment: with --secure, each node's key registered), the SuperNodes (and
-    the tests' intruders, which should get nothing: "unregistered", the CA trusted but the key
-    not registered; "untrusting", the key registered but another CA trusted), then `flwr run` of
-    the App in `app`: (its completed process, its seconds); every process stopped however it
-    ends. node_config: {partition: further node config} (the tests')."""
-    d = Deployment(logdir, port, a.secure, a.nodes + len(intruders))
+def site_config(folders, P, k):
+    """Node config of the node of site k: its folder alone, evaluation-only from site P on."""
+    return f'data="{folders[k]}"' + (" evaluate-only=true" if k >= P else "")
+
+
+def deploy(a, port, logdir, folders, intruders=(), app=HERE, node_config=None, env=None):
+    """The deployment (Deployment: with --secure, each node's key registered), a SuperNode per site
+    of `folders` (the exported split: the first a.nodes train, the others evaluate), each given
+    its own folder alone (and the tests' intruders, which should get nothing: "unregistered", the
+    CA trusted but the key not registered; "untrusting", the key registered but another CA
+    trusted), then `flwr run` of the App in `app`: (its completed process, its seconds); every
+    process stopped however it ends. node_config: {partition: further node config}; env:
+    {"server": further environment of the SuperLink (and its ServerApp), partition: of that
+    node} (the tests')."""
+    n, P, env = len(folders), a.nodes, env or {}
+    d = Deployment(logdir, port, a.secure, n + len(intruders), env=env.get("server"))
     try:
         d.start()
-        members = [*range(a.nodes), *(a.nodes + j for j, k in enumerate(intruders)
-                                      if k == "untrusting")]
+        members = [*range(n), *(n + j for j, k in enumerate(intruders) if k == "untrusting")]
         for k in members if a.secure else []:
             d.register(k)
         if "untrusting" in intruders:
             import credentials
             credentials.make(logdir / "another-ca", ["127.0.0.1"], 1)
-        nodes = [d.node(f"supernode-{i}", i, a.nodes, key=i,
-                        config=(node_config or {}).get(i, "")) for i in range(a.nodes)]
+        more = lambda k: (node_config or {}).get(k, "")
+        nodes = [d.node(f"supernode-{k}", k, n, key=k, config=f"{site_config(folders, P, k)} "
+                        f"{more(k)}".strip(), env=env.get(k))
+                 for k in range(n)]
         for j, kind in enumerate(intruders):
-            d.node(f"supernode-{a.nodes + j}", j % a.nodes, a.nodes, key=a.nodes + j,
+            d.node(f"supernode-{n + j}", j % P, n, key=n + j, config=site_config(folders, P, j % P),
                    ca=logdir / "another-ca" if kind == "untrusting" else None)
         time.sleep(3)                                # a SuperNode that cannot start says so at once
         for i, node in enumerate(nodes):
@@ -376,10 +402,12 @@ def deploy(a, port, logdir, intruders=(), app=HERE, node_config=None):
                 raise Refused(f"SuperNode {i} exited at start "
                               f"(code {node.returncode}: {last_line(log)}); log: {log}")
         config = f'method="{a.method}" argv={json.dumps(shlex.join(method_argv(a, a.resume)))}'
+        config += f" evaluators={n - P}"
         if a.secure:                # each node holds the partition its key was made for
             config += f' keys="{d.certs}"'
         print(f"SuperLink 127.0.0.1:{port}" + (f", proxy {d.address}" if a.secure else "")
-              + f", {a.nodes} SuperNodes; logs in {logdir}", flush=True)
+              + f", {P} SuperNodes" + (f" and {n - P} evaluation-only" if n > P else "")
+              + f", each with its own folder of {logdir / 'sites'}; logs in {logdir}", flush=True)
         t0 = time.time()
         run = d.run(config, app, a.timeout)
         (logdir / "flwr-run.log").write_text(run.stdout + run.stderr)
@@ -456,6 +484,9 @@ def keep(fresh, plan):
     return kept
 
 
+ESCAPES = r"\x1b\[[0-9;?]*[A-Za-z]"           # a terminal's colours and cursor moves
+
+
 def failure(run, fresh, logdir, kept):
     """The one line that says why the run failed: the run's own error line (<out>.flower.json,
     written by the ServerApp: fl_adapter.serve), its paths in the log folder put as --out's."""
@@ -463,7 +494,7 @@ def failure(run, fresh, logdir, kept):
     error = json.loads(timing.read_text()).get("error") if timing.exists() else None
     if error is None:
         tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
-        error = f"the run did not finish ({tail[0]})"
+        error = f"the run did not finish ({re.sub(ESCAPES, '', tail[0])})"
     error = error.split(": error: ", 1)[-1].split("; stopped; ")[0]
     return f"{error}; stopped; {saved(kept)}; logs: {logdir}"
 
@@ -475,9 +506,9 @@ def saved(kept):
     return " and ".join(kept) + (" are" if len(kept) > 1 else " is") + " kept: --resume goes on"
 
 
-def main(argv=None, intruders=(), app=HERE, node_config=None):
-    """The command line (the tests': intruders, see deploy; app, the Flower App's folder;
-    node_config, {partition: further node config})."""
+def main(argv=None, intruders=(), app=HERE, node_config=None, env=None):
+    """The command line (the tests': intruders, node_config and env, see deploy; app, the Flower
+    App's folder)."""
     try:
         a = parse(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
@@ -494,19 +525,23 @@ def main(argv=None, intruders=(), app=HERE, node_config=None):
     before = {sig: signal.signal(sig, interrupted)
               for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return run_and_settle(a, intruders, app, node_config)
+        return run_and_settle(a, intruders, app, node_config, env)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
 
 
-def run_and_settle(a, intruders=(), app=HERE, node_config=None):
-    """main's work once the flags are parsed: the checks, the deployment, the results at --out; the
-    exit code."""
+def run_and_settle(a, intruders=(), app=HERE, node_config=None, env=None):
+    """main's work once the flags are parsed: the checks, the split exported (a folder a site),
+    the deployment, the results at --out; the exit code."""
     logdir = fresh = plan = None
     done, kept = False, []
     try:
-        check(a)
+        args = check(a)
+        if args is None:
+            print(f"{a.out} is complete, and its checkpoint was made with these arguments: "
+                  f"nothing to continue (nothing started)")
+            return 0
         port = a.port or free_port()
         if not port_free(port):
             raise Refused(f"port {port} on 127.0.0.1 is in use; "
@@ -519,8 +554,10 @@ def run_and_settle(a, intruders=(), app=HERE, node_config=None):
             if plan.read is not None:
                 move(plan.read, outputs.Files(fresh).ckpt)
             a.out = str(fresh)
+            with contextlib.redirect_stdout(io.StringIO()):
+                folders = sites.export(args, logdir / "sites")
             try:
-                run, seconds = deploy(a, port, logdir, intruders, app, node_config)
+                run, seconds = deploy(a, port, logdir, folders, intruders, app, node_config, env)
             finally:
                 done = outputs.complete(fresh)
                 if not done:

@@ -101,6 +101,14 @@ def run(out, *hosts, nodes=1):
         (["server.example\n"], "neither"),
         (["127.0.0.1", "Lab.Example.", "lab.example"], "names lab.example twice"),
         (["::1", "0:0::1"], "names ::1 twice"),
+        # "any address": where a server listens, never an address a client connects to
+        (["0.0.0.0"], "the unspecified address means 'any address'"),
+        (["::"], "the unspecified address"),
+        (["0:0::0"], "the unspecified address"),
+        (["10.0.0.1", "::ffff:0.0.0.0"], "the unspecified address"),
+        (["224.0.0.1"], "a multicast address"),
+        (["ff02::1"], "a multicast address"),
+        (["255.255.255.255"], "the broadcast address"),
     ],
 )
 def test_bad_hosts_are_refused_in_one_line_with_nothing_written(tmp_path, capsys, hosts, why):
@@ -178,6 +186,26 @@ def parent_named_with_a_newline(parent, elsewhere):
     return parent / "new\nline" / "certs", "new\\nline"
 
 
+def control_character(char):
+    """A situation: --out's own name holds char (the message escapes it: still one line)."""
+    def out_holding(parent, elsewhere):
+        return parent / f"cer{char}ts", f"--out {parent}/cer{repr(char)[1:-1]}ts holds a control"
+    out_holding.__name__ = f"out_holding_{ord(char):#04x}"
+    return out_holding
+
+
+def parent_named_with_a_tab(parent, elsewhere):
+    # a control character above --out's own name, in a folder that exists
+    return private_folder(parent / "in\tner") / "certs", "in\\tner/certs holds a control"
+
+
+def cwd_named_with_an_escape(parent, elsewhere):
+    # --out relative, the control character in the folder it is relative to (its full path)
+    inner = private_folder(parent / "in\x1bner")
+    os.chdir(inner)
+    return "certs", f"--out certs (its full path {parent}/in\\x1bner/certs) holds a control"
+
+
 def parent_a_file(parent, elsewhere):
     (parent / "f").write_bytes(b"")
     return parent / "f" / "certs", "is not a folder"
@@ -213,11 +241,16 @@ AS_ROOT = pytest.mark.skipif(not ROOT, reason="only root can give a folder to an
         parent_missing,
         parent_named_with_a_newline,
         parent_a_file,
+        *(control_character(c) for c in "\n\r\t\x00\x01\x1b\x1f\x7f"),
+        parent_named_with_a_tab,
+        cwd_named_with_an_escape,
         pytest.param(out_of_another_user, marks=AS_ROOT),
         pytest.param(parent_of_another_user, marks=AS_ROOT),
     ],
 )
-def test_a_bad_out_is_refused_in_one_line_with_nothing_written(tmp_path, capsys, situation):
+def test_a_bad_out_is_refused_in_one_line_with_nothing_written(tmp_path, capsys, situation,
+                                                               monkeypatch):
+    monkeypatch.chdir(tmp_path)          # a situation may change the working folder
     parent = private_folder(tmp_path / "p")
     elsewhere = private_folder(tmp_path / "elsewhere")
     out, why = situation(parent, elsewhere)

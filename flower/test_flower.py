@@ -1,6 +1,6 @@
-"""The Flower App (docs/flower.md): every method through Flower's message round trip equals the
-method file's own run, bit for bit; run_local.py's real processes (FLOWER_DEPLOY=1) and its bad
-input."""
+"""The Flower App (docs/flower.md): every method through Flower's message round trip, each node
+reading its own folder alone and the server no data, equals the method file's own run, bit for
+bit; what a node reads and refuses; run_local.py's bad input."""
 import concurrent.futures
 import contextlib
 import importlib
@@ -24,12 +24,14 @@ HERE = Path(__file__).resolve().parent
 
 import torch  # noqa: E402
 
+import audit  # noqa: E402
 import bad_node  # noqa: E402
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402  (puts the repository on the path)
+import data  # noqa: E402
 import fedavg  # noqa: E402
 import harness  # noqa: E402
-from harness import config, outputs, runner  # noqa: E402
+from harness import config, outputs, runner, sites  # noqa: E402
 
 FEDAVG_UPDATE = fedavg.client_update
 
@@ -56,18 +58,60 @@ ARGV = {
 }
 
 
+def exported(method, argv, tmp_path):
+    """The split of the method file's run with argv written to tmp_path/sites (python -m
+    harness.datasets --export): (its folders, the number of training sites)."""
+    args = harness.resolve(importlib.import_module(method).METHOD,
+                           argv + ["--out", str(tmp_path / "unused.json")])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return sites.export(args, tmp_path / "sites"), args.clients
+
+
+def grid_of(method, argv, tmp_path, app=None, kind=None, **kw):
+    """A fake grid (`kind`, default FakeGrid) of one node per site of the run's exported split,
+    each with its folder; the nodes of sites P and up evaluation-only."""
+    folders, P = exported(method, argv, tmp_path)
+    return (kind or fake_grid.FakeGrid)(app or fl_adapter.client_app(), folders, train=P, **kw)
+
+
+@contextlib.contextmanager
+def each_reads_its_own(grid, tmp_path, data_files=(data.EMBEDDED,)):
+    """Within: a node may read its own folder and no other site's, the server (everything outside
+    a node's work) no site's at all, nor the dataset's files (audit: a refusal is a
+    PermissionError, and is logged); afterwards, no refusal was logged."""
+    folders = [c.node_config["data"] for c in grid.contexts.values()]
+    deny = [str(Path(folders[0]).parent), *map(str, data_files)]
+    log = tmp_path / "reads.log"
+    with audit.watching({"*": ([], deny), **{f: ([f], deny) for f in folders}}, log):
+        yield
+    assert audit.refusals(log) == []
+
+
 def run_both(method, tmp_path, argv=None, also=()):
-    """The method file's own run and the same run through the fake grid (its nodes running `also`
-    too): (results, checkpoint) each."""
+    """The method file's own run and the same run through the fake grid, whose nodes hold the
+    export of its split (and run `also` too), each reading only its own folder and the server no
+    data (each_reads_its_own): (results, checkpoint, the grid) each."""
     argv = argv or ARGV[method]
     mod = importlib.import_module(method)
     mod.main(argv + ["--out", str(tmp_path / "own.json")])
-    n = int(argv[argv.index("--clients") + 1])
-    grid = fake_grid.FakeGrid(fl_adapter.client_app(also), n)
-    fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "flower.json")])
+    grid = grid_of(method, argv, tmp_path, fl_adapter.client_app(also))
+    with each_reads_its_own(grid, tmp_path):
+        fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "flower.json")])
     load = lambda name: (json.loads((tmp_path / f"{name}.json").read_text()),
                          torch.load(tmp_path / f"{name}.json.ckpt", weights_only=True))
-    return load("own"), load("flower")
+    return load("own"), load("flower"), grid
+
+
+def kept_on_nodes(grid, key):
+    """{site: what its node keeps under `key` in its own state (Flower's Context.state)}."""
+    out = {}
+    for context in grid.contexts.values():
+        record = context.state.get("fedood")
+        for blob in (record.values() if record is not None else []):
+            kept = torch.load(io.BytesIO(blob), weights_only=True)
+            if key in kept:
+                out[context.node_config["partition-id"]] = kept[key]
+    return out
 
 
 def history(res):
@@ -90,7 +134,7 @@ def test_flower_takes_auto_as_one_client_per_node_on_a_gpu_too(tmp_path, monkeyp
     assert args.parallel_clients == "off" and isinstance(seen["engine"], fl_adapter.Link)
     assert config.parallel(gpu("auto"))                         # the method file's own: on for CUDA
     monkeypatch.undo()
-    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
+    grid = grid_of("fedavg", ARGV["fedavg"], tmp_path)
     for extra, expect in ((["--parallel-clients", "on"],
                            "--parallel-clients on: fedavg trains every client on "
                                                           "its own node on Flower; use off"),
@@ -107,16 +151,24 @@ def test_flower_takes_auto_as_one_client_per_node_on_a_gpu_too(tmp_path, monkeyp
 @pytest.mark.parametrize("method", list(ARGV))
 def test_flower_equals_the_method_file(method, tmp_path):
     """torch.equal: the same operations in the same order (the method's client functions on the
-    node, its server functions on the server, the minibatch stream handed from node to node)."""
-    (own, own_ckpt), (fl, fl_ckpt) = run_both(method, tmp_path)
+    node, its server functions on the server, each client's own stream), every evaluation the same
+    (each site scores its own data, the server sums), with each node reading only the exported
+    folder of its site (the held-out domain: an evaluation-only node) and the server no data
+    (each_reads_its_own). PerInvFL's θ_i never leaves its node: the server's checkpoint holds
+    none, and each node's own equals the in-process run's."""
+    (own, own_ckpt), (fl, fl_ckpt), grid = run_both(method, tmp_path)
     assert own["complete"] and fl["complete"]
     for k, v in own_ckpt["model"].items():
         assert torch.equal(v, fl_ckpt["model"][k]), f"{method}: {k} differs"
     assert history(own) == history(fl)
     assert own_ckpt["sampler"].equal(fl_ckpt["sampler"])
-    if method == "perinvfl":                # the personalised models, scored from the nodes' copies
-        assert all(torch.equal(a, b) for a, b in zip(own_ckpt["state"]["theta"],
-                                                     fl_ckpt["state"]["theta"]))
+    on_nodes = kept_on_nodes(grid, "theta")
+    if method == "perinvfl":                     # the personalised models: each on its node only
+        mine = {i: s["theta"] for i, s in own_ckpt["state"]["clients"].items() if "theta" in s}
+        assert sorted(on_nodes) == sorted(mine) == [0, 1, 2]
+        assert all(torch.equal(mine[i], on_nodes[i]) for i in mine)
+    assert not on_nodes or method == "perinvfl"
+    assert not any(fl_ckpt["state"].get("clients", {}).values())       # nothing of a node's own
 
 
 def test_flower_equals_fedipg_with_a_slow_client(tmp_path, monkeypatch):
@@ -126,9 +178,9 @@ def test_flower_equals_fedipg_with_a_slow_client(tmp_path, monkeypatch):
     import fedipg_aberrant
     monkeypatch.setattr(fedipg, "main", fedipg_aberrant.main)
     monkeypatch.setattr(fedipg, "METHOD", fedipg_aberrant.METHOD)      # (what the ServerApp runs)
-    (own, own_ckpt), (fl, fl_ckpt) = run_both("fedipg", tmp_path, ARGV["fedipg"]
-                                              + ["--aberrant", "slow:2"],
-                                              also=[fedipg_aberrant.init_state])
+    (own, own_ckpt), (fl, fl_ckpt), _ = run_both("fedipg", tmp_path, ARGV["fedipg"]
+                                                 + ["--aberrant", "slow:2"],
+                                                 also=[fedipg_aberrant.init_state])
     assert all(torch.equal(v, fl_ckpt["model"][k]) for k, v in own_ckpt["model"].items())
     assert history(own) == history(fl) and "aberrant_acc" in own["domains"]["style0"]["history"][0]
 
@@ -138,6 +190,9 @@ def slow_client_update(site, sent):
     name)."""
     time.sleep(0.3)
     return FEDAVG_UPDATE(site, sent)
+
+
+slow_client_update.replies = FEDAVG_UPDATE.replies          # (what the server checks it against)
 
 
 def overlap(spans, phase="client_update"):
@@ -156,10 +211,13 @@ def test_the_nodes_of_an_exchange_work_at_the_same_time(tmp_path, monkeypatch):
     monkeypatch.setattr(fedavg, "client_update", slow_client_update)
     argv = BASE + ["--clients", "3", "--sample", "3", "--rounds", "2"]
     fedavg.main(argv + ["--out", str(tmp_path / "own.json")])
-    grid = fake_grid.ThreadGrid(fl_adapter.client_app([slow_client_update]), 3)
+    grid = grid_of("fedavg", argv, tmp_path, fl_adapter.client_app([slow_client_update]),
+                   fake_grid.ThreadGrid)
     _, link = fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "flower.json")])
     for t in (1, 2):
-        assert (sorted(c for _, c, _, _ in link.spans[t]) == [0, 1, 2]
+        trained = [c for phase, c, _, _ in link.spans[t] if phase == "slow_client_update"]
+        scored = [c for phase, c, _, _ in link.spans[t] if phase == "score"]
+        assert (trained == [0, 1, 2] and scored == [0, 1, 2, 3]             # 3: the held-out domain
                 and overlap(link.spans[t], "slow_client_update")), link.spans[t]
     own, fl = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"]
                for k in ("own", "flower"))
@@ -174,16 +232,17 @@ def test_nodes_in_threads_of_one_process_make_their_clients_one_at_a_time(monkey
     inside, most, made = [0], [0], []
 
     class Slow:
-        def __init__(self, init, args, domain, partition):
+        def __init__(self, init, args, roster, site, folder, evaluate_only):
             inside[0] += 1
             most[0] = max(most[0], inside[0])
             time.sleep(0.05)
-            made.append(partition)
+            made.append(site)
             inside[0] -= 1
     monkeypatch.setattr(fl_adapter, "Node", Slow)
-    monkeypatch.setattr(fl_adapter, "_NODES", {("an earlier run", None, "0", 0): object()})
-    req = {"args": json.dumps({"seed": 0}), "init": None, "domain": "0"}
-    ctx = lambda p: types.SimpleNamespace(node_config={"partition-id": p})
+    monkeypatch.setattr(fl_adapter, "_NODES", {("an earlier run", None, "[]", 0, "/x", False):
+                                               object()})
+    req = {"args": json.dumps({"seed": 0}), "init": None, "domain": "0", "roster": "[]"}
+    ctx = lambda p: types.SimpleNamespace(node_config={"partition-id": p, "data": f"/site-{p}"})
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         nodes = list(pool.map(lambda p: fl_adapter.node_for(req, ctx(p % 3)), range(6)))
     assert most[0] == 1 and sorted(made) == [0, 1, 2] and len(fl_adapter._NODES) == 3
@@ -378,14 +437,14 @@ def test_run_local_settles_a_complete_run_at_out_whatever_its_name(tmp_path):
 # ----------------------------------------------------
 # what a node runs, and what the server takes from it
 
-def message(fn, method="fedavg", init=None):
+def message(fn, method="fedavg", init=None, node=1000):
     """A train.client message as the server sends it, naming `fn` (and the init_state `init`)."""
     from flwr.app import Message
     args = json.dumps({"dataset": "synthetic"})
     return Message(fl_adapter.pack({"fn": fn, "phase": "client_update", "round": 1,
-                                    "domain": "style0",
-                                    "args": args, "init": init, "method": method}), 1000,
-                                    "train.client")
+                                    "domain": "style0", "roster": "[]",
+                                    "args": args, "init": init, "method": method}), node,
+                   "train.client")
 
 
 @pytest.mark.parametrize("fn,init,method", [
@@ -396,34 +455,51 @@ def message(fn, method="fedavg", init=None):
                                                             # undeclared init_state
     ("fedavg:client_update", None, "os"),                   # no method of this project
 ])
-def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, monkeypatch):
+def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, monkeypatch,
+                                                           tmp_path):
     """A message naming anything but a client function (or init_state) that the run's method file
     declares (passes to common.on_clients, or to common.main as init_state) gets an error reply
     naming it; nothing runs. The run's method comes from the run config where Flower gives one
     (here: fedavg, whatever the message says)."""
     monkeypatch.setattr(fl_adapter, "node_for",
                         lambda *a: pytest.fail("a node was set up to run it"))
-    monkeypatch.setattr(os, "getcwd", lambda: pytest.fail("os.getcwd ran"))
     config = {"method": "fedavg"} if method == "fedavg" else {}
-    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 1, run_config=config)
-    reply = grid.send_and_receive([message(fn, method, init)])[0]
+    grid = fake_grid.FakeGrid(fl_adapter.client_app(), [tmp_path], run_config=config)
+    monkeypatch.setattr(os, "getcwd", lambda: pytest.fail("os.getcwd ran"))
+    reply = grid.send_and_receive([message(fn, method, init, node=next(iter(grid.contexts)))])[0]
+    monkeypatch.undo()
     named = init if fn.startswith("fedavg:client") and init else fn
     assert reply.has_error() and reply.error.reason == \
         f"{named} is not a client function of {method}.py; nothing was run"
-    assert fl_adapter.declared("fedavg") == {"fedavg:client_update"}
+    assert fl_adapter.declared("fedavg") == {"fedavg:client_update", "common:score"}
     assert fl_adapter.declared("fediir") == {"fediir:classifier_gradient", "fediir:client_update",
-                                             "fediir:init_state"}
+                                             "fediir:init_state", "common:score"}
     # fedipg_round's step 2 is `client or client_update`: its own function, not the parameter
     assert fl_adapter.declared("fedipg") == {"fedipg:risk_gradient", "fedipg:client_update",
-                                             "fedipg:init_state"}
+                                             "fedipg:init_state", "common:score"}
+
+
+def test_an_evaluation_only_node_never_trains(tmp_path, monkeypatch):
+    """A node whose config says evaluate-only=true (the held-out domain's) runs the method's
+    evaluations and nothing that trains: a message naming a client function gets an error reply,
+    nothing set up; declared() says what each may run."""
+    monkeypatch.setattr(fl_adapter, "node_for",
+                        lambda *a: pytest.fail("a node was set up to run it"))
+    grid = fake_grid.FakeGrid(fl_adapter.client_app(), [tmp_path], {"method": "fedavg"}, train=0)
+    reply = grid.send_and_receive([message("fedavg:client_update",
+                                           node=next(iter(grid.contexts)))])[0]
+    assert reply.has_error() and reply.error.reason == \
+        "fedavg:client_update is not an evaluation of fedavg.py; nothing was run"
+    assert fl_adapter.declared("fedavg", evaluate_only=True) == {"common:score"}
+    assert fl_adapter.declared("perinvfl", True) == {"perinvfl:score", "perinvfl:init_state"}
 
 
 @pytest.mark.parametrize("how,what", [
     ("nan", "non-finite theta"),
     ("shape",
-     "theta is ('tensor', ({n},), 'torch.float32'), where the client function gives ('tensor', "
-     "({N},)"),
-    ("dtype", "theta is ('tensor', ({N},), 'torch.float64'), where the client function gives"),
+     "theta is ('tensor', ({n},), 'torch.float32'), where the client function declares "
+     "('tensor', ({N},)"),
+    ("dtype", "theta is ('tensor', ({N},), 'torch.float64'), where the client function declares"),
     ("missing", "missing loss"),
     ("extra", "extra note"),
     ("began", "missing _began"),
@@ -441,7 +517,7 @@ def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_p
     fedavg.main(argv + ["--rounds", "1", "--out", str(tmp_path / "one.json")])
     capsys.readouterr()
     out = tmp_path / "flower.json"
-    grid = fake_grid.FakeGrid(bad_node.tampered(fl_adapter.client_app(), how), 3)
+    grid = grid_of("fedavg", argv, tmp_path, bad_node.tampered(fl_adapter.client_app(), how))
     with pytest.raises(fl_adapter.RunFailed) as e:
         fl_adapter.serve(grid, "fedavg", argv + ["--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
@@ -459,8 +535,9 @@ def test_the_server_checks_every_reply_before_the_round_sees_it(how, what, tmp_p
     assert kept["round"] == 1 and all(torch.equal(v, kept["model"][k])
                                       for k, v in one["model"].items())
     if how == "nan":
-        fl_adapter.serve(fake_grid.FakeGrid(fl_adapter.client_app(), 3), "fedavg",
-                         argv + ["--out", str(out), "--resume"])
+        folders = [c.node_config["data"] for c in grid.contexts.values()]
+        fl_adapter.serve(fake_grid.FakeGrid(fl_adapter.client_app(), sorted(folders), train=3),
+                         "fedavg", argv + ["--out", str(out), "--resume"])
         fedavg.main(argv + ["--out", str(tmp_path / "own.json")])
         own, fl = (torch.load(p, weights_only=True)["model"]
                    for p in (tmp_path / "own.json.ckpt", f"{out}.ckpt"))
@@ -471,7 +548,8 @@ def test_no_method_bounds_a_nodes_finite_update(tmp_path, capsys):
     """What the checks do not catch: a node whose update is its honest one times 1e30, finite and
     of the right shape, passes every check, and the global model takes it (docs/flower.md: what a
     user who needs a bound adds)."""
-    grid = fake_grid.FakeGrid(bad_node.tampered(fl_adapter.client_app(), "huge"), 3)
+    grid = grid_of("fedavg", ARGV["fedavg"], tmp_path,
+                   bad_node.tampered(fl_adapter.client_app(), "huge"))
     results, _ = fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--sample", "3", "--out",
                                                                     str(tmp_path / "r.json")])
     model = torch.load(tmp_path / "r.json.ckpt", weights_only=True)["model"]
@@ -482,10 +560,10 @@ def test_no_method_bounds_a_nodes_finite_update(tmp_path, capsys):
 def test_a_second_node_claiming_a_taken_partition_id_is_named(late, tmp_path, capsys):
     """Two nodes claim one partition id: the one that came online later is named (whichever sorts
     first by node id), never the one that held it."""
-    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
+    grid = grid_of("fedavg", ARGV["fedavg"], tmp_path)
     honest, liar = sorted(grid.contexts)[:2][::1 if late else -1]
-    grid.contexts[liar].node_config["partition-id"] = grid.contexts[honest].node_config[
-        "partition-id"]
+    for key in ("partition-id", "data", "evaluate-only"):      # a copy of its data, its partition
+        grid.contexts[liar].node_config[key] = grid.contexts[honest].node_config[key]
     grid.activated[liar] = "2026-01-01T00:01:00+00:00"                   # after every other node
     with pytest.raises(fl_adapter.RunFailed):
         fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")])
@@ -493,7 +571,7 @@ def test_a_second_node_claiming_a_taken_partition_id_is_named(late, tmp_path, ca
     taken = grid.contexts[honest].node_config["partition-id"]
     assert err == [f"fedavg.py: error: a bad reply from node {liar}: it claims partition id "
                    f"{taken}, which node {honest} has held since before it connected; this run "
-                   f"needs 0..2, one node each; stopped; nothing of this run was saved"], err
+                   f"needs 0..3, one node each; stopped; nothing of this run was saved"], err
 
 
 def test_with_the_nodes_keys_a_node_holds_the_partition_its_key_was_made_for(tmp_path, capsys):
@@ -501,9 +579,9 @@ def test_with_the_nodes_keys_a_node_holds_the_partition_its_key_was_made_for(tmp
     does not hold is named, whenever it came online; with the right keys the run is the method
     file's."""
     import credentials
-    credentials.make(tmp_path / "certs", ["127.0.0.1"], 3)
+    credentials.make(tmp_path / "certs", ["127.0.0.1"], 4)            # 3 clients, the held-out
     pem = {k: v for v, k in fl_adapter.node_keys(tmp_path / "certs").items()}   # partition: key
-    grid = fake_grid.FakeGrid(fl_adapter.client_app(), 3)
+    grid = grid_of("fedavg", ARGV["fedavg"], tmp_path)
     ids = sorted(grid.contexts, key=lambda i: grid.contexts[i].node_config["partition-id"])
     grid.keys = {i: pem[p] for p, i in enumerate(ids)}
     grid.keys[ids[2]] = pem[0]                                   # node of partition 2, key 0's

@@ -87,8 +87,13 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
         plan = outputs.Plan(files, read=files.ckpt if args.resume and files.ckpt.exists()
                             else None, write=files.ckpt)
     common.set_deterministic(not args.nondeterministic)   # before anything meets CUDA
-    ds, todo = (sites or federations)(args, load)
     device, ckpt_path = torch.device(args.device), str(plan.write)
+    try:
+        ds, todo = (sites or federations)(args, load)
+    except NonFinite as e:                  # a node's bad report (Flower): before any training
+        kept = f"the last good checkpoint ({ckpt_path}) is kept" if plan.write.exists() else \
+            "nothing of this run was saved"
+        raise NonFinite(f"{e}; stopped; {kept}") from None
     code = code_files(method.round)
     blob = outputs.load_checkpoint(plan.read, args, name, code) if plan.read is not None else None
     if blob is not None and not plan.replacing and outputs.complete(args.out):

@@ -888,12 +888,16 @@ def test_datasets_help_and_its_errors_are_one_line(tmp_path, capsys):
         datasets.main(["--help"])
     assert e.value.code == 0
     blocks = flag_blocks(capsys.readouterr().out)
-    assert set(blocks) == {"-h", "--download", "--make-fake", "--data-root", "--per-class"}
+    assert set(blocks) == {"-h", "--download", "--make-fake", "--export", "--data-root",
+                           "--per-class", "--method"}
     assert ("DomainBed's archives" in blocks["--download"] and "random images"
-            in blocks["--make-fake"])
+            in blocks["--make-fake"] and "one folder per site" in blocks["--export"])
     assert "the folder to write into" in blocks["--data-root"]
     for argv, message in ((["--data-root", str(tmp_path)],
-                           "one of the arguments --download --make-fake is required"),
+                           "one of the arguments --download --make-fake --export is required"),
+                          (["--download", "pacs"], "--data-root DIR is required"),
+                          (["--make-fake", "pacs", "--data-root", str(tmp_path), "--clients", "3"],
+                           "unrecognized arguments: --clients 3"),
                           (["--download", "nope", "--data-root", str(tmp_path)],
                            "argument --download: invalid choice"),
                           (["--download", "pacs", "--make-fake", "pacs",

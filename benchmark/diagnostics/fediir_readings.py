@@ -31,6 +31,7 @@ import harness  # noqa: E402
 import fediir  # noqa: E402
 
 
+@common.replies(fediir.classifier_gradient.replies)
 def readings_gradient(site, sent):
     """fediir.classifier_gradient with the reading's g_bar: over the client's minibatches (the code)
     or its one full-batch gradient (--gbar clients: count 1, the server's mean over clients),

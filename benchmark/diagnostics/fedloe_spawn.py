@@ -92,6 +92,7 @@ def accuracy(model, x, y, ctx):
 
 
 @common.stackable
+@common.replies(fedloe.stage1_update.replies)
 def branch_update(site, sent):
     """A branch on client c: --spawn-epochs epochs of stage 1's Adam alone from the trunk's
     model."""

@@ -66,6 +66,14 @@ def params_at(model, flat):
             dict(model.named_buffers()))
 
 
+def replies(site, sent):
+    """What variant_update replies (the Eq. 4 check's two numbers when scored, but under ft)."""
+    checked = sent["scored"] and site.args.personalize != "ft"
+    return {"delta": sent["nu"], "loss": common.SCALAR, "risk": common.SCALAR,
+            **({"eq4": torch.empty(2, device="meta")} if checked else {})}
+
+
+@common.replies(replies)
 def variant_update(site, sent):
     """perinvfl.client_update (lines 5-9 on client i) with the variant's line 8 (its start θ_i: ν^t,
     or kept on the client; plain steps of η, or Adam at --lr with its state kept on the client, new
@@ -115,6 +123,7 @@ def variant_update(site, sent):
     return out
 
 
+@common.replies(lambda site, sent: {})
 def fine_tuned(site, sent):
     """IRM-FT's θ_i on client i, kept there to be scored: ν fine-tuned (fine_tune) from its stream
     of the exchange "fine_tune"."""
