@@ -5,7 +5,8 @@ alone and the server no data at all.
 
 In one process (flower/test_flower.py) `watching(rules, who)` sets the rules and `acting(name)`
 says on whose behalf the code runs (a node, the server): the fake grid runs each node's work
-under its name. On real processes (flower/test_deploy.py) this file, copied as sitecustomize.py
+under its name (a thread pool's threads, which carry no context, act for the last one named:
+nodes one after another, as FakeGrid runs them). On real processes (flower/test_deploy.py) this file, copied as sitecustomize.py
 into a folder on PYTHONPATH, installs itself in every Python process that starts with
 FEDOOD_AUDIT in its environment (JSON: {"who": a name, "allow": [folders], "deny": [folders],
 "log": a file}): a SuperNode and the ClientApp processes it starts inherit their node's, the
@@ -25,7 +26,8 @@ import threading
 
 _rules = {}                                      # who -> (allow, deny); "*": everyone else
 _log = [None]
-_who = contextvars.ContextVar("who", default="*")
+_who = contextvars.ContextVar("who", default=None)
+_last = ["*"]               # who acts in threads that do not carry the context (a thread pool's)
 _busy = threading.local()
 _installed = []
 
@@ -42,7 +44,7 @@ def hook(event, args):
     if not isinstance(path, (str, bytes, os.PathLike)):
         return                                   # a file descriptor
     path = os.path.abspath(os.fsdecode(path))
-    who = _who.get()
+    who = _who.get() or _last[0]
     allow, deny = _rules.get(who) or _rules.get("*") or ((), ())
     if under(path, deny) and not under(path, allow):
         say(f"refused {who} {event} {path}")
@@ -85,11 +87,13 @@ def watching(rules, log):
 @contextlib.contextmanager
 def acting(who):
     """Within: the code runs on behalf of `who` (a node's name)."""
-    token = _who.set(who)
+    token, before = _who.set(who), _last[0]
+    _last[0] = who
     try:
         yield
     finally:
         _who.reset(token)
+        _last[0] = before
 
 
 def refusals(log):

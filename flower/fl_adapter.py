@@ -163,7 +163,7 @@ def declared_bytes(want):
 
 
 # what every reply carries besides the client function's own keys (work, on the node)
-SPAN = {"_began": "float", "_ended": "float", "_round": "int", "_phase": "str"}
+SPAN = {"_began": "float", "_ready": "float", "_ended": "float", "_round": "int", "_phase": "str"}
 COUNT = ("tensor", (), "torch.int64")
 
 
@@ -183,9 +183,9 @@ def what_is_wrong(reply, expect, t, phase):
             return f"{k} is {got[k]}, where a node sends {want[k]}"
     if (reply["_round"], reply["_phase"]) != (t, phase):
         return f"it answers round {reply['_round']} ({reply['_phase']}), not round {t} ({phase})"
-    if not (math.isfinite(reply["_began"]) and math.isfinite(reply["_ended"])
-            and reply["_began"] <= reply["_ended"]):
-        return f"its span {reply['_began']}-{reply['_ended']} is not a span of time"
+    began, ready, ended = reply["_began"], reply["_ready"], reply["_ended"]
+    if not (all(map(math.isfinite, (began, ready, ended))) and began <= ready <= ended):
+        return f"its span {began}-{ready}-{ended} is not a span of time"
     for k, want_k in expect.items():
         if want_k[0] == "count" and got[k] == COUNT:
             if not 0 <= int(reply[k]) <= want_k[1]:
@@ -234,8 +234,8 @@ class Link:
         self.keys = keys          # {a node's public key (PEM): the partition id it was made for}
         self.evaluators = evaluators                # evaluation sites (None: by the protocol)
         self.roster = None                          # [[domain, n, n_val, n_test]] by site
-        # round -> [down, up]; seconds; node spans
-        self.moved, self.times, self.spans = {}, {}, {}
+        # round -> [down, up]; seconds; node spans; each node's setup (seconds)
+        self.moved, self.times, self.spans, self.setup = {}, {}, {}, {}
 
     def sites(self, args, load=None):
         """harness.run's `sites`: the federation that the nodes hold, as they report it: --clients
@@ -353,6 +353,8 @@ class Link:
                 raise BadReply(f"a bad reply in round {t} from node {self.nodes[c]} "
                                f"(partition {c}): {wrong}")
         self.times[t] = self.times.get(t, 0.0) + time.perf_counter() - start
+        self.setup.setdefault(t, []).extend((phase, c, r["_ready"] - r["_began"]) for c, r in
+                                            zip(S, replies))
         self.spans.setdefault(t, []).extend((phase, c, r.pop("_began"), r.pop("_ended"))
                                             for c, r in zip(S, replies))
         # in the order of S: the clients' ids
@@ -428,6 +430,9 @@ def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None):
     said = Said(sys.stderr)
     try:
         with contextlib.redirect_stderr(said):
+            if any(a == "--data-root" or a.startswith("--data-root=") for a in argv):
+                raise common.UserError("--data-root: on Flower the server reads no data; each "
+                                       "node reads its own folder (node config data)")
             link.keys = node_keys(keys) if keys else None
             results = harness.main(on_nodes(own), argv, engine=link, sites=link.sites)
     except (SystemExit, common.UserError) as e:
@@ -448,7 +453,7 @@ def report(link, error=None):
     """Per round: seconds of messages and client work, bytes, and each node's span; the run's
     error line if it failed (<out>.flower.json)."""
     rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u,
-                  "spans": link.spans.get(t, [])}
+                  "spans": link.spans.get(t, []), "setup": link.setup.get(t, [])}
               for t, (d, u) in link.moved.items()}
     outputs.write_json(f"{link.out}.flower.json",
                        {"rounds": rounds, **({"error": error} if error else {})})
@@ -562,9 +567,10 @@ def work(msg, context, also=frozenset()):
     kept = (torch.load(io.BytesIO(record[req["domain"]]), weights_only=True)
             if req["domain"] in record else {})
     ctx.clients = {c: to_device(kept, ctx.device)}
+    ready = time.time()                                 # set up: its first step comes now
     out = function(req["fn"])(common.site(ctx, c, req["round"], req["phase"]), sent)
-    out = {**out, "_began": began, "_ended": time.time(), "_round": req["round"],
-           "_phase": req["phase"]}
+    out = {**out, "_began": began, "_ready": ready, "_ended": time.time(),
+           "_round": req["round"], "_phase": req["phase"]}
     if ctx.clients[c]:
         buf = io.BytesIO()
         torch.save(ctx.clients[c], buf)

@@ -93,7 +93,7 @@ http {{
         client_max_body_size {max_body};
         client_body_buffer_size {max_body};      # a body stays in memory, never on disk
         client_header_timeout {timeout};         # without a byte of the headers
-        client_body_timeout 60s;
+        client_body_timeout {timeout};           # without a byte of the body
         limit_conn per_address {per_address};
         limit_conn_status 503;                   # what Flower's SuperNode retries
 

@@ -87,10 +87,16 @@ def parse(argv):
     return args
 
 
-def method_argv(a, resume=False):
+def method_argv(a, resume=False, server=False):
+    """The method's flags of this run; the server's (server=True) without --data-root: the
+    export reads the data, the server none."""
     rounds = [] if a.method == "fedloe" else ["--rounds", str(a.rounds or 2), "--eval-every", "1"]
+    rest = list(a.rest)
+    if server and "--data-root" in rest:
+        del rest[rest.index("--data-root"):rest.index("--data-root") + 2]
+    rest = [r for r in rest if not (server and r.startswith("--data-root="))]
     return ["--dataset", a.dataset, "--clients", str(a.nodes), *rounds,
-            "--test-domain", a.test_domain, "--seed", str(a.seed), "--out", a.out, *a.rest,
+            "--test-domain", a.test_domain, "--seed", str(a.seed), "--out", a.out, *rest,
             *(["--resume"] if resume else [])]
 
 
@@ -401,7 +407,8 @@ def deploy(a, port, logdir, folders, intruders=(), app=HERE, node_config=None, e
                 log = logdir / f"supernode-{i}.log"
                 raise Refused(f"SuperNode {i} exited at start "
                               f"(code {node.returncode}: {last_line(log)}); log: {log}")
-        config = f'method="{a.method}" argv={json.dumps(shlex.join(method_argv(a, a.resume)))}'
+        config = f'method="{a.method}" ' \
+            f'argv={json.dumps(shlex.join(method_argv(a, a.resume, server=True)))}'
         config += f" evaluators={n - P}"
         if a.secure:                # each node holds the partition its key was made for
             config += f' keys="{d.certs}"'

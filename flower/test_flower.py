@@ -759,3 +759,153 @@ def test_the_proxy_configuration_names_the_routes_and_refuses_the_rest(tmp_path)
     assert "map $request_uri $fleet_route" in text and "return 403;" in text
     assert "listen 0.0.0.0:9092 ssl;" in text and "proxy_pass https://127.0.0.1:9091;" in text
     assert "proxy_ssl_verify on;" in text and "client_max_body_size 8m;" in text
+
+
+# ------------------------------------------- a node's own folder: what it refuses, what it costs
+
+@pytest.mark.parametrize("spoil,what", [
+    (lambda f: shutil.rmtree(f), "not found (node config data)"),
+    (lambda f: (shutil.rmtree(f), f.mkdir()), "holds no site.json: the synthetic data reach a "
+                                              "node as an export"),
+    (lambda f: (f / "data.pt").write_bytes(b"0" * 10), "data.pt is not the file site.json names"),
+    (lambda f: (f / "site.json").write_text((f / "site.json").read_text().replace(
+        '"seed": 0', '"seed": 7')), "another run's export: --seed 7 there, 0 here"),
+])
+@pytest.mark.parametrize("when", ["at connection", "in round 2"])
+def test_a_node_with_a_bad_folder_ends_the_run_naming_it(spoil, what, when, tmp_path, capsys,
+                                                         monkeypatch):
+    """A node whose folder is missing, empty, changed since the export or another run's refuses in
+    one line naming its folder: at connection (its report) or when its folder goes bad during the
+    run (its reply in round 2); the run ends in one line naming the node and its partition, as a
+    bad reply does, and the last good checkpoint (round 1's) stays at <out>.ckpt."""
+    argv, out = ARGV["fedavg"] + ["--sample", "3"], tmp_path / "flower.json"
+    grid = grid_of("fedavg", argv, tmp_path)
+    node, context = next((i, c) for i, c in grid.contexts.items()
+                         if c.node_config["partition-id"] == 1)
+    folder = Path(context.node_config["data"])
+    if when == "at connection":
+        spoil(folder)
+    else:
+        monkeypatch.setattr(fl_adapter, "_NODES", {})                  # a process per message
+        real = fl_adapter.node_for
+
+        def node_for(req, context):          # its folder goes bad before its work of round 2
+            if context.node_config["partition-id"] == 1 and req["round"] == 2 and \
+                    (folder / "site.json").exists():
+                spoil(folder)
+            fl_adapter._NODES.clear()                   # (a process a message, as on Flower)
+            return real(req, context)
+        monkeypatch.setattr(fl_adapter, "node_for", node_for)
+    capsys.readouterr()
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, "fedavg", argv + ["--out", str(out)])
+    line = str(e.value)
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    where = "a bad reply from" if when == "at connection" else "a bad reply in round 2 from"
+    assert line.startswith(f"fedavg.py: error: {where} node {node} (partition 1): node folder "
+                           f"{folder}: {what}"), line
+    if when == "in round 2":
+        kept = torch.load(f"{out}.ckpt", weights_only=True)
+        assert kept["round"] == 1 and line.endswith(f"the last good checkpoint ({out}.ckpt) is "
+                                                    "kept")
+    else:
+        assert line.endswith("nothing of this run was saved") and not Path(f"{out}.ckpt").exists()
+
+
+def test_an_evaluation_node_that_never_connects_is_waited_for_then_named(tmp_path, capsys):
+    """The server waits `wait` seconds for a node of every site, then says in one line which sites
+    no node holds (here the held-out domain's evaluation site), nothing of the run saved."""
+    grid = grid_of("fedavg", ARGV["fedavg"], tmp_path)
+    del grid.contexts[next(i for i, c in grid.contexts.items()
+                           if c.node_config["evaluate-only"])]
+    start = time.time()
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")],
+                         wait=2)
+    assert 2 <= time.time() - start < 30
+    assert str(e.value) == ("fedavg.py: error: 3 node(s) connected within 2 s, and none holds "
+                            "evaluation site(s) 3 (evaluate-only=true: the held-out domain): "
+                            "start one node per site (node config partition-id, data)")
+    assert capsys.readouterr().err.strip().splitlines() == [str(e.value)]
+
+
+def test_a_node_whose_role_or_data_is_not_its_sites_is_named(tmp_path, capsys):
+    """A training site's node configured evaluate-only (its folder says otherwise: it refuses), an
+    evaluation-only node claiming a training site, a node of another dataset: named at connection
+    with its partition."""
+    grid = grid_of("fedavg", ARGV["fedavg"], tmp_path)
+    first = next(i for i, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
+    grid.contexts[first].node_config["evaluate-only"] = True
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")])
+    assert f"from node {first} (partition 0): node folder " in str(e.value) and str(
+        e.value).endswith("holds a training site and its node config says evaluate-only=true; "
+                          "stopped; nothing of this run was saved")
+
+
+@pytest.mark.parametrize("method,argv", [
+    ("fedavg", ["--dataset", "rcmnist", "--rounds", "2", "--eval-every", "1"]),   # fixed clients
+    ("perinvfl", ["--dataset", "rcmnist", "--rounds", "2", "--eval-every", "1"]),
+])
+def test_fixed_clients_on_flower_keep_their_test_sets_and_equal_the_method_file(method, argv,
+                                                                                tmp_path):
+    """Fixed clients (RC-MNIST): no evaluation site, each client's own test set in its own folder,
+    scored there (PerInvFL: by its θ_i, which never leaves the node): the method file's run bit
+    for bit, per-client test accuracies included."""
+    (own, own_ckpt), (fl, fl_ckpt), grid = run_both(method, tmp_path, argv)
+    assert len(grid.contexts) == 4 and not any(c.node_config["evaluate-only"]
+                                               for c in grid.contexts.values())
+    assert all(torch.equal(v, fl_ckpt["model"][k]) for k, v in own_ckpt["model"].items())
+    assert history(own) == history(fl)
+    assert own["domains"]["clients"]["per_client_test_acc"] == \
+        fl["domains"]["clients"]["per_client_test_acc"]
+
+
+def test_the_photos_on_flower_equal_the_method_file(tmp_path):
+    """A photo dataset (a fake PACS: random images, as harness.datasets --make-fake writes them)
+    exported as image files, each node decoding its own (cached in its folder), the server reading
+    none of them nor the dataset: the method file's run bit for bit (FedIIR, its ResNet-18 from
+    random weights, augmentation from each client's stream)."""
+    from harness import datasets
+    root = tmp_path / "data"
+    with contextlib.redirect_stdout(io.StringIO()):
+        datasets.make_fake("pacs", root, 2)
+    argv = ["--dataset", "pacs", "--data-root", str(root), "--clients", "3", "--rounds", "1",
+            "--test-domain", "sketch", "--no-pretrained", "--batch-size", "4", "--model",
+            "resnet18"]
+    fediir = importlib.import_module("fediir")
+    fediir.main(argv + ["--out", str(tmp_path / "own.json")])
+    grid = grid_of("fediir", argv, tmp_path)
+    served = argv[:2] + argv[4:]                        # (no --data-root: the server reads none)
+    with each_reads_its_own(grid, tmp_path, [root]):
+        fl_adapter.serve(grid, "fediir", served + ["--out", str(tmp_path / "flower.json")])
+    with pytest.raises(fl_adapter.RunFailed, match="--data-root: on Flower the server reads no"):
+        fl_adapter.serve(grid, "fediir", argv + ["--out", str(tmp_path / "again.json")])
+    own, fl = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"]
+               for k in ("own", "flower"))
+    assert all(torch.equal(v, fl[k]) for k, v in own.items())
+    assert all((Path(c.node_config["data"]) / ".cache-224.pt").exists()
+               for c in grid.contexts.values())
+
+
+def test_the_audit_refuses_a_read_of_another_sites_folder(tmp_path):
+    """The check of each_reads_its_own can fail: a node reading another site's file, or the server
+    reading a site's or the dataset's, is refused (PermissionError) and logged."""
+    a, b = tmp_path / "sites" / "site-0", tmp_path / "sites" / "site-1"
+    for f in (a, b):
+        f.mkdir(parents=True)
+        (f / "site.json").write_text("{}")
+    log = tmp_path / "reads.log"
+    deny = [str(tmp_path / "sites"), str(data.EMBEDDED)]
+    with audit.watching({"*": ([], deny), str(a): ([str(a)], deny)}, log):
+        with audit.acting(str(a)):
+            assert (a / "site.json").read_text() == "{}"
+            with pytest.raises(PermissionError):
+                (b / "site.json").read_text()
+        with pytest.raises(PermissionError):
+            os.listdir(a)
+        with pytest.raises(PermissionError):
+            data.mnist_arrays()                                   # the embedded digits
+    refused = audit.refusals(log)
+    assert len(refused) == 3 and f"{a} open {b / 'site.json'}" in refused[0]
+    assert "* os.listdir" in refused[1] and str(data.EMBEDDED) in refused[2]
