@@ -6,8 +6,10 @@ alone and the server no data at all.
 In one process (flower/test_flower.py) `watching(rules, who)` sets the rules and `acting(name)`
 says on whose behalf the code runs (a node, the server): the fake grid runs each node's work
 under its name (a thread pool's threads, which carry no context, act for the last one named:
-nodes one after another, as FakeGrid runs them). On real processes (flower/test_deploy.py) this file, copied as sitecustomize.py
-into a folder on PYTHONPATH, installs itself in every Python process that starts with
+nodes one after another, as FakeGrid runs them).
+
+On real processes (flower/test_deploy.py) this file, copied as sitecustomize.py into a folder on
+PYTHONPATH, installs itself in every Python process that starts with
 FEDOOD_AUDIT in its environment (JSON: {"who": a name, "allow": [folders], "deny": [folders],
 "log": a file}): a SuperNode and the ClientApp processes it starts inherit their node's, the
 SuperLink and its ServerApp process the server's. Each process writes a line to the log when it

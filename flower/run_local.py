@@ -186,9 +186,13 @@ class Processes:
         self.env, self.logdir, self.procs = env, logdir, []
 
     def start(self, name, cmd, env=None):
+        """Process `name` (its log: <name>.log); env: more of its environment (a PYTHONPATH
+        there goes first on the deployment's)."""
         log = open(self.logdir / f"{name}.log", "w")
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env,
-                                                                              **(env or {})},
+        env = {**self.env, **(env or {})}
+        if env["PYTHONPATH"] != self.env["PYTHONPATH"]:
+            env["PYTHONPATH"] += os.pathsep + self.env["PYTHONPATH"]
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                              cwd=self.logdir, start_new_session=True)
         self.procs.append((name, p))
         return p
@@ -290,8 +294,8 @@ class Deployment:
             "insecure = true"
         self.env, self.bin = environment(port, self.logdir, connection), \
             Path(sys.executable).parent
-        self.env.update(env or {})           # (the tests': the SuperLink's and its ServerApp's)
         self.procs = Processes(self.env, self.logdir)
+        self.server_env = env                # (the tests': the SuperLink's and its ServerApp's)
 
     def start(self):
         """The SuperLink (and with secure, the proxy in front of it)."""
@@ -301,7 +305,8 @@ class Deployment:
                  "--enable-supernode-auth"] if self.secure else ["--insecure"]
         link = self.procs.start("superlink", [str(self.bin / "flower-superlink"), *flags,
                                               "--host", "127.0.0.1", "--port", str(self.port),
-                                              "--disable-runtime-dependency-installation"])
+                                              "--disable-runtime-dependency-installation"],
+                                self.server_env)
         wait_port(self.port, link, "SuperLink", log=self.logdir / "superlink.log")
         if self.secure and self.proxy:
             import proxy
@@ -381,10 +386,10 @@ def deploy(a, port, logdir, folders, intruders=(), app=HERE, node_config=None, e
     its own folder alone (and the tests' intruders, which should get nothing: "unregistered", the
     CA trusted but the key not registered; "untrusting", the key registered but another CA
     trusted), then `flwr run` of the App in `app`: (its completed process, its seconds); every
-    process stopped however it ends. node_config: {partition: further node config}; env:
-    {"server": further environment of the SuperLink (and its ServerApp), partition: of that
+    process stopped however it ends. node_config: {partition: further node config}; env(folders)
+    -> {"server": further environment of the SuperLink (and its ServerApp), partition: of that
     node} (the tests')."""
-    n, P, env = len(folders), a.nodes, env or {}
+    n, P, env = len(folders), a.nodes, env(folders) if env else {}
     d = Deployment(logdir, port, a.secure, n + len(intruders), env=env.get("server"))
     try:
         d.start()

