@@ -10,15 +10,16 @@ Read in this order (a method file calls into it where its round needs it):
   local training       local_train: minibatch steps of an objective from θ (batches, sgd,
                        cross_entropy); at_once: the same for stacked clients (torch.func.vmap);
                        chunks, features: what a client computes over its whole split
-  evaluation           correct, evaluate_global, group_means
-  the loop over rounds train: global_model, make_context, then round after round (checked_round),
-                       an evaluation every args.eval_every rounds
+  evaluation           correct; score: a site's own counts; evaluate_global, accuracies: the
+                       server's sums
+  the loop over rounds train: global_model, make_context, then round after round, an evaluation
+                       every args.eval_every rounds
   a method's record    Method: what a method file declares (METHOD)
 
 A method plugs in with its round, round_fn(t, model, fed, args, state, ctx) -> {client id: mean
-local loss}, and optionally init_state(model, fed, args, ctx) -> state and evaluate_fn(model, fed,
-args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]), declared in a Method with its
-client functions: docs/protocol.md.
+local loss}, and optionally init_state(model, fed, args, ctx) -> state and evaluate_fn(t, model,
+fed, args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]), declared in a Method
+with its client functions and what each replies (replies): docs/protocol.md.
 """
 import contextlib
 import copy
@@ -32,7 +33,6 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.deterministic
 
 import data
 from data import UserError
@@ -189,8 +189,7 @@ class Site:
 
 def sample_clients(ctx, P, C):
     """C of the P clients, uniformly without replacement, on the server's generator; in the order
-    of their ids (the order in which every engine returns the replies, so that the server sums
-    them in one order)."""
+    of their ids (in which every engine returns the replies: the server sums in one order)."""
     return sorted(torch.randperm(P, generator=ctx.sampler)[:C].tolist())
 
 
@@ -211,11 +210,9 @@ def stackable(fn):
 
 
 def replies(schema):
-    """Declares what a client function replies, for a server that checks each reply before the
-    round sees it and holds no client's data (Flower): schema(site, sent) -> {key: a tensor of the
-    reply's shape and dtype (SCALAR, or one the server has), a Count, or a Python number of its
-    type}, from what the server knows: the model, what it sent, the client's sizes (site.client:
-    on the server, a stand-in of those sizes)."""
+    """Declares a client function's reply for a server that holds no client's data (Flower checks
+    each reply against it): schema(site, sent) -> {key: a tensor of its shape and dtype, a Count,
+    or a number of its type}, from the model, what was sent and the client's sizes (site.client)."""
     def declared(fn):
         fn.replies = schema
         return fn
@@ -232,8 +229,7 @@ class Count:
 
 
 def keep(site, key, value):
-    """value into the client's own state (site.state[key]), kept across rounds and never sent;
-    stacked: row j into the j-th client's."""
+    """value into the client's own state, site.state[key], never sent (stacked: row j, client j)."""
     for state, v in zip(site.state, value) if site.stacked else [(site.state, value)]:
         state[key] = v.clone() if site.stacked else v
 
@@ -503,9 +499,8 @@ def scores(t, model, fed, ctx, splits=None):
 
 
 def evaluate_global(t, model, fed, args, state, ctx):
-    """The global model's accuracy on the clients' pooled validation splits, on the pooled test
-    set(s) and on each test set (one per fixed client): each site scores its own data, the server
-    sums (accuracies)."""
+    """The global model's accuracy on the clients' validation splits, on the test sets and on each
+    test set (one per fixed client): each site scores its own data, the server sums them."""
     return accuracies(fed, scores(t, model, fed, ctx))
 
 
@@ -524,18 +519,6 @@ def accuracies(fed, hits, on=None, keys=("val", "test")):
 
 
 # ----------------------------------------------------------------------- the loop over rounds
-
-def set_deterministic(on=True):
-    """Reproducible kernels (the default) or CUDA's fastest (--nondeterministic); CPU numbers are
-    the same either way. Deterministic mode's NaN fill of new tensors is off: nothing here reads
-    unwritten memory."""
-    torch.use_deterministic_algorithms(on)
-    torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = not on
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.backends.cuda.matmul.allow_tf32 = False   # fp32 is IEEE fp32 on CUDA too (TF32 rounds
-    torch.backends.cudnn.allow_tf32 = False         # to 10 bits); --amp is the fast, lower path
-
 
 def global_model(args, ds, device):
     """The initial global model (seeded by --seed) on the device, channels-last where faster
@@ -559,56 +542,23 @@ def make_context(args, fed, model, engine=None):
                    copy.deepcopy(model), {}, engine)
 
 
-def train(round_fn, model, fed, args, state, ctx, evaluate_fn=None, start=1):
-    """Rounds start..args.rounds of a federation: each round (checked_round), and after every
-    args.eval_every-th round and the last an evaluation (evaluate_fn, default evaluate_global).
-    Yields (t, the round's mean client loss, the evaluation or None) after each round: the caller
-    keeps the history, picks the best round, saves and stops (the run harness: harness/runner.py).
+def train(round_fn, model, fed, args, state, ctx, evaluate_fn=None, start=1, check=None):
+    """Rounds start..args.rounds of a federation, and after every args.eval_every-th round and the
+    last an evaluation (evaluate_fn, default evaluate_global). Yields (t, the round's losses, the
+    evaluation or None) after each round: the round's {client id: mean local loss} (tensors: no
+    host read), or what check(t, losses, model, state, fed) makes of them before the evaluation
+    (the run harness's `checked`: their mean, a non-finite loss or server quantity refused). The
+    caller keeps the history, picks the best round, saves and stops (harness/runner.py).
 
-        for t, loss, scores in common.train(fediir.fediir_round, model, fed, args, state, ctx):
+        for t, losses, scores in common.train(fediir.fediir_round, model, fed, args, state, ctx):
             ...
     """
     evaluate_fn = evaluate_fn or evaluate_global
     for t in range(start, args.rounds + 1):
-        loss = checked_round(round_fn, t, model, fed, args, state, ctx)
+        losses = round_fn(t, model, fed, args, state, ctx)
+        losses = check(t, losses, model, state, fed) if check else losses
         due = t % args.eval_every == 0 or t == args.rounds
-        yield t, loss, evaluate_fn(t, model, fed, args, state, ctx) if due else None
-
-
-def checked_round(round_fn, t, model, fed, args, state, ctx):
-    """Round t, then one host read: its clients' mean loss, or NonFinite naming the first
-    non-finite client loss, else the model's or the state's tensors that are not finite."""
-    out = round_fn(t, model, fed, args, state, ctx)
-    ids, vals = list(out), torch.stack([out[c] for c in out])
-    named = tensors(model, state)
-    ok = torch.stack([v.isfinite().all().to(vals.device) for _, v in named]).all()  # no host read
-    vals = torch.cat([vals, ok.to(vals.dtype)[None]]).cpu()                   # one sync a round
-    bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
-    if bad:
-        c = fed.clients[bad[0]]
-        raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain "
-                        f"{c.domain}, testing on {fed.name})")
-    if not vals[-1]:        # the server's step or a server quantity: never written as a result
-        bad = [k for k, v in named if not bool(v.isfinite().all())]
-        more = [f"{len(bad) - 3} more"] * (len(bad) > 3)
-        raise NonFinite(f"non-finite {', '.join(bad[:3] + more)} after the server step of round "
-                        f"{t} (testing on {fed.name})")
-    return vals[:-1].mean().item()
-
-
-def tensors(model, state):
-    """(name, tensor) for every floating tensor of the global model and of the method's state
-    (server quantities, client states: tensors in dicts and lists), model first. A state key that
-    starts with "_" holds a diagnostic, not a server quantity (nan: not measured): left out."""
-    def walk(obj, name):
-        if torch.is_tensor(obj):
-            return [(name, obj)] if obj.is_floating_point() else []
-        items = [(k, v) for k, v in obj.items() if not str(k).startswith("_")] \
-            if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
-        return [pair for k, v in items for pair in walk(v, f"{name}[{k!r}]")]
-    named = [(f"model {k}", v) for k, v in model.state_dict().items() if v.is_floating_point()]
-    named += walk(state, "state")
-    return [(k, v) for k, v in named if v.device.type != "meta"]
+        yield t, losses, evaluate_fn(t, model, fed, args, state, ctx) if due else None
 
 
 class NonFinite(Exception):

@@ -18,7 +18,7 @@ is named and not counted); FedLOE samples none (every client, every communicatio
 here are stage 1 communications of one local epoch each (RUNS says what each run is).
 The method script's own run (harness.main of its METHOD) runs in this process with its round
 wrapped (dataclasses.replace(METHOD, round=...)): round --round (default 2, so that one-time setup
-is out) runs under the counter with the skeleton's check of it (common.checked_round, counted
+is out) runs under the counter with the run's check of it (harness.runner.checked, counted
 apart), evaluation and checkpoints do not, and the run stops right after it.
 
 Counters (--counter):
@@ -60,7 +60,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import common  # noqa: E402
-from common import checked_round  # noqa: E402
+from harness.runner import checked  # noqa: E402
 from harness.config import Parser, help_text  # noqa: E402
 from harness.provenance import device_name  # noqa: E402
 
@@ -256,7 +256,7 @@ def nchw(model):
 def counted_round(round_fn, R, counter, out, seen):
     """round_fn (a method's round) as the counted run calls it: rounds other than R as they are;
     round R under the counter (the round's ops told apart by round_part) inside the skeleton's
-    check of it, common.checked_round, as the skeleton calls it, and then Counted: the run stops
+    check of it, harness.runner.checked, as the run calls it, and then Counted: the run stops
     there. seen["args"]: the run's arguments."""
     @functools.wraps(round_fn)      # (the checkpoint names the method's file: code_files unwraps)
     def counted(t, model, fed, args, state, ctx):
@@ -265,10 +265,9 @@ def counted_round(round_fn, R, counter, out, seen):
         seen["args"] = args
         with counting(counter, out) as round_part:
 
-            def marked(*a):         # the method's round, told apart from the skeleton's check
-                with round_part():
-                    return round_fn(*a)
-            checked_round(marked, t, model, fed, args, state, ctx)
+            with round_part():      # the method's round, told apart from the skeleton's check
+                losses = round_fn(t, model, fed, args, state, ctx)
+            checked(t, losses, model, state, fed)
         raise Counted
     return counted
 
@@ -276,7 +275,7 @@ def counted_round(round_fn, R, counter, out, seen):
 def count(label, data_root=None, R=2, counter="profiler", extra=()):
     """Runs `label`'s script (RUNS) in this process up to round R and counts round R's aten ops:
     {"ops": the round's ops by name, "compute": those that do work, "check": the ops of the
-    skeleton's check of the round (common.checked_round less the round), "args": the run's
+    skeleton's check of the round (harness.runner.checked), "args": the run's
     resolved arguments, "run": what was run, "seconds": the whole run}; `extra`: further flags of
     the script. A script's own error: SystemExit, its line on stderr."""
     script, flags, phrase = RUNS[label]
@@ -297,7 +296,7 @@ def count(label, data_root=None, R=2, counter="profiler", extra=()):
         finally:
             torch.set_num_threads(threads)
     if "args" not in seen:
-        raise Unhooked(f"{label}: round {R} never went through common.checked_round; nothing "
+        raise Unhooked(f"{label}: round {R} never went through its counted round; nothing "
                        f"was counted")
     args = {k: v for k, v in vars(seen["args"]).items() if k not in ("out", "data_root")}
     try:

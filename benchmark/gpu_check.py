@@ -56,6 +56,7 @@ import fedavg  # noqa: E402
 import fedipg  # noqa: E402
 from harness.config import after_load, Parser, help_text  # noqa: E402
 from harness.datasets import make_fake_tree  # noqa: E402
+from harness import runner  # noqa: E402
 from harness.outputs import write_json  # noqa: E402
 from speed import alternate, way  # noqa: E402
 
@@ -72,7 +73,8 @@ TWO_ROUNDS = {   # each method's own flags for two communication rounds, evaluat
 # bf16 loss 1.9e-4, acc 0.021 (one validation image).
 # loss: largest relative difference of a round's mean training loss; acc: largest difference of a
 # validation or test accuracy (a fraction; one of the tiny case's 48 validation images is 0.021).
-# fp32 on CUDA is IEEE fp32 (common.set_deterministic turns TF32 off), bf16 the --amp autocast.
+# fp32 on CUDA is IEEE fp32 (harness.runner.set_deterministic turns TF32 off), bf16 the --amp
+# autocast.
 TOL = {"fp32": {"loss": 4e-4, "acc": 0.04}, "bf16": {"loss": 2e-3, "acc": 0.2}}
 # The targets of the GPU path (README: GPU): how each measured ratio must compare, and the bound.
 TARGETS = {"harness": (">=", 0.90), "fediir": ("<=", 1.5), "fedipg": ("<=", 2.0),
@@ -470,13 +472,13 @@ def determinism_cost(args, fed, model, ctx, rounds):
     """Median seconds of a FedAvg round in deterministic mode over one with --nondeterministic."""
     def mode(on):
         def round_fn(r):
-            common.set_deterministic(on)
+            runner.set_deterministic(on)
             return fedavg.fedavg_round(r, model, fed, args, {}, ctx)
         return round_fn
     try:
         times = alternate({"on": mode(True), "off": mode(False)}, ctx, rounds)
     finally:
-        common.set_deterministic(True)
+        runner.set_deterministic(True)
     return statistics.median(times["on"]) / statistics.median(times["off"])
 
 

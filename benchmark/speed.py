@@ -51,7 +51,7 @@ import fediir  # noqa: E402
 import fedipg  # noqa: E402
 import fedomg  # noqa: E402
 import harness  # noqa: E402
-from harness import outputs  # noqa: E402
+from harness import outputs, runner  # noqa: E402
 from harness.config import Parser, after_load  # noqa: E402
 from harness.provenance import provenance  # noqa: E402
 
@@ -115,7 +115,7 @@ def setup(method, own_args=None, argv=None, prog=None, about=None, check=None):
         a.clients, a.sample = a.clients or 50, a.sample or 5
     try:                                     # what the method script would refuse: one line, exit 2
         args = harness.resolve(method, method_argv(a))
-        common.set_deterministic()                 # as the method scripts run by default
+        runner.set_deterministic()                 # as the method scripts run by default
         a.clients, a.sample = args.clients, args.sample
         ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
         after_load(args, ds)        # the clients the data hold (as the method scripts check)

@@ -557,15 +557,16 @@ def test_aten_count_counts_the_convnet_as_a_cuda_run_holds_it(tmp_path, monkeypa
     """The counts stand for a GPU's launches: the ConvNet counted NCHW, as on CUDA, not in the CPU's
     channels-last (common.global_model), whose layout copies only the CPU makes; the method scripts'
     own CPU runs keep channels-last, and common.global_model is put back after the count."""
-    seen, real, made = [], common.checked_round, common.global_model
+    from harness import runner
+    seen, real, made = [], runner.checked, common.global_model
 
     @functools.wraps(real)                                      # its signature, which count() binds
-    def spy(round_fn, t, model, *a, **k):
+    def spy(t, losses, model, *a, **k):
         conv = [p for p in model.parameters() if p.dim() == 4][-1]      # (the first: one
                                                                         # channel, both at once)
         seen.append((conv.is_contiguous(), conv.is_contiguous(memory_format=torch.channels_last)))
-        return real(round_fn, t, model, *a, **k)
-    monkeypatch.setattr(common, "checked_round", spy)
+        return real(t, losses, model, *a, **k)
+    monkeypatch.setattr(runner, "checked", spy)
     aten_count.count("fedavg", R=1)
     assert seen == [(True, False)] and common.global_model is made
     seen.clear()

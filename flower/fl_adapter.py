@@ -40,6 +40,7 @@ import harness  # noqa: E402
 from harness import outputs, sites  # noqa: E402
 from harness.methods import METHODS, client_functions, qualified  # noqa: E402
 from harness.outputs import to_device  # noqa: E402
+from harness.runner import set_deterministic  # noqa: E402
 
 
 
@@ -482,7 +483,7 @@ class Node:
     model to compute with."""
 
     def __init__(self, init, args, roster, site, folder, evaluate_only):
-        common.set_deterministic(not args.nondeterministic)
+        set_deterministic(not args.nondeterministic)
         device = torch.device(args.device)
         with contextlib.redirect_stdout(io.StringIO()):     # (its cache's notes: the node's own)
             own, report = sites.read(folder, args, site, evaluate_only)

@@ -12,6 +12,7 @@ model_fn (a stand-in for common.global_model), load (for data.load); a swapped r
 dataclasses.replace(method, round=...), the round written from the method's plain functions.
 """
 import functools
+import math
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.deterministic
 
 import common
 import data
@@ -86,7 +88,7 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
         files = outputs.Files(args.out)
         plan = outputs.Plan(files, read=files.ckpt if args.resume and files.ckpt.exists()
                             else None, write=files.ckpt)
-    common.set_deterministic(not args.nondeterministic)   # before anything meets CUDA
+    set_deterministic(not args.nondeterministic)   # before anything meets CUDA
     device, ckpt_path = torch.device(args.device), str(plan.write)
     try:
         ds, todo = (sites or federations)(args, load)
@@ -203,7 +205,7 @@ def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, o
             "seconds": pace.seconds(ctx.device)})
         saved, saved_at = True, time.monotonic()
     rounds = common.train(method.round, model, fed, args, state, ctx, method.evaluate,
-                          so_far.next_round)
+                          so_far.next_round, checked)
     while True:
         try:
             t, loss, scores = next(rounds)
@@ -235,6 +237,54 @@ def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, o
         if STOP.signal and t < args.rounds:
             raise Stopped(STOP.signal, ckpt_path, fed.name, t)
     return domain_result(ds, fed, so_far.history, so_far.best)
+
+
+def set_deterministic(on=True):
+    """Reproducible kernels (the default) or CUDA's fastest (--nondeterministic), set before
+    anything meets CUDA; CPU numbers are the same either way. Deterministic mode's NaN fill of
+    new tensors is off: nothing here reads unwritten memory."""
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cuda.matmul.allow_tf32 = False   # fp32 is IEEE fp32 on CUDA too (TF32 rounds
+    torch.backends.cudnn.allow_tf32 = False         # to 10 bits); --amp is the fast, lower path
+
+
+def checked(t, losses, model, state, fed):
+    """Round t's losses ({client id: mean local loss}) after one host read: their mean, or
+    NonFinite naming the first non-finite client loss, else the model's or the state's tensors that
+    are not finite (common.train's check)."""
+    ids, vals = list(losses), torch.stack([losses[c] for c in losses])
+    named = tensors(model, state)
+    ok = torch.stack([v.isfinite().all().to(vals.device) for _, v in named]).all()  # no host read
+    vals = torch.cat([vals, ok.to(vals.dtype)[None]]).cpu()                   # one sync a round
+    bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
+    if bad:
+        c = fed.clients[bad[0]]
+        raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain "
+                        f"{c.domain}, testing on {fed.name})")
+    if not vals[-1]:        # the server's step or a server quantity: never written as a result
+        bad = [k for k, v in named if not bool(v.isfinite().all())]
+        more = [f"{len(bad) - 3} more"] * (len(bad) > 3)
+        raise NonFinite(f"non-finite {', '.join(bad[:3] + more)} after the server step of round "
+                        f"{t} (testing on {fed.name})")
+    return vals[:-1].mean().item()
+
+
+def tensors(model, state):
+    """(name, tensor) for every floating tensor of the global model and of the method's state
+    (server quantities, client states: tensors in dicts and lists), model first. A state key that
+    starts with "_" holds a diagnostic, not a server quantity (nan: not measured): left out."""
+    def walk(obj, name):
+        if torch.is_tensor(obj):
+            return [(name, obj)] if obj.is_floating_point() else []
+        items = [(k, v) for k, v in obj.items() if not str(k).startswith("_")] \
+            if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+        return [pair for k, v in items for pair in walk(v, f"{name}[{k!r}]")]
+    named = [(f"model {k}", v) for k, v in model.state_dict().items() if v.is_floating_point()]
+    named += walk(state, "state")
+    return [(k, v) for k, v in named if v.device.type != "meta"]
 
 
 @dataclass

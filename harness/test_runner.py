@@ -64,13 +64,13 @@ def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at, 
 def signal_at(monkeypatch, signum, domain, t):
     """Sends this process `signum` while round t of `domain` runs (as a scheduler or Ctrl-C
     would)."""
-    checked = common.checked_round
+    checked = runner.checked
 
-    def round_then_signal(round_fn, t_, model, fed, *a, **k):
+    def round_then_signal(t_, losses, model, state, fed):          # (at the end of its round)
         if (fed.name, t_) == (domain, t):
             os.kill(os.getpid(), signum)
-        return checked(round_fn, t_, model, fed, *a, **k)
-    monkeypatch.setattr(common, "checked_round", round_then_signal)
+        return checked(t_, losses, model, state, fed)
+    monkeypatch.setattr(runner, "checked", round_then_signal)
 
 
 @pytest.mark.parametrize("signum,domain,t", [(signal.SIGTERM, "style1", 3),

@@ -19,7 +19,7 @@ import fedipg
 import fedloe
 import fedomg
 import harness
-from harness import datasets
+from harness import datasets, runner
 
 from tests.helpers import (
     assert_same_to_tolerance, both_ways, F64, interrupted_then_resumed, LOE, method_args,
@@ -172,7 +172,7 @@ def test_nondeterministic_changes_no_cpu_number(tmp_path, module):
     assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"]
     b, _ = run(main, argv + ["--nondeterministic"], tmp_path, "b.json")
     assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
-    common.set_deterministic(True)
+    runner.set_deterministic(True)
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
 
 
