@@ -1,11 +1,14 @@
 """The cost of Flower's message round trip, in one process (docs/flower.md: Overhead): every
 method's run in-process and through the in-process grid (fake_grid.py: Flower's serialisation, no
-network), seconds per round and bytes per round, and whether the two end with the same model.
+network; each node holding its site's exported folder), seconds per round and bytes per round (the
+evaluation's included), and whether the two end with the same model.
 
     python flower/overhead.py                           # synthetic, 3 clients, 3 rounds
     python flower/overhead.py --dataset rmnist --clients 5 --rounds 2 --methods fedavg fediir
 """
+import contextlib
 import importlib
+import io
 import json
 import sys
 import tempfile
@@ -18,6 +21,8 @@ import torch  # noqa: E402
 
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402
+import harness  # noqa: E402
+from harness import sites  # noqa: E402
 from harness.methods import METHODS  # noqa: E402
 
 
@@ -53,12 +58,15 @@ def main():
             t0 = time.perf_counter()
             importlib.import_module(m).main(argv + ["--out", str(out / f"{m}-own.json")])
             t1 = time.perf_counter()
-            grid = fake_grid.FakeGrid(fl_adapter.client_app(), a.clients)
+            args = harness.resolve(harness.method(m), argv + ["--out", str(out / "x.json")])
+            with contextlib.redirect_stdout(io.StringIO()):
+                folders = sites.export(args, out / f"{m}-sites")
+            grid = fake_grid.FakeGrid(fl_adapter.client_app(), folders, train=args.clients)
             _, link = fl_adapter.serve(grid, m, argv + ["--out", str(out / f"{m}-fl.json")])
             t2 = time.perf_counter()
             own, fl = (torch.load(out / f"{m}-{k}.ckpt", weights_only=True)["model"]
                        for k in ("own", "fl"))
-            rounds = [r for r in link.moved if r != 0]          # (0: the partition-id handshake)
+            rounds = [r for r in link.moved if r != 0]          # (0: the nodes' reports)
             rows.append((m, (t1 - t0) / a.rounds, (t2 - t1) / a.rounds,
                          sum(link.moved[r][0] for r in rounds) / a.rounds,
                          sum(link.moved[r][1] for r in rounds) / a.rounds,

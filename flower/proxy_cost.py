@@ -1,5 +1,6 @@
 """What the proxy costs on real processes (docs/flower.md, "Several devices"): FedAvg on 3 secure
-SuperNodes, every client sampled, the synthetic data; one deployment whose nodes reach the
+SuperNodes (and the held-out domain's evaluation node), every client sampled, the synthetic data,
+each node with its own exported folder; one deployment whose nodes reach the
 SuperLink through nginx (run_local.py --secure), one whose nodes reach it directly (TLS and
 registered keys too, the SuperLink's port open to them), alternated pair by pair. Per run: the
 seconds of a round's messages and client work (<out>.flower.json, the rounds after the first)
@@ -8,6 +9,8 @@ and of the whole `flwr run`; per pair the ratio proxy / direct.
     python flower/proxy_cost.py                    # 2 pairs, 3 rounds each
     python flower/proxy_cost.py --pairs 3 --rounds 4
 """
+import contextlib
+import io
 import json
 import statistics
 import sys
@@ -15,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import run_local
+import run_local                  # (first: it puts the checkout on the path)
+import harness  # noqa: E402,I001
+from harness import sites  # noqa: E402
 from proxy import Parser          # bad input: one line, exit 2
 
 
@@ -23,16 +28,20 @@ def one(via_proxy, rounds):
     """(seconds of each round after the first, seconds of the whole flwr run) of one deployment."""
     with tempfile.TemporaryDirectory(prefix="proxy-cost-") as tmp:
         tmp = Path(tmp)
-        d = run_local.Deployment(tmp, run_local.free_port(), secure=True, keys=3,
+        argv = (f"--dataset synthetic --test-domain 0 --clients 3 --sample 3 --rounds "
+                f"{rounds} --eval-every {rounds} --out {tmp / 'r.json'}")
+        args = harness.resolve(harness.method("fedavg"), argv.split())
+        with contextlib.redirect_stdout(io.StringIO()):
+            folders = sites.export(args, tmp / "sites")           # 3 clients, the held-out domain
+        d = run_local.Deployment(tmp / "deployment", run_local.free_port(), secure=True, keys=4,
                                  proxy=via_proxy)
         try:
             d.start()
-            for k in range(3):
+            for k in range(4):
                 d.register(k)
-                d.node(f"supernode-{k}", k, 3, key=k)
+                d.node(f"supernode-{k}", k, 4, key=k,
+                       config=run_local.site_config(folders, args.clients, k))
             time.sleep(5)
-            argv = (f"--dataset synthetic --test-domain 0 --clients 3 --sample 3 --rounds "
-                    f"{rounds} --eval-every {rounds} --out {tmp / 'r.json'}")
             t0 = time.time()
             r = d.run(f'method="fedavg" argv="{argv}" keys="{d.certs}"', timeout=1800)
             whole = time.time() - t0

@@ -639,3 +639,17 @@ def test_run_local_says_which_node_failed_and_resumes(tmp_path, capsys, no_flowe
     assert rc == 0, capsys.readouterr().err
     own = own_run("fedavg", tmp_path / "own.json", ARGV)
     assert same_model(own["model"], torch.load(f"{out}.ckpt", weights_only=True)["model"])
+
+
+def test_the_recipe_runs_as_written(no_flower_left):
+    """docs/flower.md's worked example (between its recipe marks), run as written by bash from the
+    checkout's root: the mini PACS photos as three hospitals and an evaluation site on a secure
+    deployment, each command as on its own device; it ends with a complete result and stops every
+    process it started."""
+    page = (HERE.parent / "docs" / "flower.md").read_text()
+    block = page.split("<!-- recipe -->\n```bash\n", 1)[1].split("```\n<!-- /recipe -->", 1)[0]
+    r = subprocess.run(["bash", "-c", block], cwd=HERE.parent, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    done, acc = r.stdout.strip().splitlines()[-1].split()
+    assert done == "True" and 0 <= float(acc) <= 1, r.stdout[-2000:]

@@ -909,3 +909,27 @@ def test_the_audit_refuses_a_read_of_another_sites_folder(tmp_path):
     refused = audit.refusals(log)
     assert len(refused) == 3 and f"{a} open {b / 'site.json'}" in refused[0]
     assert "* os.listdir" in refused[1] and str(data.EMBEDDED) in refused[2]
+
+
+def test_every_run_local_line_of_the_docs_runs_as_written(tmp_path, monkeypatch):
+    """Each `python flower/run_local.py` command of docs/flower.md's code blocks, its continuation
+    lines joined, passes run_local.py's checks as written (what it refuses, it refuses before
+    anything starts), and the commands of one block, run in order, write to different --out (a
+    second line would otherwise be refused by the first's complete result)."""
+    import run_local
+    import shlex
+    page = (HERE.parent / "docs" / "flower.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", page, re.S)
+    monkeypatch.chdir(tmp_path)
+    seen = 0
+    for block in blocks:
+        lines = block.replace("\\\n", " ").splitlines()
+        commands = [shlex.split(line.split("#")[0])[2:] for line in lines
+                    if line.startswith("python flower/run_local.py")]
+        outs = [run_local.parse(argv).out for argv in commands]
+        assert len(set(outs)) == len(outs), outs
+        for argv in commands:
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert run_local.check(run_local.parse(argv)) is not None, argv
+            seen += 1
+    assert seen >= 6
