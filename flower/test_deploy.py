@@ -150,10 +150,11 @@ def test_real_institutions_mini_pacs_three_sites_and_an_evaluation_site(tmp_path
 def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(
         tmp_path, capsys, no_flower_left):
     """--secure: the SuperLink with TLS and SuperNode authentication on 127.0.0.1, the nodes
-    through the proxy. Two more SuperNodes try to join through it: one trusts the CA but its key
-    is not registered, one has its key registered but trusts another CA. Neither takes part (the
-    run, which needs partition ids 0 and 1 alone, would stop at a third node), and the run ends
-    with the in-process model bit for bit; no copy of the checkpoint stays in the log folder."""
+    (2 training, the held-out domain's evaluation node: supernode-0..2) through the proxy. Two more
+    SuperNodes try to join through it: one trusts the CA but its key is not registered, one has
+    its key registered but trusts another CA. Neither takes part (the run, which needs partition
+    ids 0..2 alone, would stop at a fourth node), and the run ends with the in-process model bit for
+    bit; no copy of the checkpoint stays in the log folder."""
     out = tmp_path / "flower.json"
     rc = run_local.main(["--method", "fedavg", "--nodes", "2", "--rounds", "1", "--secure",
                          "--out", str(out), "--timeout", "500"],
@@ -163,7 +164,7 @@ def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(
     logs = Path(re.search(r"\(logs: (\S+)\)", said.out)[1])
     proxy_port = int(re.search(r"proxy 127\.0\.0\.1:(\d+)", said.out)[1])
     assert "https://127.0.0.1" in (logs / "superlink.log").read_text()
-    for i, why in ((2, "Failed to activate SuperNode"), (3, "CERTIFICATE_VERIFY_FAILED")):
+    for i, why in ((3, "Failed to activate SuperNode"), (4, "CERTIFICATE_VERIFY_FAILED")):
         assert why in (logs / f"supernode-{i}.log").read_text(), i      # flwr 1.42's words
     # the members' replies came through the proxy (its own port: its log's)
     assert "POST /v1/fleet/push-messages" in (logs / "proxy" / "access.log").read_text()
