@@ -242,8 +242,14 @@ def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, o
 def set_deterministic(on=True):
     """Reproducible kernels (the default) or CUDA's fastest (--nondeterministic), set before
     anything meets CUDA; CPU numbers are the same either way. Deterministic mode's NaN fill of
-    new tensors is off: nothing here reads unwritten memory."""
-    torch.use_deterministic_algorithms(on)
+    new tensors is off: nothing here reads unwritten memory. torch's flag set directly where torch
+    has it: torch.use_deterministic_algorithms imports torch._inductor (2.1 s of a 3.6 s node
+    setup, flower/node_cost.py, torch 2.14) for a setting that common.compiled makes itself."""
+    flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if flag is not None:
+        flag(on)
+    else:                                                               # (another torch)
+        torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on
     torch.utils.deterministic.fill_uninitialized_memory = False

@@ -7,6 +7,8 @@ import dataclasses
 import importlib
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ import harness
 from harness import datasets, runner
 
 from tests.helpers import (
-    assert_same_to_tolerance, both_ways, F64, interrupted_then_resumed, LOE, method_args,
+    assert_same_to_tolerance, both_ways, F64, HERE, interrupted_then_resumed, LOE, method_args,
     on_every_device, QUICK, ragged_federation, rel, run, strip_times, tiny_ctx,
 )
 
@@ -174,6 +176,18 @@ def test_nondeterministic_changes_no_cpu_number(tmp_path, module):
     assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
     runner.set_deterministic(True)
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
+
+
+def test_deterministic_mode_costs_no_compiler_import():
+    """set_deterministic turns torch's flag on without torch.use_deterministic_algorithms, which
+    imports torch._inductor (2 s of every Flower node's setup per message, flower/node_cost.py):
+    in a fresh process the flag is on and the compiler never loaded."""
+    code = ("import sys, torch\nfrom harness.runner import set_deterministic\n"
+            "set_deterministic(True)\nprint(torch.are_deterministic_algorithms_enabled(), "
+            "'torch._inductor' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                       env=dict(os.environ, PYTHONPATH=str(HERE)))
+    assert r.stdout.split() == ["True", "False"], r.stderr[-500:]
 
 
 def test_label_skew_fl_path_on_embedded_mnist(tmp_path):
