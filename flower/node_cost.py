@@ -7,11 +7,13 @@ one SuperNode each, and the held-out domain's evaluation node), as three measure
            node: fl_adapter.Node), median of --repeat; this checkout's node (its own exported
            folder) and, with --before, an earlier checkout's (it loaded the whole dataset and
            rebuilt the federation); with the embedded digits and with full MNIST (--data-root)
-  rounds   a round's wall-clock seconds (rounds 2.. of --rounds; evaluation each round) on Flower
-           (run_local.py --secure: TLS, the proxy) and the method file's in process (one thread)
+  rounds   a round's wall-clock seconds (rounds 2.. of --rounds; an evaluation every --eval-every
+           rounds and at the last) on Flower (run_local.py --secure: TLS, the proxy; from the end
+           of one round's last reply to the end of the next's) and the method file's in process
+           (one thread; from one round's end to the next's)
   cpu      a round's CPU-seconds: on Flower, every process of the deployment (the SuperLink, the
-           proxy, the SuperNodes and the processes they start: /proc sampled every 50 ms), in
-           process the one's (time.process_time)
+           proxy, the SuperNodes and the processes they start: /proc sampled every 50 ms; the
+           whole run's also by kind of process), in process the one's (time.process_time)
 
     python flower/node_cost.py --data-root DIR --before ../old-checkout --out results/cost.json
     python flower/node_cost.py --only setup --data-root DIR
@@ -33,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 METHODS = ("fedavg", "fediir")
-ARGV = ["--dataset", "rmnist", "--clients", "5", "--test-domain", "0", "--eval-every", "1"]
+ARGV = ["--dataset", "rmnist", "--clients", "5", "--test-domain", "0"]
 TICK = os.sysconf("SC_CLK_TCK")
 BOOT = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
 
@@ -92,13 +94,27 @@ def node_setup(root, method, data_root, repeat, new=True):
     return {k: statistics.median(r[k] for r in runs) for k in ("imports", "ready")}
 
 
+KINDS = ("flwr-clientapp", "flwr-serverapp", "flower-superexec", "flower-supernode",
+         "flower-superlink", "nginx", "flwr")          # what a process of a deployment is
+
+
+def kind(pid):
+    """Which of KINDS the process is ("other": run_local.py itself and the rest)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "other"
+    return next((k for k in KINDS if k in cmd), "other")
+
+
 class Sampler(threading.Thread):
     """The CPU-seconds of a process and all its descendants, sampled from /proc every 50 ms: a
-    series of (time, total) (a process that has exited counts with its last sample)."""
+    series of (time, total) (a process that has exited counts with its last sample), and each
+    process's kind (KINDS)."""
 
     def __init__(self, pid):
         super().__init__(daemon=True)
-        self.pid, self.last, self.series, self.done = pid, {}, [], False
+        self.pid, self.last, self.series, self.done, self.kinds = pid, {}, [], False, {}
 
     def run(self):
         while not self.done:
@@ -119,15 +135,24 @@ class Sampler(threading.Thread):
             for p in mine:
                 if p in parent:
                     self.last[p] = parent[p][1]
+                    if p not in self.kinds:
+                        self.kinds[p] = kind(p)
             self.series.append((time.time(), sum(self.last.values())))
             time.sleep(0.05)
+
+    def by_kind(self):
+        """{kind: CPU-seconds of its processes over the whole run}."""
+        out = {}
+        for p, v in self.last.items():
+            out[self.kinds.get(p, "other")] = out.get(self.kinds.get(p, "other"), 0.0) + v
+        return out
 
     def at(self, when):
         """The total CPU-seconds at time `when` (the last sample before it)."""
         return max([v for t, v in self.series if t <= when] or [0.0])
 
 
-def on_flower(root, method, rounds, data_root):
+def on_flower(root, method, rounds, data_root, every=1):
     """run_local.py --secure of `root` (5 SuperNodes): {round: (seconds, CPU-seconds)} for rounds
     2..rounds (a round: from the end of the one before to its own end, as its replies' spans say),
     and the node setup of each message where the replies say when their node was ready."""
@@ -135,7 +160,7 @@ def on_flower(root, method, rounds, data_root):
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, str(Path(root) / "flower" / "run_local.py"), "--method", method,
                "--nodes", "5", "--dataset", "rmnist", "--rounds", str(rounds), "--secure",
-               "--out", str(out), "--timeout", "3600", "--", "--eval-every", "1"]
+               "--out", str(out), "--timeout", "3600", "--", "--eval-every", str(every)]
         cmd += ["--data-root", data_root] if data_root else []
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp)
@@ -147,14 +172,13 @@ def on_flower(root, method, rounds, data_root):
         if p.returncode:
             raise RuntimeError(f"run_local.py of {root} failed: {stderr.strip()[-500:]}")
         res = json.loads(out.read_text())
-    history = next(iter(res["domains"].values()))["history"]
-    seconds = {h["round"]: h["seconds"] for h in history}
     ends = {int(t): max(e for *_, e in r["spans"]) for t, r in res["flower"]["rounds"].items()
             if r["spans"]}
+    seconds = {t: ends[t] - ends[t - 1] for t in ends if t - 1 in ends}
     setup = [s for t, r in res["flower"]["rounds"].items() if int(t) > 0
              for *_, s in r.get("setup", [])]
-    return ({t: (seconds[t] - seconds[t - 1], cpu.at(ends[t]) - cpu.at(ends[t - 1]))
-             for t in range(2, rounds + 1)}, setup)
+    return ({t: (seconds[t], cpu.at(ends[t]) - cpu.at(ends[t - 1]))
+             for t in range(2, rounds + 1)}, setup, cpu.by_kind())
 
 
 IN_PROCESS = """
@@ -170,11 +194,11 @@ print(json.dumps(marks))
 """
 
 
-def in_process(method, rounds, data_root):
+def in_process(method, rounds, data_root, every=1):
     """The method file's run in process (one thread): {round: (seconds, CPU-seconds)}, 2.."""
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ARGV + ["--rounds", str(rounds), "--out", f"{tmp}/r.json"] + \
-            (["--data-root", data_root] if data_root else [])
+        argv = ARGV + ["--rounds", str(rounds), "--out", f"{tmp}/r.json", "--eval-every",
+                       str(every)] + (["--data-root", data_root] if data_root else [])
         code = IN_PROCESS.format(root=str(ROOT), method=method, argv=argv)
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp)
@@ -193,6 +217,9 @@ def main(argv=None):
     p.add_argument("--only", choices=["setup", "rounds"], help="one measurement (default: both)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of a run (2.. are measured)")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per setup measurement")
+    p.add_argument("--eval-every", type=int, default=1,
+                   help="the runs' evaluation period (default 1: every round evaluated)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--out", help="the figures as JSON")
     a = p.parse_args(argv)
     full = a.data_root and Path(a.data_root, "MNIST", "raw", "train-images-idx3-ubyte")
@@ -209,7 +236,7 @@ def main(argv=None):
     figures = {"machine": os.uname().machine, "cores": os.cpu_count(), "rows": []}
     checkouts = [("this", ROOT)] + ([("before", Path(a.before).resolve())] if a.before else [])
     roots = [("embedded", None)] + ([("full", a.data_root)] if a.data_root else [])
-    for method in METHODS:
+    for method in a.methods:
         for data, root in roots:
             for name, checkout in checkouts if a.only in (None, "setup") else ():
                 s = node_setup(checkout, method, root, a.repeat, new=name == "this")
@@ -221,16 +248,21 @@ def main(argv=None):
             for name, checkout in checkouts if a.only in (None, "rounds") else ():
                 if name == "before" and data == "full":
                     continue                           # (every message: the whole dataset)
-                fl, setup = on_flower(checkout, method, a.rounds, root)
-                own = in_process(method, a.rounds, root)
+                fl, setup, kinds = on_flower(checkout, method, a.rounds, root, a.eval_every)
+                own = in_process(method, a.rounds, root, a.eval_every)
                 for t in fl:
                     row = dict(what="round", method=method, data=data, code=name, round=t,
+                               eval_every=a.eval_every,
                                flower_seconds=fl[t][0], flower_cpu=fl[t][1],
                                own_seconds=own[t][0], own_cpu=own[t][1])
                     figures["rows"].append(row)
                     print(f"{method} {data} {name} round {t}: Flower {fl[t][0]:.1f} s, "
                           f"{fl[t][1]:.1f} CPU-s; in process {own[t][0]:.1f} s, {own[t][1]:.1f} "
                           f"CPU-s; CPU ratio {fl[t][1] / own[t][1]:.2f}", flush=True)
+                figures["rows"].append(dict(what="CPU by process", method=method, data=data,
+                                            code=name, seconds=kinds))
+                print(f"{method} {data} {name}: the whole run's CPU-seconds by process: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items())), flush=True)
                 if setup:
                     figures["rows"].append(dict(what="setup in the deployment", method=method,
                                                 data=data, code=name, seconds=setup))
