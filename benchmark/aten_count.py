@@ -60,7 +60,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import common  # noqa: E402
-from harness.runner import checked  # noqa: E402
+from harness import runner  # noqa: E402
 from harness.config import Parser, help_text  # noqa: E402
 from harness.provenance import device_name  # noqa: E402
 
@@ -267,7 +267,7 @@ def counted_round(round_fn, R, counter, out, seen):
 
             with round_part():      # the method's round, told apart from the skeleton's check
                 losses = round_fn(t, model, fed, args, state, ctx)
-            checked(t, losses, model, state, fed)
+            runner.checked(t, losses, model, state, fed)
         raise Counted
     return counted
 

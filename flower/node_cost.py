@@ -49,8 +49,7 @@ def started(pid="self"):
 # A fresh process of a checkout (its flower/ first on the path), building the node of site 1 as a
 # message would: this checkout's from its exported folder, an earlier one's from the dataset.
 NODE = """
-import json, sys, time
-sys.path[:0] = [{root!r}, {root!r} + "/flower"]
+import json, time
 from pathlib import Path
 start = float(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / {tick} + {boot}
 import argparse, fl_adapter
@@ -83,7 +82,7 @@ def node_setup(root, method, data_root, repeat, new=True):
         init = f"{method}:init_state" if record.init_state else None
         code = NODE.format(root=str(root), tick=TICK, boot=BOOT, args=json.dumps(vars(args)),
                            roster=roster, init=init, folder=folder)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{root}:{root}/flower")
         runs = []
         for _ in range(repeat):
             p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -182,8 +181,7 @@ def on_flower(root, method, rounds, data_root, every=1):
 
 
 IN_PROCESS = """
-import sys, time, json
-sys.path[:0] = [{root!r}]
+import time, json
 import torch
 torch.set_num_threads(1)
 import harness
@@ -199,9 +197,10 @@ def in_process(method, rounds, data_root, every=1):
     with tempfile.TemporaryDirectory() as tmp:
         argv = ARGV + ["--rounds", str(rounds), "--out", f"{tmp}/r.json", "--eval-every",
                        str(every)] + (["--data-root", data_root] if data_root else [])
-        code = IN_PROCESS.format(root=str(ROOT), method=method, argv=argv)
+        code = IN_PROCESS.format(method=method, argv=argv)
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp)
+                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+                           cwd=tmp)
         if p.returncode:
             raise RuntimeError(f"{method} in process failed: {p.stderr.strip()[-500:]}")
         marks = json.loads(p.stdout.strip().splitlines()[-1])

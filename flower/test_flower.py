@@ -331,6 +331,9 @@ def test_run_local_fedloe_rounds_from_its_stages():
     (["--", "--resume"],
      "--resume after --: give run_local.py's own --out, --overwrite and --resume, before --"),
     (["--", "--out", "x.json"], "--out after --: give run_local.py's own --out"),
+    (["--", "--parallel-clients", "on"],                   # the ServerApp's refusal, before a start
+     "--parallel-clients on: fedavg trains every client on its own node on Flower; use off"),
+    (["--", "--compile"], "--compile: fedavg trains every client on its own node on Flower"),
 ])
 def test_run_local_bad_flags_one_line(argv, expect):
     refused(["--method", "fedavg", "--nodes", "2"] + argv, expect)
@@ -400,6 +403,40 @@ def test_run_local_keeps_an_older_result_until_the_new_one_is_complete(tmp_path)
     assert (out.read_bytes(), Path(f"{out}.ckpt").read_bytes()) == older
     assert not Path(f"{out}.lock").exists() and (tmp_path / "notes.txt").read_text() == "mine"
     assert none_left(before)
+
+
+def test_run_local_resume_of_a_complete_result_starts_nothing_and_keeps_it(tmp_path, capsys):
+    """--resume where --out holds a complete result made with these arguments: the method scripts'
+    line ("nothing to continue"), exit 0, no deployment, the result byte for byte as it was (its
+    `flower` entry kept); with other arguments, the checkpoint's refusal in one line."""
+    import run_local
+    out = tmp_path / "r.json"
+    fedavg.main(["--dataset", "synthetic", "--clients", "2", "--rounds", "2", "--eval-every", "1",
+                 "--test-domain", "0", "--seed", "0", "--out", str(out)])
+    res = json.loads(out.read_text())
+    res["flower"] = {"rounds": {"1": {"seconds": 1.0}}}
+    out.write_text(json.dumps(res))
+    before, running = out.read_bytes(), flower_processes()
+    capsys.readouterr()
+    rc = run_local.main(["--method", "fedavg", "--nodes", "2", "--out", str(out), "--resume"])
+    said = capsys.readouterr()
+    assert rc == 0 and said.out.strip() == (f"{out} is complete, and its checkpoint was made with "
+                                            f"these arguments: nothing to continue (nothing "
+                                            f"started)"), said
+    assert out.read_bytes() == before and flower_processes() <= running
+    refused(["--method", "fedavg", "--nodes", "2", "--rounds", "3", "--out", str(out),
+             "--resume"], "was made with other arguments")
+    assert out.read_bytes() == before
+
+
+def test_run_local_prints_a_runs_last_line_without_the_terminals_escape_codes(tmp_path):
+    """Where the run wrote no error line of its own, run_local.py names its last line, without the
+    colour codes of Flower's log."""
+    import run_local
+    run = types.SimpleNamespace(stdout="\x1b[92mINFO \x1b[0m:      Starting logstream\n",
+                                stderr="")
+    line = run_local.failure(run, tmp_path / "r.json", tmp_path, [])
+    assert line.startswith("the run did not finish (INFO :      Starting logstream); stopped;")
 
 
 def test_run_local_settles_a_complete_run_at_out_whatever_its_name(tmp_path):
