@@ -1,5 +1,6 @@
 """A node that answers badly, for the tests: the ways a registered but broken (or hostile) node can
-spoil its reply, and a ClientApp that does so. In process, test_flower.py wraps the honest
+spoil its reply (signed with its own key, where it has one: it is its own reply), and a ClientApp
+that does so. In process, test_flower.py wraps the honest
 ClientApp with `tampered`; on real processes, test_deploy.py submits a copy of this App whose
 ClientApp is `bad_node:app`: the node whose node config says `bad=true` spoils its reply to the
 exchange of round `tamper-round` (run config, default 2) the way `tamper` says (run config)."""
@@ -53,8 +54,8 @@ def tampered(app, how, when=2, bad=lambda context: context.node_config["partitio
             return reply
         r = fl_adapter.unpack(reply.content)
         if r["_round"] == when and "theta" in r:         # an update (not the evaluation's counts)
-            reply.content = fl_adapter.pack(spoil(r, how))
-        return reply
+            return fl_adapter.answer(msg, context, spoil(r, how), r["_round"], r["_phase"])
+        return reply                                     # (signed by the node, as it spoils it)
     return answer
 
 

@@ -3,6 +3,7 @@ through Flower's own serialisation (the objects a SuperLink stores, deflated to 
 back) on its way to the ClientApp, which runs with a Context per node (its node config and
 state) and on behalf of its folder (audit.acting: what the node may read)."""
 import itertools
+import types
 import uuid
 
 from flwr.app import Context, RecordDict
@@ -32,7 +33,7 @@ class FakeGrid(Grid):
     def __init__(self, client_app, folders, run_config=None, node_ids=None, keys=None,
                  train=None):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        self.app = client_app
+        self.app, self._run = client_app, types.SimpleNamespace(run_id=1)     # the nodes' run too
         n = len(folders)
         ids = node_ids or [1000 + 7 * k for k in range(n)][::-1]
         config = lambda p: {"partition-id": p, "num-partitions": n, "data": str(folders[p]),

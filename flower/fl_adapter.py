@@ -37,6 +37,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  
 import common  # noqa: E402
 import data  # noqa: E402
 import harness  # noqa: E402
+import signing  # noqa: E402
 from harness import outputs, sites  # noqa: E402
 from harness.methods import METHODS, client_functions, qualified  # noqa: E402
 from harness.outputs import to_device  # noqa: E402
@@ -233,6 +234,7 @@ class Link:
         self.grid, self.wait, self.nodes, self.args, self.out = grid, wait, None, None, None
         self.method, self.init = method, init       # the run's method and its init_state, by name
         self.keys = keys          # {a node's public key (PEM): the partition id it was made for}
+        self.signers = None       # {site: its public key}: with keys, every reply must be signed
         self.evaluators = evaluators                # evaluation sites (None: by the protocol)
         self.roster = None                          # [[domain, n, n_val, n_test]] by site
         # round -> [down, up]; seconds; node spans; each node's setup (seconds)
@@ -274,8 +276,8 @@ class Link:
         end, said, self.nodes = time.time() + self.wait, {}, {}
         while True:
             new = sorted(set(self.grid.get_node_ids()) - set(said))
-            for i, r in zip(new, self._send([(i, "query.hello", hello) for i in new], 0)
-                            if new else []):
+            for i, r in zip(new, self._send([(i, "query.hello", hello) for i in new], 0,
+                                            phase="query.hello") if new else []):
                 report = json.loads(r["report"]) if isinstance(r.get("report"), str) else {}
                 where = f"node {i}" + (f" (partition {report['site']})"
                                        if isinstance(report.get("site"), int) else "")
@@ -346,7 +348,7 @@ class Link:
         replies = self._send([(self.nodes[c], "train.client",
                                {**head, **{f"sent.{k}": v for k, v in sent.items()}})
                               for c, sent in zip(S, sents)], t, clients=S,
-                             most=[MAX_BYTES * size + 2 ** 16 for _, size in expect])
+                             most=[MAX_BYTES * size + 2 ** 16 for _, size in expect], phase=phase)
         # every reply checked before the round sees one
         for c, r, (shape, _) in zip(S, replies, expect):
             wrong = what_is_wrong(r, shape, t, phase)
@@ -371,7 +373,7 @@ class Link:
         want = fn.replies(common.site(dataclasses.replace(ctx, clients={}), c, t, phase), sent)
         return schema(want), declared_bytes(want)
 
-    def _send(self, items, t, clients=None, most=None):
+    def _send(self, items, t, clients=None, most=None, phase=None):
         msgs = [Message(pack(d), node, kind, group_id=str(t)) for node, kind, d in items]
         moved = self.moved.setdefault(t, [0, 0])
         moved[0] += sum(nbytes(m.content) for m in msgs)
@@ -380,6 +382,8 @@ class Link:
         for k, m in enumerate(msgs):
             r, who = replies.get(m.metadata.message_id), f"node {m.metadata.dst_node_id}" + \
                 (f" (partition {clients[k]})" if clients is not None else "")
+            if r is not None and self.signers is not None:      # first of all: whose it is
+                self.check_signature(r, m, t, phase, clients[k] if clients else None)
             if r is None or r.has_error():
                 why = r.error.reason if r is not None else "no reply"
                 raise BadReply(f"a bad reply in round {t} from {who}: {why}")
@@ -388,8 +392,37 @@ class Link:
                 raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, "
                                f"the most this exchange takes is {most[k]:,}")
             moved[1] += nbytes(r.content)
-            out.append(unpack(r.content))
+            reply = unpack(r.content)
+            reply.pop(signing.RECORD, None)
+            if isinstance(reply.get("_error"), str):    # the node's own refusal, signed
+                raise BadReply(f"a bad reply in round {t} from {who}: {reply['_error']}")
+            out.append(reply)
         return out
+
+    def check_signature(self, r, m, t, phase, site):
+        """A reply `r` to message `m` is its node's: signed by the key registered for its site
+        (the site the server sent m for; at query.hello, the one its report claims), else
+        BadReply. The line names the node only as the one in whose name the reply came: the
+        SuperLink does not check who pushed it (docs/flower.md: Every reply is its node's)."""
+        node = m.metadata.dst_node_id
+        if site is None:                                       # query.hello: the site it claims
+            try:
+                site = json.loads(unpack(r.content)["report"])["site"]
+            except (KeyError, TypeError, ValueError):
+                site = None
+        if r.has_error():
+            wrong = f"it is Flower's error reply ({r.error.reason}), which no key signs"
+        elif not isinstance(site, int):
+            wrong = "its report names no site"
+        else:
+            wrong = signing.unsigned(r.content, self.signers.get(site), self.grid.run.run_id, t,
+                                     phase, m.metadata.message_id, site)
+        if wrong:
+            where = f"partition {site}" if isinstance(site, int) else "a site"
+            raise BadReply(f"a reply in round {t} in the name of node {node} ({where}) failed its "
+                           f"signature: {wrong}; nothing of it was used (another registered "
+                           f"device may have pushed it in that node's name: the SuperLink does "
+                           f"not check a reply's source)")
 
 
 class RunFailed(Exception):
@@ -435,6 +468,7 @@ def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None):
                 raise common.UserError("--data-root: on Flower the server reads no data; each "
                                        "node reads its own folder (node config data)")
             link.keys = node_keys(keys) if keys else None
+            link.signers = signing.public_keys(keys) if keys else None
             results = harness.main(on_nodes(own), argv, engine=link, sites=link.sites)
     except (SystemExit, common.UserError) as e:
         if isinstance(e, SystemExit) and not e.code:
@@ -535,6 +569,22 @@ def refused(req, context, also=frozenset()):
     return None
 
 
+def answer(msg, context, content, t, phase):
+    """This node's reply to `msg` (round t's exchange `phase`): content packed and, where its node
+    config names its key, signed (flower/signing.py); an unsigned error reply where the key cannot
+    be read."""
+    rd, path = pack(content), context.node_config.get("key")
+    if not path:
+        return Message(rd, reply_to=msg)
+    try:
+        key = signing.private_key(str(path))
+    except ValueError as e:
+        return Message(reply_to=msg, error=Error(code=400, reason=str(e)))
+    site = int(context.node_config["partition-id"])
+    return Message(signing.sign(rd, key, context.run_id, t, phase, msg.metadata.message_id, site),
+                   reply_to=msg)
+
+
 def hello(msg, context):
     """query.hello: this node's report of its own data (harness.sites.read, with the run's
     arguments), or why it refuses (its folder, in one line)."""
@@ -546,7 +596,7 @@ def hello(msg, context):
             report = sites.read(folder, args, site, only)[1]
     except common.UserError as e:
         report = {"site": site, "refused": str(e)}
-    return Message(pack({"report": json.dumps(report)}), reply_to=msg)
+    return answer(msg, context, {"report": json.dumps(report)}, 0, "query.hello")
 
 
 def work(msg, context, also=frozenset()):
@@ -554,13 +604,14 @@ def work(msg, context, also=frozenset()):
     an error reply, and nothing run, where the function is not the method file's (refused) or
     its folder cannot be read."""
     began, req = time.time(), unpack(msg.content)          # the node's span: its setup and its work
+    t, phase = req.get("round", 0), str(req.get("phase", ""))
     why = refused(req, context, also)
     if why:
-        return Message(reply_to=msg, error=Error(code=403, reason=why))
+        return answer(msg, context, {"_error": why}, t, phase)
     try:
         node = node_for(req, context)
     except common.UserError as e:
-        return Message(reply_to=msg, error=Error(code=400, reason=str(e)))
+        return answer(msg, context, {"_error": str(e)}, t, phase)
     ctx, c = node.ctx, node.partition
     sent = to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
     # the client's own state, per held-out domain
@@ -577,7 +628,7 @@ def work(msg, context, also=frozenset()):
         torch.save(ctx.clients[c], buf)
         record[req["domain"]] = buf.getvalue()
         context.state["fedood"] = record
-    return Message(pack(out), reply_to=msg)
+    return answer(msg, context, out, t, phase)
 
 
 def client_app(also=()):

@@ -345,6 +345,8 @@ class Deployment:
         flags = [*flags, *(["--insecure"] if not self.secure else
                            ["--root-certificates", str((ca or self.certs) / "ca.crt"),
                             "--auth-supernode-private-key", str(self.certs / f"node-{key}")])]
+        if self.secure:                     # its replies signed by its key (flower/signing.py)
+            config = f'{config} key="{self.certs / f"node-{key}"}"'.strip()
         return self.procs.start(name, [str(self.bin / "flower-supernode"), *flags,
                                        "--superlink", self.address, "--host", "127.0.0.1",
                                        "--port", str(free_port()), "--node-config",

@@ -595,21 +595,22 @@ def test_a_failed_run_resumes_from_its_last_good_checkpoint(federation, tmp_path
 
 def test_a_second_node_claiming_a_taken_partition_is_named(federation, tmp_path):
     """A fifth SuperNode, its key (4) registered, holding a copy of site 1's folder, claims
-    partition 1 after the others are online. With the nodes' keys (run config `keys`) it is named
-    for holding partition 4's key; without, as the later claimant. Never the honest node of
-    partition 1."""
+    partition 1 after the others are online. With the nodes' keys (run config `keys`) its report,
+    signed with key 4, fails partition 1's signature; without, it is named as the later claimant.
+    Never the honest node of partition 1."""
     d, ids, app, folders = federation
     late = d.node("supernode-late", 1, 4, key=4, config=f'data="{folders[1]}"')
     try:
         wait_online(d, 5)
         late_id = node_id(d.logdir / "supernode-late.log")
-        for keys, said in ((True, "it claims partition id 1, and its registered key is "
-                                  "partition 4's key"),
+        for keys, said in ((True, "failed its signature: its signature is not site 1's key's "
+                                  "over it"),
                            (False, f"it claims partition id 1, which node {ids[1]} has held "
                                    f"since before it connected")):
             r, _ = submit(d, app, tmp_path / f"r-{keys}.json", "", keys=keys)
-            assert f"fedavg.py: error: a bad reply from node {late_id}: {said}" in r.stdout, \
-                r.stdout[-2000:]
+            named = f"a reply in round 0 in the name of node {late_id} (partition 1) " if keys \
+                else f"a bad reply from node {late_id}: "
+            assert f"fedavg.py: error: {named}{said}" in r.stdout, r.stdout[-2000:]
     finally:
         late.terminate()
         late.wait(30)

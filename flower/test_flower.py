@@ -87,16 +87,32 @@ def each_reads_its_own(grid, tmp_path, data_files=(data.EMBEDDED,)):
     assert audit.refusals(log) == []
 
 
+def signed(grid, certs):
+    """The grid's nodes with keys (flower/credentials.py in `certs`): each signs its replies with
+    its site's key (node config key), which the grid's NodeInfo names as its registered one; the
+    folder, for serve's `keys`."""
+    import credentials
+    credentials.make(certs, ["127.0.0.1"], len(grid.contexts))
+    pem = {k: v for v, k in fl_adapter.node_keys(certs).items()}
+    for node, context in grid.contexts.items():
+        site = context.node_config["partition-id"]
+        context.node_config["key"] = str(certs / f"node-{site}")
+        grid.keys[node] = pem[site]
+    return certs
+
+
 def run_both(method, tmp_path, argv=None, also=()):
     """The method file's own run and the same run through the fake grid, whose nodes hold the
     export of its split (and run `also` too), each reading only its own folder and the server no
-    data (each_reads_its_own): (results, checkpoint, the grid) each."""
+    data (each_reads_its_own), each signing its replies, the server checking every signature
+    (`keys`): (results, checkpoint, the grid) each."""
     argv = argv or ARGV[method]
     mod = importlib.import_module(method)
     mod.main(argv + ["--out", str(tmp_path / "own.json")])
     grid = grid_of(method, argv, tmp_path, fl_adapter.client_app(also))
+    keys = signed(grid, tmp_path / "certs")
     with each_reads_its_own(grid, tmp_path):
-        fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "flower.json")])
+        fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "flower.json")], keys=keys)
     load = lambda name: (json.loads((tmp_path / f"{name}.json").read_text()),
                          torch.load(tmp_path / f"{name}.json.ckpt", weights_only=True))
     return load("own"), load("flower"), grid
@@ -506,7 +522,7 @@ def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, mo
     reply = grid.send_and_receive([message(fn, method, init, node=next(iter(grid.contexts)))])[0]
     monkeypatch.undo()
     named = init if fn.startswith("fedavg:client") and init else fn
-    assert reply.has_error() and reply.error.reason == \
+    assert fl_adapter.unpack(reply.content)["_error"] == \
         f"{named} is not a client function of {method}.py; nothing was run"
     assert fl_adapter.declared("fedavg") == {"fedavg:client_update", "common:score"}
     assert fl_adapter.declared("fediir") == {"fediir:classifier_gradient", "fediir:client_update",
@@ -525,7 +541,7 @@ def test_an_evaluation_only_node_never_trains(tmp_path, monkeypatch):
     grid = fake_grid.FakeGrid(fl_adapter.client_app(), [tmp_path], {"method": "fedavg"}, train=0)
     reply = grid.send_and_receive([message("fedavg:client_update",
                                            node=next(iter(grid.contexts)))])[0]
-    assert reply.has_error() and reply.error.reason == \
+    assert fl_adapter.unpack(reply.content)["_error"] == \
         "fedavg:client_update is not an evaluation of fedavg.py; nothing was run"
     assert fl_adapter.declared("fedavg", evaluate_only=True) == {"common:score"}
     assert fl_adapter.declared("perinvfl", True) == {"perinvfl:score", "perinvfl:init_state"}
@@ -613,24 +629,30 @@ def test_a_second_node_claiming_a_taken_partition_id_is_named(late, tmp_path, ca
 
 def test_with_the_nodes_keys_a_node_holds_the_partition_its_key_was_made_for(tmp_path, capsys):
     """Run config `keys` (credentials.py's folder): a node that claims a partition whose key it
-    does not hold is named, whenever it came online; with the right keys the run is the method
-    file's."""
-    import credentials
-    credentials.make(tmp_path / "certs", ["127.0.0.1"], 4)            # 3 clients, the held-out
-    pem = {k: v for v, k in fl_adapter.node_keys(tmp_path / "certs").items()}   # partition: key
+    does not hold (its registered key and the key it signs with, partition 0's) is named at its
+    report, whenever it came online: its signature is not that partition's key's; without a
+    signature, it is named too; with the right keys the run is the method file's."""
     grid = grid_of("fedavg", ARGV["fedavg"], tmp_path)
+    certs = signed(grid, tmp_path / "certs")                      # 3 clients, the held-out domain
+    pem = {k: v for v, k in fl_adapter.node_keys(certs).items()}   # partition: key
     ids = sorted(grid.contexts, key=lambda i: grid.contexts[i].node_config["partition-id"])
-    grid.keys = {i: pem[p] for p, i in enumerate(ids)}
     grid.keys[ids[2]] = pem[0]                                   # node of partition 2, key 0's
+    grid.contexts[ids[2]].node_config["key"] = str(certs / "node-0")
     argv = ARGV["fedavg"] + ["--out", str(tmp_path / "r.json")]
-    with pytest.raises(fl_adapter.RunFailed):
-        fl_adapter.serve(grid, "fedavg", argv, keys=tmp_path / "certs")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"fedavg.py: error: a bad reply from node {ids[2]}: it claims partition id 2, "
-                   f"and its registered key is partition 0's key; stopped; nothing of this run "
-                   f"was saved"], err
+    tail = ("; nothing of it was used (another registered device may have pushed it in that "
+            "node's name: the SuperLink does not check a reply's source); stopped; nothing of "
+            "this run was saved")
+    for key, why in ((str(certs / "node-0"), "its signature is not site 2's key's over it"),
+                     ("", "it is not signed")):
+        grid.contexts[ids[2]].node_config["key"] = key
+        with pytest.raises(fl_adapter.RunFailed):
+            fl_adapter.serve(grid, "fedavg", argv, keys=certs)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"fedavg.py: error: a reply in round 0 in the name of node {ids[2]} "
+                       f"(partition 2) failed its signature: {why}{tail}"], err
     grid.keys[ids[2]] = pem[2]
-    results, _ = fl_adapter.serve(grid, "fedavg", argv, keys=tmp_path / "certs")
+    grid.contexts[ids[2]].node_config["key"] = str(certs / "node-2")
+    results, _ = fl_adapter.serve(grid, "fedavg", argv, keys=certs)
     assert results["complete"]
 
 
@@ -970,3 +992,70 @@ def test_every_run_local_line_of_the_docs_runs_as_written(tmp_path, monkeypatch)
                 assert run_local.check(run_local.parse(argv)) is not None, argv
             seen += 1
     assert seen >= 6
+
+
+# ----------------------------------------------------- every reply is its node's (signing.py)
+
+def forged(app, how, certs, kept):
+    """The ClientApp `app` as the nodes' grid runs it, but the reply to partition 0's round-2
+    update is not its own: another registered device's in its name ("another key": signed with
+    partition 1's key), an unsigned one ("unsigned"), its own with a value changed after signing
+    ("altered"), or its own signed reply of round 1 replayed ("replayed"); every other reply as
+    it was. kept: the replies of partition 0 so far."""
+    import signing
+
+    def answer(msg, context):
+        reply = app(msg, context)
+        if context.node_config["partition-id"] != 0 or msg.metadata.message_type != "train.client":
+            return reply
+        r = fl_adapter.unpack(reply.content)
+        kept.append(reply)
+        if r.get("_round") != 2 or "theta" not in r:
+            return reply
+        bad = dict(r, theta=r["theta"] * 0.5)
+        bad.pop(signing.RECORD, None)
+        content = fl_adapter.pack(bad)
+        if how == "another key":
+            key = signing.private_key(certs / "node-1")
+            signing.sign(content, key, 1, 2, r["_phase"], msg.metadata.message_id, 0)
+        elif how == "altered":
+            content[signing.RECORD] = reply.content[signing.RECORD]
+        elif how == "replayed":
+            return flwr_message(kept[0].content, msg)
+        return flwr_message(content, msg)
+    return answer
+
+
+def flwr_message(content, msg):
+    from flwr.app import Message
+    return Message(content, reply_to=msg)
+
+
+@pytest.mark.parametrize("how,why", [
+    ("another key", "its signature is not site 0's key's over it"),
+    ("unsigned", "it is not signed"),
+    ("altered", "its signature is not site 0's key's over it"),
+    ("replayed", "its signature is not site 0's key's over it"),
+])
+def test_a_reply_in_another_nodes_name_is_refused_never_blaming_that_node(how, why, tmp_path,
+                                                                          capsys):
+    """With `keys`, every reply must carry its site's signature over the run, the round, the
+    exchange, the message it answers and its content (flower/signing.py), checked before anything
+    else: a reply in partition 0's name that another device signed, an unsigned one, one changed
+    after signing, one replayed from an earlier round: the run ends in one line saying that the
+    reply in that node's name failed its signature (never that the node sent a bad reply), nothing
+    of it used: the checkpoint of round 1 kept."""
+    argv, out = ARGV["fedavg"] + ["--sample", "3"], tmp_path / "flower.json"
+    grid = grid_of("fedavg", argv, tmp_path)
+    certs = signed(grid, tmp_path / "certs")
+    grid.app = forged(grid.app, how, certs, [])
+    node = next(i for i, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
+    capsys.readouterr()
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, "fedavg", argv + ["--out", str(out)], keys=certs)
+    assert str(e.value) == (f"fedavg.py: error: a reply in round 2 in the name of node {node} "
+                            f"(partition 0) failed its signature: {why}; nothing of it was used "
+                            f"(another registered device may have pushed it in that node's "
+                            f"name: the SuperLink does not check a reply's source); stopped; "
+                            f"the last good checkpoint ({out}.ckpt) is kept")
+    assert torch.load(f"{out}.ckpt", weights_only=True)["round"] == 1
