@@ -1,15 +1,19 @@
 """The Flower App: every method file's own round, its clients on Flower's nodes (docs/flower.md).
 
 The ServerApp runs the method file's run through the harness, harness.main(METHOD) (its flags,
-defaults and checks; data, the held-out domain, seeding, evaluation, checkpoints, the results JSON),
-with one change: the engine of common.on_clients is a `Link`, a parameter of the run. Each exchange
-of a round is then one message to every sampled node at once, carrying the client function's name,
-what the server sent, the round and the exchange; each node runs that function (the method file's
-own) on its client, with the client's own random stream (common.stream of the seed, the held-out
-domain, the round, the client and the exchange) and its own state (Flower's Context.state), and
-replies. The replies are put in the order of the clients' ids, as in process. So the nodes train at
-the same time, and a run equals the method file's own run bit for bit. One node per client: the
-node's partition id (node config `partition-id`) is the client id. The server samples with
+defaults and checks; seeding, checkpoints, the results JSON), with two parameters of the run: the
+engine of common.on_clients is a `Link`, and so are the run's `sites`: the server reads no data,
+it learns each site's sizes from its node (query.hello) and computes with stand-ins of them
+(harness.sites). Each exchange of a round is one message to every node of it at once, carrying the
+client function's name, what the server sent, the round and the exchange; each node runs that
+function (the method file's own) on its own site, read from its own folder (node config `data`),
+with the client's own random stream (common.stream of the seed, the held-out domain, the round,
+the client and the exchange) and its own state (Flower's Context.state), and replies, signed with
+its key (flower/signing.py). The server checks every reply (its signature, then its fields against
+the function's declaration) and puts them in the order of the sites' ids, as in process. So the
+nodes train at the same time, every site evaluates on its own data, and a run equals the method
+file's own run bit for bit. One node per site: its partition id (node config `partition-id`) is
+the site's id (the clients, then the evaluation sites). The server samples with
 common.sample_clients on its own seeded generator (never Flower's sampling).
 """
 import argparse
