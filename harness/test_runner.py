@@ -61,14 +61,15 @@ def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at, 
     assert strip_times(again) == strip_times(full)
 
 
-def signal_at(monkeypatch, signum, domain, t):
-    """Sends this process `signum` while round t of `domain` runs (as a scheduler or Ctrl-C
-    would)."""
+def signal_at(monkeypatch, signum, domain, t, times=1):
+    """Sends this process `signum` (`times` times) while round t of `domain` runs (as a scheduler
+    or Ctrl-C would)."""
     checked = runner.checked
 
     def round_then_signal(t_, losses, model, state, fed):          # (at the end of its round)
         if (fed.name, t_) == (domain, t):
-            os.kill(os.getpid(), signum)
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
         return checked(t_, losses, model, state, fed)
     monkeypatch.setattr(runner, "checked", round_then_signal)
 
@@ -79,26 +80,77 @@ def test_a_signal_stops_after_its_round_and_resume_gives_the_uninterrupted_numbe
         tmp_path, monkeypatch, capsys, signum, domain, t):
     """SIGTERM (a scheduler's time limit) in the middle of the second held-out domain, and Ctrl-C in
     round 1, before any evaluation: the round finishes, its checkpoint is written (the losses since
-    the last evaluation in it), one line says where it is and how to go on, exit 128 + the signal;
-    --resume then ends with the uninterrupted numbers, the mean losses of the cut evaluation window
+    the last evaluation in it), exactly one line on stderr says where it is and how to go on (at
+    the signal, stdout said the run would stop after the round), exit 128 + the signal; --resume
+    then ends with the uninterrupted numbers, the mean losses of the cut evaluation window
     included."""
     argv = QUICK + ["--rounds", "6", "--eval-every", "3", "--clients", "3", "--sample", "2"]
     full, _ = run(fedavg.main, argv, tmp_path, "full.json")
+    capsys.readouterr()
     out = str(tmp_path / "cut.json")
     with monkeypatch.context() as m:
         signal_at(m, signum, domain, t)
         with pytest.raises(SystemExit) as e:
             fedavg.main(argv + ["--out", out])
     assert e.value.code == 128 + signum
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"fedavg.py: stopped by {signal.Signals(signum).name} after round {t} "
-                       f"(testing on {domain}); its checkpoint: {tmp_path / 'cut.json.ckpt'}; "
-                       "continue with the same arguments and --resume")
+    std = capsys.readouterr()
+    assert std.err.splitlines() == [
+        f"fedavg.py: stopped by {signal.Signals(signum).name} after round {t} (testing on "
+        f"{domain}); its checkpoint: {tmp_path / 'cut.json.ckpt'}; continue with the same "
+        "arguments and --resume"]
+    said = f"{signal.Signals(signum).name}: stopping after this round and its checkpoint (again: "
+    assert [line for line in std.out.splitlines() if line.startswith(said)] == [said + "at once)"]
     blob = torch.load(tmp_path / "cut.json.ckpt", weights_only=True)
     assert (blob["domain"], blob["round"], len(blob["losses"])) == (domain, t, t % 3)
     assert not os.path.exists(out + ".lock") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     resumed = fedavg.main(argv + ["--out", out, "--resume"])
     assert strip_times(resumed) == strip_times(full)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys, signum):
+    """Ctrl-C twice (or SIGTERM twice) in round 4, after round 3's evaluation and checkpoint: the
+    run ends at once, exit 130, exactly one line on stderr naming the checkpoint that stays and
+    how to go on (stdout said the first would stop after the round); --resume from it ends with
+    the uninterrupted numbers. Twice in round 1, before any checkpoint: one line, nothing was
+    saved."""
+    argv = QUICK + ["--rounds", "6", "--eval-every", "3", "--clients", "3", "--sample", "2",
+                    "--test-domain", "0"]
+    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
+    capsys.readouterr()
+    for t, out, how in ((4, tmp_path / "cut.json", f"its checkpoint: {tmp_path / 'cut.json.ckpt'}; "
+                         "continue with the same arguments and --resume"),
+                        (1, tmp_path / "early.json", "nothing was saved")):
+        with monkeypatch.context() as m:
+            signal_at(m, signum, "style0", t, times=2)
+            with pytest.raises(SystemExit) as e:
+                fedavg.main(argv + ["--out", str(out)])
+        std = capsys.readouterr()
+        assert e.value.code == 130
+        assert std.err.splitlines() == [f"fedavg.py: interrupted; {how}"], std.err
+        assert f"{signal.Signals(signum).name}: stopping after this round" in std.out
+        assert not os.path.exists(f"{out}.lock") and signal.getsignal(signum) in (
+            signal.SIG_DFL, signal.default_int_handler)
+    assert torch.load(f"{tmp_path / 'cut.json'}.ckpt", weights_only=True)["round"] == 3
+    resumed = fedavg.main(argv + ["--out", str(tmp_path / "cut.json"), "--resume"])
+    assert strip_times(resumed) == strip_times(full)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("reentrant call inside <_io.BufferedWriter>"),
+                                   BrokenPipeError(32, "Broken pipe")])
+def test_the_first_signal_is_honoured_whatever_stdout_does(monkeypatch, error):
+    """The first signal's notice goes to stdout, which may be mid-write (the signal then makes a
+    reentrant call) or closed: the stop is still taken, and nothing is raised into the round (the
+    stderr line says what happened); a second signal stops at once."""
+    class Failing:
+        def write(self, text):
+            raise error
+    monkeypatch.setattr(sys, "stdout", Failing())
+    monkeypatch.setattr(runner.STOP, "signal", None)
+    runner.stop_after_the_round(signal.SIGTERM, None)
+    assert runner.STOP.signal == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        runner.stop_after_the_round(signal.SIGINT, None)
 
 
 def test_a_checkpoint_every_few_minutes_between_evaluations(tmp_path, monkeypatch):
@@ -176,7 +228,8 @@ def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
                         f"on {host}): wait for it to end, or give another --out (that run gone? "
                         f"delete {lock})")
         p.send_signal(signal.SIGTERM)
-        assert p.wait(60) == 143 and "stopped by SIGTERM" in p.stderr.read()
+        err = p.stderr.read().splitlines()                     # one line: what, and how to go on
+        assert p.wait(60) == 143 and len(err) == 1 and "stopped by SIGTERM" in err[0], err
     finally:
         p.kill()
     assert not lock.exists()
