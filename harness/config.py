@@ -50,8 +50,9 @@ DEFAULTS = {
     "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
 }
 
-# The dataset's own flags and the datasets each applies to: elsewhere a value does nothing (the
-# counts given there are refused, check_data_args; --print-config leaves them all out)
+# The dataset's own flags and the datasets each applies to: elsewhere a value does nothing
+# (check_data_args refuses a --client-size or --no-rotation given there; --print-config leaves
+# them all out)
 APPLIES = {"alpha": data.FL, "p_test": ("rcmnist", "rcfmnist", "waterbird"),
            "no_rotation": ("rcmnist", "rcfmnist"), "stain": ("stained",),
            "client_size": ("stained",)}
