@@ -46,12 +46,19 @@ def client_update(site, sent):
 def server_update(theta, thetas, n, global_lr=1.0):
     """Step 3: θ^t = θ^{t-1} + η_g Σ_c n_c Δ_c / Σ_c n_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1}
     as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable); n: their
-    weights n_c (data sizes, or ones for the FedIIR code's uniform mean); global_lr: η_g (1: the
-    weighted mean of the θ_c)."""
+    weights n_c (a list: data sizes, or ones for the FedIIR code's uniform mean); global_lr: η_g
+    (1: the weighted mean of the θ_c). ValueError unless one θ_c of θ's shape per weight, and one
+    at least."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
-    for theta_c, n_c in zip(thetas, n):
+    count = 0                                                   # the θ_c read so far
+    for count, (theta_c, n_c) in enumerate(zip(thetas, [*n, None]), 1):   # None: one too many
+        if n_c is None or theta_c.shape != theta.shape:
+            raise ValueError(f"server_update: update {count} of shape {tuple(theta_c.shape)} for "
+                             f"{len(n)} weights and θ of shape {tuple(theta.shape)}")
         delta_sum += n_c * (theta_c - theta)                    # n_c Δ_c
         weight_sum += n_c
+    if not 0 < count == len(n):
+        raise ValueError(f"server_update: {count} update(s) for {len(n)} weights")
     return theta + global_lr * (delta_sum / weight_sum)
 
 

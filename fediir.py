@@ -68,7 +68,11 @@ def classifier_grads(classifier, z, y, batch_size=None):
 
 def gbar_update(g_tilde, g_bar, v):
     """Appendix C, server: g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω (v = 0.95, g̃^0 = 0, no bias
-    correction, as the code); g̃^t is what the clients align to in step 3."""
+    correction, as the code); g̃^t is what the clients align to in step 3. ValueError unless g_bar
+    has g̃'s shape."""
+    if g_bar.shape != g_tilde.shape:
+        raise ValueError(f"gbar_update: g_bar of shape {tuple(g_bar.shape)} for g̃ of shape "
+                         f"{tuple(g_tilde.shape)}")
     return v * g_tilde + (1 - v) * g_bar
 
 
@@ -102,11 +106,18 @@ def iir_objective(model, params, buffers, x, y, w, g_tilde, gamma):
 def server_update(theta, thetas, p, global_lr=1.0):
     """Step 4, server: θ^t = θ^{t-1} + η_g Σ_c p_c Δ_c / Σ_c p_c with Δ_c = θ_c − θ^{t-1}. theta:
     θ^{t-1} as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable, read
-    one at a time); p: their weights (ones: Algorithm 1's and the code's 1/C)."""
+    one at a time); p: their weights (a list; ones: Algorithm 1's and the code's 1/C). ValueError
+    unless one θ_c of θ's shape per weight, and one at least."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
-    for theta_c, p_c in zip(thetas, p):
+    count = 0                                                         # the θ_c read so far
+    for count, (theta_c, p_c) in enumerate(zip(thetas, [*p, None]), 1):   # None: one too many
+        if p_c is None or theta_c.shape != theta.shape:
+            raise ValueError(f"server_update: update {count} of shape {tuple(theta_c.shape)} for "
+                             f"{len(p)} weights and θ of shape {tuple(theta.shape)}")
         delta_sum += p_c * (theta_c - theta)                                  # p_c Δ_c
         weight_sum += p_c
+    if not 0 < count == len(p):
+        raise ValueError(f"server_update: {count} update(s) for {len(p)} weights")
     return theta + global_lr * (delta_sum / weight_sum)
 
 

@@ -7,17 +7,14 @@ fedipg_round, round t (w^t: the global model at its start):
      (line 1), then the exits and w^1 again to all (lines 2-4)
   1. the clients of I_ID take part (Eq. 3; --sample C draws C of them, as FedIIR)
   2. each trains on f_i from the w^{t−τ_i} it received (τ_i = 0 here, else `arrive`): --local-step
-     sgd, --local-epochs of minibatch SGD (Sec. III: "the local entities optimize the parameters
-     using gradient descent on their local data ... Once the optimization process concludes, each
-     local entity uploads its local parameter"); paper, Eq. 2 as one step w − η ∇f_i(w) on the
-     whole split (line 15)
+     sgd, --local-epochs of minibatch SGD (Sec. III's words: docs/fedipg.md); paper, Eq. 2 as one
+     step w − η ∇f_i(w) on the whole split (line 15)
   3. server: w^{t+1} = w^t + η_g Σ_i n_i Δ_i / Σ_i n_i, Δ_i = w_i − w^{t−τ_i}, arrived i (Eq. 3)
   4. warm-up: C_i = η (n_i/n)(⟨∇R, g_i⟩ − (L/2)||g_i||²) / ||∇R||², g_i = ∇R_i(w^{t−τ_i}), ∇R the
      n-weighted mean of the other fresh g_j (Eq. 13); after the last, the clients of mean C_i ≤ 0,
      or none, exit (I_OOD, Section IV)
-Defaults: --local-step sgd, the form every result here was made with (one step on the whole split
-reached 32.0% at RotatedMNIST-50, 0°, where FedAvg reaches 84.2: docs/fedipg.md); λ 1e-3, the
-middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
+Defaults: --local-step sgd, that of every result here (the paper's step: docs/fedipg.md); λ 1e-3,
+the middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
 silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP.
 """
 if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
@@ -56,8 +53,7 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, clie
     n = [float(fed.clients[i].n) for i in ids]
     common.set_flat(model, aggregate(w_t, [r["delta"] for r in up], n, args.global_lr))  # Eq. 3
     if warmup:                                               # step 4 (Eq. 13), exits after the last
-        fresh = [tau == 0 for _, _, tau in arrived]
-        exit_strategy(fed, args, state, ids, g, fresh, abs(t) == W)
+        exit_strategy(fed, args, state, ids, n, g, [tau == 0 for _, _, tau in arrived], abs(t) == W)
     return {i: r["loss"] for i, r in zip(ids, up)} or {ID[0]: torch.zeros((), device=w_t.device)}
 
 
@@ -180,13 +176,23 @@ def tangent(layers, x):
 
 def aggregate(w_t, deltas, n, global_lr=1.0):
     """Eq. 3: w^t + η_g Σ_i n_i Δ_i / Σ_i n_i (flat Δ_i; a stale one is applied to w^t)."""
-    total = sum((n_i * d for d, n_i in zip(deltas, n)), torch.zeros_like(w_t))
+    total = torch.zeros_like(w_t)
+    count = 0                                                           # the Δ_i read so far
+    for count, (d, n_i) in enumerate(zip(deltas, [*n, None]), 1):       # None: one too many
+        if n_i is None or d.shape != w_t.shape:
+            raise ValueError(f"aggregate: update {count} of shape {tuple(d.shape)} for {len(n)} "
+                             f"weights and w^t of shape {tuple(w_t.shape)}")
+        total = total + n_i * d
+    if count != len(n):
+        raise ValueError(f"aggregate: {count} update(s) for {len(n)} weights")
     return w_t + global_lr * (total / sum(n)) if n else w_t
 
 
 def client_contributions(g, n, fresh, n_all, lr, L):
-    """C_i of Eq. 13 for the clients that sent g_i (sizes n, fresh: τ_i = 0, n_all: all data);
-    None where no other client is fresh."""
+    """C_i of Eq. 13 for the clients that sent g_i (a list; sizes n, fresh: τ_i = 0, n_all: all
+    data); None where no other client is fresh."""
+    if not 0 < len(g) == len(n) == len(fresh) or len({x.shape for x in g}) > 1:
+        raise ValueError(f"client_contributions: g_i {[x.shape for x in g]}, n {n}, fresh {fresh}")
     G = torch.stack(list(g))
     K = (G @ G.T).double().cpu()                                        # ⟨g_i, g_j⟩
     n = torch.tensor(n, dtype=torch.float64)
@@ -214,9 +220,8 @@ def in_chunks(site, train=False):
     return common.chunks(site, site.client.x, site.client.y, train, b)
 
 
-def exit_strategy(fed, args, state, ids, g, fresh, last):
+def exit_strategy(fed, args, state, ids, n, g, fresh, last):
     """Eq. 13's C_i^t of the arrived `ids` into state; after the last warm-up round, the exits."""
-    n = [float(fed.clients[i].n) for i in ids]
     n_all = sum(c.n for c in fed.clients)
     for i, C_i in zip(ids, client_contributions(g, n, fresh, n_all, args.lr, args.exit_L)):
         if C_i is not None:
@@ -279,14 +284,11 @@ def check(args, given):
             raise common.UserError(message)
 
 
-def parallel_reason(args):
-    return None if args.local_step == "sgd" else \
-        "trains with --local-step paper one client after another (sgd at once)"
-
-
 METHOD = common.Method("fedipg", __doc__, fedipg_round, clients=(risk_gradient, client_update),
                        init_state=init_state, evaluate=evaluate, add_args=add_args,
-                       defaults=DEFAULTS, derive=derive, check=check, parallel=parallel_reason)
+                       defaults=DEFAULTS, derive=derive, check=check,
+                       parallel=lambda args: None if args.local_step == "sgd" else "trains with "
+                       "--local-step paper one client after another (sgd at once)")
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results

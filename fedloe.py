@@ -47,16 +47,21 @@ DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5),
 def average(theta, thetas, n, global_lr=1.0):
     """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c; thetas: any iterable."""
     delta_sum, weight_sum = torch.zeros_like(theta), 0.0
-    for theta_c, n_c in zip(thetas, n):
+    count = 0                                                         # the θ_c read so far
+    for count, (theta_c, n_c) in enumerate(zip(thetas, [*n, None]), 1):   # None: one too many
+        if n_c is None or theta_c.shape != theta.shape:
+            raise ValueError(f"average: update {count} of shape {tuple(theta_c.shape)} for "
+                             f"{len(n)} weights and θ of shape {tuple(theta.shape)}")
         delta_sum += n_c * (theta_c - theta)
         weight_sum += n_c
+    if not 0 < count == len(n):
+        raise ValueError(f"average: {count} update(s) for {len(n)} weights")
     return theta + global_lr * delta_sum / weight_sum
 
 
 def overfit_head(W, b, z, y, batches, lr, momentum=0.0, weight_decay=0.0):
-    """Eq. 10 on a client: from the broadcast ψ = (W [m, d], b [m]), one SGD step on the
-    cross-entropy of its features z [n, d] and labels y per index tensor of `batches`. Returns
-    ψ̂_c = (W, b), its upload, and the mean loss."""
+    """Eq. 10 on a client: from the broadcast ψ = (W [m, d], b [m]), one SGD step per index tensor
+    of `batches` on the CE of features z [n, d], labels y; ψ̂_c = (W, b), its upload, mean loss."""
     W, b = W.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     opt = torch.optim.SGD([W, b], lr=lr, momentum=momentum, weight_decay=weight_decay)
     total, steps = torch.zeros((), device=z.device), 0
@@ -80,6 +85,8 @@ class Tuning:
     reproducible on CUDA), `halves` [N, 2P] (its client's even or odd half)."""
 
     def __init__(self, Y, y, n_tune):
+        if not (Y.ndim == 3 and len(Y) == len(y) == sum(n_tune) > 0):
+            raise ValueError(f"Tuning: Y {list(Y.shape)} and y {list(y.shape)} for n_tune {n_tune}")
         env = torch.cat([torch.full((k,), c, device=y.device) for c, k in enumerate(n_tune)])
         odd = torch.cat([torch.arange(k, device=y.device) % 2 for k in n_tune])
         self.Y, self.y, self.P = Y, y, len(n_tune)
@@ -97,9 +104,8 @@ def risks(phi, T):
 
 
 def irm_penalty(phi, T):
-    """IRMv1 as DomainBed's IRM._irm_penalty: per client, ∂/∂w at w = 1 of the mean loss of
-    w · Σφŷ on its even rows times that on its odd rows (0 for a single row); the mean over the
-    clients. One gradient call for all."""
+    """IRMv1 as DomainBed's IRM._irm_penalty: the clients' mean (one gradient call) of ∂/∂w at w = 1
+    of c's mean loss of w · Σφŷ on its even rows times that on its odd rows (0 for one row)."""
     w = torch.ones(2 * T.P, dtype=T.Y.dtype, device=T.Y.device, requires_grad=True)  # per half
     logits = torch.einsum("nkm,k->nm", T.Y, phi) * (T.halves @ w)[:, None]
     ell = F.cross_entropy(logits, T.y, reduction="none")
@@ -115,9 +121,8 @@ def rex_penalty(phi, T):
 
 
 def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_lr=0.05):
-    """Eq. 11 on the server: the ensemble weights φ [P] from uniform by `steps` full-batch Adam
-    steps on (1/P) Σ_c R_c + λ r for r = "irm" or "rex", or by `steps` of DomainBed's Fish meta
-    steps (r = "fish")."""
+    """Eq. 11 on the server: ensemble weights φ [P] from uniform by `steps` full-batch Adam steps on
+    (1/P) Σ_c R_c + λ r (r = "irm" or "rex") or DomainBed's Fish meta steps (r = "fish")."""
     phi = torch.full((T.P,), 1.0 / T.P, dtype=T.Y.dtype, device=T.Y.device)
     if r == "fish":
         tilde = phi.clone().requires_grad_()     # φ̃ and its inner Adam, kept (DomainBed's clone)
@@ -143,6 +148,8 @@ def fit_phi(T, r="irm", lam=100.0, lr=0.05, weight_decay=5e-4, steps=100, meta_l
 
 def ensemble(phi, Ws, bs):
     """Eq. 12: the heads (Ws [P, m, d], bs [P, m]) combined by φ [P] into one linear head."""
+    if not (Ws.ndim == 3 and phi.shape == Ws.shape[:1] != (0,) and Ws.shape[:2] == bs.shape):
+        raise ValueError(f"ensemble: φ {list(phi.shape)}, Ws {list(Ws.shape)}, bs {list(bs.shape)}")
     return torch.einsum("k,kmd->md", phi, Ws), phi @ bs
 
 
@@ -163,11 +170,10 @@ def stage1_update(site, sent):
 def head_update(site, sent):
     """Eq. 10 on client c: its features g_θ̂(x) at the broadcast (θ̂ frozen, ψ), then E2/K2 epochs
     of SGD on its head from ψ, its minibatches from its own stream; ψ̂_c = (W, b) and the loss."""
-    a, model, client = site.args, site.model, site.client
+    a, client, head = site.args, site.client, site.model.classifier
     z = common.features(site, sent["theta"], client.x)                # θ̂ frozen: no augmentation
     steps = common.batches(client.n, a.batch_size, site.gen, z.device,
                            epochs=a.stage2_epochs // a.stage2_comms)
-    head = model.classifier
     W, b, loss = overfit_head(head.weight, head.bias, z, client.y, steps, a.stage2_lr, a.momentum,
                               a.stage2_wd)
     return {"W": W, "b": b, "loss": loss}
@@ -184,8 +190,7 @@ def tuning_predictions(site, sent):
 # ------------------------------------------------------------------------------------ one round
 
 def fedloe_round(t, model, fed, args, state, ctx):
-    """One communication: Eq. 4 (stage 1), or Algorithm 1's Eq. 10 on every client, 2.2, and
-    Eq. 11 and 12 on the server."""
+    """One communication: Eq. 4 (stage 1), or Eq. 10 on each client, 2.2, Eq. 11 and 12 (server)."""
     theta = common.get_flat(model)
     every = list(range(len(fed.clients)))                                 # every client, always
     if t <= args.stage1_comms:                                            # Eq. 4
@@ -217,13 +222,12 @@ def init_state(model, fed, args, ctx):
     """Appendix D.2, seeded, in place: each client's training split -> 90% train / 10% tune;
     leave-one-domain-out: its 10% hold-out -> half validation, half in-domain test (id_x)."""
     g = torch.Generator().manual_seed(args.seed)
-    lodo = args.dataset in data.LODO
     for c in fed.clients:
         if c.n < 2:
             raise common.UserError(f"client {c.id} has {c.n} training example(s), too few for a "
                                    f"train/tune split; use fewer --clients")
         c.x, c.y, c.tune_x, c.tune_y = data.holdout(c.x, c.y, 0.1, g)   # at least one to tune on
-        if lodo:
+        if args.dataset in data.LODO:
             h = len(c.val_y) // 2
             c.id_x, c.id_y, c.val_x, c.val_y = c.val_x[:h], c.val_y[:h], c.val_x[h:], c.val_y[h:]
     return {"phi": torch.zeros(0, device=ctx.device)}
@@ -262,9 +266,8 @@ def derive(args):
 def check(args, given):
     e1, k1, e2, k2 = args.stage1_epochs, args.stage1_comms, args.stage2_epochs, args.stage2_comms
     for bad, message in [      # in order: the first that holds is the error
-            ("rounds" in given or "local_epochs" in given,
-             "fedloe sets the rounds and local epochs from --stage1-epochs, --stage1-comms and "
-             "--stage2-comms; drop --rounds / --local-epochs"),
+            (given & {"rounds", "local_epochs"}, "fedloe sets the rounds and local epochs from "
+             "--stage1-epochs, --stage1-comms and --stage2-comms; drop --rounds / --local-epochs"),
             (args.head != "linear",
              "fedloe ensembles linear heads (Eq. 12 is exact only for them): use --head linear"),
             (args.sample not in ("all", args.clients),
@@ -273,9 +276,8 @@ def check(args, given):
              f"--stage1-epochs ({e1}) must be a positive multiple of --stage1-comms ({k1}) >= 1"),
             (k2 < 0 or e2 < 0 or k2 and e2 % k2,
              f"--stage2-epochs ({e2}) must be a multiple of --stage2-comms ({k2}), both >= 0"),
-            (args.select == "val" and k2,
-             "fedloe reports the end of stage 2 (Table 5 stops at a fixed iteration); "
-             "--select val would pick among stage-1 rounds too: drop it"),
+            (args.select == "val" and k2, "fedloe reports the end of stage 2 (Table 5 stops at "
+             "a fixed iteration); --select val would pick among stage-1 rounds too: drop it"),
             *((getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be positive, got "
                f"{getattr(args, k)}") for k in ("stage2_lr", "meta_lr")),
             *((getattr(args, k) < 0, f"--{k.replace('_', '-')} must be >= 0, got "
@@ -284,9 +286,8 @@ def check(args, given):
             raise common.UserError(message)
 
 
-METHOD = common.Method("fedloe", __doc__, fedloe_round,
-                       clients=(stage1_update, head_update, tuning_predictions),
-                       init_state=init_state, evaluate=evaluate, add_args=add_args,
+METHOD = common.Method("fedloe", __doc__, fedloe_round, init_state=init_state, evaluate=evaluate,
+                       clients=(stage1_update, head_update, tuning_predictions), add_args=add_args,
                        defaults=DEFAULTS, derive=derive, check=check, parallel=True)
 
 

@@ -50,7 +50,8 @@ def server_update(theta, thetas, N, eta_g, kappa=0.5, weighted=True):
     (flat, any iterable, read one at a time) with their training-set sizes N_u in, θ^(r) out.
     weighted: the DG code's w_u = p_u (False: the FL code's w_u = 1). η_g has no default: this
     step's κ = 0 form is Σ_u w_u g_u / U, so η_g = U (1 + κ²) makes the g_0 term FedAvg's step
-    (weighted) and η_g = 1 moves 1/U of it; the DG scripts use 0.5."""
+    (weighted) and η_g = 1 moves 1/U of it; the DG scripts use 0.5. N: a list, one N_u per θ_u
+    (else ValueError, from `updates`)."""
     G = updates(theta, thetas, len(N))                                       # Eq. 8
     p = torch.tensor([float(N_u) for N_u in N]) / sum(float(N_u) for N_u in N)   # p_u = N_u / Σ N
     w = p if weighted else torch.ones(len(N))
@@ -58,10 +59,18 @@ def server_update(theta, thetas, N, eta_g, kappa=0.5, weighted=True):
 
 
 def updates(theta, thetas, U):
-    """Eq. 8: the U × |θ| matrix G of the g_u = θ_u − θ^(r-1), the server's only large buffer."""
+    """Eq. 8: the U × |θ| matrix G of the g_u = θ_u − θ^(r-1), the server's only large buffer.
+    ValueError unless thetas holds U θ_u of θ's shape, and one at least."""
     G = torch.empty(U, theta.numel(), dtype=theta.dtype, device=theta.device)
+    count = 0                                                    # the θ_u read so far
     for u, theta_u in enumerate(thetas):
+        if u == U or theta_u.shape != theta.shape:
+            raise ValueError(f"updates: update {u + 1} of shape {tuple(theta_u.shape)} for U = {U} "
+                             f"and θ of shape {tuple(theta.shape)}")
         G[u] = theta_u - theta
+        count = u + 1
+    if not 0 < count == U:
+        raise ValueError(f"updates: {count} update(s) θ_u for U = {U}")
     return G
 
 
@@ -70,7 +79,11 @@ def code_step(G, w, kappa, eps=1e-4):
     ĝ_u = w_u g_u: g_0 = mean_u ĝ_u, Γ* by Eq. 15 over the ĝ_u, λ = κ ||g_0||_ε / (||ĝ_Γ*||_ε + ε),
     and (g_0 + λ ĝ_Γ*) / (1 + κ²) = Σ_u w_u (1/U + λ γ*_u) g_u / (1 + κ²), the code's last line.
     Every term is an inner product of updates: Γ* needs only the Gram matrix K of the ĝ_u,
-    divided by s² = (mean_u ||ĝ_u||_ε)² as in the code (Table 4's lr 25 assumes that scale)."""
+    divided by s² = (mean_u ||ĝ_u||_ε)² as in the code (Table 4's lr 25 assumes that scale).
+    ValueError unless G is U × |θ| for the U ≥ 1 weights w."""
+    if not (G.dim() == 2 and w.dim() == 1 and len(G) == len(w) > 0):
+        raise ValueError(f"code_step: G of shape {tuple(G.shape)} for w of shape "
+                         f"{tuple(w.shape)} (G: U × |θ|, w: U, U ≥ 1)")
     U = len(w)
     w = w.double().cpu()
     K = w[:, None] * gram(G) * w[None, :]                        # the Gram matrix of the ĝ_u

@@ -90,19 +90,28 @@ def J_i(model, params, buffers, x, y, w, nu, lam, weight_decay, beta):
 
 
 def server_update(nu, deltas, alpha):
-    """Line 10: ν^{t+1} = ν^t − α (ν^t − (1/N) Σ_i ν_{i,R}) = ν^t + α mean_i Δ_i."""
-    return nu + alpha * torch.stack(list(deltas)).mean(0)
+    """Line 10: ν^{t+1} = ν^t − α (ν^t − (1/N) Σ_i ν_{i,R}) = ν^t + α mean_i Δ_i. ValueError unless
+    deltas holds one Δ_i at least, each of ν's shape."""
+    deltas = list(deltas)
+    if not deltas or any(d.shape != nu.shape for d in deltas):
+        raise ValueError(f"server_update: Δ_i of shapes {[tuple(d.shape) for d in deltas]} for ν "
+                         f"of shape {tuple(nu.shape)} (one Δ_i at least)")
+    return nu + alpha * torch.stack(deltas).mean(0)
 
 
 def server_adam(nu, deltas, alpha, gamma, adam_state=None):
     """Line 10 with Adam on the server (FedOpt; IRM's optimiser): one Adam step at lr α·γ on
     −mean_i Δ_i / γ (= mean_i ∇L_INV(ν^t; D_i) / rescale when R = 1: centralised IRM). Returns
-    (ν^{t+1}, Adam's state)."""
+    (ν^{t+1}, Adam's state). ValueError unless deltas holds one Δ_i at least, each of ν's shape."""
+    deltas = list(deltas)
+    if not deltas or any(d.shape != nu.shape for d in deltas):
+        raise ValueError(f"server_adam: Δ_i of shapes {[tuple(d.shape) for d in deltas]} for ν "
+                         f"of shape {tuple(nu.shape)} (one Δ_i at least)")
     nu_p = nu.clone().requires_grad_()
     opt = torch.optim.Adam([nu_p], lr=alpha * gamma)
     if adam_state:
         opt.load_state_dict(adam_state)
-    nu_p.grad = -torch.stack(list(deltas)).mean(0) / gamma
+    nu_p.grad = -torch.stack(deltas).mean(0) / gamma
     opt.step()
     return nu_p.detach(), opt.state_dict()
 

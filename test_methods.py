@@ -43,7 +43,8 @@ from tests.helpers import (
     LOE, LOE_FUNCTIONS, loe_own_rounds, loe_split, max_abs, max_diff, method_args,
     method_rounds, METHODS, on_every_device, own_local_sgd, own_model, own_rounds,
     perinvfl_rounds, pinv_args, pinv_copied, pinv_flags, pinv_setup, PLAIN, QUICK, R, RC_ARGV,
-    rel, resolved_args, rows, run, SGD, SIZES, smallconv, split, streams, strip_times,
+    read, refused, rel, resolved_args, rows, run, SGD, SIZES, smallconv, split, streams,
+    strip_times,
     thetas, three_clients, tiny, tiny_args, tiny_ctx, tiny_federation, tiny_model, TINY_TOL,
     with_solver,
 )
@@ -245,6 +246,28 @@ def test_fedavg_copied(uniform):
     expected = method_rounds(fedavg.fedavg_round, clients, 2, uniform_avg=uniform)
     assert torch.allclose(theta, expected, atol=1e-6), (theta - expected).abs().max()
     assert (theta - flat(own_model())).abs().max() > 1e-2                        # they trained
+
+
+# The server's plain functions refuse what they cannot mean, in a ValueError that names it: fewer
+# updates than weights (the bug of issue 67: fedomg's unfilled rows gave 5.57 everywhere), more
+# (read no further than the first one too many), none, an update of another length than θ. The
+# same for every method's server functions, in its section below.
+TH = torch.arange(4.0)
+
+
+def test_fedavg_server_update_refuses_what_it_cannot_mean():
+    seen = []
+    assert refused(fedavg.server_update, TH, iter([TH + 1]), [5, 6, 7]) == \
+        "server_update: 1 update(s) for 3 weights"
+    assert refused(fedavg.server_update, TH, read([TH + 1] * 5, seen), [5, 6, 7]) == \
+        "server_update: update 4 of shape (4,) for 3 weights and θ of shape (4,)"
+    assert len(seen) == 4                                         # no further than the fourth
+    assert refused(fedavg.server_update, TH, [], []) == "server_update: 0 update(s) for 0 weights"
+    assert refused(fedavg.server_update, TH, [TH, TH[:1]], [1, 1]) == \
+        "server_update: update 2 of shape (1,) for 2 weights and θ of shape (4,)"
+    assert refused(fedavg.server_update, TH, [TH[None]], [1]) == \
+        "server_update: update 1 of shape (1, 4) for 1 weights and θ of shape (4,)"
+    assert torch.equal(fedavg.server_update(TH, iter([TH + 1, TH + 4]), [1, 2]), TH + 3)
 
 
 # ==================================================================================================
@@ -550,6 +573,27 @@ def test_fediir_names_the_papers_authors():
 ])
 def test_fediir_flags_bad_input(argv, message, capsys):
     assert message in fails(fediir.main, argv, capsys)
+
+
+def test_fediir_server_functions_refuse_what_they_cannot_mean():
+    """As FedAvg's (above): server_update's updates one per weight, of θ's shape; gbar_update's
+    g_bar of g̃'s shape (a length-1 g_bar would broadcast)."""
+    seen = []
+    assert refused(fediir.server_update, TH, iter([TH + 1]), [1.0, 1.0, 1.0]) == \
+        "server_update: 1 update(s) for 3 weights"
+    assert refused(fediir.server_update, TH, read([TH] * 3, seen), [1.0]) == \
+        "server_update: update 2 of shape (4,) for 1 weights and θ of shape (4,)"
+    assert len(seen) == 2
+    assert refused(fediir.server_update, TH, iter([]), []) == \
+        "server_update: 0 update(s) for 0 weights"
+    assert refused(fediir.server_update, TH, [TH[:3]], [1.0]) == \
+        "server_update: update 1 of shape (3,) for 1 weights and θ of shape (4,)"
+    assert refused(fediir.gbar_update, TH, TH[:1], 0.95) == \
+        "gbar_update: g_bar of shape (1,) for g̃ of shape (4,)"
+    assert refused(fediir.gbar_update, TH, TH[:, None], 0.95) == \
+        "gbar_update: g_bar of shape (4, 1) for g̃ of shape (4,)"
+    assert torch.equal(fediir.server_update(TH, [TH + 1, TH + 3], [1.0, 1.0]), TH + 2)
+    assert torch.equal(fediir.gbar_update(TH, TH + 2, 0.5), TH + 1)
 
 
 def test_fediir_gbar_inputs_change_nothing_on_the_digits(tmp_path):
@@ -1049,6 +1093,30 @@ def test_fedomg_sgd_solver_keeps_the_best_iterate():
 ])
 def test_fedomg_flags_bad_input(argv, message, capsys):
     assert message in fails(fedomg.main, argv, capsys)
+
+
+def test_fedomg_server_functions_refuse_what_they_cannot_mean():
+    """As FedAvg's: server_update's updates (read by `updates` into G) one per size N_u, of θ's
+    shape; code_step's G one row per weight. The issue's case first: fewer θ_u than sizes left
+    rows of an unfilled G (5.57 in every entry), now refused."""
+    seen = []
+    assert refused(fedomg.server_update, TH, iter([TH + 1]), [5, 6, 7], 1.0, 0.5) == \
+        "updates: 1 update(s) θ_u for U = 3"
+    assert refused(fedomg.server_update, TH, read([TH] * 5, seen), [5, 6, 7], 1.0) == \
+        "updates: update 4 of shape (4,) for U = 3 and θ of shape (4,)"
+    assert len(seen) == 4
+    assert refused(fedomg.server_update, TH, [], [], 1.0) == "updates: 0 update(s) θ_u for U = 0"
+    assert refused(fedomg.server_update, TH, [TH, TH[:1]], [5, 6], 1.0) == \
+        "updates: update 2 of shape (1,) for U = 2 and θ of shape (4,)"
+    assert refused(fedomg.updates, TH, [TH[None]], 1) == \
+        "updates: update 1 of shape (1, 4) for U = 1 and θ of shape (4,)"
+    G = torch.stack([TH, TH + 1, TH + 2])
+    for G_, w in ((G, torch.ones(2)), (G[:2], torch.ones(3)), (G[:0], torch.ones(0)),
+                  (TH, torch.ones(4)), (G, torch.ones(3, 1))):
+        assert refused(fedomg.code_step, G_, w, 0.5) == (
+            f"code_step: G of shape {tuple(G_.shape)} for w of shape {tuple(w.shape)} "
+            "(G: U × |θ|, w: U, U ≥ 1)")
+    assert torch.equal(fedomg.server_update(TH, iter([TH + 1, TH + 3]), [4, 4], 2.0, 0.0), TH + 2)
 
 
 # ==================================================================================================
@@ -1689,6 +1757,35 @@ def test_fedloe_flags_bad_input(argv, message, capsys):
     assert message in fails(fedloe.main, argv, capsys)
 
 
+def test_fedloe_server_functions_refuse_what_they_cannot_mean():
+    """As FedAvg's: average's updates one per weight, of θ's shape; Tuning's N predictions, labels
+    and tuning sizes (summing to N, one client at least); ensemble's φ [P], Ws [P, m, d], bs [P, m]
+    (P ≥ 1: no head is no ensemble)."""
+    seen = []
+    assert refused(fedloe.average, TH, iter([TH]), [3, 4]) == "average: 1 update(s) for 2 weights"
+    assert refused(fedloe.average, TH, read([TH] * 3, seen), [3, 4]) == \
+        "average: update 3 of shape (4,) for 2 weights and θ of shape (4,)"
+    assert len(seen) == 3
+    assert refused(fedloe.average, TH, [], []) == "average: 0 update(s) for 0 weights"
+    assert refused(fedloe.average, TH, [TH, TH[:1]], [3, 4]) == \
+        "average: update 2 of shape (1,) for 2 weights and θ of shape (4,)"
+    assert torch.equal(fedloe.average(TH, iter([TH + 1, TH + 4]), [1, 2]), TH + 3)
+    Y, y = torch.zeros(5, 2, 3), torch.zeros(5, dtype=torch.long)
+    for Y_, y_, n_tune in ((Y, y, [2, 2]), (Y, y[:4], [2, 3]), (Y[:4], y, [2, 3]),
+                           (Y[:0], y[:0], []), (Y[:, 0], y, [2, 3])):
+        assert refused(fedloe.Tuning, Y_, y_, n_tune) == \
+            f"Tuning: Y {list(Y_.shape)} and y {list(y_.shape)} for n_tune {n_tune}"
+    assert fedloe.Tuning(Y, y, [2, 3]).P == 2
+    phi, Ws, bs = torch.ones(2), torch.ones(2, 3, 4), torch.ones(2, 3)
+    for phi_, Ws_, bs_ in ((phi[:1], Ws, bs), (torch.ones(3), Ws, bs), (phi, Ws[:1], bs),
+                           (phi, Ws, bs[:1]), (phi, Ws, bs[:, :2]), (phi[:0], Ws[:0], bs[:0]),
+                           (phi, Ws[..., 0], bs)):
+        assert refused(fedloe.ensemble, phi_, Ws_, bs_) == \
+            f"ensemble: φ {list(phi_.shape)}, Ws {list(Ws_.shape)}, bs {list(bs_.shape)}"
+    W, b = fedloe.ensemble(torch.tensor([0.25, 0.75]), torch.stack([Ws[0], 5 * Ws[1]]), bs)
+    assert torch.equal(W, 4 * Ws[0]) and torch.equal(b, bs[0])
+
+
 # ==================================================================================================
 # perinvfl.py
 # ==================================================================================================
@@ -2080,6 +2177,22 @@ def test_perinvfl_flags_bad_input(argv, message, capsys):
     assert message in fails(perinvfl.main, argv, capsys)
 
 
+def test_perinvfl_server_functions_refuse_what_they_cannot_mean():
+    """As FedAvg's, for line 10's two forms (no weights: every client's Δ_i counts alike): no
+    Δ_i, or one of another shape than ν (a length-1 Δ_i would broadcast)."""
+    for name, fn in (("server_update", lambda nu, d: perinvfl.server_update(nu, d, 1.0)),
+                     ("server_adam", lambda nu, d: perinvfl.server_adam(nu, d, 1.0, 0.1))):
+        assert refused(fn, TH, iter([])) == \
+            f"{name}: Δ_i of shapes [] for ν of shape (4,) (one Δ_i at least)"
+        assert refused(fn, TH, iter([TH, TH[:1]])) == \
+            f"{name}: Δ_i of shapes [(4,), (1,)] for ν of shape (4,) (one Δ_i at least)"
+        assert refused(fn, TH, [TH[None]]) == \
+            f"{name}: Δ_i of shapes [(1, 4)] for ν of shape (4,) (one Δ_i at least)"
+    assert torch.equal(perinvfl.server_update(TH, iter([TH, TH + 2]), 0.5), 1.5 * TH + 0.5)
+    nu, _ = perinvfl.server_adam(TH, iter([TH + 1, TH + 1]), 1.0, 0.1)
+    assert torch.allclose(nu, TH + 0.1)                      # Adam's first step: lr · sign
+
+
 # ==================================================================================================
 # fedipg.py
 # ==================================================================================================
@@ -2269,8 +2382,8 @@ def test_fedipg_contribution_is_eq_13():
     g = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 1.0]),
          torch.tensor([0.5, 2.0])]
     state = {"contrib": {}}
-    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2, 3], g,
-                         [True, True, False, True], False)
+    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 1, 2, 3],
+                         [6.0, 10.0, 4.0, 8.0], g, [True, True, False, True], False)
     n, fresh = (6, 10, 4, 8), (0, 1, 3)
     for i in range(4):
         others = [j for j in fresh if j != i]                              # fresh, and not i itself
@@ -2278,8 +2391,8 @@ def test_fedipg_contribution_is_eq_13():
         expected = 0.1 * n[i] / 28 * (grad_R @ g[i] - 0.25 * g[i] @ g[i]) / (grad_R @ grad_R)
         assert math.isclose(state["contrib"][i][0], expected.item(), rel_tol=1e-6)  # a float32 Gram
     state = {"contrib": {}}                                               # 0: no other fresh client
-    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 2], g[:1] + g[2:3],
-                         [True, False], False)
+    fedipg.exit_strategy(fed, ipg_args(lr=0.1, exit_L=0.5), state, [0, 2], [6.0, 4.0],
+                         g[:1] + g[2:3], [True, False], False)
     assert list(state["contrib"]) == [2]
 
 
@@ -2672,3 +2785,26 @@ def test_fedipg_exit_ranks_a_planted_aberrant_client_worst_and_removes_it(capsys
 ])
 def test_fedipg_flags_bad_input(argv, message, capsys):
     assert message in fails(fedipg.main, argv, capsys)
+
+
+def test_fedipg_server_functions_refuse_what_they_cannot_mean():
+    """As FedAvg's: aggregate's Δ_i one per weight, of w^t's shape, though none (no update
+    arrived) leaves w^t as it is (Eq. 3 over no arrival); client_contributions's g_i, sizes and
+    fresh flags one per client, the g_i of one shape, one client at least."""
+    seen = []
+    assert refused(fedipg.aggregate, TH, iter([TH]), [3.0, 4.0]) == \
+        "aggregate: 1 update(s) for 2 weights"
+    assert refused(fedipg.aggregate, TH, iter([]), [3.0]) == "aggregate: 0 update(s) for 1 weights"
+    assert refused(fedipg.aggregate, TH, read([TH] * 3, seen), [3.0, 4.0]) == \
+        "aggregate: update 3 of shape (4,) for 2 weights and w^t of shape (4,)"
+    assert len(seen) == 3
+    assert refused(fedipg.aggregate, TH, [TH[:1]], [3.0]) == \
+        "aggregate: update 1 of shape (1,) for 1 weights and w^t of shape (4,)"
+    assert fedipg.aggregate(TH, iter([]), []) is TH
+    assert torch.equal(fedipg.aggregate(TH, iter([TH, TH + 3]), [1.0, 2.0]), 2 * TH + 2)
+    g = [TH, TH + 1]
+    for g_, n, fresh in ((g, [1.0], [True, True]), (g, [1.0, 2.0], [True]), ([], [], []),
+                         (g[:1], [1.0, 2.0], [True, True]), ([TH, TH[:2]], [1.0, 2.0], [True] * 2)):
+        assert refused(fedipg.client_contributions, g_, n, fresh, 3.0, 0.1, 0.5) == \
+            f"client_contributions: g_i {[x.shape for x in g_]}, n {n}, fresh {fresh}"
+    assert fedipg.client_contributions(g, [1.0, 2.0], [True, False], 3.0, 0.1, 0.5)[1] is not None

@@ -166,7 +166,7 @@ def parallel_reason(args):
     if (args.aberrant or [None])[0] in ("slow", "unreliable"):
         return f"--aberrant {args.aberrant[0]}: a stale client starts from an older model than " \
             f"the others"
-    return fedipg.parallel_reason(args)
+    return fedipg.METHOD.parallel(args)
 
 
 # fedipg.py's method with this round (its arrivals), state, evaluation and flags; the checkpoint

@@ -11,7 +11,9 @@ Where a value comes from, first that applies (--print-config shows each value an
      dataset (Method.defaults["*"]);
   4. the shared table below, per dataset (its sources: docs/protocol.md);
   5. the flag's own default (the run's flags: --seed 0, --device auto, ...);
-  6. once the data is loaded, `after_load`: the counts of clients that follow from the data.
+  6. once the data is loaded, `after_load`: the counts of clients that follow from the data
+     (--print-config loads the data to show them, where the command line and the tables leave
+     them open).
 A value "auto" is an explicit rule, resolved here (--device, --parallel-clients) or, where the
 method declares it (Method.auto: FedOMG's η_g), by the method in every round. A method's
 `check(args, given)` then validates and never fills in a value.
@@ -47,6 +49,13 @@ DEFAULTS = {
     "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL, "rcmnist": _RC, "rcfmnist": _RC,
     "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
 }
+
+# The dataset's own flags and the datasets each applies to: elsewhere a value does nothing
+# (check_data_args refuses a --client-size or --no-rotation given there; --print-config leaves
+# them all out)
+APPLIES = {"alpha": data.FL, "p_test": ("rcmnist", "rcfmnist", "waterbird"),
+           "no_rotation": ("rcmnist", "rcfmnist"), "stain": ("stained",),
+           "client_size": ("stained",)}
 
 
 class Parser(argparse.ArgumentParser):
@@ -161,7 +170,8 @@ def parser(method):
     a("--checkpoint-minutes", type=finite, default=5.0,
       help="a checkpoint at least this often while training, besides each evaluation's")
     a("--print-config", action="store_true", help="print every value the run would use and where "
-      "it comes from (command line, a table, a rule), then exit: nothing is loaded or run")
+      "it comes from (command line, a table, a rule, the data), then exit: nothing is run (the "
+      "data is loaded where it settles the counts of clients)")
     if method.add_args:
         method.add_args(p)
     for act in p._actions:                      # the method's own float flags: finite numbers too
@@ -211,7 +221,8 @@ def resolve(method, argv=None):
     every flag filled (the module's docstring says from where), bad values refused in one line
     (UserError) before any work, --test-domain, --parallel-clients and --out settled. A flag the
     data decides (the counts of clients) is settled by after_load. --print-config: every value
-    and where it comes from, printed, then SystemExit(0)."""
+    and where it comes from, printed (the data loaded where it settles a count: settle_counts),
+    then SystemExit(0)."""
     argv = sys.argv[1:] if argv is None else argv
     p = parser(method)
     args = p.parse_args(argv)
@@ -270,19 +281,49 @@ def resolve(method, argv=None):
         where["out"] = "rule: results/<method>-<dataset>-<test domain>-seed<seed>-<digest>.json"
     args.out = os.path.normpath(args.out or default_out(method.name, args))
     if show:
-        print_config(method, args, where)
+        note = settle_counts(args, where)
+        print_config(method, args, where, note)
         raise SystemExit(0)
     return args
 
 
-def print_config(method, args, where):
-    """Every value of a run and where it comes from; those the data settles, said so."""
+def print_config(method, args, where, note=None):
+    """Every value of a run and where it comes from, but the flags of other datasets (APPLIES);
+    note: how the data settled the counts of clients (settle_counts)."""
     print(f"{method.name}.py on {args.dataset}: every value of the run, and where it comes from")
+    if note:
+        print(note)
     for k, v in vars(args).items():
+        if args.dataset not in APPLIES.get(k, (args.dataset,)):
+            continue
         flag = f"--{k.replace('_', '-')}"
-        source = where.get(k) or ("set once the data loads (docs/protocol.md: Federation)"
-                                  if k in ("clients", "sample", "client_size") else "not set")
-        print(f"  {flag:<22} {'' if v is None else v!s:<12} {source}")
+        print(f"  {flag:<22} {'' if v is None else v!s:<12} {where.get(k, 'not set')}")
+
+
+def settle_counts(args, where):
+    """--print-config: the counts of clients that a run settles once its data loads (after_load),
+    where the command line and the tables leave them open, settled as the run settles them: the
+    data loaded (bad data: UserError, one line), `where` told the rule. Returns the line that
+    says so, or None where no count needed the data."""
+    counts = [k for k in ("clients", "sample", "client_size") if getattr(args, k) in (None, "all")
+              and args.dataset in APPLIES.get(k, (args.dataset,))]
+    if not counts:
+        return None
+    ds = load_data(args)
+    before = {k: getattr(args, k) for k in counts}
+    after_load(args, ds)
+    stained = f"Section VI-C's for --stain {args.stain} (data.STAINED)"
+    rules = {"clients": stained if args.dataset == "stained" else
+             "the data, one client per training domain",
+             "client_size": f"{stained}, within the data's nine training combinations",
+             "sample": "every client" if args.dataset == "stained" else
+             "the data, min(--clients, training domains)"}
+    for k, was in before.items():
+        where[k] = (f"{where[k]}; all: every client" if was == "all" else
+                    f"rule: {rules[k]} (docs/protocol.md: Federation)")
+    flags = [f"--{k.replace('_', '-')}" for k in counts]
+    return (f"(loaded the data to settle {', '.join(flags[:-1])}{' and ' * (len(flags) > 1)}"
+            f"{flags[-1]}: {ds.source})")
 
 
 def check_data_args(args):

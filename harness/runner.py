@@ -37,7 +37,9 @@ from harness.provenance import code_files, provenance
 def main(method, argv=None, **hooks):
     """The entry point of every method script: bad input -> one line on stderr and exit 2, a
     non-finite loss or server quantity -> exit 1, SIGINT / SIGTERM -> saved after the round,
-    exit 128 + the signal. hooks: run's (engine, after_round, model_fn, load, sites)."""
+    exit 128 + the signal (a second one: at once, exit 130); however it ends, one line on stderr
+    says what happened and how to go on. hooks: run's (engine, after_round, model_fn, load,
+    sites)."""
     plan, handlers, name = None, {}, method.name
 
     def how():                   # how to continue, and what stays meanwhile
@@ -65,8 +67,9 @@ def main(method, argv=None, **hooks):
         print(f"{name}.py: stopped by {signal.Signals(e.signum).name} after round {e.t} (testing "
               f"on {e.domain}); {how()}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:
-        print(f"\n{name}.py: interrupted; {how()}", file=sys.stderr)
+    except KeyboardInterrupt:   # a second signal (no newline first: a terminal's ^C is on the
+        # progress line, which Progress erased)
+        print(f"{name}.py: interrupted; {how()}", file=sys.stderr)
         sys.exit(130)
     finally:
         for s, h in handlers.items():
@@ -362,11 +365,17 @@ class STOP:
 
 
 def stop_after_the_round(signum, frame):
-    if STOP.signal is not None:         # a second one: at once (the last checkpoint stays)
+    """The first signal: the run stops after the round under way, said at once on stdout (the
+    progress line's stream; stderr gets one line, main's, however the run ends); a second: at
+    once (KeyboardInterrupt; the last checkpoint stays)."""
+    if STOP.signal is not None:
         raise KeyboardInterrupt
     STOP.signal = signum
-    print(f"\n{signal.Signals(signum).name}: stopping after this round and its checkpoint "
-          f"(again: at once)", file=sys.stderr, flush=True)
+    try:
+        print(f"{signal.Signals(signum).name}: stopping after this round and its checkpoint "
+              f"(again: at once)", flush=True)
+    except (RuntimeError, OSError):  # stdout mid-write (a reentrant call) or closed: main says it
+        pass
 
 
 # ------------------------------------------------------------------------------------ results

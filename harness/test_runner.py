@@ -61,14 +61,15 @@ def test_resume_gives_the_uninterrupted_numbers(tmp_path, monkeypatch, stop_at, 
     assert strip_times(again) == strip_times(full)
 
 
-def signal_at(monkeypatch, signum, domain, t):
-    """Sends this process `signum` while round t of `domain` runs (as a scheduler or Ctrl-C
-    would)."""
+def signal_at(monkeypatch, signum, domain, t, times=1):
+    """Sends this process `signum` (`times` times) while round t of `domain` runs (as a scheduler
+    or Ctrl-C would)."""
     checked = runner.checked
 
     def round_then_signal(t_, losses, model, state, fed):          # (at the end of its round)
         if (fed.name, t_) == (domain, t):
-            os.kill(os.getpid(), signum)
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
         return checked(t_, losses, model, state, fed)
     monkeypatch.setattr(runner, "checked", round_then_signal)
 
@@ -79,26 +80,77 @@ def test_a_signal_stops_after_its_round_and_resume_gives_the_uninterrupted_numbe
         tmp_path, monkeypatch, capsys, signum, domain, t):
     """SIGTERM (a scheduler's time limit) in the middle of the second held-out domain, and Ctrl-C in
     round 1, before any evaluation: the round finishes, its checkpoint is written (the losses since
-    the last evaluation in it), one line says where it is and how to go on, exit 128 + the signal;
-    --resume then ends with the uninterrupted numbers, the mean losses of the cut evaluation window
+    the last evaluation in it), exactly one line on stderr says where it is and how to go on (at
+    the signal, stdout said the run would stop after the round), exit 128 + the signal; --resume
+    then ends with the uninterrupted numbers, the mean losses of the cut evaluation window
     included."""
     argv = QUICK + ["--rounds", "6", "--eval-every", "3", "--clients", "3", "--sample", "2"]
     full, _ = run(fedavg.main, argv, tmp_path, "full.json")
+    capsys.readouterr()
     out = str(tmp_path / "cut.json")
     with monkeypatch.context() as m:
         signal_at(m, signum, domain, t)
         with pytest.raises(SystemExit) as e:
             fedavg.main(argv + ["--out", out])
     assert e.value.code == 128 + signum
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"fedavg.py: stopped by {signal.Signals(signum).name} after round {t} "
-                       f"(testing on {domain}); its checkpoint: {tmp_path / 'cut.json.ckpt'}; "
-                       "continue with the same arguments and --resume")
+    std = capsys.readouterr()
+    assert std.err.splitlines() == [
+        f"fedavg.py: stopped by {signal.Signals(signum).name} after round {t} (testing on "
+        f"{domain}); its checkpoint: {tmp_path / 'cut.json.ckpt'}; continue with the same "
+        "arguments and --resume"]
+    said = f"{signal.Signals(signum).name}: stopping after this round and its checkpoint (again: "
+    assert [line for line in std.out.splitlines() if line.startswith(said)] == [said + "at once)"]
     blob = torch.load(tmp_path / "cut.json.ckpt", weights_only=True)
     assert (blob["domain"], blob["round"], len(blob["losses"])) == (domain, t, t % 3)
     assert not os.path.exists(out + ".lock") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     resumed = fedavg.main(argv + ["--out", out, "--resume"])
     assert strip_times(resumed) == strip_times(full)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys, signum):
+    """Ctrl-C twice (or SIGTERM twice) in round 4, after round 3's evaluation and checkpoint: the
+    run ends at once, exit 130, exactly one line on stderr naming the checkpoint that stays and
+    how to go on (stdout said the first would stop after the round); --resume from it ends with
+    the uninterrupted numbers. Twice in round 1, before any checkpoint: one line, nothing was
+    saved."""
+    argv = QUICK + ["--rounds", "6", "--eval-every", "3", "--clients", "3", "--sample", "2",
+                    "--test-domain", "0"]
+    full, _ = run(fedavg.main, argv, tmp_path, "full.json")
+    capsys.readouterr()
+    for t, out, how in ((4, tmp_path / "cut.json", f"its checkpoint: {tmp_path / 'cut.json.ckpt'}; "
+                         "continue with the same arguments and --resume"),
+                        (1, tmp_path / "early.json", "nothing was saved")):
+        with monkeypatch.context() as m:
+            signal_at(m, signum, "style0", t, times=2)
+            with pytest.raises(SystemExit) as e:
+                fedavg.main(argv + ["--out", str(out)])
+        std = capsys.readouterr()
+        assert e.value.code == 130
+        assert std.err.splitlines() == [f"fedavg.py: interrupted; {how}"], std.err
+        assert f"{signal.Signals(signum).name}: stopping after this round" in std.out
+        assert not os.path.exists(f"{out}.lock") and signal.getsignal(signum) in (
+            signal.SIG_DFL, signal.default_int_handler)
+    assert torch.load(f"{tmp_path / 'cut.json'}.ckpt", weights_only=True)["round"] == 3
+    resumed = fedavg.main(argv + ["--out", str(tmp_path / "cut.json"), "--resume"])
+    assert strip_times(resumed) == strip_times(full)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("reentrant call inside <_io.BufferedWriter>"),
+                                   BrokenPipeError(32, "Broken pipe")])
+def test_the_first_signal_is_honoured_whatever_stdout_does(monkeypatch, error):
+    """The first signal's notice goes to stdout, which may be mid-write (the signal then makes a
+    reentrant call) or closed: the stop is still taken, and nothing is raised into the round (the
+    stderr line says what happened); a second signal stops at once."""
+    class Failing:
+        def write(self, text):
+            raise error
+    monkeypatch.setattr(sys, "stdout", Failing())
+    monkeypatch.setattr(runner.STOP, "signal", None)
+    runner.stop_after_the_round(signal.SIGTERM, None)
+    assert runner.STOP.signal == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        runner.stop_after_the_round(signal.SIGINT, None)
 
 
 def test_a_checkpoint_every_few_minutes_between_evaluations(tmp_path, monkeypatch):
@@ -176,7 +228,8 @@ def test_one_run_per_out_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
                         f"on {host}): wait for it to end, or give another --out (that run gone? "
                         f"delete {lock})")
         p.send_signal(signal.SIGTERM)
-        assert p.wait(60) == 143 and "stopped by SIGTERM" in p.stderr.read()
+        err = p.stderr.read().splitlines()                     # one line: what, and how to go on
+        assert p.wait(60) == 143 and len(err) == 1 and "stopped by SIGTERM" in err[0], err
     finally:
         p.kill()
     assert not lock.exists()
@@ -836,22 +889,31 @@ def test_fixed_client_defaults_follow_fedavgs_default_run(tmp_path):
         assert loe.sample == "all" and loe.local_epochs == 32             # every client, each round
 
 
-def print_config(main, argv, capsys):
-    """{flag: its line} of --print-config's table, which must exit 0 before any data loads."""
+def print_config(main, argv, capsys, note=False):
+    """{flag: its line} of --print-config's table, which must exit 0 (note: and the line before the
+    table that says the data was loaded, or None)."""
     with pytest.raises(SystemExit) as e:
         main(argv + ["--print-config"])
     assert e.value.code == 0
-    return {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    out = capsys.readouterr().out.splitlines()        # (after a note the data prints as it loads)
+    head = [k for k, line in enumerate(out) if line.endswith(": every value of the run, and where "
+                                                             "it comes from")]
+    said = out[head[0] + 1] if out[head[0] + 1].startswith("(loaded the data") else None
+    table = out[head[0] + 1 + bool(said):]
+    assert len(head) == 1 and all(line.startswith("  --") for line in table), out
+    rows = {line.split()[0]: line for line in table}
+    return (rows, said) if note else rows
 
 
 def test_print_config_gives_every_value_and_where_it_comes_from(tmp_path, capsys, monkeypatch):
     """--print-config: every argument a run resolves, its value and its source (the command line or
     its default, the method's table for the dataset or for every dataset, the shared table, a rule,
-    or the data), and nothing loaded or written."""
-    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("--print-config loaded data"))
+    or the data), and nothing written (the data loaded only where it settles a count: below)."""
+    monkeypatch.chdir(tmp_path)
     rows = print_config(fedomg.main, ["--lr", "0.02"], capsys)
     args = harness.resolve(fedomg.METHOD, ["--lr", "0.02", "--out", str(tmp_path / "r.json")])
-    assert set(rows) == {f"--{k.replace('_', '-')}" for k in vars(args)}
+    assert set(rows) == {f"--{k.replace('_', '-')}" for k in vars(args)
+                         if k not in ("alpha", "p_test", "no_rotation", "stain", "client_size")}
     assert rows["--lr"].split()[1:] == ["0.02", "command", "line"]
     assert rows["--global-lr"].split()[1] == "auto" and rows["--global-lr"].endswith(
         "fedomg's table, every dataset; auto: U (1 + κ²), U the clients sampled in the round "
@@ -860,15 +922,87 @@ def test_print_config_gives_every_value_and_where_it_comes_from(tmp_path, capsys
     assert rows["--batch-size"].endswith("shared table, rmnist")
     assert rows["--seed"].endswith("the command line's default")
     assert "rule: auto" in rows["--device"] and "rule: auto" in rows["--parallel-clients"]
-    assert rows["--clients"].endswith("set once the data loads (docs/protocol.md: Federation)")
-    rows = print_config(fedomg.main, ["--dataset", "pacs"], capsys)
+    assert rows["--clients"].endswith("rule: the data, one client per training domain "
+                                      "(docs/protocol.md: Federation)")
+    rows = print_config(fedomg.main, ["--dataset", "pacs", "--data-root",
+                                      fake_pacs(tmp_path / "d")], capsys)
     assert rows["--global-lr"].split()[1] == "0.5" and rows["--global-lr"].endswith(
         "fedomg's table, pacs")
     rows = print_config(fediir.main, [], capsys)
     assert rows["--lr"].split()[1:] == ["0.01", "shared", "table,", "rmnist"]    # FedIIR's Table 3
     rows = print_config(fedloe.main, [], capsys)
     assert rows["--rounds"].endswith("rule: fedloe's derive (rounds from other flags)")
-    assert not list(tmp_path.iterdir()) and not Path("results").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and not Path("results").exists()
+
+
+def test_print_config_settles_the_counts_from_the_data(tmp_path, capsys, monkeypatch):
+    """Where neither the command line nor a table settles --clients, --sample (and stained's
+    --client-size), --print-config loads the data as a run does, says so before the table, and
+    shows the counts the run would use; where they are settled it loads nothing. A dataset it
+    cannot load, or counts the data refuses: one line, exit 2, nothing printed."""
+    out = ["--out", str(tmp_path / "r.json")]
+    for method, argv, settled in ((fediir, [], "--clients and --sample"),
+                                  (fedavg, ["--dataset", "stained", "--client-size", "300"],
+                                   "--clients and --sample"),
+                                  (fedavg, ["--dataset", "stained", "--stain", "both"],
+                                   "--clients, --sample and --client-size"),
+                                  (fedloe, ["--dataset", "rmnist", "--clients", "10"], "--sample")):
+        rows, note = print_config(method.main, argv, capsys, note=True)
+        assert note.startswith(f"(loaded the data to settle {settled}: "), note
+        args = harness.resolve(method.METHOD, argv + out)
+        config.after_load(args, config.load_data(args))                      # as the run does
+        for k in ("clients", "sample", "client_size"):
+            if args.dataset == "stained" or k != "client_size":
+                assert rows[f"--{k.replace('_', '-')}"].split()[1] == str(getattr(args, k)), k
+    rows = print_config(fediir.main, [], capsys)
+    assert [rows[f].split()[1:3] for f in ("--clients", "--sample")] == [["5", "rule:"]] * 2
+    assert rows["--clients"].endswith("rule: the data, one client per training domain "
+                                      "(docs/protocol.md: Federation)")
+    assert rows["--sample"].endswith("rule: the data, min(--clients, training domains) "
+                                     "(docs/protocol.md: Federation)")
+    rows = print_config(fedavg.main, ["--dataset", "stained", "--stain", "bg"], capsys)
+    assert rows["--clients"].split()[1] == "5" and rows["--clients"].endswith(
+        "rule: Section VI-C's for --stain bg (data.STAINED) (docs/protocol.md: Federation)")
+    assert rows["--sample"].endswith("shared table, stained; all: every client")
+    monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("--print-config loaded data"))
+    for method, argv in ((fediir, ["--clients", "10", "--sample", "3"]),
+                         (fedomg, ["--dataset", "mnist"]), (fedavg, ["--dataset", "rcmnist"]),
+                         (fedavg, ["--dataset", "stained", "--clients", "4", "--sample", "2",
+                                   "--client-size", "100"])):
+        rows, note = print_config(method.main, argv, capsys, note=True)
+        assert note is None and rows["--clients"].split()[2:] in (["command", "line"],
+                                                                  ["shared", "table,", "mnist"],
+                                                                  ["shared", "table,", "rcmnist"])
+    monkeypatch.undo()
+    for main, argv, line in (
+            (fedavg.main, ["--dataset", "pacs"], "pacs needs --data-root DIR holding "
+             "PACS/<domain>/<class>/<images>; get it with: python -m harness.datasets --download "
+             "pacs --data-root DIR"),
+            (fedavg.main, ["--dataset", "pacs", "--data-root", str(tmp_path)],
+             f"{tmp_path}/PACS not found; get it with: python -m harness.datasets --download pacs "
+             f"--data-root {tmp_path} (or lay out any copy as PACS/<domain>/<class>/<images>)"),
+            (fedloe.main, ["--dataset", "synthetic"], "--clients 20 leaves clients fewer "
+             "training examples than one minibatch (--batch-size 128)")):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--print-config"])
+        std = capsys.readouterr()
+        err = std.err.splitlines()
+        assert e.value.code == 2 and std.out == "" and len(err) == 1 and line in err[0], std.err
+
+
+@pytest.mark.parametrize("dataset,own", [
+    ("rmnist", []), ("synthetic", []), ("mnist", ["--alpha"]), ("cifar10", ["--alpha"]),
+    ("rcmnist", ["--p-test", "--no-rotation"]), ("rcfmnist", ["--p-test", "--no-rotation"]),
+    ("waterbird", ["--p-test"]), ("stained", ["--client-size", "--stain"])])
+def test_print_config_leaves_out_the_flags_of_other_datasets(dataset, own, capsys, monkeypatch):
+    """A flag of the dataset's own (data.load's, check_data_args's) is shown only where it applies:
+    --alpha for the label-skew datasets, --p-test for rcmnist, rcfmnist and waterbird,
+    --no-rotation for the first two, --stain and --client-size for stained."""
+    monkeypatch.setattr(config, "settle_counts", lambda args, where: None)     # (no data needed)
+    rows = print_config(fedavg.main, ["--dataset", dataset], capsys)
+    theirs = ["--alpha", "--p-test", "--no-rotation", "--stain", "--client-size"]
+    assert sorted(f for f in theirs if f in rows) == sorted(own)
+    assert {"--dataset", "--clients", "--sample", "--lr", "--uniform-avg"} <= set(rows)
 
 
 def test_auto_is_a_value_only_where_the_method_has_its_rule(tmp_path, capsys):

@@ -68,6 +68,21 @@ def fails(main, argv, capsys, code=2):
     return err[0]
 
 
+def refused(fn, *args):
+    """fn(*args) must raise ValueError (a plain function refusing what it cannot mean); returns its
+    message."""
+    with pytest.raises(ValueError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def read(updates, seen):
+    """The updates one at a time, each appended to `seen` as it is read."""
+    for u in updates:
+        seen.append(u)
+        yield u
+
+
 def strip_times(results):
     r = copy.deepcopy(results)
     for d in r["domains"].values():

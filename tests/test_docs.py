@@ -1,8 +1,12 @@
 """The documentation: its generated tables match the committed results (benchmark/report.py
 --check), the README's counts and rules hold, no relative link points nowhere, and each method
-page's "Copy it" loop runs as printed and gives the numbers of the method's copied functions, and
-every default a docstring or a page quotes is the tables' (QUOTED)."""
+page's "Copy it" loop runs as printed and gives the numbers of the method's copied functions,
+every default a docstring or a page quotes is the tables' (QUOTED), and every signature a page
+quotes is the code's (signatures)."""
+import ast
 import copy
+import importlib
+import inspect
 import json
 import re
 import subprocess
@@ -20,7 +24,7 @@ import fedomg
 import harness
 import report as bench_report
 from tests.helpers import (
-    FUNCTIONS, HERE, LOE_FUNCTIONS, PLAIN, SIZES, as_floats, copied, copied_fediir_rounds,
+    FUNCTIONS, HERE, METHODS, LOE_FUNCTIONS, PLAIN, SIZES, as_floats, copied, copied_fediir_rounds,
     copied_perinvfl_rounds, flat, load, loe_own_rounds, own_model, own_rounds, perinvfl_rounds,
     pinv_copied, pinv_flags, split, thetas, three_clients, tiny,
 )
@@ -478,3 +482,99 @@ def test_every_quoted_default_is_the_one_a_run_resolves(path, text, method, data
     argv = ["--dataset", dataset, "--out", str(tmp_path / "r.json")]
     args = harness.resolve(harness.method(method), argv)
     assert {k: getattr(args, k) for k in values} == values
+
+
+# Every signature a page of docs/ quotes, beside the code's, so that neither drifts alone: a code
+# span `f(a, b=1)` or `module.f(...)`, or a line of a code block that starts with one (a "Copy it"
+# listing), that names a function or class of a method file or common.py (a bare name: the page's
+# own method's, on docs/<method>.md) and whose arguments read as parameters (names, each with a
+# literal default or none; a call with expressions is no signature). It must list the code's
+# parameters in order, with the code's defaults: all of them where it quotes a default or lists
+# its own method's function; elsewhere a call's shape (`common.on_clients(fn, S, sent, t, ctx)`)
+# may leave out trailing parameters that have defaults.
+SPAN = re.compile(r"`(?:(\w+)\.)?(\w+)\(([^`()]*)\)`")
+LISTED = re.compile(r"^(?:(\w+)\.)?(\w+)\(([^()]*)\)\s*(?:#.*)?$")
+
+
+def quoted_signatures(page):
+    """(module, name, [(parameter, default or inspect.Parameter.empty)], strict, where) for every
+    signature the page quotes (the comment above says which)."""
+    own = page.stem if page.stem in METHODS else None
+    text, found = page.read_text(), []
+    blocks = text.split("```")
+    for k, part in enumerate(blocks):
+        if k % 2:                                       # inside a code block: its listing lines
+            hits = [LISTED.match(line) for line in part.splitlines()]
+            hits = [(m, part.count("\n", 0, part.find(m.group(0)))) for m in hits if m]
+        else:
+            hits = [(m, part.count("\n", 0, m.start())) for m in SPAN.finditer(part)]
+        line0 = "```".join(blocks[:k]).count("\n") + 1
+        for m, at in hits:
+            module, name, params = m.group(1) or own, m.group(2), " ".join(m.group(3).split())
+            if module not in ("common", *METHODS):
+                continue
+            obj = getattr(importlib.import_module(module), name, None)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)) or \
+                    obj.__module__ != module:
+                continue
+            try:
+                args = ast.parse(f"def f({params}): pass").body[0].args
+                defaults = [ast.literal_eval(d) for d in args.defaults]
+            except (SyntaxError, ValueError):
+                continue                                  # a call, not a signature
+            names = [a.arg for a in args.args]
+            empty = [inspect.Parameter.empty] * (len(names) - len(defaults))
+            quote = m.group(0).strip("`").split(")")[0] + ")"
+            found.append((module, name, list(zip(names, empty + defaults)),
+                          bool(defaults) or m.group(1) is None,
+                          f"{page.relative_to(HERE)}:{line0 + at}: {quote}"))
+    return found
+
+
+def signature_problems(module, name, quoted, strict):
+    """What a quoted signature gets wrong against the code's (none: [])."""
+    code = [(p.name, p.default) for p in
+            inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()]
+    shown = lambda p: p[0] if p[1] is inspect.Parameter.empty else f"{p[0]}={p[1]!r}"
+    problems = [f"{shown(q)} where the code has {shown(c)}" for q, c in zip(quoted, code)
+                if q != c and (strict or q[0] != c[0] or q[1] is not inspect.Parameter.empty)]
+    problems += [f"{shown(q)}: not in the code" for q in quoted[len(code):]]
+    problems += [f"{shown(c)} left out" for c in code[len(quoted):]
+                 if strict or c[1] is inspect.Parameter.empty]
+    return problems
+
+
+def test_every_quoted_signature_is_the_codes():
+    """Every signature a page of docs/ quotes has the code's parameter names and defaults (found:
+    the "Copy it" listings and tables of the method pages, and common's functions elsewhere)."""
+    found = [q for page in sorted((HERE / "docs").glob("*.md")) for q in quoted_signatures(page)]
+    assert len({q[:2] for q in found}) >= 30 and {m for m, *_ in found} >= {"common", *METHODS}
+    bad = [f"{where}: {'; '.join(problems)}" for module, name, params, strict, where in found
+           if (problems := signature_problems(module, name, params, strict))]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_drifted_signature_is_found(tmp_path, monkeypatch):
+    """The check itself: a default, a name, a missing parameter or a parameter too many, in a code
+    span or a listing line, each fails; a call (an expression among its arguments), another
+    module's function and a shorter call shape of common's pass."""
+    monkeypatch.setattr(sys.modules[__name__], "HERE", tmp_path)
+    page = tmp_path / "fedomg.md"
+    page.write_text("`objective(Gamma, K, a, kappa, eps=0.0)` and `fedavg.server_update(theta, "
+                    "thetas, m, global_lr=1.0)`, `common.stream(seed, domain, t, client, phase)`,\n"
+                    "`server_update(theta, [1.0] * 3, N, eta_g)`, `data.load(dataset, root)`, "
+                    "`common.on_clients(fn, S, sent, t, ctx)`, `gram(G)`\n```python\n"
+                    "solve(K, a, kappa, eps=1e-4, evaluations=21, lr=25.0, momentum=0.5, x=1)\n"
+                    "    updates(theta, thetas, U)\n```\n")
+    found = quoted_signatures(page)
+    assert [(name, bool(signature_problems(module, name, params, strict)), where.split(":")[1])
+            for module, name, params, strict, where in found] == [
+        ("objective", True, "1"), ("server_update", True, "1"), ("stream", True, "1"),
+        ("on_clients", False, "2"), ("gram", True, "2"), ("solve", True, "4")]
+    assert [signature_problems(module, name, params, strict)
+            for module, name, params, strict, _ in found if name != "on_clients"] == [
+        ["eps=0.0 where the code has eps=0.0001"],
+        ["m where the code has n"],
+        ["device left out"],
+        ["cols=65536 left out"],
+        ["x=1: not in the code"]]
