@@ -749,21 +749,25 @@ def test_what_the_server_needs_of_each_exchange(method, flags, exchange, keys, w
     t = args.stage1_comms + 1 if method == "fedloe" and exchange != "stage1_update" else 1
     seen = {}
 
-    def record(fn, S, sents, t, phase, ctx):
-        seen[phase] = (list(S), common.one_by_one(fn, S, sents, t, phase, ctx))
-        return seen[phase][1]
+    def record(fn, S, sents, t, phase, ctx):               # (FedIPG's warm-up: rounds -1, ...)
+        seen[t, phase] = (list(S), common.one_by_one(fn, S, sents, t, phase, ctx))
+        return seen[t, phase][1]
     before = one_round(mod, args, fed, model, state, ctx, t, record)
-    assert exchange in seen, sorted(seen)
-    S, replies = seen[exchange]
+    swap = max(k for k in seen if k[1] == exchange) if any(k[1] == exchange for k in seen) else None
+    assert swap is not None, sorted(seen)
+    S, replies = seen[swap]
     w = [float(fed.clients[c].n) if weights == "n" else 1.0 for c in S]
     swapped = [dict(r) for r in replies]
     for k in keys:                        # ε: 4 times the two replies' difference: they conflict
         eps = 4 * min(w) * (replies[0][k].double() - replies[1][k].double())
         swapped[0][k] = (replies[0][k].double() + eps / w[0]).to(replies[0][k].dtype)
         swapped[1][k] = (replies[1][k].double() - eps / w[1]).to(replies[1][k].dtype)
-    after = one_round(mod, args, fed, model, state, ctx, t,
-                      lambda fn, S, sents, t, phase,
-                      ctx: swapped if phase == exchange else seen[phase][1])
+    def replay(fn, S, sents, t, phase, ctx):      # the recorded replies, where the clients are
+        if (t, phase) == swap:                    # the same (else, as FedIPG's exits changed
+            return swapped                        # them: the clients' own work again)
+        S_was, replies_was = seen.get((t, phase), (None, None))
+        return replies_was if S_was == list(S) else common.one_by_one(fn, S, sents, t, phase, ctx)
+    after = one_round(mod, args, fed, model, state, ctx, t, replay)
     (a, sa), (b, sb), (a0, _) = numbers_of(*before), numbers_of(*after), numbers_of(model, state)
     gaps = [((a - b).abs().max() / (a - a0).abs().max()).item()]      # against the round's own step
     if len(sa):                                                           # the server's quantities
