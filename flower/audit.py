@@ -78,12 +78,14 @@ def watching(rules, log):
     process, each refusal written to `log`."""
     install(log)
     _rules.clear()
+    _last[0] = "*"            # (threads that named a node out of order leave no one acting)
     _rules.update({k: ([os.path.abspath(a) for a in allow], [os.path.abspath(d) for d in deny])
                    for k, (allow, deny) in rules.items()})
     try:
         yield
     finally:
         _rules.clear()
+        _last[0] = "*"
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@ that does so. In process, test_flower.py wraps the honest
 ClientApp with `tampered`; on real processes, test_deploy.py submits a copy of this App whose
 ClientApp is `bad_node:app`: the node whose node config says `bad=true` spoils its reply to the
 exchange of round `tamper-round` (run config, default 2) the way `tamper` says (run config)."""
+import time
+
 import torch
 from flwr.clientapp import ClientApp
 
@@ -52,18 +54,23 @@ def tampered(app, how, when=2, bad=lambda context: context.node_config["partitio
         if msg.metadata.message_type != "train.client" or not bad(context) \
                 or reply.has_error():
             return reply
-        r = fl_adapter.unpack(reply.content)
+        r, req = fl_adapter.unpack(reply.content), fl_adapter.unpack(msg.content)
         if r["_round"] == when and "theta" in r:         # an update (not the evaluation's counts)
-            return fl_adapter.answer(msg, context, spoil(r, how), r["_round"], r["_phase"])
-        return reply                                     # (signed by the node, as it spoils it)
+            return fl_adapter.answer(msg, context, spoil(r, how), req["round"], req["phase"])
+        return reply                   # (signed by the node, as it spoils it, for what it answers)
     return answer
 
 
 def _real(msg, context):
-    """This node's answer on real processes: honest unless its node config says bad=true."""
+    """This node's answer on real processes: honest unless its node config says bad=true (tamper
+    "slow": honest, but its update of round `when` 20 s late, a race that a forger wins)."""
     how = str(context.run_config.get("tamper", ""))
     when = int(context.run_config.get("tamper-round", 2))
-    if not how:
+    if how == "slow" and context.node_config.get("bad"):
+        req = fl_adapter.unpack(msg.content)
+        if req.get("round") == when and req.get("phase") == "client_update":
+            time.sleep(20)
+    if how in ("", "slow"):
         return _honest(msg, context)
     return tampered(_honest, how, when, lambda c: bool(c.node_config.get("bad")))(msg, context)
 

@@ -277,11 +277,17 @@ class Link:
         report (query.hello, with the run's arguments: it reads its folder) and check it at once
         (`admit`): {site: report}."""
         hello = {"args": json.dumps(vars(args)), "method": self.method}
-        end, said, self.nodes = time.time() + self.wait, {}, {}
-        while True:
-            new = sorted(set(self.grid.get_node_ids()) - set(said))
-            for i, r in zip(new, self._send([(i, "query.hello", hello) for i in new], 0,
-                                            phase="query.hello") if new else []):
+        end, said, asked, waiting = time.time() + self.wait, {}, set(), {}
+        self.nodes = {}
+        while True:    # a node that never answers (a registered device of no site) holds nothing
+            new = sorted(set(self.grid.get_node_ids()) - asked)
+            msgs = self._push([(i, "query.hello", hello) for i in new], 0)
+            asked.update(new)
+            waiting.update(zip(self.grid.push_messages(msgs), msgs) if msgs else [])
+            replies = list(self.grid.pull_messages(list(waiting))) if waiting else []
+            for r in replies:
+                m = waiting.pop(r.metadata.reply_to_message_id)
+                i, r = m.metadata.dst_node_id, self._take(m, r, 0, phase="query.hello")
                 report = json.loads(r["report"]) if isinstance(r.get("report"), str) else {}
                 where = f"node {i}" + (f" (partition {report['site']})"
                                        if isinstance(report.get("site"), int) else "")
@@ -289,13 +295,13 @@ class Link:
                 if wrong:
                     raise BadReply(f"a bad reply from {where}: {wrong}")
                 said[i] = report
-            if new:
+            if replies:
                 self.admit(said, args, P, E)
             missing = sorted(set(range(P + E)) - set(self.nodes))
             if not missing:
                 return {p: said[i] for p, i in self.nodes.items()}
             if time.time() > end:
-                raise common.UserError(self.absent(missing, P, len(said)))
+                raise common.UserError(self.absent(missing, P, len(said), len(waiting)))
             time.sleep(0.5)
 
     def admit(self, said, args, P, E):
@@ -332,13 +338,14 @@ class Link:
             parts[p] = i
         self.nodes = parts
 
-    def absent(self, missing, P, connected):
+    def absent(self, missing, P, connected, silent=0):
         """The line for sites no node held after `wait` seconds."""
         train, ev = [k for k in missing if k < P], [k for k in missing if k >= P]
         named = [f"training site(s) {', '.join(map(str, train))}"] * bool(train) + \
             [f"evaluation site(s) {', '.join(map(str, ev))} (evaluate-only=true: the held-out "
              f"domain)"] * bool(ev)
-        return (f"{connected} node(s) connected within {self.wait:g} s, and none holds "
+        silent = f" ({silent} more never answered)" if silent else ""
+        return (f"{connected} node(s) connected within {self.wait:g} s{silent}, and none holds "
                 f"{' or '.join(named)}: start one node per site (node config partition-id, data)")
 
     def __call__(self, fn, S, sents, t, phase, ctx):
@@ -378,45 +385,55 @@ class Link:
         return schema(want), declared_bytes(want)
 
     def _send(self, items, t, clients=None, most=None, phase=None):
-        msgs = [Message(pack(d), node, kind, group_id=str(t)) for node, kind, d in items]
-        moved = self.moved.setdefault(t, [0, 0])
-        moved[0] += sum(nbytes(m.content) for m in msgs)
+        msgs = self._push(items, t)
         replies = {r.metadata.reply_to_message_id: r for r in self.grid.send_and_receive(msgs)}
-        out = []
-        for k, m in enumerate(msgs):
-            r, who = replies.get(m.metadata.message_id), f"node {m.metadata.dst_node_id}" + \
-                (f" (partition {clients[k]})" if clients is not None else "")
-            if r is not None and self.signers is not None:      # first of all: whose it is
-                self.check_signature(r, m, t, phase, clients[k] if clients else None)
-            if r is None or r.has_error():
-                why = r.error.reason if r is not None else "no reply"
-                raise BadReply(f"a bad reply in round {t} from {who}: {why}")
-            size = unpacked_bytes(r.content)
-            if most is not None and size > most[k]:     # before it is unpacked into tensors
-                raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, "
-                               f"the most this exchange takes is {most[k]:,}")
-            moved[1] += nbytes(r.content)
-            reply = unpack(r.content)
-            reply.pop(signing.RECORD, None)
-            if isinstance(reply.get("_error"), str):    # the node's own refusal, signed
-                raise BadReply(f"a bad reply in round {t} from {who}: {reply['_error']}")
-            out.append(reply)
-        return out
+        return [self._take(m, replies.get(m.metadata.message_id), t,
+                           clients[k] if clients is not None else None,
+                           most[k] if most is not None else None, phase)
+                for k, m in enumerate(msgs)]
+
+    def _push(self, items, t):
+        """Messages of (node, kind, content) for round t, counted as sent (not yet pushed)."""
+        msgs = [Message(pack(d), node, kind, group_id=str(t)) for node, kind, d in items]
+        self.moved.setdefault(t, [0, 0])[0] += sum(nbytes(m.content) for m in msgs)
+        return msgs
+
+    def _take(self, m, r, t, client=None, most=None, phase=None):
+        """The reply r (None: none came) to message m, checked (its signature first), unpacked."""
+        who = f"node {m.metadata.dst_node_id}" + \
+            (f" (partition {client})" if client is not None else "")
+        if r is not None and not r.has_error() and self.signers is not None:  # whose it is
+            self.check_signature(r, m, t, phase, client)
+        if r is None or r.has_error():
+            why = r.error.reason if r is not None else "no reply"
+            unsigned = " (Flower's error reply, which no key signs: another registered " \
+                "device may have sent it in that node's name)" if self.signers else ""
+            raise BadReply(f"a bad reply in round {t} from {who}: {why}"
+                           f"{unsigned if r is not None else ''}")
+        size = unpacked_bytes(r.content)
+        if most is not None and size > most:            # before it is unpacked into tensors
+            raise BadReply(f"a bad reply in round {t} from {who}: {size:,} bytes, "
+                           f"the most this exchange takes is {most:,}")
+        self.moved[t][1] += nbytes(r.content)
+        reply = unpack(r.content)
+        reply.pop(signing.RECORD, None)
+        if isinstance(reply.get("_error"), str):        # the node's own refusal, signed
+            raise BadReply(f"a bad reply in round {t} from {who}: {reply['_error']}")
+        return reply
 
     def check_signature(self, r, m, t, phase, site):
-        """A reply `r` to message `m` is its node's: signed by the key registered for its site
-        (the site the server sent m for; at query.hello, the one its report claims), else
-        BadReply. The line names the node only as the one in whose name the reply came: the
-        SuperLink does not check who pushed it (docs/flower.md: Every reply is its node's)."""
+        """A reply `r` to message `m` (not Flower's error reply: none is signed) is its node's:
+        signed by the key registered for its site (the site the server sent m for; at
+        query.hello, the one its report claims), else BadReply. The line names the node only as
+        the one in whose name the reply came: the SuperLink does not check who pushed it
+        (docs/flower.md: Every reply is its node's)."""
         node = m.metadata.dst_node_id
         if site is None:                                       # query.hello: the site it claims
             try:
                 site = json.loads(unpack(r.content)["report"])["site"]
             except (KeyError, TypeError, ValueError):
                 site = None
-        if r.has_error():
-            wrong = f"it is Flower's error reply ({r.error.reason}), which no key signs"
-        elif not isinstance(site, int):
+        if not isinstance(site, int):
             wrong = "its report names no site"
         else:
             wrong = signing.unsigned(r.content, self.signers.get(site), self.grid.run.run_id, t,

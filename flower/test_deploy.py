@@ -581,6 +581,51 @@ def test_a_bad_reply_reaches_the_operator_within_seconds(federation, how, tmp_pa
     assert seconds < (100 if how != "chunk" else 300), seconds
 
 
+def model_size(argv):
+    """The number of parameters of fedavg's model with these flags (the synthetic data's)."""
+    import common
+    import data
+    import harness
+    args = harness.resolve(harness.method("fedavg"), list(argv) + ["--out", "unused.json"])
+    return sum(p.numel() for p in common.build_model(args, data.load(args.dataset)).parameters())
+
+
+@pytest.mark.parametrize("keys", [True, False])
+def test_a_device_answering_in_another_nodes_name(federation, tmp_path, keys):
+    """A registered device (key 4, no node of the run) answers partition 1's update of round 2 in
+    node 1's name (flower/forger.py: Flower's own Fleet client under its own key, the reply's
+    source and reply-to node 1's; node 1, slow this round, answers after it). The SuperLink stores
+    it as node 1's. With `keys` (the nodes sign their replies) the run ends at once: a reply in node
+    1's name failed its signature, never that node 1 sent a bad one; the checkpoint of round 1 kept.
+    Without, the SuperLink's missing check shows: the forged update is taken as partition 1's, and
+    the run ends with another model than the honest run's (docs/flower.md: Every reply is its
+    node's, the upstream report)."""
+    d, ids, app, folders = federation
+    out = tmp_path / "r.json"
+    forger = subprocess.Popen(
+        [sys.executable, str(HERE / "forger.py"), "--superlink", d.address, "--ca",
+         str(d.certs / "ca.crt"), "--key", str(d.certs / "node-4"), "--victim-log",
+         str(d.logdir / "supernode-1.log"), "--victim-node", str(ids[1]), "--victim-site", "1",
+         "--round", "2", "--size", str(model_size(ARGV)), "--sign"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=d.env)
+    try:
+        r, _ = submit(d, app, out, "slow", keys=keys)
+        said = forger.communicate(timeout=120)[0]
+    finally:
+        forger.kill()
+    assert f"in the name of node {ids[1]} (signed with its own key)" in said, said
+    if keys:
+        assert (f"fedavg.py: error: a reply in round 2 in the name of node {ids[1]} (partition 1) "
+                f"failed its signature: its signature is not site 1's key's over it") in r.stdout, \
+            r.stdout[-2000:]
+        assert f"a bad reply in round 2 from node {ids[1]}" not in r.stdout
+        assert torch.load(f"{out}.ckpt", weights_only=True)["round"] == 1
+    else:
+        assert r.returncode == 0 and json.loads(out.read_text())["complete"], r.stdout[-2000:]
+        own = own_run("fedavg", tmp_path / "own.json", ARGV)
+        assert not same_model(own["model"], torch.load(f"{out}.ckpt", weights_only=True)["model"])
+
+
 def test_a_failed_run_resumes_from_its_last_good_checkpoint(federation, tmp_path):
     """A NaN in round 2, then the same command with --resume once node 1 is honest: the run ends
     with the method file's own model bit for bit."""
