@@ -17,6 +17,7 @@ one SuperNode each, and the held-out domain's evaluation node), as three measure
 
     python flower/node_cost.py --data-root DIR --before ../old-checkout --out results/cost.json
     python flower/node_cost.py --only setup --data-root DIR
+    python flower/node_cost.py --only rounds --data full --data-root DIR --rounds 2
 
 Bad input: one line, exit 2, before anything runs. Every deployment is stopped however it ends.
 """
@@ -218,6 +219,8 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per setup measurement")
     p.add_argument("--eval-every", type=int, default=1,
                    help="the runs' evaluation period (default 1: every round evaluated)")
+    p.add_argument("--data", choices=["embedded", "full", "both"], default="both",
+                   help="which digits (full: --data-root's; default both, with --data-root)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--out", help="the figures as JSON")
     a = p.parse_args(argv)
@@ -227,6 +230,7 @@ def main(argv=None):
                       (a.before is not None and not Path(a.before, "flower",
                                                          "fl_adapter.py").is_file(),
                        f"--before {a.before} is no checkout of this project"),
+                      (a.data == "full" and not a.data_root, "--data full needs --data-root"),
                       (a.rounds < 2, f"--rounds must be at least 2, got {a.rounds}"),
                       (a.repeat < 1, f"--repeat must be positive, got {a.repeat}"),
                       (a.out is not None and Path(a.out).exists(), f"--out {a.out} exists")):
@@ -235,6 +239,7 @@ def main(argv=None):
     figures = {"machine": os.uname().machine, "cores": os.cpu_count(), "rows": []}
     checkouts = [("this", ROOT)] + ([("before", Path(a.before).resolve())] if a.before else [])
     roots = [("embedded", None)] + ([("full", a.data_root)] if a.data_root else [])
+    roots = [r for r in roots if a.data in ("both", r[0])]
     for method in a.methods:
         for data, root in roots:
             for name, checkout in checkouts if a.only in (None, "setup") else ():

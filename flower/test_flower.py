@@ -892,6 +892,44 @@ def test_an_evaluation_node_that_never_connects_is_waited_for_then_named(tmp_pat
     assert capsys.readouterr().err.strip().splitlines() == [str(e.value)]
 
 
+class SilentGrid(fake_grid.FakeGrid):
+    """FakeGrid with one more connected node, `silent`, that never answers a message (a registered
+    device of no site, or one stuck): its messages stay unanswered."""
+
+    silent = 99
+
+    def get_node_ids(self):
+        return [self.silent, *self.contexts]
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        mine = [m for m in messages if m.metadata.dst_node_id == self.silent]
+        for m in mine:
+            m.metadata.__dict__["_message_id"] = f"unanswered-{id(m)}"
+        ids = iter(super().push_messages([m for m in messages if m not in mine]))
+        return [m.metadata.message_id if m in mine else next(ids) for m in messages]
+
+
+def test_a_node_that_never_answers_holds_no_site_and_stops_nothing(tmp_path, capsys):
+    """A connected node that never answers its query.hello: the run goes on with the sites' nodes
+    and ends with the method file's model (before, the server waited for its answer for ever); with
+    an evaluation site missing too, the one line counts it apart from the nodes that answered."""
+    own = tmp_path / "own.json"
+    fedavg.main(ARGV["fedavg"] + ["--out", str(own)])
+    grid = grid_of("fedavg", ARGV["fedavg"], tmp_path, kind=SilentGrid)
+    out = tmp_path / "r.json"
+    fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(out)], wait=20)
+    fl, mine = (torch.load(f"{f}.ckpt", weights_only=True)["model"] for f in (out, own))
+    assert all(torch.equal(v, fl[k]) for k, v in mine.items())
+    del grid.contexts[next(i for i, c in grid.contexts.items()
+                           if c.node_config["evaluate-only"])]
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(tmp_path / "b.json")],
+                         wait=2)
+    assert str(e.value).startswith("fedavg.py: error: 3 node(s) connected within 2 s (1 more "
+                                   "never answered), and none holds evaluation site(s) 3"), e.value
+
+
 def test_a_node_whose_role_or_data_is_not_its_sites_is_named(tmp_path, capsys):
     """A training site's node configured evaluate-only (its folder says otherwise: it refuses), an
     evaluation-only node claiming a training site, a node of another dataset: named at connection
@@ -1063,3 +1101,30 @@ def test_a_reply_in_another_nodes_name_is_refused_never_blaming_that_node(how, w
                             f"name: the SuperLink does not check a reply's source); stopped; "
                             f"the last good checkpoint ({out}.ckpt) is kept")
     assert torch.load(f"{out}.ckpt", weights_only=True)["round"] == 1
+
+
+NODE_COST_BAD = [
+    (["--data-root", "nowhere"], "--data-root nowhere holds no MNIST/raw/train-images-idx3-ubyte"),
+    (["--before", "."], "--before . is no checkout of this project"),
+    (["--data", "full"], "--data full needs --data-root"),
+    (["--rounds", "1"], "--rounds must be at least 2, got 1"),
+    (["--repeat", "0"], "--repeat must be positive, got 0"),
+    (["--out", "taken.json"], "--out taken.json exists"),
+    (["--only", "cpu"], "argument --only: invalid choice: 'cpu'"),
+]
+
+
+@pytest.mark.parametrize("argv,line", NODE_COST_BAD)
+def test_node_cost_refuses_bad_input_in_one_line(argv, line, tmp_path, capsys):
+    """flower/node_cost.py's bad input: one line naming it, exit 2, before anything is measured
+    (nothing started, nothing written)."""
+    import node_cost
+    (tmp_path / "taken.json").write_text("a user's file\n")
+    before = sorted(tmp_path.iterdir())
+    start = time.time()
+    with pytest.raises(SystemExit) as e:
+        node_cost.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and line in err[0], err
+    assert err[0].startswith("node_cost.py: error: ") and time.time() - start < 10
+    assert sorted(tmp_path.iterdir()) == before
