@@ -38,7 +38,7 @@ def argv_of(method, a):
     return argv + ["--rounds", str(a.rounds)]
 
 
-def main():
+def main(argv=None):
     # (fl_adapter put the repository on the path) bad input: one line, exit 2
     from harness.config import Parser
     p = Parser(prog="overhead.py", description=__doc__.split("\n\n")[0])
@@ -47,7 +47,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=list(METHODS),
                    choices=list(METHODS))
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.clients < 1 or a.rounds < 2:
         p.error(f"--clients must be positive and --rounds at least 2 (FedLOE: one stage-1 "
                 f"communication, the rest stage 2), got {a.clients} and {a.rounds}")
@@ -64,7 +64,7 @@ def main():
             grid = fake_grid.FakeGrid(fl_adapter.client_app(), folders, train=args.clients)
             _, link = fl_adapter.serve(grid, m, argv + ["--out", str(out / f"{m}-fl.json")])
             t2 = time.perf_counter()
-            own, fl = (torch.load(out / f"{m}-{k}.ckpt", weights_only=True)["model"]
+            own, fl = (torch.load(out / f"{m}-{k}.json.ckpt", weights_only=True)["model"]
                        for k in ("own", "fl"))
             rounds = [r for r in link.moved if r != 0]          # (0: the nodes' reports)
             rows.append((m, (t1 - t0) / a.rounds, (t2 - t1) / a.rounds,

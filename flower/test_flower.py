@@ -1128,3 +1128,24 @@ def test_node_cost_refuses_bad_input_in_one_line(argv, line, tmp_path, capsys):
     assert e.value.code == 2 and len(err) == 1 and line in err[0], err
     assert err[0].startswith("node_cost.py: error: ") and time.time() - start < 10
     assert sorted(tmp_path.iterdir()) == before
+
+
+def test_overhead_measures_and_both_runs_end_equal(capsys):
+    """flower/overhead.py, as docs/flower.md runs it (here one method, 2 rounds): the method file's
+    own run and the run through the fake grid, bytes per round counted, the two models equal."""
+    import overhead
+    overhead.main(["--methods", "fedavg", "--rounds", "2"])
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(figures) == ["fedavg"] and figures["fedavg"]["equal"] is True
+    assert 0 < figures["fedavg"]["up"] < figures["fedavg"]["down"]
+
+
+@pytest.mark.parametrize("argv,line", [(["--rounds", "1"], "--rounds at least 2"),
+                                       (["--methods", "fedx"], "invalid choice: 'fedx'")])
+def test_overhead_refuses_bad_input_in_one_line(argv, line, capsys):
+    import overhead
+    with pytest.raises(SystemExit) as e:
+        overhead.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("overhead.py: error: ")
+    assert line in err[0], err
