@@ -249,7 +249,7 @@ def test_fedavg_copied(uniform):
 
 
 # The server's plain functions refuse what they cannot mean, in a ValueError that names it: fewer
-# updates than weights (the bug of issue 67: fedomg's unfilled rows gave 5.57 everywhere), more
+# updates than weights (never rows of an unfilled tensor in their place), more
 # (read no further than the first one too many), none, an update of another length than θ. The
 # same for every method's server functions, in its section below.
 TH = torch.arange(4.0)

@@ -54,7 +54,8 @@ def tampered(app, how, when=2, bad=lambda context: context.node_config["partitio
         if msg.metadata.message_type != "train.client" or not bad(context) \
                 or reply.has_error():
             return reply
-        r, req = fl_adapter.unpack(reply.content), fl_adapter.unpack(msg.content)
+        r = fl_adapter.unpack(reply.content)
+        req = fl_adapter.unpack(msg.content)
         if r["_round"] == when and "theta" in r:         # an update (not the evaluation's counts)
             return fl_adapter.answer(msg, context, spoil(r, how), req["round"], req["phase"])
         return reply                   # (signed by the node, as it spoils it, for what it answers)

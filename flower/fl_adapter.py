@@ -277,7 +277,10 @@ class Link:
         report (query.hello, with the run's arguments: it reads its folder) and check it at once
         (`admit`): {site: report}."""
         hello = {"args": json.dumps(vars(args)), "method": self.method}
-        end, said, asked, waiting = time.time() + self.wait, {}, set(), {}
+        end = time.time() + self.wait
+        said = {}           # node id: its report
+        asked = set()       # the nodes sent a query.hello
+        waiting = {}        # message id: the query.hello not answered yet
         self.nodes = {}
         while True:    # a node that never answers (a registered device of no site) holds nothing
             new = sorted(set(self.grid.get_node_ids()) - asked)
@@ -287,7 +290,8 @@ class Link:
             replies = list(self.grid.pull_messages(list(waiting))) if waiting else []
             for r in replies:
                 m = waiting.pop(r.metadata.reply_to_message_id)
-                i, r = m.metadata.dst_node_id, self._take(m, r, 0, phase="query.hello")
+                i = m.metadata.dst_node_id
+                r = self._take(m, r, 0, phase="query.hello")
                 report = json.loads(r["report"]) if isinstance(r.get("report"), str) else {}
                 where = f"node {i}" + (f" (partition {report['site']})"
                                        if isinstance(report.get("site"), int) else "")
@@ -594,7 +598,8 @@ def answer(msg, context, content, t, phase):
     """This node's reply to `msg` (round t's exchange `phase`): content packed and, where its node
     config names its key, signed (flower/signing.py); an unsigned error reply where the key cannot
     be read."""
-    rd, path = pack(content), context.node_config.get("key")
+    rd = pack(content)
+    path = context.node_config.get("key")
     if not path:
         return Message(rd, reply_to=msg)
     try:
@@ -609,7 +614,8 @@ def answer(msg, context, content, t, phase):
 def hello(msg, context):
     """query.hello: this node's report of its own data (harness.sites.read, with the run's
     arguments), or why it refuses (its folder, in one line)."""
-    req, site = unpack(msg.content), int(context.node_config["partition-id"])
+    req = unpack(msg.content)
+    site = int(context.node_config["partition-id"])
     try:
         args = argparse.Namespace(**json.loads(req["args"]))
         site, folder, only = own_site(context)
@@ -624,8 +630,10 @@ def work(msg, context, also=frozenset()):
     """One exchange on this node: the named client function on its site, its stream, its state;
     an error reply, and nothing run, where the function is not the method file's (refused) or
     its folder cannot be read."""
-    began, req = time.time(), unpack(msg.content)          # the node's span: its setup and its work
-    t, phase = req.get("round", 0), str(req.get("phase", ""))
+    began = time.time()                                    # the node's span: its setup and its work
+    req = unpack(msg.content)
+    t = req.get("round", 0)
+    phase = str(req.get("phase", ""))
     why = refused(req, context, also)
     if why:
         return answer(msg, context, {"_error": why}, t, phase)
