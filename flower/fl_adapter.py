@@ -228,6 +228,9 @@ def what_the_node_said(r):
 
 # --------------------------------------------------------------------------------- the server
 
+HELLO_GRACE = 30.0  # s: once every site is held, how long the other nodes' reports are awaited
+
+
 class Link:
     """The server's side of the federation: which node holds which site (`sites`, at connection:
     what each node reports of its data, the only thing the server learns of it), and each exchange
@@ -282,6 +285,7 @@ class Link:
         asked = set()       # the nodes sent a query.hello
         waiting = {}        # message id: the query.hello not answered yet
         self.nodes = {}
+        held = None         # when every site was first held
         while True:    # a node that never answers (a registered device of no site) holds nothing
             new = sorted(set(self.grid.get_node_ids()) - asked)
             msgs = self._push([(i, "query.hello", hello) for i in new], 0)
@@ -302,9 +306,13 @@ class Link:
             if replies:
                 self.admit(said, args, P, E)
             missing = sorted(set(range(P + E)) - set(self.nodes))
-            if not missing:
-                return {p: said[i] for p, i in self.nodes.items()}
-            if time.time() > end:
+            if missing:
+                held = None
+            else:            # every site held: the other connected nodes' answers, HELLO_GRACE s
+                held = held or time.time()
+                if not waiting or time.time() > held + HELLO_GRACE:
+                    return {p: said[i] for p, i in self.nodes.items()}
+            if missing and time.time() > end:
                 raise common.UserError(self.absent(missing, P, len(said), len(waiting)))
             time.sleep(0.5)
 
