@@ -219,6 +219,23 @@ def replies(schema):
     return declared
 
 
+def reduced(**how):
+    """Declares that the server uses only the sum ("sum") or the mean ("mean") over the clients of
+    each key of a client function's reply: on_clients returns that one dict (in process the
+    replies summed in the clients' order, or torch's mean of them stacked); an engine that
+    aggregates securely (Flower's SecAgg+) returns it without any client's own reply."""
+    def declared(fn):
+        fn.reduced = how
+        return fn
+    return declared
+
+
+def reduce(how, replies):
+    """The replies' sums and means, as `reduced` declares them (how: {key: "sum" or "mean"})."""
+    return {k: sum(r[k] for r in replies) if h == "sum" else
+            torch.stack([r[k] for r in replies]).mean(0) for k, h in how.items()}
+
+
 SCALAR = torch.empty((), device="meta")                       # a float32 number, as a tensor
 
 
@@ -236,10 +253,12 @@ def keep(site, key, value):
 
 def on_clients(fn, S, sent, t, ctx, phase=None):
     """Each client c of S runs fn(site, sent_c) and replies with a dict: the replies, in the order
-    of S. sent: one dict for all, or a list of one per client; phase (default fn's name) names
-    the exchange in the streams."""
+    of S, or (fn `reduced`) their sums and means. sent: one dict for all, or a list of one per
+    client; phase (default fn's name) names the exchange in the streams."""
     sents = sent if isinstance(sent, list) else [sent] * len(S)
-    return (ctx.engine or one_by_one)(fn, list(S), sents, t, phase or fn.__name__, ctx)
+    out = (ctx.engine or one_by_one)(fn, list(S), sents, t, phase or fn.__name__, ctx)
+    how = getattr(fn, "reduced", None)
+    return reduce(how, out) if how and isinstance(out, list) else out
 
 
 def site(ctx, c, t, phase):
@@ -250,6 +269,14 @@ def site(ctx, c, t, phase):
                     ctx.model, ctx.args, ctx.prep, ctx.amp)
     return Site(ctx.fed.sites[c], stream(ctx.args.seed, ctx.fed.name, t, c, phase, ctx.device),
                 ctx.clients.setdefault(c, {}), ctx.model, ctx.args, ctx.prep, ctx.amp)
+
+
+def sizes(site, device):
+    """n_c, a client's number of training examples (a float), or a column [C, 1] of them for
+    stacked clients: the weight of a client's update in a sum weighted by data size."""
+    if site.stacked:
+        return torch.tensor([float(c.n) for c in site.client], device=device)[:, None]
+    return float(site.client.n)
 
 
 def one_by_one(fn, S, sents, t, phase, ctx):

@@ -36,29 +36,24 @@ import common
 # from the client's own random stream); what is FedAvg's own is the server's step.
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
-@common.replies(lambda site, sent: {"theta": sent["theta"], "loss": common.SCALAR})
+@common.reduced(delta="sum", loss="mean")          # the server needs Σ_c n_c Δ_c, no client's own
+@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR})
 def client_update(site, sent):
-    """Step 2 on client c: θ_c ← θ^{t-1}, E epochs of minibatch SGD on R_c; θ_c and the loss."""
+    """Step 2 on client c: θ_c ← θ^{t-1}, E epochs of minibatch SGD on R_c; n_c Δ_c and the loss
+    (n_c = 1 with --uniform-avg)."""
     theta_c, loss = common.local_train(site, sent["theta"])
-    return {"theta": theta_c, "loss": loss}
+    n_c = 1.0 if site.args.uniform_avg else common.sizes(site, theta_c.device)
+    return {"delta": n_c * (theta_c - sent["theta"]), "loss": loss}
 
 
-def server_update(theta, thetas, n, global_lr=1.0):
-    """Step 3: θ^t = θ^{t-1} + η_g Σ_c n_c Δ_c / Σ_c n_c with Δ_c = θ_c − θ^{t-1}. theta: θ^{t-1}
-    as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable); n: their
-    weights n_c (a list: data sizes, or ones for the FedIIR code's uniform mean); global_lr: η_g
-    (1: the weighted mean of the θ_c). ValueError unless one θ_c of θ's shape per weight, and one
-    at least."""
-    delta_sum, weight_sum = torch.zeros_like(theta), 0.0
-    count = 0                                                   # the θ_c read so far
-    for count, (theta_c, n_c) in enumerate(zip(thetas, [*n, None]), 1):   # None: one too many
-        if n_c is None or theta_c.shape != theta.shape:
-            raise ValueError(f"server_update: update {count} of shape {tuple(theta_c.shape)} for "
-                             f"{len(n)} weights and θ of shape {tuple(theta.shape)}")
-        delta_sum += n_c * (theta_c - theta)                    # n_c Δ_c
-        weight_sum += n_c
-    if not 0 < count == len(n):
-        raise ValueError(f"server_update: {count} update(s) for {len(n)} weights")
+def server_update(theta, delta_sum, weight_sum, global_lr=1.0):
+    """Step 3: θ^t = θ^{t-1} + η_g Σ_c n_c Δ_c / Σ_c n_c. theta: θ^{t-1} as a flat vector;
+    delta_sum: Σ_c n_c Δ_c over the sampled clients (what on_clients returns); weight_sum: Σ_c n_c;
+    global_lr: η_g (1: the weighted mean of the θ_c). ValueError unless the sum has θ's shape and
+    the weights a positive sum."""
+    if delta_sum.shape != theta.shape or not weight_sum > 0:
+        raise ValueError(f"server_update: a sum of shape {tuple(delta_sum.shape)} and weights "
+                         f"{weight_sum} for θ of shape {tuple(theta.shape)}")
     return theta + global_lr * (delta_sum / weight_sum)
 
 
@@ -67,11 +62,10 @@ def server_update(theta, thetas, n, global_lr=1.0):
 def fedavg_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                      # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
-    up = common.on_clients(client_update, S, {"theta": theta}, t, ctx)  # step 2: θ_c back
-    n = [1.0 if args.uniform_avg else float(fed.clients[c].n) for c in S]
-    theta_t = server_update(theta, [r["theta"] for r in up], n, args.global_lr)   # step 3
-    common.set_flat(model, theta_t)
-    return {c: r["loss"] for c, r in zip(S, up)}
+    up = common.on_clients(client_update, S, {"theta": theta}, t, ctx)  # step 2: Σ_c n_c Δ_c back
+    n = sum(1.0 if args.uniform_avg else float(fed.clients[c].n) for c in S)      # Σ_c n_c
+    common.set_flat(model, server_update(theta, up["delta"], n, args.global_lr))   # step 3
+    return {tuple(S): up["loss"]}                                      # their mean loss
 
 
 def add_args(p):

@@ -103,26 +103,20 @@ def iir_objective(model, params, buffers, x, y, w, g_tilde, gamma):
     return r + gamma * iir_penalty(g.values(), g_tilde)
 
 
-def server_update(theta, thetas, p, global_lr=1.0):
+def server_update(theta, delta_sum, weight_sum, global_lr=1.0):
     """Step 4, server: θ^t = θ^{t-1} + η_g Σ_c p_c Δ_c / Σ_c p_c with Δ_c = θ_c − θ^{t-1}. theta:
-    θ^{t-1} as a flat vector; thetas: the sampled clients' trained θ_c (flat, any iterable, read
-    one at a time); p: their weights (a list; ones: Algorithm 1's and the code's 1/C). ValueError
-    unless one θ_c of θ's shape per weight, and one at least."""
-    delta_sum, weight_sum = torch.zeros_like(theta), 0.0
-    count = 0                                                         # the θ_c read so far
-    for count, (theta_c, p_c) in enumerate(zip(thetas, [*p, None]), 1):   # None: one too many
-        if p_c is None or theta_c.shape != theta.shape:
-            raise ValueError(f"server_update: update {count} of shape {tuple(theta_c.shape)} for "
-                             f"{len(p)} weights and θ of shape {tuple(theta.shape)}")
-        delta_sum += p_c * (theta_c - theta)                                  # p_c Δ_c
-        weight_sum += p_c
-    if not 0 < count == len(p):
-        raise ValueError(f"server_update: {count} update(s) for {len(p)} weights")
+    θ^{t-1} as a flat vector; delta_sum: Σ_c p_c Δ_c over the sampled clients; weight_sum: Σ_c p_c
+    (p_c = 1: Algorithm 1's and the code's 1/C, so C). ValueError unless the sum has θ's shape and
+    the weights a positive sum."""
+    if delta_sum.shape != theta.shape or not weight_sum > 0:
+        raise ValueError(f"server_update: a sum of shape {tuple(delta_sum.shape)} and weights "
+                         f"{weight_sum} for θ of shape {tuple(theta.shape)}")
     return theta + global_lr * (delta_sum / weight_sum)
 
 
 # ------------------------------------------------------------------------- what a client runs
 
+@common.reduced(grad="sum", count="sum")             # the server needs their sums, no client's own
 @common.replies(lambda site, sent: {"grad": common.get_flat(site.model.classifier), "count": 0})
 def classifier_gradient(site, sent):
     """Step 2 on client c: its classifier gradients at θ^{t-1} (train mode) summed over its
@@ -139,13 +133,14 @@ def classifier_gradient(site, sent):
 
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
-@common.replies(lambda site, sent: {"theta": sent["theta"], "loss": common.SCALAR})
+@common.reduced(delta="sum", loss="mean")             # the server needs Σ_c Δ_c, no client's own
+@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR})
 def client_update(site, sent):
-    """Step 3 on client c: θ_c ← θ^{t-1}, K minibatch steps on the penalised objective; θ_c and
-    its mean loss."""
+    """Step 3 on client c: θ_c ← θ^{t-1}, K minibatch steps on the penalised objective; Δ_c =
+    θ_c − θ^{t-1} and its mean loss."""
     objective = functools.partial(iir_objective, g_tilde=sent["g_tilde"], gamma=sent["gamma"])
     theta_c, loss = common.local_train(site, sent["theta"], objective)
-    return {"theta": theta_c, "loss": loss}
+    return {"delta": theta_c - sent["theta"], "loss": loss}
 
 
 # ------------------------------------------------------------------------------------ one round
@@ -154,15 +149,15 @@ def fediir_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)                                     # θ^{t-1}
     S = common.sample_clients(ctx, len(fed.clients), args.sample)      # step 1
     if args.gamma > 0:                     # step 2 (+ EMA, App. C); at γ = 0: FedAvg exactly
-        up = common.on_clients(classifier_gradient, S, {"theta": theta}, t, ctx)
-        g_bar = sum(r["grad"] for r in up) / sum(r["count"] for r in up)   # over every minibatch
+        up = common.on_clients(classifier_gradient, S, {"theta": theta}, t, ctx)   # their sums
+        g_bar = up["grad"] / up["count"]                                 # over every minibatch
         state["g_tilde"] = gbar_update(state["g_tilde"], g_bar, args.ema)
-    # step 3: θ^{t-1} and g̃^t to S; each c trains on R_c + γ ||∇_ω R_c − g̃||² (no 1/2), θ_c back
+    # step 3: θ^{t-1} and g̃^t to S; each c trains on R_c + γ ||∇_ω R_c − g̃||² (no 1/2), Δ_c back
     sent = {"theta": theta, "g_tilde": state["g_tilde"], "gamma": args.gamma}
-    up = common.on_clients(client_update, S, sent, t, ctx)
-    ones = [1.0] * len(S)                                              # step 4: 1/C Σ_c Δ_c
-    common.set_flat(model, server_update(theta, [r["theta"] for r in up], ones, args.global_lr))
-    return {c: r["loss"] for c, r in zip(S, up)}
+    up = common.on_clients(client_update, S, sent, t, ctx)             # Σ_c Δ_c back
+    C = float(len(S))                                                  # step 4: 1/C Σ_c Δ_c
+    common.set_flat(model, server_update(theta, up["delta"], C, args.global_lr))
+    return {tuple(S): up["loss"]}                                      # their mean loss
 
 
 def init_state(model, fed, args, ctx):

@@ -47,30 +47,35 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, clie
         [(i, w_t, 0) for i in S]                                   # step 1: (i, w^{t−τ_i}, τ_i)
     ids = [i for i, _, _ in arrived]
     sent = [{"w": start} for _, start, _ in arrived]
+    if not ids:                                                          # none arrived: w^t stays
+        return {ID[0]: torch.zeros((), device=w_t.device)}
     if warmup:                                                           # g_i = ∇R_i(w^{t−τ_i}) up
         g = [r["g"] for r in common.on_clients(risk_gradient, ids, sent, t, ctx)]
-    up = common.on_clients(client or client_update, ids, sent, t, ctx)  # step 2: Δ_i on f_i up
+    up = common.on_clients(client or client_update, ids, sent, t, ctx)  # step 2: Σ_i n_i Δ_i up
     n = [float(fed.clients[i].n) for i in ids]
-    common.set_flat(model, aggregate(w_t, [r["delta"] for r in up], n, args.global_lr))  # Eq. 3
+    common.set_flat(model, aggregate(w_t, up["delta"], sum(n), args.global_lr))          # Eq. 3
     if warmup:                                               # step 4 (Eq. 13), exits after the last
         exit_strategy(fed, args, state, ids, n, g, [tau == 0 for _, _, tau in arrived], abs(t) == W)
-    return {i: r["loss"] for i, r in zip(ids, up)} or {ID[0]: torch.zeros((), device=w_t.device)}
+    return {tuple(ids): up["loss"]}                                      # their mean loss
 
 
 @common.stackable                # --local-step sgd with --parallel-clients on: all clients at once
+@common.reduced(delta="sum", loss="mean")           # Eq. 3 needs Σ_i n_i Δ_i, no client's own
 @common.replies(lambda site, sent: {"delta": sent["w"], "loss": common.SCALAR})
 def client_update(site, sent):
-    """Step 2 on client i from the w = w^{t−τ_i} it received; Δ_i and the mean loss up. sgd:
-    --local-epochs of minibatch SGD on f_i; paper: w − η (∇f_i(w) + wd·w), whole split (Eq. 2)."""
+    """Step 2 on client i from the w = w^{t−τ_i} it received; n_i Δ_i and the mean loss up. sgd:
+    --local-epochs of minibatch SGD on f_i; paper: Δ_i = −η (∇f_i(w) + wd·w), whole split, Eq. 2."""
     args, model, w = site.args, site.model, sent["w"]             # what it has, what it received
     if args.local_step == "sgd":
         layers = chain(model)
         w_i, loss = common.local_train(site, w, lambda *a: f_i(*a, lam=args.lam, layers=layers))
-        return {"delta": w_i - w, "loss": loss}
-    common.set_flat(model, w)
-    grad, loss = full_gradient(model, in_chunks(site, train=True), site.client.n, args.lam,
-                               chain(model), site.autocast)
-    return {"delta": -args.lr * (grad + args.weight_decay * w), "loss": loss}      # Eq. 2
+        delta = w_i - w
+    else:
+        common.set_flat(model, w)
+        grad, loss = full_gradient(model, in_chunks(site, train=True), site.client.n, args.lam,
+                                   chain(model), site.autocast)
+        delta = -args.lr * (grad + args.weight_decay * w)                           # Eq. 2
+    return {"delta": common.sizes(site, w.device) * delta, "loss": loss}           # n_i Δ_i
 
 
 @common.replies(lambda site, sent: {"g": sent["w"]})
@@ -174,18 +179,13 @@ def tangent(layers, x):
     return a, da
 
 
-def aggregate(w_t, deltas, n, global_lr=1.0):
-    """Eq. 3: w^t + η_g Σ_i n_i Δ_i / Σ_i n_i (flat Δ_i; a stale one is applied to w^t)."""
-    total = torch.zeros_like(w_t)
-    count = 0                                                           # the Δ_i read so far
-    for count, (d, n_i) in enumerate(zip(deltas, [*n, None]), 1):       # None: one too many
-        if n_i is None or d.shape != w_t.shape:
-            raise ValueError(f"aggregate: update {count} of shape {tuple(d.shape)} for {len(n)} "
-                             f"weights and w^t of shape {tuple(w_t.shape)}")
-        total = total + n_i * d
-    if count != len(n):
-        raise ValueError(f"aggregate: {count} update(s) for {len(n)} weights")
-    return w_t + global_lr * (total / sum(n)) if n else w_t
+def aggregate(w_t, delta_sum, weight_sum, global_lr=1.0):
+    """Eq. 3: w^t + η_g Σ_i n_i Δ_i / Σ_i n_i, from the clients' sum (a stale Δ_i is applied to
+    w^t). ValueError unless the sum has w^t's shape and the weights a positive sum."""
+    if delta_sum.shape != w_t.shape or not weight_sum > 0:
+        raise ValueError(f"aggregate: a sum of shape {tuple(delta_sum.shape)} and weights "
+                         f"{weight_sum} for w^t of shape {tuple(w_t.shape)}")
+    return w_t + global_lr * (delta_sum / weight_sum)
 
 
 def client_contributions(g, n, fresh, n_all, lr, L):

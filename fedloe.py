@@ -44,18 +44,12 @@ DEFAULTS = {"pacs": dict(PHOTO, lr=5e-5), "vlcs": dict(PHOTO, lr=5e-5),
 
 # ---------------------------------------------------------------- the method as plain functions
 
-def average(theta, thetas, n, global_lr=1.0):
-    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c; thetas: any iterable."""
-    delta_sum, weight_sum = torch.zeros_like(theta), 0.0
-    count = 0                                                         # the θ_c read so far
-    for count, (theta_c, n_c) in enumerate(zip(thetas, [*n, None]), 1):   # None: one too many
-        if n_c is None or theta_c.shape != theta.shape:
-            raise ValueError(f"average: update {count} of shape {tuple(theta_c.shape)} for "
-                             f"{len(n)} weights and θ of shape {tuple(theta.shape)}")
-        delta_sum += n_c * (theta_c - theta)
-        weight_sum += n_c
-    if not 0 < count == len(n):
-        raise ValueError(f"average: {count} update(s) for {len(n)} weights")
+def average(theta, delta_sum, weight_sum, global_lr=1.0):
+    """Eq. 4 on flat (θ, ψ): θ + η_g Σ_c n_c (θ_c − θ) / Σ_c n_c, from the clients' sum and Σ_c n_c.
+    ValueError unless the sum has θ's shape and the weights a positive sum."""
+    if delta_sum.shape != theta.shape or not weight_sum > 0:
+        raise ValueError(f"average: a sum of shape {tuple(delta_sum.shape)} and weights "
+                         f"{weight_sum} for θ of shape {tuple(theta.shape)}")
     return theta + global_lr * delta_sum / weight_sum
 
 
@@ -156,13 +150,16 @@ def ensemble(phi, Ws, bs):
 # ------------------------------------------------------------------------- what a client runs
 
 @common.stackable                       # with --parallel-clients on, every client at once
-@common.replies(lambda site, sent: {"theta": sent["theta"], "loss": common.SCALAR})
+@common.reduced(delta="sum", loss="mean")          # the server needs Σ_c n_c Δ_c, no client's own
+@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR})
 def stage1_update(site, sent):
-    """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from (θ, ψ); (θ_c, ψ_c), its mean loss."""
+    """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from (θ, ψ); n_c ((θ_c, ψ_c) − (θ, ψ)) and
+    its mean loss (stacked: every client's, n_c as a column)."""
     a = site.args
     adam = lambda ps: torch.optim.Adam(ps, lr=a.lr, weight_decay=a.weight_decay, foreach=True)
     theta_c, loss = common.local_train(site, sent["theta"], make_opt=adam)
-    return {"theta": theta_c, "loss": loss}
+    n_c = common.sizes(site, theta_c.device)
+    return {"delta": n_c * (theta_c - sent["theta"]), "loss": loss}
 
 
 @common.replies(lambda site, sent: {"W": site.model.classifier.weight, "loss": common.SCALAR,
@@ -194,10 +191,10 @@ def fedloe_round(t, model, fed, args, state, ctx):
     theta = common.get_flat(model)
     every = list(range(len(fed.clients)))                                 # every client, always
     if t <= args.stage1_comms:                                            # Eq. 4
-        up = common.on_clients(stage1_update, every, {"theta": theta}, t, ctx)
-        n = [c.n for c in fed.clients]
-        common.set_flat(model, average(theta, [r["theta"] for r in up], n, args.global_lr))
-        return {c: r["loss"] for c, r in zip(every, up)}
+        up = common.on_clients(stage1_update, every, {"theta": theta}, t, ctx)   # their sums
+        n = float(sum(c.n for c in fed.clients))                          # Σ_c n_c
+        common.set_flat(model, average(theta, up["delta"], n, args.global_lr))
+        return {tuple(every): up["loss"]}                                 # their mean loss
     up = common.on_clients(head_update, every, {"theta": theta}, t, ctx)  # Eq. 10: the heads up
     Ws, bs = torch.stack([r["W"] for r in up]), torch.stack([r["b"] for r in up])   # all down
     sent = {"theta": theta, "Ws": Ws, "bs": bs}

@@ -89,29 +89,27 @@ def J_i(model, params, buffers, x, y, w, nu, lam, weight_decay, beta):
             + beta * (theta - nu).pow(2).sum()) / rescale(lam)
 
 
-def server_update(nu, deltas, alpha):
-    """Line 10: ν^{t+1} = ν^t − α (ν^t − (1/N) Σ_i ν_{i,R}) = ν^t + α mean_i Δ_i. ValueError unless
-    deltas holds one Δ_i at least, each of ν's shape."""
-    deltas = list(deltas)
-    if not deltas or any(d.shape != nu.shape for d in deltas):
-        raise ValueError(f"server_update: Δ_i of shapes {[tuple(d.shape) for d in deltas]} for ν "
-                         f"of shape {tuple(nu.shape)} (one Δ_i at least)")
-    return nu + alpha * torch.stack(deltas).mean(0)
+def server_update(nu, delta_mean, alpha):
+    """Line 10: ν^{t+1} = ν^t − α (ν^t − (1/N) Σ_i ν_{i,R}) = ν^t + α mean_i Δ_i, from the clients'
+    mean Δ_i (what on_clients returns). ValueError unless it has ν's shape."""
+    if delta_mean.shape != nu.shape:
+        raise ValueError(f"server_update: mean Δ_i of shape {tuple(delta_mean.shape)} for ν of "
+                         f"shape {tuple(nu.shape)}")
+    return nu + alpha * delta_mean
 
 
-def server_adam(nu, deltas, alpha, gamma, adam_state=None):
+def server_adam(nu, delta_mean, alpha, gamma, adam_state=None):
     """Line 10 with Adam on the server (FedOpt; IRM's optimiser): one Adam step at lr α·γ on
     −mean_i Δ_i / γ (= mean_i ∇L_INV(ν^t; D_i) / rescale when R = 1: centralised IRM). Returns
-    (ν^{t+1}, Adam's state). ValueError unless deltas holds one Δ_i at least, each of ν's shape."""
-    deltas = list(deltas)
-    if not deltas or any(d.shape != nu.shape for d in deltas):
-        raise ValueError(f"server_adam: Δ_i of shapes {[tuple(d.shape) for d in deltas]} for ν "
-                         f"of shape {tuple(nu.shape)} (one Δ_i at least)")
+    (ν^{t+1}, Adam's state). ValueError unless the clients' mean Δ_i has ν's shape."""
+    if delta_mean.shape != nu.shape:
+        raise ValueError(f"server_adam: mean Δ_i of shape {tuple(delta_mean.shape)} for ν of "
+                         f"shape {tuple(nu.shape)}")
     nu_p = nu.clone().requires_grad_()
     opt = torch.optim.Adam([nu_p], lr=alpha * gamma)
     if adam_state:
         opt.load_state_dict(adam_state)
-    nu_p.grad = -torch.stack(deltas).mean(0) / gamma
+    nu_p.grad = -delta_mean / gamma
     opt.step()
     return nu_p.detach(), opt.state_dict()
 
@@ -119,6 +117,7 @@ def server_adam(nu, deltas, alpha, gamma, adam_state=None):
 # ------------------------------------------------------------------------------- Algorithm 1
 
 @common.stackable            # with --parallel-clients on (--R 1): every client at once
+@common.reduced(delta="mean", loss="mean")        # the server needs mean_i Δ_i, no client's own
 @common.replies(lambda site, sent: {"delta": sent["nu"], "loss": common.SCALAR})
 def client_update(site, sent):
     """Lines 5-9 on client i (pFedMe's code): θ_i ← ν^t, ν_{i,0} ← ν^t, then R times S plain steps
@@ -146,18 +145,18 @@ def perinvfl_round(t, model, fed, args, state, ctx):
     nu = common.get_flat(model)
     lam = args.lam if t > args.anneal else 1.0                               # IRM's λ schedule
     ids = common.sample_clients(ctx, len(fed.clients), args.sample)
-    up = common.on_clients(client_update, ids, {"nu": nu, "lam": lam}, t, ctx)   # Δ_i back
-    common.set_flat(model, line10(nu, [r["delta"] for r in up], args, state))
-    return {i: r["loss"] for i, r in zip(ids, up)}
+    up = common.on_clients(client_update, ids, {"nu": nu, "lam": lam}, t, ctx)   # mean Δ_i back
+    common.set_flat(model, line10(nu, up["delta"], args, state))
+    return {tuple(ids): up["loss"]}                                        # their mean loss
 
 
-def line10(nu, deltas, args, state):
+def line10(nu, delta_mean, args, state):
     """Line 10 by the server's Adam (`--opt adam`, FedOpt at lr α·γ) or Algorithm 1's plain step."""
     if args.opt == "adam":
-        nu, state["server_opt"] = server_adam(nu, deltas, args.global_lr, args.lr,
+        nu, state["server_opt"] = server_adam(nu, delta_mean, args.global_lr, args.lr,
                                               state["server_opt"])
         return nu
-    return server_update(nu, deltas, args.global_lr)         # ν^t − α (ν^t − mean_i ν_{i,R})
+    return server_update(nu, delta_mean, args.global_lr)         # ν^t − α (ν^t − mean_i ν_{i,R})
 
 
 def local_steps(client, args):

@@ -237,37 +237,39 @@ def test_fedavg_copied(uniform):
     theta = flat(model)
     for t in range(1, 3):
         S = sorted(torch.randperm(3, generator=sampler).tolist())
-        thetas = []
+        delta_sum = torch.zeros_like(theta)
         for c in S:
             load(model, theta)
-            thetas.append(own_local_sgd(model, *clients[c], gen(t, c), 0.1, 0.9, 4, 2, ce))
-        n = [1.0 if uniform else float(len(clients[c][1])) for c in S]
-        theta = m.server_update(theta, thetas, n, 1.0)
+            theta_c = own_local_sgd(model, *clients[c], gen(t, c), 0.1, 0.9, 4, 2, ce)
+            delta_sum += (1.0 if uniform else float(len(clients[c][1]))) * (theta_c - theta)
+        n = sum(1.0 if uniform else float(len(clients[c][1])) for c in S)
+        theta = m.server_update(theta, delta_sum, n, 1.0)
     expected = method_rounds(fedavg.fedavg_round, clients, 2, uniform_avg=uniform)
     assert torch.allclose(theta, expected, atol=1e-6), (theta - expected).abs().max()
     assert (theta - flat(own_model())).abs().max() > 1e-2                        # they trained
 
 
-# The server's plain functions refuse what they cannot mean, in a ValueError that names it: fewer
-# updates than weights (never rows of an unfilled tensor in their place), more
-# (read no further than the first one too many), none, an update of another length than θ. The
-# same for every method's server functions, in its section below.
+# The server's plain functions refuse what they cannot mean, in a ValueError that names it. A
+# method's server step of the clients' sum (what on_clients returns for a `reduced` client
+# function): a sum of another shape than θ (a length-1 sum would broadcast), or weights that sum to
+# no positive number (no client). The rest of every method's server functions in its section.
 TH = torch.arange(4.0)
 
 
-def test_fedavg_server_update_refuses_what_it_cannot_mean():
-    seen = []
-    assert refused(fedavg.server_update, TH, iter([TH + 1]), [5, 6, 7]) == \
-        "server_update: 1 update(s) for 3 weights"
-    assert refused(fedavg.server_update, TH, read([TH + 1] * 5, seen), [5, 6, 7]) == \
-        "server_update: update 4 of shape (4,) for 3 weights and θ of shape (4,)"
-    assert len(seen) == 4                                         # no further than the fourth
-    assert refused(fedavg.server_update, TH, [], []) == "server_update: 0 update(s) for 0 weights"
-    assert refused(fedavg.server_update, TH, [TH, TH[:1]], [1, 1]) == \
-        "server_update: update 2 of shape (1,) for 2 weights and θ of shape (4,)"
-    assert refused(fedavg.server_update, TH, [TH[None]], [1]) == \
-        "server_update: update 1 of shape (1, 4) for 1 weights and θ of shape (4,)"
-    assert torch.equal(fedavg.server_update(TH, iter([TH + 1, TH + 4]), [1, 2]), TH + 3)
+@pytest.mark.parametrize("fn, of", [(fedavg.server_update, "θ"), (fediir.server_update, "θ"),
+                                    (fedloe.average, "θ"), (fedipg.aggregate, "w^t")])
+def test_a_server_step_of_a_sum_refuses_what_it_cannot_mean(fn, of):
+    name = fn.__name__
+    assert refused(fn, TH, TH[:1], 2.0) == \
+        f"{name}: a sum of shape (1,) and weights 2.0 for {of} of shape (4,)"
+    assert refused(fn, TH, TH[None], 2.0) == \
+        f"{name}: a sum of shape (1, 4) and weights 2.0 for {of} of shape (4,)"
+    assert refused(fn, TH, TH, 0.0) == f"{name}: a sum of shape (4,) and weights 0.0 for {of} of " \
+        "shape (4,)"
+    assert refused(fn, TH, TH, float("nan")) == f"{name}: a sum of shape (4,) and weights nan " \
+        f"for {of} of shape (4,)"
+    assert torch.equal(fn(TH, TH + 2, 2.0), TH + (TH + 2) / 2)
+    assert torch.equal(fn(TH, TH + 2, 2.0, 0.5), TH + 0.5 * (TH + 2) / 2)
 
 
 # ==================================================================================================
@@ -576,23 +578,12 @@ def test_fediir_flags_bad_input(argv, message, capsys):
 
 
 def test_fediir_server_functions_refuse_what_they_cannot_mean():
-    """As FedAvg's (above): server_update's updates one per weight, of θ's shape; gbar_update's
-    g_bar of g̃'s shape (a length-1 g_bar would broadcast)."""
-    seen = []
-    assert refused(fediir.server_update, TH, iter([TH + 1]), [1.0, 1.0, 1.0]) == \
-        "server_update: 1 update(s) for 3 weights"
-    assert refused(fediir.server_update, TH, read([TH] * 3, seen), [1.0]) == \
-        "server_update: update 2 of shape (4,) for 1 weights and θ of shape (4,)"
-    assert len(seen) == 2
-    assert refused(fediir.server_update, TH, iter([]), []) == \
-        "server_update: 0 update(s) for 0 weights"
-    assert refused(fediir.server_update, TH, [TH[:3]], [1.0]) == \
-        "server_update: update 1 of shape (3,) for 1 weights and θ of shape (4,)"
+    """gbar_update's g_bar of g̃'s shape (a length-1 g_bar would broadcast); server_update: with
+    FedAvg's (above)."""
     assert refused(fediir.gbar_update, TH, TH[:1], 0.95) == \
         "gbar_update: g_bar of shape (1,) for g̃ of shape (4,)"
     assert refused(fediir.gbar_update, TH, TH[:, None], 0.95) == \
         "gbar_update: g_bar of shape (4, 1) for g̃ of shape (4,)"
-    assert torch.equal(fediir.server_update(TH, [TH + 1, TH + 3], [1.0, 1.0]), TH + 2)
     assert torch.equal(fediir.gbar_update(TH, TH + 2, 0.5), TH + 1)
 
 
@@ -1758,18 +1749,9 @@ def test_fedloe_flags_bad_input(argv, message, capsys):
 
 
 def test_fedloe_server_functions_refuse_what_they_cannot_mean():
-    """As FedAvg's: average's updates one per weight, of θ's shape; Tuning's N predictions, labels
-    and tuning sizes (summing to N, one client at least); ensemble's φ [P], Ws [P, m, d], bs [P, m]
-    (P ≥ 1: no head is no ensemble)."""
-    seen = []
-    assert refused(fedloe.average, TH, iter([TH]), [3, 4]) == "average: 1 update(s) for 2 weights"
-    assert refused(fedloe.average, TH, read([TH] * 3, seen), [3, 4]) == \
-        "average: update 3 of shape (4,) for 2 weights and θ of shape (4,)"
-    assert len(seen) == 3
-    assert refused(fedloe.average, TH, [], []) == "average: 0 update(s) for 0 weights"
-    assert refused(fedloe.average, TH, [TH, TH[:1]], [3, 4]) == \
-        "average: update 2 of shape (1,) for 2 weights and θ of shape (4,)"
-    assert torch.equal(fedloe.average(TH, iter([TH + 1, TH + 4]), [1, 2]), TH + 3)
+    """Tuning's N predictions, labels and tuning sizes (summing to N, one client at least);
+    ensemble's φ [P], Ws [P, m, d], bs [P, m] (P ≥ 1: no head is no ensemble); average: with
+    FedAvg's."""
     Y, y = torch.zeros(5, 2, 3), torch.zeros(5, dtype=torch.long)
     for Y_, y_, n_tune in ((Y, y, [2, 2]), (Y, y[:4], [2, 3]), (Y[:4], y, [2, 3]),
                            (Y[:0], y[:0], []), (Y[:, 0], y, [2, 3])):
@@ -2178,18 +2160,14 @@ def test_perinvfl_flags_bad_input(argv, message, capsys):
 
 
 def test_perinvfl_server_functions_refuse_what_they_cannot_mean():
-    """As FedAvg's, for line 10's two forms (no weights: every client's Δ_i counts alike): no
-    Δ_i, or one of another shape than ν (a length-1 Δ_i would broadcast)."""
+    """Line 10's two forms take the clients' mean Δ_i (on_clients' reduction): one of another
+    shape than ν is refused (a length-1 mean would broadcast)."""
     for name, fn in (("server_update", lambda nu, d: perinvfl.server_update(nu, d, 1.0)),
                      ("server_adam", lambda nu, d: perinvfl.server_adam(nu, d, 1.0, 0.1))):
-        assert refused(fn, TH, iter([])) == \
-            f"{name}: Δ_i of shapes [] for ν of shape (4,) (one Δ_i at least)"
-        assert refused(fn, TH, iter([TH, TH[:1]])) == \
-            f"{name}: Δ_i of shapes [(4,), (1,)] for ν of shape (4,) (one Δ_i at least)"
-        assert refused(fn, TH, [TH[None]]) == \
-            f"{name}: Δ_i of shapes [(1, 4)] for ν of shape (4,) (one Δ_i at least)"
-    assert torch.equal(perinvfl.server_update(TH, iter([TH, TH + 2]), 0.5), 1.5 * TH + 0.5)
-    nu, _ = perinvfl.server_adam(TH, iter([TH + 1, TH + 1]), 1.0, 0.1)
+        assert refused(fn, TH, TH[:1]) == f"{name}: mean Δ_i of shape (1,) for ν of shape (4,)"
+        assert refused(fn, TH, TH[None]) == f"{name}: mean Δ_i of shape (1, 4) for ν of shape (4,)"
+    assert torch.equal(perinvfl.server_update(TH, TH + 1, 0.5), 1.5 * TH + 0.5)
+    nu, _ = perinvfl.server_adam(TH, TH + 1, 1.0, 0.1)
     assert torch.allclose(nu, TH + 0.1)                      # Adam's first step: lr · sign
 
 
@@ -2665,7 +2643,8 @@ def copied_loop(m, clients, local_step, penalty, L):
                     own_local_sgd(model, x, y, gen(t if t > 0 else -(t + W), i), lr,
                                   ARGS["momentum"], b, ARGS["local_epochs"], f)
                     yield flat(model) - w                                               # Δ_i
-        load(model, m.aggregate(w, deltas(), [n[i] for i in S]))                        # Eq. 3
+        total = sum(n[i] * d for i, d in zip(S, deltas()))                        # Σ_i n_i Δ_i
+        load(model, m.aggregate(w, total, sum(n[i] for i in S)))                        # Eq. 3
         if t <= 0:
             for i, c in zip(S, m.client_contributions(g, [n[i] for i in S], [True] * len(S), sum(n),
                                                       lr, L)):
@@ -2788,20 +2767,8 @@ def test_fedipg_flags_bad_input(argv, message, capsys):
 
 
 def test_fedipg_server_functions_refuse_what_they_cannot_mean():
-    """As FedAvg's: aggregate's Δ_i one per weight, of w^t's shape, though none (no update
-    arrived) leaves w^t as it is (Eq. 3 over no arrival); client_contributions's g_i, sizes and
-    fresh flags one per client, the g_i of one shape, one client at least."""
-    seen = []
-    assert refused(fedipg.aggregate, TH, iter([TH]), [3.0, 4.0]) == \
-        "aggregate: 1 update(s) for 2 weights"
-    assert refused(fedipg.aggregate, TH, iter([]), [3.0]) == "aggregate: 0 update(s) for 1 weights"
-    assert refused(fedipg.aggregate, TH, read([TH] * 3, seen), [3.0, 4.0]) == \
-        "aggregate: update 3 of shape (4,) for 2 weights and w^t of shape (4,)"
-    assert len(seen) == 3
-    assert refused(fedipg.aggregate, TH, [TH[:1]], [3.0]) == \
-        "aggregate: update 1 of shape (1,) for 1 weights and w^t of shape (4,)"
-    assert fedipg.aggregate(TH, iter([]), []) is TH
-    assert torch.equal(fedipg.aggregate(TH, iter([TH, TH + 3]), [1.0, 2.0]), 2 * TH + 2)
+    """client_contributions's g_i, sizes and fresh flags one per client, the g_i of one shape, one
+    client at least; aggregate: with FedAvg's."""
     g = [TH, TH + 1]
     for g_, n, fresh in ((g, [1.0], [True, True]), (g, [1.0, 2.0], [True]), ([], [], []),
                          (g[:1], [1.0, 2.0], [True, True]), ([TH, TH[:2]], [1.0, 2.0], [True] * 2)):

@@ -492,12 +492,14 @@ def by_batch(site, train=False):
 def paper_round(chunks):
     """fedipg.fedipg_round with --local-step paper and --exit off (every update fresh), its client
     reading its split in chunks(site, train) (fedipg's own: fedipg.in_chunks)."""
+    @common.reduced(**fedipg.client_update.reduced)
     def client_update(site, sent):       # fedipg.client_update's --local-step paper branch
         args, model, w = site.args, site.model, sent["w"]
         common.set_flat(model, w)
         grad, loss = fedipg.full_gradient(model, chunks(site, train=True), site.client.n,
                                           args.lam, fedipg.chain(model), site.autocast)
-        return {"delta": -args.lr * (grad + args.weight_decay * w), "loss": loss}   # Eq. 2
+        delta = -args.lr * (grad + args.weight_decay * w)                           # Eq. 2
+        return {"delta": float(site.client.n) * delta, "loss": loss}                # n_i Δ_i
 
     return functools.partial(fedipg.fedipg_round, client=client_update)
 

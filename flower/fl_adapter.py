@@ -41,6 +41,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  
 import common  # noqa: E402
 import data  # noqa: E402
 import harness  # noqa: E402
+import secagg  # noqa: E402
 import signing  # noqa: E402
 from harness import outputs, sites  # noqa: E402
 from harness.methods import METHODS, client_functions, qualified  # noqa: E402
@@ -237,13 +238,15 @@ class Link:
     of common.on_clients as one message to every node of it at once, every reply checked against
     the client function's declaration. Per round: bytes down and up, seconds, each node's span."""
 
-    def __init__(self, grid, wait=600.0, method=None, init=None, keys=None, evaluators=None):
+    def __init__(self, grid, wait=600.0, method=None, init=None, keys=None, evaluators=None,
+                 clip=None):
         self.grid, self.wait, self.nodes, self.args, self.out = grid, wait, None, None, None
         self.method, self.init = method, init       # the run's method and its init_state, by name
         self.keys = keys          # {a node's public key (PEM): the partition id it was made for}
         self.signers = None       # {site: its public key}: with keys, every reply must be signed
         self.evaluators = evaluators                # evaluation sites (None: by the protocol)
         self.roster = None                          # [[domain, n, n_val, n_test]] by site
+        self.clip = clip          # secure aggregation (run config secagg) within ±clip; None: off
         # round -> [down, up]; seconds; node spans; each node's setup (seconds)
         self.moved, self.times, self.spans, self.setup = {}, {}, {}, {}
 
@@ -368,6 +371,13 @@ class Link:
         head = {"fn": qualified(fn), "phase": phase, "round": t, "domain": ctx.fed.name,
                 "args": self.args, "init": self.init, "method": self.method,
                 "roster": json.dumps(self.roster)}
+        if self.clip is not None and getattr(fn, "reduced", None):
+            return self.secure(fn, S, sents, t, phase, ctx, head, expect[0][0])
+        if self.clip is not None and qualified(fn) not in self.evaluations():
+            raise common.UserError(
+                f"secagg: round {t}'s exchange {phase} ({qualified(fn)}) sends the server each "
+                f"client's own reply, which the round reads one by one (the function declares "
+                f"no sum, common.reduced): it cannot run under secure aggregation")
         replies = self._send([(self.nodes[c], "train.client",
                                {**head, **{f"sent.{k}": v for k, v in sent.items()}})
                               for c, sent in zip(S, sents)], t, clients=S,
@@ -386,6 +396,40 @@ class Link:
         # in the order of S: the clients' ids
         return [to_device({k: v for k, v in r.items() if not k.startswith("_")}, ctx.device)
                 for r in replies]
+
+    def evaluations(self):
+        """The method's evaluations, by name: under secagg each site's counts are in the clear."""
+        own = importlib.import_module(self.method).METHOD
+        return {qualified(f) for f in own.evaluations}
+
+    def secure(self, fn, S, sents, t, phase, ctx, head, want):
+        """Round t's exchange `phase` of a `reduced` fn by Flower's SecAgg+ (flower/secagg.py): the
+        server receives the sums alone, never a client's reply; the declared means are the sums
+        over C. `want`: the declared reply (schema), whose reduced keys make the summed vector."""
+        how, C = fn.reduced, len(S)
+        if C < 2:
+            raise common.UserError(f"secagg: round {t}'s exchange {phase} has one client; secure "
+                                   f"aggregation hides a client only among two at least")
+        part = {self.nodes[c]: c for c in S}
+
+        def records(sent):          # what each stage's message carries besides Flower's own
+            full = pack({**head, "clip": self.clip, **{f"sent.{k}": v for k, v in sent.items()}})
+            short = RecordDict({"c": ConfigRecord({"round": t, "phase": phase})})
+            return lambda stage: full if stage == "collect_masked_vectors" else short
+
+        def check(m, r, stage):     # every reply: its signature, a refusal (BadReply), its bytes
+            self._take(m, r, t, part[m.metadata.dst_node_id], None, f"{phase}/{stage}")
+
+        def count(down):
+            self.moved.setdefault(t, [0, 0])[0] += sum(nbytes(m.content) for m in down)
+        heads = {self.nodes[c]: records(sent) for c, sent in zip(S, sents)}
+        try:
+            total, seconds = secagg.secure_sum(self.grid, [self.nodes[c] for c in S], heads, t,
+                                               check, count, self.clip, self.wait)
+        except ValueError as e:
+            raise BadReply(f"round {t}'s exchange {phase}: {e}") from None
+        self.times[t] = self.times.get(t, 0.0) + seconds
+        return secagg.decode(total, how, want, C, ctx.device)
 
     def expected(self, fn, c, sent, t, phase, ctx):
         """(schema, bytes) of what `fn` replies for site c, from its declaration (common.replies)
@@ -484,16 +528,17 @@ def on_nodes(record):
                                "node on Flower")
 
 
-def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None):
+def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None, clip=None):
     """The ServerApp's work: `method`'s own run, harness.main(METHOD, argv), with a Link as
     common.on_clients' engine and as the run's `sites` (the nodes hold the data: the server reads
     none); its clients never train at once in process (--parallel-clients auto: off; on:
-    refused). keys: a folder of the nodes' node-K.pub; evaluators: the evaluation sites (Link).
+    refused). keys: a folder of the nodes' node-K.pub; evaluators: the evaluation sites (Link);
+    clip: secure aggregation within ±clip (run config secagg, secagg-clip), None: off.
     Returns (results, link). A run that ends in an error writes its line into <out>.flower.json
     ("error") where --out is known, and raises RunFailed with it."""
     own = importlib.import_module(method).METHOD
     link = Link(grid, wait, method, qualified(own.init_state) if own.init_state else None,
-                evaluators=evaluators)
+                evaluators=evaluators, clip=clip)
     said = Said(sys.stderr)
     try:
         with contextlib.redirect_stderr(said):
@@ -605,8 +650,8 @@ def refused(req, context, also=frozenset()):
 def answer(msg, context, content, t, phase):
     """This node's reply to `msg` (round t's exchange `phase`): content packed and, where its node
     config names its key, signed (flower/signing.py); an unsigned error reply where the key cannot
-    be read."""
-    rd = pack(content)
+    be read. content: a dict, or a RecordDict as it is (a SecAgg+ stage's)."""
+    rd = content if isinstance(content, RecordDict) else pack(content)
     path = context.node_config.get("key")
     if not path:
         return Message(rd, reply_to=msg)
@@ -640,15 +685,41 @@ def work(msg, context, also=frozenset()):
     its folder cannot be read."""
     began = time.time()                                    # the node's span: its setup and its work
     req = unpack(msg.content)
-    t = req.get("round", 0)
-    phase = str(req.get("phase", ""))
+    t, phase = req.get("round", 0), str(req.get("phase", ""))
+    try:
+        out = client_work(req, context, also, began)
+    except secagg.Refused as e:
+        return answer(msg, context, {"_error": str(e)}, t, phase)
+    return answer(msg, context, out, t, phase)
+
+
+def secure_work(msg, context, also=frozenset()):
+    """The masked-vectors stage of SecAgg+ on this node (secaggplus_mod calls it): the exchange's
+    client function as in `work`, its reduced keys as one vector for the mod (secagg.encode:
+    refused outside ±secagg-clip, never clipped) and the node's span. secagg.Refused: nothing
+    sent (secagg.signed answers it)."""
+    began = time.time()
+    req = unpack(msg.content)
+    why = refused(req, context, also)                # (a name the method file declares)
+    how = None if why else getattr(function(req["fn"]), "reduced", None)
+    if not how:
+        raise secagg.Refused(why or f"{req['fn']} declares no sum (common.reduced): nothing "
+                             f"was run")
+    out = client_work(req, context, also, began)
+    vector = secagg.encode(out, how, float(req["clip"]), own_site(context)[0])
+    return secagg.fit_reply(msg, vector, {k: out[k] for k in SPAN})
+
+
+def client_work(req, context, also, began):
+    """What the request `req` names, run on this node's site: the client function's reply and the
+    node's span (SPAN), or secagg.Refused (the function is not the method's, its folder...)."""
     why = refused(req, context, also)
     if why:
-        return answer(msg, context, {"_error": why}, t, phase)
+        raise secagg.Refused(why)
     try:
         node = node_for(req, context)
     except common.UserError as e:
-        return answer(msg, context, {"_error": str(e)}, t, phase)
+        raise secagg.Refused(str(e)) from None
     ctx, c = node.ctx, node.partition
     sent = to_device({k[5:]: v for k, v in req.items() if k.startswith("sent.")}, ctx.device)
     # the client's own state, per held-out domain
@@ -665,15 +736,19 @@ def work(msg, context, also=frozenset()):
         torch.save(ctx.clients[c], buf)
         record[req["domain"]] = buf.getvalue()
         context.state["fedood"] = record
-    return answer(msg, context, out, t, phase)
+    return out
 
 
 def client_app(also=()):
-    """The ClientApp: its report on `query.hello`, an exchange of a round on `train.client`.
+    """The ClientApp: its report on `query.hello`, an exchange of a round on `train.client`, and
+    a summed exchange's SecAgg+ stages on `train` (Flower's secaggplus_mod, its replies signed).
     also: functions it runs besides the method files' own (a test's stand-ins)."""
+    from flwr.client.mod import secaggplus_mod
     from flwr.clientapp import ClientApp
     app = ClientApp()
     app.query("hello")(hello)
     allowed = frozenset(qualified(f) for f in also)
     app.train("client")(lambda msg, context: work(msg, context, allowed))
+    app.train(mods=[secagg.signed(answer), secaggplus_mod])(
+        lambda msg, context: secure_work(msg, context, allowed))
     return app

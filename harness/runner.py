@@ -261,14 +261,17 @@ def set_deterministic(on=True):
 
 
 def checked(t, losses, model, state, fed):
-    """Round t's losses ({client id: mean local loss}) after one host read: their mean, or
-    NonFinite naming the first non-finite client loss, else the model's or the state's tensors that
-    are not finite (common.train's check)."""
+    """Round t's losses ({client id: mean local loss}, or {the clients' ids: their mean}) after one
+    host read: their mean, or NonFinite naming the first non-finite client loss, else the model's
+    or the state's tensors that are not finite (common.train's check)."""
     ids, vals = list(losses), torch.stack([losses[c] for c in losses])
     named = tensors(model, state)
     ok = torch.stack([v.isfinite().all().to(vals.device) for _, v in named]).all()  # no host read
     vals = torch.cat([vals, ok.to(vals.dtype)[None]]).cpu()                   # one sync a round
     bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
+    if bad and isinstance(bad[0], tuple):         # the mean loss of these clients (a reduction)
+        raise NonFinite(f"non-finite mean loss in round {t} of its {len(bad[0])} clients "
+                        f"(testing on {fed.name})")
     if bad:
         c = fed.clients[bad[0]]
         raise NonFinite(f"non-finite loss in round {t} on client {c.id} (training domain "

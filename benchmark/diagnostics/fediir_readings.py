@@ -31,6 +31,7 @@ import harness  # noqa: E402
 import fediir  # noqa: E402
 
 
+@common.reduced(**fediir.classifier_gradient.reduced)
 @common.replies(fediir.classifier_gradient.replies)
 def readings_gradient(site, sent):
     """fediir.classifier_gradient with the reading's g_bar: over the client's minibatches (the code)
@@ -56,15 +57,24 @@ def readings_round(t, model, fed, args, state, ctx):
     if args.gamma > 0:                                                            # step 2 (+ EMA)
         up = common.on_clients(readings_gradient, S, {"theta": theta}, t, ctx,
                                phase="classifier_gradient")
-        g_bar = sum(r["grad"] for r in up) / sum(r["count"] for r in up)
+        g_bar = up["grad"] / up["count"]
         state["g_tilde"] = fediir.gbar_update(state["g_tilde"], g_bar, args.ema)
     gamma = args.gamma / 2 if args.half else args.gamma
-    up = common.on_clients(fediir.client_update, S,                               # step 3
-                           {"theta": theta, "g_tilde": state["g_tilde"], "gamma": gamma}, t, ctx)
-    p = [float(fed.clients[c].n) if args.size_avg else 1.0 for c in S]
-    common.set_flat(model,                                                        # step 4
-                    fediir.server_update(theta, [r["theta"] for r in up], p, args.global_lr))
-    return {c: r["loss"] for c, r in zip(S, up)}
+    up = common.on_clients(sized_update if args.size_avg else fediir.client_update, S,  # step 3
+                           {"theta": theta, "g_tilde": state["g_tilde"], "gamma": gamma}, t, ctx,
+                           phase="client_update")
+    p = sum(float(fed.clients[c].n) if args.size_avg else 1.0 for c in S)
+    common.set_flat(model, fediir.server_update(theta, up["delta"], p, args.global_lr))  # step 4
+    return {tuple(S): up["loss"]}
+
+
+@common.stackable
+@common.reduced(**fediir.client_update.reduced)
+@common.replies(fediir.client_update.replies)
+def sized_update(site, sent):
+    """fediir.client_update weighted by data size (--size-avg): n_c Δ_c, as fedavg.py's."""
+    up = fediir.client_update(site, sent)
+    return {**up, "delta": common.sizes(site, up["delta"].device) * up["delta"]}
 
 
 def add_args(p):
@@ -82,7 +92,7 @@ def add_args(p):
 
 
 METHOD = dataclasses.replace(fediir.METHOD, doc=__doc__, round=readings_round, add_args=add_args,
-                             clients=(readings_gradient, fediir.client_update))
+                             clients=(readings_gradient, fediir.client_update, sized_update))
 
 
 def main(argv=None):

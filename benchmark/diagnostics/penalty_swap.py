@@ -152,7 +152,8 @@ def swap_round(t, name, model, clients, state, args):
         loss.backward()
         opt.step()
         deltas.append(common.get_flat(model) - nu)                          # Δ_i = ν_{i,1} − ν^t
-    nu, state["adam"] = perinvfl.server_adam(nu, deltas, 1.0, LR, state["adam"])
+    mean = torch.stack(deltas).mean(0)                                      # mean_i Δ_i
+    nu, state["adam"] = perinvfl.server_adam(nu, mean, 1.0, LR, state["adam"])
     common.set_flat(model, nu)
 
 

@@ -1,0 +1,169 @@
+"""The server sees only sums (flower/secagg.py, run config secagg): Flower's SecAgg+ gives the
+ServerApp the sum of the nodes' vectors within its quantisation, and nothing it receives is any
+node's vector or close to one; a method run under it equals its own run within that; what cannot
+be a sum, a value outside the range and a lone client are refused in one line."""
+import importlib
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="flwr not installed: pip install -r flower/requirements.txt")
+
+import torch  # noqa: E402
+from flwr.app import Array, ConfigRecord, RecordDict  # noqa: E402
+from flwr.client.mod import secaggplus_mod  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+from flwr.common import bytes_to_ndarray, parameters_to_ndarrays  # noqa: E402
+from flwr.compat.common import recorddict_compat as compat  # noqa: E402
+
+import fake_grid  # noqa: E402
+import fl_adapter  # noqa: E402
+import secagg  # noqa: E402
+import test_flower  # noqa: E402
+
+C, L, CLIP = 3, 500, 64.0
+SPAN = {"_began": 0.0, "_ready": 0.0, "_ended": 0.0, "_round": 1, "_phase": "x"}
+
+
+def numbers(content):
+    """Every array of numbers in a RecordDict, as the server could read it: its arrays, and every
+    bytes value that is an array in Flower's format (SecAgg+'s masked vectors and keys)."""
+    out = []
+    for record in content.array_records.values():
+        out += [np.asarray(a.numpy(), dtype=np.float64).ravel() for a in record.values()
+                if isinstance(a, Array)]
+    for record in content.config_records.values():
+        for v in record.values():
+            for b in (v if isinstance(v, list) else [v]):
+                try:
+                    out.append(np.asarray(bytes_to_ndarray(b), dtype=np.float64).ravel())
+                except Exception:          # (keys, shares, ciphertexts: not arrays)
+                    pass
+    return [x for x in out if x.size]
+
+
+def vector_app(vectors):
+    """A ClientApp whose nodes answer SecAgg+ (Flower's secaggplus_mod, replies signed when keyed)
+    with their own vector: vectors[partition id]."""
+    app = ClientApp()
+
+    def own(msg, context):
+        return secagg.fit_reply(msg, vectors[context.node_config["partition-id"]], SPAN)
+    app.train(mods=[secagg.signed(fl_adapter.answer), secaggplus_mod])(own)
+    return app
+
+
+def test_secure_sum_is_the_sum_and_the_server_sees_no_nodes_vector(tmp_path):
+    """Three nodes, vectors of 500 values up to ±60 (one with a spike at its first entry):
+    everything the server receives in the four stages (check sees every reply) holds no node's
+    vector, nor anything within 1 of it, read as it is or dequantised as the mod quantised it;
+    the sum the server gets is the nodes' sum within C quantisation steps."""
+    gen = np.random.default_rng(0)
+    vectors = [gen.normal(0, 10 ** k, L).clip(-60, 60) for k in range(C)]
+    vectors[1][0] = 59.0
+    grid = fake_grid.FakeGrid(vector_app(vectors), [tmp_path] * C)
+    nodes = sorted(grid.contexts, key=lambda n: grid.contexts[n].node_config["partition-id"])
+    seen, sent = [], []
+
+    def check(m, r, stage):
+        assert not r.has_error(), r.error
+        seen.append((stage, numbers(r.content)))
+    head = lambda stage: RecordDict({"c": ConfigRecord({"round": 1, "phase": "x"})})
+    total, _ = secagg.secure_sum(grid, nodes, {n: head for n in nodes}, 1, check, sent.append, CLIP)
+    exact = np.sum(vectors, 0)
+    assert np.abs(total - exact).max() <= C * secagg.step(C, CLIP)
+    assert np.abs(total - exact).max() > 0                  # (quantised: not the exact sum)
+    assert {stage for stage, _ in seen} == {"setup", "share_keys", "collect_masked_vectors",
+                                            "unmask"}
+    Q = secagg.levels(C)
+    masked = [x for stage, xs in seen for x in xs if stage == "collect_masked_vectors"]
+    assert len(masked) >= C and all(x.size >= L for x in masked[:C])   # what each node sent
+    for _, xs in seen:
+        for x in xs:
+            for read in (x, x * 2 * CLIP / Q - CLIP):            # as it is; as the mod quantised
+                for v in vectors:
+                    for part in (read[:L], read[-L:]):
+                        if part.size == L:
+                            assert np.abs(part - v).max() > 1.0
+
+
+def test_a_node_refuses_a_value_outside_the_range_and_nothing_is_clipped():
+    """encode refuses a value outside ±clip (Flower's quantize would clip it) and a non-finite
+    one, naming the site, the key and the value; within the range the vector is the reply's keys
+    in key order, exact (float64)."""
+    out = {"delta": torch.tensor([0.5, -2.0]), "loss": torch.tensor(1.5), "count": 3}
+    how = {"delta": "sum", "loss": "mean", "count": "sum"}
+    assert secagg.encode(out, how, 2.0, 4).tolist() == [3.0, 0.5, -2.0, 1.5]
+    with pytest.raises(secagg.Refused, match=r"^site 4's delta reaches 2, outside secagg-clip "
+                                              r"±1.9: nothing of it was sent"):
+        secagg.encode(out, how, 1.9, 4)
+    out["loss"] = torch.tensor(float("nan"))
+    with pytest.raises(secagg.Refused, match=r"^site 4's loss reaches nan"):
+        secagg.encode(out, how, 2.0, 4)
+
+
+def test_the_levels_leave_the_sum_below_the_modulus():
+    """levels(C): the quantised values of C clients and their C weight factors sum below 2^32 (no
+    wrap), and one value fits Flower's int32; the most levels that allows (a power of two)."""
+    for n in (2, 3, 4, 5, 50, 64, 65, 1000):
+        Q = secagg.levels(n)
+        assert n * Q + n * Q <= secagg.MODULUS and Q < 2 ** 31
+        assert 2 * (n * 2 * Q) > secagg.MODULUS                            # twice as many: not
+    assert secagg.step(5, 1024.0) == 2048 / 2 ** 28
+
+
+def run_secure(method, argv, tmp_path, clip=secagg.CLIP):
+    """The method file's own run and the run through the fake grid under secagg (nodes signing,
+    the server checking): (own results, own checkpoint, flower results, flower checkpoint)."""
+    importlib.import_module(method).main(argv + ["--out", str(tmp_path / "own.json")])
+    grid = test_flower.grid_of(method, argv, tmp_path)
+    keys = test_flower.signed(grid, tmp_path / "certs")
+    fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "flower.json")], keys=keys,
+                     clip=clip)
+    load = lambda name: (json.loads((tmp_path / f"{name}.json").read_text()),
+                         torch.load(tmp_path / f"{name}.json.ckpt", weights_only=True))
+    return (*load("own"), *load("flower"))
+
+
+def largest(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_fedavg_under_secagg_is_its_own_run_within_quantisation(tmp_path):
+    """FedAvg on the synthetic data, 2 rounds, 2 of 3 clients a round: the server gets Σ n_c Δ_c
+    and Σ loss alone, and the model is the method file's own within 1e-5 (measured 1.2e-7: the
+    step, 2^-19 at ±1024 with 2 clients, over Σ n_c ≈ 290); the accuracies are its own."""
+    own, own_ckpt, flower, flower_ckpt = run_secure("fedavg", test_flower.ARGV["fedavg"], tmp_path)
+    assert largest(own_ckpt["model"], flower_ckpt["model"]) <= 1e-5
+    assert largest(own_ckpt["model"], flower_ckpt["model"]) > 0            # (not in the clear)
+    rows = lambda res: [(r["val_acc"], r["test_acc"]) for r in res["domains"]["style0"]["history"]]
+    assert rows(own) == rows(flower)
+
+
+@pytest.mark.parametrize("method, argv, line", [
+    ("fedomg", test_flower.ARGV["fedomg"], "fedomg.py: error: secagg: round 1's exchange "
+     "client_update (fedomg:client_update) sends the server each client's own reply"),
+    ("fedavg", test_flower.BASE + ["--clients", "3", "--sample", "1"], "fedavg.py: error: "
+     "secagg: round 1's exchange client_update has one client; secure aggregation hides a "
+     "client only among two at least"),
+])
+def test_what_cannot_be_a_sum_is_refused_in_one_line(method, argv, line, tmp_path):
+    grid = test_flower.grid_of(method, argv, tmp_path)
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "f.json")], clip=1024.0)
+    assert str(e.value).startswith(line)
+    assert "\n" not in str(e.value)
+
+
+def test_a_value_outside_the_range_ends_the_run_naming_the_node(tmp_path):
+    """secagg-clip 1e-6: a training site's first Δ is outside it; its node refuses in a signed
+    reply and the run ends with its line, naming the node and the site, nothing clipped."""
+    argv = test_flower.ARGV["fedavg"]
+    grid = test_flower.grid_of("fedavg", argv, tmp_path)
+    keys = test_flower.signed(grid, tmp_path / "certs")
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "f.json")], keys=keys,
+                         clip=1e-6)
+    assert "a bad reply in round 1 from node" in str(e.value)
+    assert "'s delta reaches" in str(e.value) and "outside secagg-clip ±1e-06" in str(e.value)
