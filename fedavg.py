@@ -26,7 +26,6 @@ pooled validation accuracy. Figure 1's two claims, the results and the readings:
 """
 if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
     import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
-import torch
 
 import common
 
