@@ -16,14 +16,14 @@ HOW = ("nan", "shape", "dtype", "missing", "extra", "began", "round", "oversized
 
 
 def spoil(r, how):
-    """The unpacked reply r of a client_update (its "theta"), spoiled the way `how` names."""
-    theta = r["theta"]
+    """The unpacked reply r of a client_update (its "delta": its n_c Δ_c), spoiled the way `how` names."""
+    delta = r["delta"]
     if how == "nan":
-        r["theta"] = theta.clone().index_fill_(0, torch.tensor([3]), float("nan"))
+        r["delta"] = delta.clone().index_fill_(0, torch.tensor([3]), float("nan"))
     elif how == "shape":
-        r["theta"] = theta[:-1]
+        r["delta"] = delta[:-1]
     elif how == "dtype":
-        r["theta"] = theta.double()
+        r["delta"] = delta.double()
     elif how == "missing":
         del r["loss"]
     elif how == "extra":
@@ -33,15 +33,15 @@ def spoil(r, how):
     elif how == "round":
         r["_round"] -= 1
     elif how == "oversized":
-        r["theta"] = theta.repeat(8)
+        r["delta"] = delta.repeat(8)
     elif how == "zeros":          # 64 MiB that Flower sends as a few equal chunks of 5 MiB
-        r["theta"] = torch.zeros(2 ** 24)
+        r["delta"] = torch.zeros(2 ** 24)
     elif how == "huge":           # finite, of the right shape: every check passes it
-        r["theta"] = theta * 1e30
+        r["delta"] = delta * 1e30
     elif how == "chunk":          # 64 MiB as one object: one request, more than the proxy takes
         import flwr.app.message.array as array
         array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE = 2 ** 27
-        r["theta"] = torch.rand(2 ** 24)
+        r["delta"] = torch.rand(2 ** 24)
     else:
         raise ValueError(f"unknown way to spoil a reply: {how!r}")
     return r
@@ -56,7 +56,7 @@ def tampered(app, how, when=2, bad=lambda context: context.node_config["partitio
             return reply
         r = fl_adapter.unpack(reply.content)
         req = fl_adapter.unpack(msg.content)
-        if r["_round"] == when and "theta" in r:         # an update (not the evaluation's counts)
+        if r["_round"] == when and "delta" in r:         # an update (not the evaluation's counts)
             return fl_adapter.answer(msg, context, spoil(r, how), req["round"], req["phase"])
         return reply                   # (signed by the node, as it spoils it, for what it answers)
     return answer

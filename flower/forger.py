@@ -62,7 +62,7 @@ def main(argv=None):
         print(f"forger.py: connected as node {node_id}", flush=True)
         run, answers = victims_message(a.victim_log, a.round, start)
         now = time.time()
-        content = fl_adapter.pack({"theta": torch.full((a.size,), 0.5), "loss": torch.tensor(1.0),
+        content = fl_adapter.pack({"delta": torch.full((a.size,), 0.5), "loss": torch.tensor(1.0),
                                    "_began": now, "_ready": now, "_ended": now,
                                    "_round": a.round, "_phase": "client_update"})
         if a.sign:

@@ -548,11 +548,11 @@ def test_an_evaluation_only_node_never_trains(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("how,what", [
-    ("nan", "non-finite theta"),
+    ("nan", "non-finite delta"),
     ("shape",
-     "theta is ('tensor', ({n},), 'torch.float32'), where the client function declares "
+     "delta is ('tensor', ({n},), 'torch.float32'), where the client function declares "
      "('tensor', ({N},)"),
-    ("dtype", "theta is ('tensor', ({N},), 'torch.float64'), where the client function declares"),
+    ("dtype", "delta is ('tensor', ({N},), 'torch.float64'), where the client function declares"),
     ("missing", "missing loss"),
     ("extra", "extra note"),
     ("began", "missing _began"),
@@ -673,12 +673,12 @@ def test_the_size_of_a_reply_is_what_unpacking_it_takes():
 # rest), "individual" where it needs each reply. Reasoned
 # from each method file's round and server function.
 SHOWN = [
-    ("fedavg", [], "client_update", ["theta"], "n", "sum"),               # server_update: Σ n_c Δ_c
+    ("fedavg", [], "client_update", ["delta"], "ones", "sum"),      # server_update: Σ n_c Δ_c
     ("fediir", [], "classifier_gradient", ["grad"], "ones", "sum"),           # ḡ = Σ grad / Σ count
-    ("fediir", [], "client_update", ["theta"], "ones", "sum"),          # server_update: Σ_c Δ_c / C
+    ("fediir", [], "client_update", ["delta"], "ones", "sum"),          # server_update: Σ_c Δ_c / C
     ("fedomg", [], "client_update", ["theta"], "n", "individual"),      # the Gram matrix of the g_u
-    ("fedloe", LOE_1 := ["--stage1-comms", "1", "--batch-size", "64"], "stage1_update", ["theta"],
-     "n", "sum"),
+    ("fedloe", LOE_1 := ["--stage1-comms", "1", "--batch-size", "64"], "stage1_update", ["delta"],
+     "ones", "sum"),
     # every head kept, sent down
     ("fedloe", LOE_1, "head_update", ["W", "b"], "ones", "individual"),
     ("fedloe", LOE_1, "tuning_predictions", ["Y"], "ones", "individual"),       # φ fitted on each ŷ
@@ -686,7 +686,7 @@ SHOWN = [
     ("perinvfl", ["--R", "2", "--S", "2"], "client_update", ["delta"], "ones", "sum"),
     ("fedipg", ["--exit", "auto", "--exit-warmup", "1"], "risk_gradient", ["g"], "ones",
      "individual"),
-    ("fedipg", [], "client_update", ["delta"], "n", "sum"),               # Eq. 3: Σ n_i Δ_i / Σ n_i
+    ("fedipg", [], "client_update", ["delta"], "ones", "sum"),            # Eq. 3: Σ n_i Δ_i / Σ n_i
 ]
 
 

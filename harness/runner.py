@@ -270,7 +270,7 @@ def checked(t, losses, model, state, fed):
     vals = torch.cat([vals, ok.to(vals.dtype)[None]]).cpu()                   # one sync a round
     bad = [c for c, v in zip(ids, vals.tolist()) if not math.isfinite(v)]
     if bad and isinstance(bad[0], tuple):         # the mean loss of these clients (a reduction)
-        raise NonFinite(f"non-finite mean loss in round {t} of its {len(bad[0])} clients "
+        raise NonFinite(f"non-finite loss in round {t}, the mean over its {len(bad[0])} clients "
                         f"(testing on {fed.name})")
     if bad:
         c = fed.clients[bad[0]]

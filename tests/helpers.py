@@ -669,13 +669,13 @@ def copied_fediir_rounds(m, clients, rounds, gamma, v, batch_size, full_batch_gb
         def loss(model, x, y):
             return m.iir_objective(net, params, {}, x, y, torch.full((len(y),), 1 / len(y)),
                                    g_tilde, gamma)
-        thetas = []
-        for c in S:                                                             # step 3
-            load(model, theta)
-            thetas.append(own_local_sgd(model, *clients[c], gen(t, c), 0.1, 0.9, batch_size, 2,
-                                        loss))
         p = [float(len(clients[c][1])) if size_avg else 1.0 for c in S]
-        theta = m.server_update(theta, thetas, p, 1.0)                          # step 4
+        delta_sum = torch.zeros_like(theta)                         # Σ_c p_c Δ_c: the clients' sum
+        for c, p_c in zip(S, p):                                                # step 3
+            load(model, theta)
+            theta_c = own_local_sgd(model, *clients[c], gen(t, c), 0.1, 0.9, batch_size, 2, loss)
+            delta_sum += p_c * (theta_c - theta)
+        theta = m.server_update(theta, delta_sum, sum(p), 1.0)                  # step 4
         load(model, theta)
     return theta, g_tilde
 
@@ -795,7 +795,7 @@ def loe_own_rounds(m, clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, step
             yield from (perm[i:i + B] for i in range(0, n, B))
     theta = flat(model)
     for t in range(1, K1 + 1):                                   # stage 1
-        thetas = []
+        delta_sum = torch.zeros_like(theta)                  # Σ_c n_c (θ_c − θ): the clients' sum
         for c, (x, y, _, _) in enumerate(clients):          # client c: E1/K1 epochs of a fresh Adam
             load(model, theta)
             opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
@@ -803,8 +803,8 @@ def loe_own_rounds(m, clients, K1, E1, K2, E2, B, lr, wd, lr2, wd2, r, lam, step
                 opt.zero_grad()
                 ce(model(x[idx]), y[idx]).backward()
                 opt.step()
-            thetas.append(flat(model))
-        theta = m.average(theta, thetas, [len(y) for _, y, _, _ in clients])     # Eq. 4
+            delta_sum += len(y) * (flat(model) - theta)
+        theta = m.average(theta, delta_sum, float(sum(len(y) for _, y, _, _ in clients)))  # Eq. 4
     load(model, theta)
     with torch.no_grad():                                        # stage 2: θ̂ frozen
         Z = [(model.featurizer(x), model.featurizer(xt)) for x, _, xt, _ in clients]
@@ -904,9 +904,10 @@ def copied_perinvfl_rounds(m, clients, rounds, lam, anneal, beta, wd, gamma, eta
                 risks[i] = (F.cross_entropy(model(xi.float() / 255), yi, reduction="none")
                             * w).sum()
         if adam:                                                   # line 10
-            nu, adam_state = m.server_adam(nu, deltas, alpha, gamma, adam_state)
+            nu, adam_state = m.server_adam(nu, torch.stack(deltas).mean(0), alpha, gamma,
+                                           adam_state)
         else:
-            nu = m.server_update(nu, deltas, alpha)
+            nu = m.server_update(nu, torch.stack(deltas).mean(0), alpha)
         if groupdro:
             q = m.q_update(q, S_t, torch.stack([risks[i] for i in S_t]), eta_q)
     return nu, theta, q

@@ -171,7 +171,8 @@ def variant_round(t, model, fed, args, state, ctx):
     for i, r in zip(ids, up):
         if "eq4" in r:
             state["eq4"][:, i], state["took"][i] = r["eq4"], True
-    common.set_flat(model, perinvfl.line10(nu, [r["delta"] for r in up], args, state))
+    mean = torch.stack([r["delta"] for r in up]).mean(0)                     # mean_i Δ_i
+    common.set_flat(model, perinvfl.line10(nu, mean, args, state))
     if args.inv == "groupdro":                                # q from the risks uploaded this round
         state["q"] = q_update(state["q"], ids, torch.stack([r["risk"] for r in up]), args.eta_q)
     return {i: r["loss"] for i, r in zip(ids, up)}
