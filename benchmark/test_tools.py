@@ -773,6 +773,7 @@ def test_fedipg_aberrant_pretraining_gives_the_slow_client_w1_again(monkeypatch)
     round_fn = aberrant_round(monkeypatch)
     step = fedipg.client_update
 
+    @functools.wraps(step)                                      # (its declarations: a sum)
     def record(site, sent):
         starts.append((site.client.id, sent["w"].clone()))
         return step(site, sent)

@@ -16,7 +16,8 @@ HOW = ("nan", "shape", "dtype", "missing", "extra", "began", "round", "oversized
 
 
 def spoil(r, how):
-    """The unpacked reply r of a client_update (its "delta": its n_c Δ_c), spoiled the way `how` names."""
+    """The unpacked reply r of a client_update (its "delta", n_c Δ_c), spoiled the way `how`
+    names."""
     delta = r["delta"]
     if how == "nan":
         r["delta"] = delta.clone().index_fill_(0, torch.tensor([3]), float("nan"))

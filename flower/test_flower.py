@@ -209,6 +209,7 @@ def slow_client_update(site, sent):
 
 
 slow_client_update.replies = FEDAVG_UPDATE.replies          # (what the server checks it against)
+slow_client_update.reduced = FEDAVG_UPDATE.reduced          # (what the round reads: the sums)
 
 
 def overlap(spans, phase="client_update"):
@@ -1052,9 +1053,9 @@ def forged(app, how, certs, kept):
             return reply
         r = fl_adapter.unpack(reply.content)
         kept.append(reply)
-        if r.get("_round") != 2 or "theta" not in r:
+        if r.get("_round") != 2 or "delta" not in r:
             return reply
-        bad = dict(r, theta=r["theta"] * 0.5)
+        bad = dict(r, delta=r["delta"] * 0.5)
         bad.pop(signing.RECORD, None)
         content = fl_adapter.pack(bad)
         if how == "another key":

@@ -556,7 +556,7 @@ def test_non_finite_loss_stops_and_keeps_what_was_written(tmp_path, capsys, devi
     argv = QUICK + ["--out", out, "--device", device]
     line = fails(lambda a: harness.main(dataclasses.replace(fedavg.METHOD, round=poisoned), a),
                  argv, capsys, code=1)
-    assert "non-finite loss in round 3, the mean over its 2 clients" in line    # (a sum: no client's)
+    assert "non-finite loss in round 3, the mean over its 2 clients" in line     # (no client's own)
     assert "testing on style1" in line
     assert list(json.load(open(out))["domains"]) == ["style0"]        # the finished domain is kept
     blob = torch.load(Path(f"{out}.ckpt"), weights_only=True)
