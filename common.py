@@ -16,10 +16,9 @@ Read in this order (a method file calls into it where its round needs it):
                        every args.eval_every rounds
   a method's record    Method: what a method file declares (METHOD)
 
-A method plugs in with its round, round_fn(t, model, fed, args, state, ctx) -> {client id: mean
-local loss}, and optionally init_state(model, fed, args, ctx) -> state and evaluate_fn(t, model,
-fed, args, state, ctx) -> (val_acc, test_acc, per-test-set accs[, extra]), declared in a Method
-with its client functions and what each replies (replies): docs/protocol.md.
+A method plugs in with its round, round_fn(t, model, fed, args, state, ctx) -> its losses, and
+optionally init_state and evaluate_fn, declared in a Method with its client functions and what
+each replies (replies): docs/protocol.md.
 """
 import contextlib
 import copy
@@ -194,46 +193,28 @@ def sample_clients(ctx, P, C):
 
 
 def stream(seed, domain, t, client, phase, device):
-    """Client `client`'s random stream in round t of the run (seed, held-out domain), in the
-    exchange `phase`: a generator seeded with 64 bits of BLAKE2b of those five values
-    (docs/protocol.md: Random streams)."""
+    """Client `client`'s random stream in round t's exchange `phase` of the run (seed, held-out
+    domain): a generator seeded with 64 bits of BLAKE2b of the five (docs/protocol.md)."""
     key = f"{seed}/{domain}/{t}/{client}/{phase}".encode()
     seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     return torch.Generator(device).manual_seed(seed)
 
 
 def stackable(fn):
-    """Marks a client function that also runs for a stacked Site (its training: local_train): with
-    --parallel-clients on, all_at_once calls it once for every client of the round."""
+    """Marks a client function that also runs for a stacked Site (all_at_once: every client)."""
     fn.stackable = True
     return fn
 
 
-def replies(schema):
+def replies(schema, **reduced):
     """Declares a client function's reply for a server that holds no client's data (Flower checks
     each reply against it): schema(site, sent) -> {key: a tensor of its shape and dtype, a Count,
-    or a number of its type}, from the model, what was sent and the client's sizes (site.client)."""
+    or a number of its type}, from the model, what was sent and the client's sizes (site.client);
+    reduced: {key: "sum" or "mean"}, all the server uses of it (on_clients returns that alone)."""
     def declared(fn):
-        fn.replies = schema
+        fn.replies, fn.reduced = schema, reduced or None
         return fn
     return declared
-
-
-def reduced(**how):
-    """Declares that the server uses only the sum ("sum") or the mean ("mean") over the clients of
-    each key of a client function's reply: on_clients returns that one dict (in process the
-    replies summed in the clients' order, or torch's mean of them stacked); an engine that
-    aggregates securely (Flower's SecAgg+) returns it without any client's own reply."""
-    def declared(fn):
-        fn.reduced = how
-        return fn
-    return declared
-
-
-def reduce(how, replies):
-    """The replies' sums and means, as `reduced` declares them (how: {key: "sum" or "mean"})."""
-    return {k: sum(r[k] for r in replies) if h == "sum" else
-            torch.stack([r[k] for r in replies]).mean(0) for k, h in how.items()}
 
 
 SCALAR = torch.empty((), device="meta")                       # a float32 number, as a tensor
@@ -253,12 +234,16 @@ def keep(site, key, value):
 
 def on_clients(fn, S, sent, t, ctx, phase=None):
     """Each client c of S runs fn(site, sent_c) and replies with a dict: the replies, in the order
-    of S, or (fn `reduced`) their sums and means. sent: one dict for all, or a list of one per
-    client; phase (default fn's name) names the exchange in the streams."""
+    of S, or their sums and means (fn's `replies`, reduced). sent: one dict for all, or a list of
+    one per client; phase (default fn's name) names the exchange in the streams."""
     sents = sent if isinstance(sent, list) else [sent] * len(S)
     out = (ctx.engine or one_by_one)(fn, list(S), sents, t, phase or fn.__name__, ctx)
     how = getattr(fn, "reduced", None)
-    return reduce(how, out) if how and isinstance(out, list) else out
+    if not how or not isinstance(out, list):          # (an engine that aggregates securely: sums)
+        return out
+    # in the clients' order, as Python's sum; a mean as torch's of them stacked
+    return {k: sum(r[k] for r in out) if h == "sum" else torch.stack([r[k] for r in out]).mean(0)
+            for k, h in how.items()}
 
 
 def site(ctx, c, t, phase):
@@ -272,8 +257,7 @@ def site(ctx, c, t, phase):
 
 
 def sizes(site, device):
-    """n_c, a client's number of training examples (a float), or a column [C, 1] of them for
-    stacked clients: the weight of a client's update in a sum weighted by data size."""
+    """n_c, a client's training examples (a float; stacked: a column [C, 1]): its weight."""
     if site.stacked:
         return torch.tensor([float(c.n) for c in site.client], device=device)[:, None]
     return float(site.client.n)
@@ -315,10 +299,9 @@ def sgd(params, args, lr=None):
 
 
 def batches(n, batch_size, gen, device, epochs=None, steps=None):
-    """Index tensors of a client's minibatches, drawn from its stream `gen`: `epochs` shuffled
-    passes over its n examples (the last, partial batch of each kept, as in the FedIIR code), or
-    `steps` batches each drawn afresh (the whole split, in order, when batch_size covers it). No
-    host synchronisation."""
+    """Index tensors of a client's minibatches from its stream `gen`, no host synchronisation:
+    `epochs` shuffled passes over its n examples (each last, partial batch kept: the FedIIR code),
+    or `steps` batches drawn afresh (the whole split, in order, when batch_size covers it)."""
     if steps is not None:
         for _ in range(steps):
             yield torch.arange(n, device=device) if batch_size >= n else \
@@ -352,11 +335,10 @@ def features(site, theta, x, train=False, chunk=512):
 
 def local_train(site, theta, objective=cross_entropy, make_opt=None, epochs=None, steps=None,
                 keep_momentum=False):
-    """A client's local training from θ (flat): minibatch steps (`batches`: --local-epochs passes
-    by default, or `steps` fresh draws) of make_opt (default `sgd`) on objective(model, params,
-    buffers, x, y, w). keep_momentum: the SGD momentum buffer is the client's own, kept in
-    site.state across rounds. Returns (θ_c, mean loss); a stacked Site trains every client at
-    once (at_once): θ_c [C, |θ|] and the losses [C]."""
+    """A client's local training from θ (flat): minibatch steps (`batches`: --local-epochs passes,
+    or `steps` fresh draws) of make_opt (default `sgd`) on objective(model, params, buffers, x, y,
+    w); keep_momentum: SGD's momentum kept in site.state across rounds. Returns (θ_c, mean loss);
+    a stacked Site trains every client at once (at_once): θ_c [C, |θ|] and the losses [C]."""
     args, make_opt = site.args, make_opt or (lambda params: sgd(params, site.args))
     epochs = None if steps is not None else epochs or args.local_epochs
     if site.stacked:
@@ -392,11 +374,9 @@ def local_train(site, theta, objective=cross_entropy, make_opt=None, epochs=None
 
 def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_momentum=False):
     """local_train for the stacked clients of `site`: parameters stacked on a new first dimension,
-    one vmap(grad(objective)) and one optimiser step per minibatch for all of them, from the
-    minibatches each client's own stream draws (`batches`, as local_train). θ: one start [|θ|] or
-    one per client [C, |θ|]. Clients are stacked longest first, so those still training are a
-    prefix; the others are put back after every step, parameters and optimiser state, and never
-    move again (docs/protocol.md)."""
+    one vmap(grad(objective)) and optimiser step per minibatch for all, each client's minibatches
+    from its own stream. θ: [|θ|] or [C, |θ|]. Longest first: those still training are a prefix;
+    the others are put back after every step and never move again (docs/protocol.md)."""
     clients, gens, states, args, model = site.client, site.gen, site.state, site.args, site.model
     if site.args.dataset in data.PHOTOS:   # (refused before: their augmentation is per client)
         raise UserError("the clients of a photo dataset train one after another")
@@ -473,8 +453,7 @@ def at_once(site, theta, objective, make_opt, epochs=None, steps=None, keep_mome
 
 def compiled(step, device):
     """torch.compile(step) as one graph: on CUDA a CUDA graph, replayed (each call's outputs
-    overwrite the last's, which at_once has used); in a deterministic run Inductor picks its
-    kernels without timing them."""
+    overwrite the last's); in a deterministic run Inductor picks kernels without timing them."""
     import torch._inductor.config as inductor
     if hasattr(inductor, "deterministic"):                          # (not in older torch)
         inductor.deterministic = torch.are_deterministic_algorithms_enabled()
@@ -510,9 +489,8 @@ def size(client, k):
 
 @replies(lambda site, sent: {k: Count(size(site.client, k)) for k in sent.get("splits", SPLITS)})
 def score(site, sent):
-    """A site's own evaluation (a client's, an evaluation site's): how many examples of each of its
-    splits (sent["splits"], default its validation and test sets; none: 0) the model θ
-    (sent["theta"]) classifies right. The server sums them (evaluate_global)."""
+    """A site's own evaluation: how many examples of each of its splits (sent["splits"], default
+    its validation and test sets; none: 0) θ (sent["theta"]) classifies right (evaluate_global)."""
     set_flat(site.model, sent["theta"])
     none = torch.zeros((), dtype=torch.long, device=sent["theta"].device)
     return {k: none if y is None else correct(site.model, x, y, site).sum()
@@ -558,9 +536,8 @@ def global_model(args, ds, device):
 
 
 def make_context(args, fed, model, engine=None):
-    """A held-out domain's Context: the server's sampler (fixed by the seed and the domain), a
-    scratch copy of the model for the clients' work, and on_clients' engine (default: all at once
-    with --parallel-clients on, else one by one)."""
+    """A held-out domain's Context: the server's sampler (by the seed and the domain), a scratch
+    model for the clients, on_clients' engine (all_at_once with --parallel-clients on, or None)."""
     device = torch.device(args.device)
     salt = sum(map(ord, fed.name))
     engine = engine or (all_at_once if args.parallel_clients == "on" else None)
@@ -570,11 +547,10 @@ def make_context(args, fed, model, engine=None):
 
 
 def train(round_fn, model, fed, args, state, ctx, evaluate_fn=None, start=1, check=None):
-    """Rounds start..args.rounds of a federation, and after every args.eval_every-th round and the
-    last an evaluation (evaluate_fn, default evaluate_global). Yields (t, the round's losses, the
-    evaluation or None) after each round: the round's {client id: mean local loss} (tensors: no
-    host read), or what check(t, losses, model, state, fed) makes of them before the evaluation
-    (the run harness's `checked`: their mean, a non-finite loss or server quantity refused). The
+    """Rounds start..args.rounds, an evaluation (evaluate_fn, default evaluate_global) after every
+    args.eval_every-th and the last. Yields (t, the round's losses, the evaluation or None): its
+    {client id, or the clients' ids: mean loss} (tensors: no host read), or check(t, losses, model,
+    state, fed) of them (the harness's `checked`: their mean, a non-finite number refused). The
     caller keeps the history, picks the best round, saves and stops (harness/runner.py).
 
         for t, losses, scores in common.train(fediir.fediir_round, model, fed, args, state, ctx):
@@ -601,17 +577,14 @@ class NonFinite(Exception):
 
 @dataclass(frozen=True)
 class Method:
-    """What a method file declares (docs/protocol.md: the contract): its round, round(t, model, fed,
-    args, state, ctx) -> {client id: mean loss}, its init_state(model, fed, args, ctx) -> state
-    and its evaluation, which `train` runs; `clients`, the client functions its rounds pass to
-    on_clients (all that a federated node may run). Its configuration, for the harness that runs
-    it as a program: add_args(p) declares its flags (their help, no defaults); defaults holds
-    every default of its own ({"*": every dataset, dataset: where it differs}, also of a shared
-    flag it sets otherwise); auto: {flag: its rule}, the flags whose value "auto" the method
-    computes itself; derive(args) -> {flag: value}, the values that follow from other flags;
-    check(args, given) refuses bad values; parallel: whether its clients can train at once (a
-    bool, or a function of args giving None where they can, else the reason). A variant is
-    dataclasses.replace(METHOD, round=..., clients=...)."""
+    """What a method file declares (docs/protocol.md: the contract): its round (round(t, model,
+    fed, args, state, ctx) -> its losses), init_state(model, fed, args, ctx) -> state and its
+    evaluation, which `train` runs; `clients`, the client functions its rounds pass to on_clients
+    (all a federated node may run). For the harness: add_args(p), its flags (help, no defaults);
+    defaults ({"*": every dataset, dataset: where it differs}); auto, {flag: its rule} for a value
+    "auto"; derive(args) -> {flag: value} that follow from others; check(args, given) refuses bad
+    values; parallel: can its clients train at once (a bool, or args -> None, else the reason).
+    A variant is dataclasses.replace(METHOD, round=..., clients=...)."""
     name: str
     doc: str
     round: Callable

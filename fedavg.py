@@ -35,8 +35,8 @@ import common
 # from the client's own random stream); what is FedAvg's own is the server's step.
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
-@common.reduced(delta="sum", loss="mean")          # the server needs Σ_c n_c Δ_c, no client's own
-@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR})
+@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR},
+                delta="sum", loss="mean")         # the server needs Σ_c n_c Δ_c, no client's own
 def client_update(site, sent):
     """Step 2 on client c: θ_c ← θ^{t-1}, E epochs of minibatch SGD on R_c; n_c Δ_c and the loss
     (n_c = 1 with --uniform-avg)."""

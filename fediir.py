@@ -116,8 +116,8 @@ def server_update(theta, delta_sum, weight_sum, global_lr=1.0):
 
 # ------------------------------------------------------------------------- what a client runs
 
-@common.reduced(grad="sum", count="sum")             # the server needs their sums, no client's own
-@common.replies(lambda site, sent: {"grad": common.get_flat(site.model.classifier), "count": 0})
+@common.replies(lambda site, sent: {"grad": common.get_flat(site.model.classifier), "count": 0},
+                grad="sum", count="sum")           # the server needs their sums, no client's own
 def classifier_gradient(site, sent):
     """Step 2 on client c: its classifier gradients at θ^{t-1} (train mode) summed over its
     minibatches of the local batch size, on the inputs its local steps train on (the code's g_bar
@@ -133,8 +133,8 @@ def classifier_gradient(site, sent):
 
 
 @common.stackable                       # with --parallel-clients on, every sampled client at once
-@common.reduced(delta="sum", loss="mean")             # the server needs Σ_c Δ_c, no client's own
-@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR})
+@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR},
+                delta="sum", loss="mean")          # the server needs Σ_c Δ_c, no client's own
 def client_update(site, sent):
     """Step 3 on client c: θ_c ← θ^{t-1}, K minibatch steps on the penalised objective; Δ_c =
     θ_c − θ^{t-1} and its mean loss."""

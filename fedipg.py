@@ -60,8 +60,8 @@ def fedipg_round(t, model, fed, args, state, ctx, warmup=None, arrive=None, clie
 
 
 @common.stackable                # --local-step sgd with --parallel-clients on: all clients at once
-@common.reduced(delta="sum", loss="mean")           # Eq. 3 needs Σ_i n_i Δ_i, no client's own
-@common.replies(lambda site, sent: {"delta": sent["w"], "loss": common.SCALAR})
+@common.replies(lambda site, sent: {"delta": sent["w"], "loss": common.SCALAR},
+                delta="sum", loss="mean")          # Eq. 3 needs Σ_i n_i Δ_i, no client's own
 def client_update(site, sent):
     """Step 2 on client i from the w = w^{t−τ_i} it received; n_i Δ_i and the mean loss up. sgd:
     --local-epochs of minibatch SGD on f_i; paper: Δ_i = −η (∇f_i(w) + wd·w), whole split, Eq. 2."""

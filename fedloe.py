@@ -150,8 +150,8 @@ def ensemble(phi, Ws, bs):
 # ------------------------------------------------------------------------- what a client runs
 
 @common.stackable                       # with --parallel-clients on, every client at once
-@common.reduced(delta="sum", loss="mean")          # the server needs Σ_c n_c Δ_c, no client's own
-@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR})
+@common.replies(lambda site, sent: {"delta": sent["theta"], "loss": common.SCALAR},
+                delta="sum", loss="mean")          # the server needs Σ_c n_c Δ_c, no client's own
 def stage1_update(site, sent):
     """Eq. 4 on client c: E1/K1 epochs of a fresh Adam from (θ, ψ); n_c ((θ_c, ψ_c) − (θ, ψ)) and
     its mean loss (stacked: every client's, n_c as a column)."""

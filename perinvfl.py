@@ -117,8 +117,8 @@ def server_adam(nu, delta_mean, alpha, gamma, adam_state=None):
 # ------------------------------------------------------------------------------- Algorithm 1
 
 @common.stackable            # with --parallel-clients on (--R 1): every client at once
-@common.reduced(delta="mean", loss="mean")        # the server needs mean_i Δ_i, no client's own
-@common.replies(lambda site, sent: {"delta": sent["nu"], "loss": common.SCALAR})
+@common.replies(lambda site, sent: {"delta": sent["nu"], "loss": common.SCALAR},
+                delta="mean", loss="mean")         # the server needs mean_i Δ_i, no client's own
 def client_update(site, sent):
     """Lines 5-9 on client i (pFedMe's code): θ_i ← ν^t, ν_{i,0} ← ν^t, then R times S plain steps
     of line 8 on θ_i and one of line 9 on ν_{i,r}, each minibatch drawn afresh from its own

@@ -393,8 +393,9 @@ def test_fediir_ema_recursion(monkeypatch):
     g1 = torch.cat([torch.full((48,), 1.0), torch.full((3,), 2.0)])
     g2 = torch.cat([torch.full((48,), -3.0), torch.full((3,), 5.0)])
     feed = iter([g1, g1, 2 * g2, 0 * g2])                 # two clients a round, one minibatch each
-    monkeypatch.setattr(fediir, "classifier_gradient", common.reduced(grad="sum", count="sum")(
-        lambda site, sent: {"grad": next(feed), "count": 1}))
+    summed = common.replies(None, grad="sum", count="sum")            # as classifier_gradient's
+    monkeypatch.setattr(fediir, "classifier_gradient",
+                        summed(lambda site, sent: {"grad": next(feed), "count": 1}))
     state = fediir.init_state(model, fed, args, None)
     ctx = tiny_ctx(args, fed, model)
     fediir.fediir_round(1, model, fed, args, state, ctx)

@@ -492,7 +492,7 @@ def by_batch(site, train=False):
 def paper_round(chunks):
     """fedipg.fedipg_round with --local-step paper and --exit off (every update fresh), its client
     reading its split in chunks(site, train) (fedipg's own: fedipg.in_chunks)."""
-    @common.reduced(**fedipg.client_update.reduced)
+    @common.replies(fedipg.client_update.replies, **fedipg.client_update.reduced)
     def client_update(site, sent):       # fedipg.client_update's --local-step paper branch
         args, model, w = site.args, site.model, sent["w"]
         common.set_flat(model, w)

@@ -377,7 +377,7 @@ class Link:
             raise common.UserError(
                 f"secagg: round {t}'s exchange {phase} ({qualified(fn)}) sends the server each "
                 f"client's own reply, which the round reads one by one (the function declares "
-                f"no sum, common.reduced): it cannot run under secure aggregation")
+                f"no sum, common.replies): it cannot run under secure aggregation")
         replies = self._send([(self.nodes[c], "train.client",
                                {**head, **{f"sent.{k}": v for k, v in sent.items()}})
                               for c, sent in zip(S, sents)], t, clients=S,
@@ -703,7 +703,7 @@ def secure_work(msg, context, also=frozenset()):
     why = refused(req, context, also)                # (a name the method file declares)
     how = None if why else getattr(function(req["fn"]), "reduced", None)
     if not how:
-        raise secagg.Refused(why or f"{req['fn']} declares no sum (common.reduced): nothing "
+        raise secagg.Refused(why or f"{req['fn']} declares no sum (common.replies): nothing "
                              f"was run")
     out = client_work(req, context, also, began)
     vector = secagg.encode(out, how, float(req["clip"]), own_site(context)[0])

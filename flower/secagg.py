@@ -1,5 +1,5 @@
 """The server sees only sums (run config `secagg`): every exchange whose client function declares
-its reply a sum or a mean over the clients (common.reduced) reaches the ServerApp only as that
+its reply a sum or a mean over the clients (common.replies) reaches the ServerApp only as that
 sum, through Flower's own SecAgg+ (flwr 1.42, docs/flower.md: The server sees only sums).
 
 Which parts of Flower, and why not SecAggPlusWorkflow as a whole: the workflow is bound to the

@@ -302,7 +302,7 @@ def test_fedavg_docs_loop_runs():
     torch.manual_seed(5)
     theta = flat(model)
     for t in range(2):
-        thetas = []
+        delta_sum = torch.zeros_like(theta)
         for x, y in clients:
             load(model, theta)
             opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
@@ -311,8 +311,8 @@ def test_fedavg_docs_loop_runs():
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            thetas.append(flat(model))
-        theta = m.server_update(theta, thetas, [float(len(y)) for _, y in clients])
+            delta_sum += float(len(y)) * (flat(model) - theta)
+        theta = m.server_update(theta, delta_sum, sum(float(len(y)) for _, y in clients))
     assert torch.equal(ns["theta"], theta) and torch.equal(flat(ns["model"]), theta)
     assert not torch.equal(theta, flat(own_model()))
 
@@ -574,7 +574,7 @@ def test_a_drifted_signature_is_found(tmp_path, monkeypatch):
     assert [signature_problems(module, name, params, strict)
             for module, name, params, strict, _ in found if name != "on_clients"] == [
         ["eps=0.0 where the code has eps=0.0001"],
-        ["m where the code has n"],
+        ["thetas where the code has delta_sum", "m where the code has weight_sum"],
         ["device left out"],
         ["cols=65536 left out"],
         ["x=1: not in the code"]]

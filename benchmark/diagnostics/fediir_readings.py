@@ -31,8 +31,7 @@ import harness  # noqa: E402
 import fediir  # noqa: E402
 
 
-@common.reduced(**fediir.classifier_gradient.reduced)
-@common.replies(fediir.classifier_gradient.replies)
+@common.replies(fediir.classifier_gradient.replies, **fediir.classifier_gradient.reduced)
 def readings_gradient(site, sent):
     """fediir.classifier_gradient with the reading's g_bar: over the client's minibatches (the code)
     or its one full-batch gradient (--gbar clients: count 1, the server's mean over clients),
@@ -69,8 +68,7 @@ def readings_round(t, model, fed, args, state, ctx):
 
 
 @common.stackable
-@common.reduced(**fediir.client_update.reduced)
-@common.replies(fediir.client_update.replies)
+@common.replies(fediir.client_update.replies, **fediir.client_update.reduced)
 def sized_update(site, sent):
     """fediir.client_update weighted by data size (--size-avg): n_c Δ_c, as fedavg.py's."""
     up = fediir.client_update(site, sent)
