@@ -249,6 +249,7 @@ class Link:
         self.clip = clip          # secure aggregation (run config secagg) within ±clip; None: off
         # round -> [down, up]; seconds; node spans; each node's setup (seconds)
         self.moved, self.times, self.spans, self.setup = {}, {}, {}, {}
+        self.secured = {}         # round -> its exchanges summed by SecAgg+ (secagg)
 
     def sites(self, args, load=None):
         """harness.run's `sites`: the federation that the nodes hold, as they report it: --clients
@@ -429,6 +430,7 @@ class Link:
         except ValueError as e:
             raise BadReply(f"round {t}'s exchange {phase}: {e}") from None
         self.times[t] = self.times.get(t, 0.0) + seconds
+        self.secured[t] = self.secured.get(t, 0) + 1
         return secagg.decode(total, how, want, C, ctx.device)
 
     def expected(self, fn, c, sent, t, phase, ctx):
@@ -563,10 +565,11 @@ def serve(grid, method, argv, wait=600.0, keys=None, evaluators=None, clip=None)
 
 
 def report(link, error=None):
-    """Per round: seconds of messages and client work, bytes, and each node's span; the run's
-    error line if it failed (<out>.flower.json)."""
+    """Per round: seconds of messages and client work, bytes, each node's span and the exchanges
+    summed by SecAgg+; the run's error line if it failed (<out>.flower.json)."""
     rounds = {t: {"seconds": link.times.get(t, 0.0), "down": d, "up": u,
-                  "spans": link.spans.get(t, []), "setup": link.setup.get(t, [])}
+                  "spans": link.spans.get(t, []), "setup": link.setup.get(t, []),
+                  "secagg": link.secured.get(t, 0)}
               for t, (d, u) in link.moved.items()}
     outputs.write_json(f"{link.out}.flower.json",
                        {"rounds": rounds, **({"error": error} if error else {})})

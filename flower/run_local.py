@@ -77,6 +77,11 @@ def parse(argv):
     p.add_argument("--secure", action="store_true",
                    help="as across machines: TLS (a CA and certificates made for this run), each "
                         "node's key registered, the nodes through nginx (the Fleet API alone)")
+    p.add_argument("--secagg", action="store_true",
+                   help="secure aggregation: the server receives every summed exchange as its sum "
+                        "alone (run config secagg; docs/flower.md)")
+    p.add_argument("--secagg-clip", type=float, default=None,
+                   help="no summed value may lie outside this (run config secagg-clip, 1024)")
     p.add_argument("rest", nargs="*", help="further flags of the method, after --")
     args = p.parse_args(argv)
     rest = json.dumps([args.nodes, args.rounds, args.rest])
@@ -114,6 +119,9 @@ def check(a):
         raise Refused(f"--nodes must be positive, got {a.nodes}")
     if a.rounds is not None and a.rounds < 1:
         raise Refused(f"--rounds must be positive, got {a.rounds}")
+    if a.secagg_clip is not None and not (a.secagg and 0 < a.secagg_clip < math.inf):
+        raise Refused(f"--secagg-clip must be a positive number, with --secagg, got "
+                      f"{a.secagg_clip:g}" + ("" if a.secagg else " without --secagg"))
     if not (math.isfinite(a.timeout) and a.timeout > 0):
         raise Refused(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
     if a.port is not None and not 1 <= a.port <= 65535:
@@ -419,6 +427,9 @@ def deploy(a, port, logdir, folders, intruders=(), app=HERE, node_config=None, e
         config += f" evaluators={n - P}"
         if a.secure:                # each node holds the partition its key was made for
             config += f' keys="{d.certs}"'
+        if a.secagg:
+            config += " secagg=true" + (f" secagg-clip={a.secagg_clip!r}"
+                                        if a.secagg_clip is not None else "")
         print(f"SuperLink 127.0.0.1:{port}" + (f", proxy {d.address}" if a.secure else "")
               + f", {P} SuperNodes" + (f" and {n - P} evaluation-only" if n > P else "")
               + f", each with its own folder of {logdir / 'sites'}; logs in {logdir}", flush=True)

@@ -342,6 +342,12 @@ def test_run_local_fedloe_rounds_from_its_stages():
     (["--port", "70000"], "--port must be in 1..65535, got 70000"),
     (["--port", "-1"], "--port must be in 1..65535, got -1"),
     (["--rounds", "0"], "--rounds must be positive, got 0"),
+    (["--secagg-clip", "5"], "--secagg-clip must be a positive number, with --secagg, got 5 "
+     "without --secagg"),
+    (["--secagg", "--secagg-clip", "0"], "--secagg-clip must be a positive number, with --secagg, "
+     "got 0"),
+    (["--secagg", "--secagg-clip", "inf"], "--secagg-clip must be a positive number, with "
+     "--secagg, got inf"),
     (["--out", "/proc/version/x.json"], "/proc/version is not a folder"),
     (["--out", "r.ckpt"], "a results file may not end in .ckpt"),
     (["--out", "somewhere/"], "--out somewhere/ ends in a separator: give a file name"),
