@@ -412,6 +412,8 @@ class Link:
             raise common.UserError(f"secagg: round {t}'s exchange {phase} has one client; secure "
                                    f"aggregation hides a client only among two at least")
         part = {self.nodes[c]: c for c in S}
+        values = sum(math.prod(want[k][1]) if want[k][0] == "tensor" else 1 for k in how)
+        most = MAX_BYTES * 8 * (values + 1) + 2 ** 16 + 2 ** 12 * C   # a masked int64 vector at most
 
         def records(sent):          # what each stage's message carries besides Flower's own
             full = pack({**head, "clip": self.clip, **{f"sent.{k}": v for k, v in sent.items()}})
@@ -419,7 +421,7 @@ class Link:
             return lambda stage: full if stage == "collect_masked_vectors" else short
 
         def check(m, r, stage):     # every reply: its signature, a refusal (BadReply), its bytes
-            self._take(m, r, t, part[m.metadata.dst_node_id], None, f"{phase}/{stage}")
+            self._take(m, r, t, part[m.metadata.dst_node_id], most, f"{phase}/{stage}")
 
         def count(down):
             self.moved.setdefault(t, [0, 0])[0] += sum(nbytes(m.content) for m in down)

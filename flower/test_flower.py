@@ -1148,7 +1148,9 @@ def test_overhead_measures_and_both_runs_end_equal(capsys):
 
 
 @pytest.mark.parametrize("argv,line", [(["--rounds", "1"], "--rounds at least 2"),
-                                       (["--methods", "fedx"], "invalid choice: 'fedx'")])
+                                       (["--methods", "fedx"], "invalid choice: 'fedx'"),
+                                       (["--secagg-clip", "-1"], "--secagg-clip must be a "
+                                        "positive number, got -1.0")])
 def test_overhead_refuses_bad_input_in_one_line(argv, line, capsys):
     import overhead
     with pytest.raises(SystemExit) as e:
