@@ -6,8 +6,10 @@ Objective (ERM over the participating clients):  min_θ  Σ_c p_c R_c(θ),  p_c 
 Algorithm (one communication round t = 1..T):
     1. sample a subset S of C clients out of P, uniformly without replacement
     2. send θ^{t-1} to S; on every client c ∈ S (each with its own random stream):
-         θ_c ← θ^{t-1}; E epochs of minibatch SGD on the cross-entropy R_c(θ_c; ζ); send θ_c back
-    3. server: θ^t = θ^{t-1} + η_g Σ_{c∈S} n_c Δ_c / Σ_{c∈S} n_c,  Δ_c = θ_c − θ^{t-1}
+         θ_c ← θ^{t-1}; E epochs of minibatch SGD on the cross-entropy R_c(θ_c; ζ); send n_c Δ_c
+         back, Δ_c = θ_c − θ^{t-1} (the server uses only their sum: secure aggregation can hide
+         each one, docs/flower.md)
+    3. server: θ^t = θ^{t-1} + η_g Σ_{c∈S} n_c Δ_c / Σ_{c∈S} n_c
 
 The FedIIR code (and Algorithm 1 as printed) averages the sampled clients uniformly (1/C)
 instead of by data size: `--uniform-avg` does that. With the Algorithm 2 split of FedIIR the

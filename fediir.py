@@ -13,6 +13,7 @@ Algorithm 1 (one round t), in the official code's forms (Table 3's numbers come 
      g̃^t = v g̃^{t-1} + (1 − v) g_bar_ω   (Appendix C, g̃^0 = 0)    gbar_update
   3. θ^{t-1}, g̃^t to S; each c: θ_c ← θ^{t-1}, K minibatch steps on  client_update:
      R_c(θ_c; ζ) + γ ||∇_ω R_c(θ_c; ζ) − g̃^t||² (the code: no 1/2)   iir_objective
+     and Δ_c = θ_c − θ^{t-1} up (steps 2, 4 use only sums over S)
   4. θ^t = θ^{t-1} + η_g (1/C) Σ_c (θ_c − θ^{t-1})                  server_update
 The paper's readings (g_bar over clients, γ/2, data-size weights, g_bar on plain inputs) run in
 benchmark/diagnostics/fediir_readings.py.
