@@ -15,7 +15,8 @@ import torch  # noqa: E402
 from flwr.app import Array, ConfigRecord, RecordDict  # noqa: E402
 from flwr.client.mod import secaggplus_mod  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
-from flwr.common import bytes_to_ndarray  # noqa: E402
+from flwr.common import bytes_to_ndarray, parameters_to_ndarrays  # noqa: E402
+from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402
@@ -201,3 +202,55 @@ def test_a_method_under_secagg_is_its_own_run_within_float32_rounding(method, ar
     assert 0 < largest(own["model"], flower["model"]) < bound
     loss = lambda r: [row["loss"] for d in r["domains"].values() for row in d["history"]]
     assert all(abs(a - b) < 1e-2 * a for a, b in zip(loss(own_res), loss(res)))  # the clients' mean
+
+
+class Recording(fake_grid.FakeGrid):
+    """FakeGrid that keeps every reply the server pulls: all that reaches the ServerApp."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.received = []
+
+    def pull_messages(self, message_ids):
+        replies = super().pull_messages(message_ids)
+        self.received += [r.content for r in replies if r.has_content()]
+        return replies
+
+
+def recording_app(vectors):
+    """The App's ClientApp (fl_adapter's functions, registered as client_app does), whose nodes
+    also keep, in `vectors`, each vector they hand to secaggplus_mod: a client's own update."""
+    app = ClientApp()
+    app.query("hello")(fl_adapter.hello)
+    app.train("client")(fl_adapter.work)
+
+    def secure(msg, context):
+        reply = fl_adapter.secure_work(msg, context)
+        res = compat.recorddict_to_fitres(reply.content, keep_input=True)
+        vectors.append(parameters_to_ndarrays(res.parameters)[0].copy())
+        return reply
+    app.train(mods=[secagg.signed(fl_adapter.answer), secaggplus_mod])(secure)
+    return app
+
+
+def test_what_the_server_receives_of_a_fedavg_run_under_secagg(tmp_path):
+    """FedAvg, 2 rounds, 2 of 3 clients a round, under secagg: of everything that reaches the
+    ServerApp (every reply it pulls, the nodes' reports and evaluation counts included), no array,
+    read as it is or dequantised as the mod quantised it, is within 1 of any client's own update
+    (n_c Δ_c and its loss, values up to about 9); the run ends at the method file's own model
+    within 1e-5."""
+    argv = test_flower.ARGV["fedavg"]
+    importlib.import_module("fedavg").main(argv + ["--out", str(tmp_path / "own.json")])
+    vectors = []
+    grid = test_flower.grid_of("fedavg", argv, tmp_path, recording_app(vectors), Recording)
+    fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "flower.json")],
+                     clip=secagg.CLIP)
+    assert len(vectors) == 4 and max(np.abs(v).max() for v in vectors) > 1      # 2 a round
+    Q, seen = secagg.levels(2), [x for content in grid.received for x in numbers(content)]
+    assert sum(x.size == vectors[0].size for x in seen) == 4                    # masked, each
+    for x in seen:
+        for read in (x, x * 2 * secagg.CLIP / Q - secagg.CLIP):
+            assert all(read.size != v.size or np.abs(read - v).max() > 1.0 for v in vectors)
+    own, flower = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"]
+                   for k in ("own", "flower"))
+    assert largest(own, flower) <= 1e-5
