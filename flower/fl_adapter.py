@@ -413,7 +413,7 @@ class Link:
                                    f"aggregation hides a client only among two at least")
         part = {self.nodes[c]: c for c in S}
         values = sum(math.prod(want[k][1]) if want[k][0] == "tensor" else 1 for k in how)
-        most = MAX_BYTES * 8 * (values + 1) + 2 ** 16 + 2 ** 12 * C   # a masked int64 vector at most
+        most = MAX_BYTES * 8 * (values + 1) + 2 ** 16 + 2 ** 12 * C     # a masked int64 vector
 
         def records(sent):          # what each stage's message carries besides Flower's own
             full = pack({**head, "clip": self.clip, **{f"sent.{k}": v for k, v in sent.items()}})

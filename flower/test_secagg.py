@@ -195,8 +195,8 @@ def test_a_method_under_secagg_is_its_own_run_within_float32_rounding(method, ar
     """Under secagg the model ends within `bound` of the method file's own, and not equal to it
     (the sums are quantised: the run went through SecAgg+). Measured on these runs: FedIIR
     5e-3 to 8e-3, PerInvFL 1e-4, FedIPG 4e-3 (stochastic rounding: they vary); float32 rounding
-    alone, the same sums in another order (--parallel-clients on against off), moves FedIIR by 7.4e-3
-    after these 2 rounds. The round's loss, the clients' mean, within 1% (a declared mean
+    alone, the same sums in another order (--parallel-clients on against off), moves FedIIR by
+    7.4e-3 after these 2 rounds. The round's loss, the clients' mean, within 1% (a declared mean
     taken for the sum, no division by C, fails it)."""
     own_res, own, res, flower = run_secure(method, argv, tmp_path)
     assert 0 < largest(own["model"], flower["model"]) < bound
