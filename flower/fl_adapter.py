@@ -230,6 +230,7 @@ def what_the_node_said(r):
 # --------------------------------------------------------------------------------- the server
 
 HELLO_GRACE = 30.0  # s: once every site is held, how long the other nodes' reports are awaited
+#                     (at most `wait`: a run that gives its nodes less to connect waits less)
 
 
 class Link:
@@ -314,7 +315,7 @@ class Link:
                 held = None
             else:            # every site held: the other connected nodes' answers, HELLO_GRACE s
                 held = held or time.time()
-                if not waiting or time.time() > held + HELLO_GRACE:
+                if not waiting or time.time() > held + min(HELLO_GRACE, self.wait):
                     return {p: said[i] for p, i in self.nodes.items()}
             if missing and time.time() > end:
                 raise common.UserError(self.absent(missing, P, len(said), len(waiting)))

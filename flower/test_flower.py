@@ -919,13 +919,17 @@ class SilentGrid(fake_grid.FakeGrid):
 
 def test_a_node_that_never_answers_holds_no_site_and_stops_nothing(tmp_path, capsys):
     """A connected node that never answers its query.hello: the run goes on with the sites' nodes
-    and ends with the method file's model (before, the server waited for its answer for ever); with
-    an evaluation site missing too, the one line counts it apart from the nodes that answered."""
+    and ends with the method file's model (before, the server waited for its answer for ever),
+    after waiting for its report as long as the nodes may take to connect (`wait`, 3 s here, at
+    most HELLO_GRACE); with an evaluation site missing too, the one line counts it apart from the
+    nodes that answered."""
     own = tmp_path / "own.json"
     fedavg.main(ARGV["fedavg"] + ["--out", str(own)])
     grid = grid_of("fedavg", ARGV["fedavg"], tmp_path, kind=SilentGrid)
     out = tmp_path / "r.json"
-    fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(out)], wait=20)
+    start = time.time()
+    fl_adapter.serve(grid, "fedavg", ARGV["fedavg"] + ["--out", str(out)], wait=3)
+    assert time.time() - start < 3 + 15                             # (not HELLO_GRACE's 30 s)
     fl, mine = (torch.load(f"{f}.ckpt", weights_only=True)["model"] for f in (out, own))
     assert all(torch.equal(v, fl[k]) for k, v in mine.items())
     del grid.contexts[next(i for i, c in grid.contexts.items()
