@@ -557,8 +557,8 @@ def submit(d, app, out, how, when=2, argv=(), keys=True):
 
 
 WHAT = {
-    "nan": "non-finite theta",
-    "shape": "theta is ('tensor', ({n},), 'torch.float32'), where the client function declares",
+    "nan": "non-finite delta",
+    "shape": "delta is ('tensor', ({n},), 'torch.float32'), where the client function declares",
     "missing": "missing loss",
     "extra": "extra note",
     "began": "missing _began",
@@ -699,7 +699,7 @@ def test_run_local_says_which_node_failed_and_resumes(tmp_path, capsys, no_flowe
     node = node_id(logs / "supernode-1.log")
     assert rc == 1 and len(err) == 1, said.err
     assert err[0].startswith(f"run_local.py: error: a bad reply in round 2 from node {node} "
-                             f"(partition 1): non-finite theta; stopped; the last good "
+                             f"(partition 1): non-finite delta; stopped; the last good "
                              f"checkpoint ({out}.ckpt) is kept: --resume goes on"), err
     assert torch.load(f"{out}.ckpt", weights_only=True)["round"] == 1
     assert not list(logs.glob("*.ckpt"))
