@@ -165,8 +165,10 @@ class Watched:
 
 def workflow(C, clip):
     """Flower's SecAgg+ for C clients: every node shares with every other (num_shares 1.0: all C),
-    threshold C // 2 + 1, weights of 1 (max_weight 1), ±clip in levels(C) levels."""
-    return SecAggPlusWorkflow(1.0, 0.5, max_weight=1.0, clipping_range=float(clip),
+    a secret rebuilt from C // 2 + 1 shares (a majority: a server that asks two halves of the nodes
+    for a node's two secrets cannot get both; Flower's 0.5 would round 2.5 to 2), weights of 1
+    (max_weight 1), ±clip in levels(C) levels."""
+    return SecAggPlusWorkflow(1.0, C // 2 + 1, max_weight=1.0, clipping_range=float(clip),
                               quantization_range=levels(C), modulus_range=MODULUS)
 
 
