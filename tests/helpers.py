@@ -430,7 +430,6 @@ def guarded_run(method, argv, steps, device, tmp_path, monkeypatch):
         module, name = where.split(".")
         module = importlib.import_module(module)
         monkeypatch.setattr(module, name, guard.checked(getattr(module, name), where))
-    monkeypatch.setattr(common, "sample_clients", guard.unchecked(common.sample_clients))
     monkeypatch.setattr(F, "one_hot", checked_one_hot(F.one_hot, guard))
     for name in ("tolist", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, guard.host_read(name))
