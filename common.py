@@ -42,8 +42,6 @@ from data import UserError
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # ------------------------------------------------------------------------------------ models
-
-
 class Net(nn.Module):
     """f = classifier ∘ featurizer, i.e. θ = (φ, ω) in FedIIR's notation."""
 
@@ -206,13 +204,14 @@ def stackable(fn):
     return fn
 
 
-def replies(schema, **reduced):
+def replies(schema, every=None, **reduced):
     """Declares a client function's reply for a server that holds no client's data (Flower checks
     each reply against it): schema(site, sent) -> {key: a tensor of its shape and dtype, a Count,
     or a number of its type}, from the model, what was sent and the client's sizes (site.client);
-    reduced: {key: "sum" or "mean"}, all the server uses of it (on_clients returns that alone)."""
+    reduced: {key: "sum" or "mean"}, all the server uses of it (on_clients returns that alone);
+    every="sum": each key of the reply summed."""
     def declared(fn):
-        fn.replies, fn.reduced = schema, reduced or None
+        fn.replies, fn.reduced = schema, every or reduced or None
         return fn
     return declared
 
@@ -222,8 +221,9 @@ SCALAR = torch.empty((), device="meta")                       # a float32 number
 
 @dataclass(frozen=True)
 class Count:
-    """In a declared reply: how many of `most` examples (an int64 number, 0..most)."""
+    """In a declared reply: how many of `most` examples (int64, 0..most; a tensor of `shape`)."""
     most: int
+    shape: tuple = ()
 
 
 def keep(site, key, value):
@@ -241,6 +241,7 @@ def on_clients(fn, S, sent, t, ctx, phase=None):
     how = getattr(fn, "reduced", None)
     if not how or not isinstance(out, list):          # (an engine that aggregates securely: sums)
         return out
+    how = dict.fromkeys(out[0] if out else (), how) if isinstance(how, str) else how
     # in the clients' order, as Python's sum; a mean as torch's of them stacked
     return {k: sum(r[k] for r in out) if h == "sum" else torch.stack([r[k] for r in out]).mean(0)
             for k, h in how.items()}
@@ -282,7 +283,6 @@ def all_at_once(fn, S, sents, t, phase, ctx):
 
 
 # ------------------------------------------------------------------------------ local training
-
 def cross_entropy(model, params, buffers, x, y, w):
     """A client's minibatch loss in the form every local objective takes: Σ_j w_j CE(f(x_j), y_j)
     at the parameters `params` (dicts by name, through functional_call), w_j = 1 / (real
@@ -463,7 +463,6 @@ def compiled(step, device):
 
 
 # ---------------------------------------------------------------------------------- evaluation
-
 @torch.no_grad()
 def correct(model, x, y, ctx, batch_size=512):
     """Per-example correctness (bool tensor on the device) of model on uint8 images x."""
@@ -487,44 +486,55 @@ def size(client, k):
     return 0 if y is None else len(y)
 
 
-@replies(lambda site, sent: {k: Count(size(site.client, k)) for k in sent.get("splits", SPLITS)})
+@replies(lambda site, sent: {k: Count(size(site.client, k), (sent["groups"], 2))
+                             for k in sent["splits"]}, every="sum")
 def score(site, sent):
-    """A site's own evaluation: how many examples of each of its splits (sent["splits"], default
-    its validation and test sets; none: 0) θ (sent["theta"]) classifies right (evaluate_global)."""
+    """A site's own evaluation, for sums: of each of its splits k (sent["splits"]; none: 0 of 0),
+    how many examples θ (sent["theta"]) classifies right and how many there are, in row
+    sent["group"] of a [sent["groups"], 2] count, zeros elsewhere (scores)."""
     set_flat(site.model, sent["theta"])
-    none = torch.zeros((), dtype=torch.long, device=sent["theta"].device)
-    return {k: none if y is None else correct(site.model, x, y, site).sum()
-            for k, (x, y) in ((k, split(site.client, k)) for k in sent.get("splits", SPLITS))}
+    out = {}
+    for k in sent["splits"]:
+        x, y = split(site.client, k)
+        out[k] = torch.zeros(sent["groups"], 2, dtype=torch.long, device=sent["theta"].device)
+        if y is not None:
+            out[k][sent["group"], 0] = correct(site.model, x, y, site).sum()
+            out[k][sent["group"], 1] = len(y)
+    return out
 
 
-def scores(t, model, fed, ctx, splits=None):
-    """Every site's score of the global model after round t: one reply per site, in id order."""
-    sent = {"theta": get_flat(model), **({"splits": splits} if splits else {})}
-    return on_clients(score, range(len(fed.sites)), sent, t, ctx)
+def scores(t, model, fed, ctx, splits=SPLITS, subsets=(), fn=score):
+    """The sites' scores (fn) of the global model after round t, summed in groups: {split: [test
+    set, subset, (right, examples)]}; a site's group is its test set and which of `subsets` (lists
+    of site ids) it is in, the sites in none the last subset. The server sees these sums alone."""
+    T, U = len(fed.test_names), len(subsets) + 1
+    test_set = lambda s: fed.test_names.index(s.domain) if s.test_y is not None else 0
+    theta = get_flat(model)
+    sent = [{"theta": theta, "splits": tuple(splits), "groups": T * U, "group": test_set(s) * U
+             + next((u for u, sub in enumerate(subsets) if c in sub), U - 1)}
+            for c, s in enumerate(fed.sites)]
+    sums = on_clients(fn, range(len(fed.sites)), sent, t, ctx)
+    return {k: v.view(T, U, 2) for k, v in sums.items()}
 
 
 def evaluate_global(t, model, fed, args, state, ctx):
     """The global model's accuracy on the clients' validation splits, on the test sets and on each
     test set (one per fixed client): each site scores its own data, the server sums them."""
-    return accuracies(fed, scores(t, model, fed, ctx))
+    return accuracies(scores(t, model, fed, ctx))
 
 
-def accuracies(fed, hits, on=None, keys=("val", "test")):
-    """(validation, test, [each test set]) accuracy from the sites' counts of right answers (hits:
-    a reply per site): Σ right / Σ examples, in float32 as the mean of the pooled answers; on: the
-    sites whose validation splits count (default all)."""
-    right = torch.stack([torch.stack([h[k] for k in keys]) for h in hits]).cpu().float()  # 1 read
-    n = torch.tensor([[size(s, "val"), size(s, "test")] for s in fed.sites], dtype=torch.float32)
-    on = list(range(len(hits)) if on is None else on)
-    group = [fed.test_names.index(s.domain) if s.test_y is not None else 0 for s in fed.sites]
-    member = F.one_hot(torch.tensor(group), len(fed.test_names)).float()     # site -> test set
-    per = (right[:, 1] @ member) / (n[:, 1] @ member).clamp(min=1)
-    return ((right[on, 0].sum() / n[on, 0].sum()).item(),
-            (right[:, 1].sum() / n[:, 1].sum()).item(), per.tolist())
+def accuracies(sums, subset=None, keys=("val", "test")):
+    """(validation, test, [each test set]) accuracy from scores' sums: Σ right / Σ examples, in
+    float32 (the mean of the pooled answers); the validation sites those of `subset` (an index of
+    scores' subsets, -1 the sites in none, or a list of them; default all)."""
+    val, test = torch.stack([sums[k] for k in keys]).cpu().float()            # one host read
+    val = val[:, slice(None) if subset is None else subset].reshape(-1, 2).sum(0)
+    per = test.sum(1)                                                           # [test set, 2]
+    return ((val[0] / val[1]).item(), (per[:, 0].sum() / per[:, 1].sum()).item(),
+            (per[:, 0] / per[:, 1].clamp(min=1)).tolist())
 
 
 # ----------------------------------------------------------------------- the loop over rounds
-
 def global_model(args, ds, device):
     """The initial global model (seeded by --seed) on the device, channels-last where faster
     (docs/gpu-and-speed.md)."""
@@ -564,27 +574,17 @@ def train(round_fn, model, fed, args, state, ctx, evaluate_fn=None, start=1, che
         yield t, losses, evaluate_fn(t, model, fed, args, state, ctx) if due else None
 
 
-class NonFinite(Exception):
-    """A non-finite loss or server quantity: exit 1. `saved`: a checkpoint of this run is on
-    disk (the harness sets it)."""
-
-    def __init__(self, message, saved=False):
-        super().__init__(message)
-        self.saved = saved
-
-
 # ------------------------------------------------------------------------------ a method's record
-
 @dataclass(frozen=True)
 class Method:
     """What a method file declares (docs/protocol.md: the contract): its round (round(t, model,
     fed, args, state, ctx) -> its losses), init_state(model, fed, args, ctx) -> state and its
     evaluation, which `train` runs; `clients`, the client functions its rounds pass to on_clients
-    (all a federated node may run). For the harness: add_args(p), its flags (help, no defaults);
-    defaults ({"*": every dataset, dataset: where it differs}); auto, {flag: its rule} for a value
-    "auto"; derive(args) -> {flag: value} that follow from others; check(args, given) refuses bad
-    values; parallel: can its clients train at once (a bool, or args -> None, else the reason).
-    A variant is dataclasses.replace(METHOD, round=..., clients=...)."""
+    (or args -> those of a run; all a federated node may run). For the harness: add_args(p), its
+    flags (help, no defaults); defaults ({"*": every dataset, dataset: where it differs}); auto,
+    {flag: its rule} for a value "auto"; derive(args) -> {flag: value} that follow from others;
+    check(args, given) refuses bad values; parallel: can its clients train at once (a bool, or
+    args -> None, else the reason). A variant: dataclasses.replace(METHOD, round=..., ...)."""
     name: str
     doc: str
     round: Callable

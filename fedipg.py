@@ -6,13 +6,11 @@ fedipg_round, round t (w^t: the global model at its start):
   0. --exit auto, before round 1: --exit-warmup pre-training rounds of 1-4 with every client
      (line 1), then the exits and w^1 again to all (lines 2-4)
   1. the clients of I_ID take part (Eq. 3; --sample C draws C of them, as FedIIR)
-  2. each trains on f_i from the w^{t−τ_i} it received (τ_i = 0 here, else `arrive`): --local-step
-     sgd, --local-epochs of minibatch SGD (Sec. III's words: docs/fedipg.md); paper, Eq. 2 as one
-     step w − η ∇f_i(w) on the whole split (line 15)
+  2. each trains on f_i from the w^{t−τ_i} it received (τ_i = 0 here, else `arrive`): sgd,
+     --local-epochs of minibatch SGD (Sec. III's words: docs/fedipg.md); paper: Eq. 2 (line 15)
   3. server: w^{t+1} = w^t + η_g Σ_i n_i Δ_i / Σ_i n_i, Δ_i = w_i − w^{t−τ_i}, arrived i (Eq. 3)
-  4. warm-up: C_i = η (n_i/n)(⟨∇R, g_i⟩ − (L/2)||g_i||²) / ||∇R||², g_i = ∇R_i(w^{t−τ_i}), ∇R the
-     n-weighted mean of the other fresh g_j (Eq. 13); after the last, the clients of mean C_i ≤ 0,
-     or none, exit (I_OOD, Section IV)
+  4. warm-up: C_i = η (n_i/n)(⟨∇R, g_i⟩ − (L/2)||g_i||²) / ||∇R||² (Eq. 13), g_i = ∇R_i(w^{t−τ_i}),
+     ∇R: n-weighted mean of the other fresh g_j; after the last, mean C_i ≤ 0 (or none): exit (§IV)
 Defaults: --local-step sgd, that of every result here (the paper's step: docs/fedipg.md); λ 1e-3,
 the middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
 silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP.
@@ -245,9 +243,10 @@ def init_state(model, fed, args, ctx):
 
 def evaluate(t, model, fed, args, state, ctx):
     """common.evaluate_global, model selection on I_ID; with exits, id_acc / ood_acc and exited."""
-    hits, out = common.scores(t, model, fed, ctx), state["exited"]
-    val, test, per = common.accuracies(fed, hits, on=[i for i in range(len(hits)) if i not in out])
-    extra = {"id_acc": val, "ood_acc": common.accuracies(fed, hits, on=out)[0] if out else None,
+    out = state["exited"]
+    sums = common.scores(t, model, fed, ctx, subsets=[out])            # I_OOD, then the rest
+    val, test, per = common.accuracies(sums, -1)
+    extra = {"id_acc": val, "ood_acc": common.accuracies(sums, 0)[0] if out else None,
              "exited": list(out)}
     return (val, test, per) if args.exit == "off" and not out else (val, test, per, extra)
 
@@ -284,9 +283,10 @@ def check(args, given):
             raise common.UserError(message)
 
 
-METHOD = common.Method("fedipg", __doc__, fedipg_round, clients=(risk_gradient, client_update),
-                       init_state=init_state, evaluate=evaluate, add_args=add_args,
-                       defaults=DEFAULTS, derive=derive, check=check,
+METHOD = common.Method("fedipg", __doc__, fedipg_round, init_state=init_state, evaluate=evaluate,
+                       add_args=add_args, defaults=DEFAULTS, derive=derive, check=check,
+                       clients=lambda args: (risk_gradient, client_update) if args.exit == "auto"
+                       else (client_update,),                   # (step 0's g_i: with exits only)
                        parallel=lambda args: None if args.local_step == "sgd" else "trains with "
                        "--local-step paper one client after another (sgd at once)")
 

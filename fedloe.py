@@ -233,10 +233,10 @@ def init_state(model, fed, args, ctx):
 def evaluate(t, model, fed, args, state, ctx):
     """common's accuracies; leave-one-domain-out: the in-domain test accuracy as well."""
     lodo = args.dataset in data.LODO
-    hits = common.scores(t, model, fed, ctx, ("val", "test", "id") if lodo else None)
-    val, test, per = common.accuracies(fed, hits)
-    n = sum(len(c.id_y) for c in fed.clients) if lodo else 0
-    in_domain = (sum(h["id"] for h in hits).float() / n).item() if n else None
+    sums = common.scores(t, model, fed, ctx, ("val", "test", "id") if lodo else common.SPLITS)
+    val, test, per = common.accuracies(sums)
+    right, n = sums["id"].sum((0, 1)) if lodo else (0, 0)                 # (right, examples)
+    in_domain = (right.float() / int(n)).item() if n else None
     return val, test, per, {"in_domain_acc": in_domain} if lodo else {}
 
 

@@ -180,11 +180,11 @@ def parallel_reason(args):
 
 
 @common.replies(lambda site, sent: {who + k: n for k, n in common.score.replies(site, sent).items()
-                                    for who in ("", "own_")})
+                                    for who in ("", "own_")}, every="sum")
 def score(site, sent):
     """On a site: ν's right answers (common.score), and its own θ_i's (`own_`; ν where it has not
     trained yet, as an evaluation site)."""
-    own = common.score(site, {"theta": site.state.get("theta", sent["theta"])})
+    own = common.score(site, {**sent, "theta": site.state.get("theta", sent["theta"])})
     return {**common.score(site, sent), **{f"own_{k}": v for k, v in own.items()}}
 
 
@@ -192,16 +192,16 @@ def evaluate(t, model, fed, args, state, ctx):
     """Fixed clients: θ_i on its client's validation split and test context, ν on all
     (`global_*`). Leave-one-domain-out: ν on the held-out domain; θ_i on its own validation split
     (`personal_*`). Every site scores its own (`score`), the server sums."""
-    lodo = args.dataset in data.LODO
-    hits = common.on_clients(score, range(len(fed.sites)), {"theta": common.get_flat(model)}, t,
-                             ctx)
-    nu_val, nu_test, nu_per = common.accuracies(fed, hits)
-    theta_val, theta_test, per_test = common.accuracies(fed, hits, keys=("own_val", "own_test"))
+    lodo, P = args.dataset in data.LODO, len(fed.clients)
+    alone = [[i] for i in range(P)] if lodo else ()                    # each θ_i on its own
+    sums = common.scores(t, model, fed, ctx, subsets=alone, fn=score)
+    nu_val, nu_test, nu_per = common.accuracies(sums)
+    theta_val, theta_test, per_test = common.accuracies(sums, keys=("own_val", "own_test"))
     extra = {"test_model": "nu" if lodo else "theta",
              "global_val_acc": nu_val, "global_test_acc": nu_test, "global_per_test": nu_per}
     if lodo:
-        right = torch.stack([h["own_val"] for h in hits[:len(fed.clients)]]).cpu().float()
-        per_val = right / torch.tensor([float(len(c.val_y)) for c in fed.clients])
+        own = sums["own_val"][:, :P].sum(0).cpu().float()           # [client, (right, examples)]
+        per_val = own[:, 0] / own[:, 1]
         extra.update(personal_val_acc=theta_val, personal_per_val=per_val.tolist())
         return nu_val, nu_test, nu_per, extra
     return theta_val, theta_test, per_test, extra

@@ -32,6 +32,7 @@ import fedipg
 import fedloe
 import fedomg
 import perinvfl
+import harness
 from harness import config, datasets, outputs
 import fedomg_readings as readings
 import perinvfl_variants as pv
@@ -2455,6 +2456,32 @@ def test_fedipg_every_in_distribution_client_takes_part_by_default(tmp_path, cap
     assert "5 clients, 5 per round" in capsys.readouterr().out and res["args"]["sample"] == 5
     res, _ = run(fedipg.main, argv + ["--sample", "3"], tmp_path, "ipg.json")
     assert res["args"]["sample"] == 3
+
+
+def test_fedipg_id_and_ood_accuracies_pool_the_answers_of_their_own_clients():
+    """fedipg.evaluate with client 1 exited (I_OOD): val_acc = id_acc pools the validation answers
+    of clients 0 and 2, ood_acc client 1's, and the aberrant-client benchmark's aberrant_acc
+    (client 0) and regular_acc (1 and 2) theirs, each equal in float32 to the mean of the pooled
+    answers (the sites score once; the server sums by group, common.scores)."""
+    import fedipg_aberrant
+    args = harness.resolve(fedipg.METHOD, QUICK[:2] + ["--test-domain", "0", "--clients", "3",
+                                                       "--exit", "auto", "--out", "r.json"])
+    ds = data.load("synthetic", None, args.seed)
+    fed = data.federate(ds, 0, args.clients, args.seed, "cpu")
+    model = common.global_model(args, ds, torch.device("cpu"))
+    ctx = common.make_context(args, fed, model)
+    state = {"exited": [1], "contrib": {}}
+    val, test, per, extra = fedipg.evaluate(1, model, fed, args, state, ctx)
+    pooled = lambda ids: torch.cat([accuracy(model, fed.clients[i].val_x, fed.clients[i].val_y)
+                                    for i in ids]).mean().item()
+    assert val == extra["id_acc"] == pooled([0, 2]) and extra["ood_acc"] == pooled([1])
+    assert pooled([0, 2]) != pooled([1]) and extra["exited"] == [1]
+    held_out = ds.domains[0]
+    assert test == per[0] == accuracy(model, held_out.x, held_out.y).mean().item()
+    args.aberrant, args.aberrant_client = ("rotate", 180.0), 0
+    *_, extra = fedipg_aberrant.evaluate(1, model, fed, args, state, ctx)
+    assert extra["aberrant_acc"] == pooled([0]) and extra["regular_acc"] == pooled([1, 2])
+    assert pooled([0]) != pooled([1, 2])
 
 
 def test_fedipg_on_stained_mnist_learns_its_training_combinations(tmp_path):

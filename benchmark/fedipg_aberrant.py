@@ -108,11 +108,12 @@ def evaluate(t, model, fed, args, state, ctx):
     val, test, per, *extra = fedipg.evaluate(t, model, fed, args, state, ctx)
     if args.aberrant is None:
         return (val, test, per, *extra)
-    hits, mine = common.scores(t, model, fed, ctx), args.aberrant_client
+    mine = args.aberrant_client
     rest = [i for i in range(len(fed.clients)) if i != mine]
+    sums = common.scores(t, model, fed, ctx, subsets=[[mine], rest])   # (the evaluation sites)
     extra = extra[0] if extra else {"id_acc": val, "ood_acc": None, "exited": []}
-    return val, test, per, {**extra, "aberrant_acc": common.accuracies(fed, hits, on=[mine])[0],
-                            "regular_acc": common.accuracies(fed, hits, on=rest)[0]}
+    return val, test, per, {**extra, "aberrant_acc": common.accuracies(sums, 0)[0],
+                            "regular_acc": common.accuracies(sums, 1)[0]}
 
 
 def add_args(p):

@@ -44,9 +44,9 @@ import harness  # noqa: E402
 import secagg  # noqa: E402
 import signing  # noqa: E402
 from harness import outputs, sites  # noqa: E402
-from harness.methods import METHODS, client_functions, qualified  # noqa: E402
+from harness.methods import METHODS, client_functions, qualified, run_clients  # noqa: E402
 from harness.outputs import to_device  # noqa: E402
-from harness.runner import set_deterministic  # noqa: E402
+from harness.runner import NonFinite, set_deterministic  # noqa: E402
 
 
 
@@ -105,12 +105,14 @@ def function(name):
     return getattr(importlib.import_module(module), qualname)
 
 
-def declared(method, evaluate_only=False):
-    """What a node may run for a run of `method`: the client functions its method file declares
-    (METHOD.clients: those its round passes to common.on_clients; METHOD.evaluations) and its
-    init_state, as "module:qualname" (harness.client_functions); an evaluation-only node the
-    evaluations alone (and the setup). Any other name in a message is refused."""
-    return client_functions(method, evaluate_only) if method in METHODS else frozenset()
+def declared(method, evaluate_only=False, args=None):
+    """What a node may run for a run of `method` with the arguments `args` (a dict): the client
+    functions its method file declares (METHOD.clients: those its round passes to
+    common.on_clients; METHOD.evaluations) and its init_state, as "module:qualname"
+    (harness.client_functions); an evaluation-only node the evaluations alone (and the setup).
+    Any other name in a message is refused."""
+    args = argparse.Namespace(**args) if args is not None else None
+    return client_functions(method, evaluate_only, args) if method in METHODS else frozenset()
 
 
 def activated(info):
@@ -135,7 +137,7 @@ def node_keys(folder):
     return keys
 
 
-class BadReply(common.NonFinite):
+class BadReply(NonFinite):
     """A node's reply that the round must not use (or its refusal): the run ends as at a non-finite
     number, exit 1, its last good checkpoint kept, so that --resume goes
     on once the node is fixed."""
@@ -147,9 +149,9 @@ MAX_BYTES = 4
 
 def kind(v):
     """What a reply's value is, to compare with its declaration: ("tensor", shape, dtype),
-    ("count", most) (declared: common.Count), ("list", ...) or ("value", type name)."""
+    ("count", most, shape) (declared: common.Count), ("list", ...) or ("value", type name)."""
     if isinstance(v, common.Count):
-        return ("count", v.most)
+        return ("count", v.most, tuple(v.shape))
     if torch.is_tensor(v):
         return ("tensor", tuple(v.shape), str(v.dtype))
     if isinstance(v, (list, tuple)):
@@ -163,15 +165,23 @@ def schema(reply):
 
 
 def declared_bytes(want):
-    """The bytes a reply of this declaration takes: its tensors', 8 a number, 1 kB for the rest."""
+    """The bytes a reply of this declaration takes: its tensors', 8 a number or count, 1 kB for
+    the rest."""
     size = lambda v: v.numel() * v.element_size() if torch.is_tensor(v) else \
-        sum(map(size, v)) if isinstance(v, (list, tuple)) else 8
+        sum(map(size, v)) if isinstance(v, (list, tuple)) else \
+        8 * math.prod(v.shape) if isinstance(v, common.Count) else 8
     return sum(size(v) for v in want.values()) + 1024
 
 
 # what every reply carries besides the client function's own keys (work, on the node)
 SPAN = {"_began": "float", "_ready": "float", "_ended": "float", "_round": "int", "_phase": "str"}
-COUNT = ("tensor", (), "torch.int64")
+
+
+def reduction(fn, keys):
+    """{key: "sum" or "mean"}, what the server uses of fn's reply (common.replies: each of `keys`,
+    a reply's or its declaration's, where fn declares every key summed), or None."""
+    how = getattr(fn, "reduced", None)
+    return dict.fromkeys([k for k in keys if k not in SPAN], how) if isinstance(how, str) else how
 
 
 def what_is_wrong(reply, expect, t, phase):
@@ -194,9 +204,9 @@ def what_is_wrong(reply, expect, t, phase):
     if not (all(map(math.isfinite, (began, ready, ended))) and began <= ready <= ended):
         return f"its span {began}-{ready}-{ended} is not a span of time"
     for k, want_k in expect.items():
-        if want_k[0] == "count" and got[k] == COUNT:
-            if not 0 <= int(reply[k]) <= want_k[1]:
-                return f"{k} counts {int(reply[k])} of {want_k[1]} examples"
+        if want_k[0] == "count" and got[k] == ("tensor", want_k[2], "torch.int64"):
+            if not bool(((reply[k] >= 0) & (reply[k] <= want_k[1])).all()):
+                return f"{k} counts {reply[k].tolist()} of {want_k[1]} examples"
         elif got[k] != want_k:
             return f"{k} is {got[k]}, where the client function declares {want_k}"
 
@@ -261,6 +271,15 @@ class Link:
         if args.clients is None:
             raise common.UserError("on Flower give --clients: the number of training sites (one "
                                    "node each)")
+        apart = [f for f in run_clients(harness.method(self.method), args)
+                 if not getattr(f, "reduced", None)]
+        if self.clip is not None and apart:              # before any node is asked for anything
+            names, many = ", ".join(f"{f.__name__} ({qualified(f)})" for f in apart), apart[1:]
+            raise common.UserError(
+                f"secagg: {self.method}'s exchange{'s' if many else ''} {names} send"
+                f"{'' if many else 's'} the server each client's own reply, which its round reads "
+                f"one by one (no sum declared, common.replies): it cannot run under secure "
+                f"aggregation; nothing was run")
         P = args.clients
         E = self.evaluators if self.evaluators is not None else int(args.dataset in data.LODO)
         reports = self.connect(args, P, E)
@@ -374,8 +393,8 @@ class Link:
                 "args": self.args, "init": self.init, "method": self.method,
                 "roster": json.dumps(self.roster)}
         if self.clip is not None and getattr(fn, "reduced", None):
-            return self.secure(fn, S, sents, t, phase, ctx, head, expect[0][0])
-        if self.clip is not None and qualified(fn) not in self.evaluations():
+            return self.secure(fn, S, sents, t, phase, ctx, head, [want for want, _ in expect])
+        if self.clip is not None:
             raise common.UserError(
                 f"secagg: round {t}'s exchange {phase} ({qualified(fn)}) sends the server each "
                 f"client's own reply, which the round reads one by one (the function declares "
@@ -399,25 +418,25 @@ class Link:
         return [to_device({k: v for k, v in r.items() if not k.startswith("_")}, ctx.device)
                 for r in replies]
 
-    def evaluations(self):
-        """The method's evaluations, by name: under secagg each site's counts are in the clear."""
-        own = importlib.import_module(self.method).METHOD
-        return {qualified(f) for f in own.evaluations}
-
-    def secure(self, fn, S, sents, t, phase, ctx, head, want):
+    def secure(self, fn, S, sents, t, phase, ctx, head, wants):
         """Round t's exchange `phase` of a `reduced` fn by Flower's SecAgg+ (flower/secagg.py): the
         server receives the sums alone, never a client's reply; the declared means are the sums
-        over C. `want`: the declared reply (schema), whose reduced keys make the summed vector."""
-        how, C = fn.reduced, len(S)
+        over C. `wants`: each client's declared reply (schema), whose reduced keys make the summed
+        vector; counts alone (an evaluation) are summed exactly (secagg.count_clip)."""
+        want, C = wants[0], len(S)
+        how = reduction(fn, want)
         if C < 2:
             raise common.UserError(f"secagg: round {t}'s exchange {phase} has one client; secure "
                                    f"aggregation hides a client only among two at least")
+        clip = self.clip
+        if all(w[k][0] == "count" for w in wants for k in how):
+            clip = secagg.count_clip(max(w[k][1] for w in wants for k in how), C)
         part = {self.nodes[c]: c for c in S}
-        values = sum(math.prod(want[k][1]) if want[k][0] == "tensor" else 1 for k in how)
+        values = sum(math.prod(secagg.shape(want[k])) for k in how)
         most = MAX_BYTES * 8 * (values + 1) + 2 ** 16 + 2 ** 12 * C     # a masked int64 vector
 
         def records(sent):          # what each stage's message carries besides Flower's own
-            full = pack({**head, "clip": self.clip, **{f"sent.{k}": v for k, v in sent.items()}})
+            full = pack({**head, "clip": clip, **{f"sent.{k}": v for k, v in sent.items()}})
             short = RecordDict({"c": ConfigRecord({"round": t, "phase": phase})})
             return lambda stage: full if stage == "collect_masked_vectors" else short
 
@@ -429,7 +448,7 @@ class Link:
         heads = {self.nodes[c]: records(sent) for c, sent in zip(S, sents)}
         try:
             total, seconds = secagg.secure_sum(self.grid, [self.nodes[c] for c in S], heads, t,
-                                               check, count, self.clip, self.wait)
+                                               check, count, clip, self.wait)
         except ValueError as e:
             raise BadReply(f"round {t}'s exchange {phase}: {e}") from None
         self.times[t] = self.times.get(t, 0.0) + seconds
@@ -645,7 +664,11 @@ def refused(req, context, also=frozenset()):
     method that is not one of the six."""
     method = str(context.run_config.get("method", "") or req.get("method") or "")
     only = own_site(context)[2] if "data" in context.node_config else False
-    allowed = declared(method, only) | set(also)
+    try:
+        args = json.loads(req["args"]) if "args" in req else None
+    except (TypeError, ValueError):
+        args = None
+    allowed = declared(method, only, args if isinstance(args, dict) else None) | set(also)
     for name in (req.get("fn"), req.get("init")):
         if name is not None and name not in allowed:
             what = "an evaluation of" if only else "a client function of"
@@ -707,12 +730,12 @@ def secure_work(msg, context, also=frozenset()):
     began = time.time()
     req = unpack(msg.content)
     why = refused(req, context, also)                # (a name the method file declares)
-    how = None if why else getattr(function(req["fn"]), "reduced", None)
-    if not how:
+    fn = None if why else function(req["fn"])
+    if not getattr(fn, "reduced", None):
         raise secagg.Refused(why or f"{req['fn']} declares no sum (common.replies): nothing "
                              f"was run")
     out = client_work(req, context, also, began)
-    vector = secagg.encode(out, how, float(req["clip"]), own_site(context)[0])
+    vector = secagg.encode(out, reduction(fn, out), float(req["clip"]), own_site(context)[0])
     return secagg.fit_reply(msg, vector, {k: out[k] for k in SPAN})
 
 

@@ -56,6 +56,22 @@ def step(C, clip=CLIP):
     return 2 * clip / levels(C)
 
 
+def count_clip(most, C):
+    """The range of an exchange of counts (an evaluation's, 0..most each): the least power of two
+    above most, so that a count is a whole number of steps (2 clip / Q divides 1: no rounding, the
+    sum exact). ValueError where C clients' levels are too few for that."""
+    clip = 2 ** int(most).bit_length()
+    if 2 * clip > levels(C):
+        raise ValueError(f"counts up to {most} over {C} clients cannot be summed exactly within "
+                         f"Flower's modulus (levels {levels(C)})")
+    return float(clip)
+
+
+def shape(want):
+    """The shape of a declared value (a schema's: fl_adapter.kind): a tensor's or a count's."""
+    return want[1] if want[0] == "tensor" else want[2] if want[0] == "count" else ()
+
+
 # ------------------------------------------------------------------------------ on the node
 
 class Refused(Exception):
@@ -210,13 +226,13 @@ def decode(total, how, want, C, device):
     mean is the sum over C."""
     out, at = {}, 0
     for k in sorted(how):
-        shape = want[k][1] if want[k][0] == "tensor" else ()
-        n = math.prod(shape)
-        v = torch.from_numpy(total[at:at + n].copy()).reshape(shape)
+        n = math.prod(shape(want[k]))
+        v = torch.from_numpy(total[at:at + n].copy()).reshape(shape(want[k]))
         at += n
         v = v / C if how[k] == "mean" else v
-        if want[k][0] == "tensor":
-            dtype = getattr(torch, want[k][2].removeprefix("torch."))
+        if want[k][0] in ("tensor", "count"):
+            dtype = getattr(torch, want[k][2].removeprefix("torch.")) if want[k][0] == "tensor" \
+                else torch.int64
             out[k] = (v if dtype.is_floating_point else v.round()).to(dtype).to(device)
         else:
             out[k] = round(float(v)) if want[k][1] == "int" else float(v)

@@ -176,17 +176,18 @@ def test_run_local_secure_equals_the_in_process_run_and_lets_no_one_else_in(
 
 def test_secure_fediir_under_secagg_on_real_processes(tmp_path, capsys, no_flower_left):
     """--secure --secagg, FedIIR (both of its exchanges summed), 2 rounds on real processes: every
-    exchange of a round goes through Flower's SecAgg+ (the report counts 2 a round: no update
-    reached the server on its own), the run learns (test accuracy above 0.5; 4 classes) and ends
-    within 2e-2 of the in-process model (float32 rounding alone, the same sums in another order,
-    moves FedIIR on this data by 7e-3 to 1.4e-2 in 2 to 3 rounds of 3 clients: docs/flower.md)."""
+    exchange of a round, its evaluation's too, goes through Flower's SecAgg+ (the report counts 3
+    a round: no update nor any site's counts reached the server on its own), the run learns (test
+    accuracy above 0.5; 4 classes) and ends within 2e-2 of the in-process model (float32 rounding
+    alone, the same sums in another order, moves FedIIR on this data by 7e-3 to 1.4e-2 in 2 to 3
+    rounds of 3 clients: docs/flower.md)."""
     out = tmp_path / "flower.json"
     rc = run_local.main(["--method", "fediir", "--nodes", "2", "--rounds", "2", "--secure",
                          "--secagg", "--out", str(out), "--timeout", "500"])
     said = capsys.readouterr()
     assert rc == 0, said.err
     report = json.loads(out.read_text())["flower"]["rounds"]      # (run_local.py keeps the timing)
-    assert [report[t]["secagg"] for t in ("1", "2")] == [2, 2]
+    assert [report[t]["secagg"] for t in ("1", "2")] == [3, 3]
     own = own_run("fediir", tmp_path / "own.json", SYNTHETIC + ["--clients", "2", "--rounds", "2"])
     model = torch.load(f"{out}.ckpt", weights_only=True)["model"]
     assert max((v - model[k]).abs().max().item() for k, v in own["model"].items()) < 2e-2

@@ -534,9 +534,12 @@ def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, mo
     assert fl_adapter.declared("fedavg") == {"fedavg:client_update", "common:score"}
     assert fl_adapter.declared("fediir") == {"fediir:classifier_gradient", "fediir:client_update",
                                              "fediir:init_state", "common:score"}
-    # fedipg_round's step 2 is `client or client_update`: its own function, not the parameter
-    assert fl_adapter.declared("fedipg") == {"fedipg:risk_gradient", "fedipg:client_update",
-                                             "fedipg:init_state", "common:score"}
+    # fedipg_round's step 2 is `client or client_update`: its own function, not the parameter;
+    # Eq. 13's risk_gradient only in a run with exits (its run arguments, as each message has them)
+    assert fl_adapter.declared("fedipg", args={"exit": "auto"}) == {
+        "fedipg:risk_gradient", "fedipg:client_update", "fedipg:init_state", "common:score"}
+    assert fl_adapter.declared("fedipg", args={"exit": "off"}) == {
+        "fedipg:client_update", "fedipg:init_state", "common:score"}
 
 
 def test_an_evaluation_only_node_never_trains(tmp_path, monkeypatch):

@@ -145,18 +145,45 @@ def test_fedavg_under_secagg_is_its_own_run_within_quantisation(tmp_path):
         assert abs(val - val_) <= 1 / 48 + 1e-6 and abs(test - test_) <= 1 / 240 + 1e-6
 
 
+class Untouched(fake_grid.FakeGrid):
+    """FakeGrid that fails a test when the server sends any node anything."""
+
+    def push_messages(self, messages):
+        pytest.fail(f"a message was sent: {[m.metadata.message_type for m in messages]}")
+
+
+ALONE = "(no sum declared, common.replies): it cannot run under secure aggregation; nothing was run"
+
+
 @pytest.mark.parametrize("method, argv, line", [
-    ("fedomg", test_flower.ARGV["fedomg"], "fedomg.py: error: secagg: round 1's exchange "
-     "client_update (fedomg:client_update) sends the server each client's own reply"),
-    ("fedavg", test_flower.BASE + ["--clients", "3", "--sample", "1"], "fedavg.py: error: "
-     "secagg: round 1's exchange client_update has one client; secure aggregation hides a "
-     "client only among two at least"),
+    ("fedomg", test_flower.ARGV["fedomg"], "fedomg.py: error: secagg: fedomg's exchange "
+     "client_update (fedomg:client_update) sends the server each client's own reply, which its "
+     "round reads one by one " + ALONE),
+    ("fedloe", test_flower.ARGV["fedloe"], "fedloe.py: error: secagg: fedloe's exchanges "
+     "head_update (fedloe:head_update), tuning_predictions (fedloe:tuning_predictions) send the "
+     "server each client's own reply, which its round reads one by one " + ALONE),
+    ("fedipg", test_flower.BASE + ["--clients", "3", "--exit", "auto"], "fedipg.py: error: "
+     "secagg: fedipg's exchange risk_gradient (fedipg:risk_gradient) sends the server each "
+     "client's own reply, which its round reads one by one " + ALONE),
 ])
-def test_what_cannot_be_a_sum_is_refused_in_one_line(method, argv, line, tmp_path):
-    grid = test_flower.grid_of(method, argv, tmp_path)
+def test_what_cannot_be_a_sum_is_refused_before_any_node_is_asked(method, argv, line, tmp_path):
+    """A run whose exchanges (for its arguments: FedIPG's Eq. 13 estimates only with --exit auto)
+    include one that needs each client's reply is refused in one line naming them, before the
+    server sends any node anything (FedLOE: not after its stage 1)."""
+    grid = test_flower.grid_of(method, argv, tmp_path, kind=Untouched)
     with pytest.raises(fl_adapter.RunFailed) as e:
         fl_adapter.serve(grid, method, argv + ["--out", str(tmp_path / "f.json")], clip=1024.0)
-    assert str(e.value).startswith(line)
+    assert str(e.value) == line
+
+
+def test_a_lone_client_is_refused_in_one_line(tmp_path):
+    argv = test_flower.BASE + ["--clients", "3", "--sample", "1"]
+    grid = test_flower.grid_of("fedavg", argv, tmp_path)
+    with pytest.raises(fl_adapter.RunFailed) as e:
+        fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "f.json")], clip=1024.0)
+    assert str(e.value).startswith("fedavg.py: error: secagg: round 1's exchange client_update "
+                                   "has one client; secure aggregation hides a client only among "
+                                   "two at least")
     assert "\n" not in str(e.value)
 
 
@@ -235,24 +262,37 @@ def recording_app(vectors):
     return app
 
 
-def test_what_the_server_receives_of_a_fedavg_run_under_secagg(tmp_path):
+def test_what_the_server_receives_of_a_fedavg_run_under_secagg(tmp_path, monkeypatch):
     """FedAvg, 2 rounds, 2 of 3 clients a round, under secagg: of everything that reaches the
-    ServerApp (every reply it pulls, the nodes' reports and evaluation counts included), no array,
-    read as it is or dequantised as the mod quantised it, is within 1 of any client's own update
-    (n_c Δ_c and its loss, values up to about 9); the run ends within 1e-3 of the method file's own
-    model (as in the test above)."""
+    ServerApp (every reply it pulls, the nodes' reports included), no array, read as it is or
+    dequantised as the mod quantised it, is within 1 of any client's own update (n_c Δ_c and its
+    loss, values up to about 9), nor within 0.5 of any site's evaluation counts (each of the 4
+    sites' every round, summed as well: right and examples of its validation and test splits),
+    whose sums are exact (integers: a whole number of quantisation steps each); the run ends
+    within 1e-3 of the method file's own model (as in the test above)."""
     argv = test_flower.ARGV["fedavg"]
     importlib.import_module("fedavg").main(argv + ["--out", str(tmp_path / "own.json")])
-    vectors = []
+    vectors, decoded, decode = [], [], secagg.decode
+    monkeypatch.setattr(secagg, "decode", lambda *a: decoded.append(decode(*a)) or decoded[-1])
     grid = test_flower.grid_of("fedavg", argv, tmp_path, recording_app(vectors), Recording)
     fl_adapter.serve(grid, "fedavg", argv + ["--out", str(tmp_path / "flower.json")],
                      clip=secagg.CLIP)
-    assert len(vectors) == 4 and max(np.abs(v).max() for v in vectors) > 1      # 2 a round
+    updates, counts = [v for v in vectors if v.size > 4], [v for v in vectors if v.size == 4]
+    assert len(updates) == 4 and max(np.abs(v).max() for v in updates) > 1      # 2 a round
+    assert len(counts) == 8 and all(v[1] + v[3] > 0 for v in counts)          # 4 sites a round
     Q, seen = secagg.levels(2), [x for content in grid.received for x in numbers(content)]
-    assert sum(x.size == vectors[0].size for x in seen) == 4                    # masked, each
+    assert sum(x.size == updates[0].size for x in seen) == 4                    # masked, each
+    assert sum(x.size == 4 for x in seen) >= 8
+    sums = [torch.cat([d["test"].flatten(), d["val"].flatten()]) for d in decoded if "val" in d]
+    assert [s.dtype for s in sums] == [torch.int64] * 2               # an evaluation a round
+    assert all(torch.equal(s, torch.from_numpy(sum(counts[4 * k:4 * k + 4])).long())
+               for k, s in enumerate(sums))
+    clip = secagg.count_clip(240, 4)                    # (the evaluation site's 240 test images)
     for x in seen:
         for read in (x, x * 2 * secagg.CLIP / Q - secagg.CLIP):
-            assert all(read.size != v.size or np.abs(read - v).max() > 1.0 for v in vectors)
+            assert all(read.size != v.size or np.abs(read - v).max() > 1.0 for v in updates)
+        for read in (x, x * 2 * clip / secagg.levels(4) - clip):
+            assert all(read.size != v.size or np.abs(read - v).max() >= 0.5 for v in counts)
     own, flower = (torch.load(tmp_path / f"{k}.json.ckpt", weights_only=True)["model"]
                    for k in ("own", "flower"))
     assert largest(own, flower) <= 1e-3

@@ -25,13 +25,21 @@ import torch.utils.deterministic
 
 import common
 import data
-from common import NonFinite
 from data import UserError
 from harness import outputs
 from harness.config import after_load, load_data, resolve
 from harness.outputs import to_device
 from harness.progress import Pace, Progress
 from harness.provenance import code_files, provenance
+
+
+class NonFinite(Exception):
+    """A non-finite loss or server quantity: exit 1. `saved`: a checkpoint of this run is on
+    disk (the harness sets it)."""
+
+    def __init__(self, message, saved=False):
+        super().__init__(message)
+        self.saved = saved
 
 
 def main(method, argv=None, **hooks):

@@ -734,7 +734,7 @@ def test_non_finite_names_only_the_files_this_run_wrote(poison_at, named, how, e
 
     def poisoned(t, model, fed, args, state, ctx):
         if how == "raise" and (fed.name, t) == poison_at:
-            raise common.NonFinite(f"non-finite server weights in round {t}")
+            raise harness.runner.NonFinite(f"non-finite server weights in round {t}")
         losses = fedavg.fedavg_round(t, model, fed, args, state, ctx)
         if (fed.name, t) == poison_at:
             c = next(iter(losses))

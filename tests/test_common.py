@@ -3,6 +3,7 @@ another, all at once, compiled), its streams and determinism, through the method
 round needs one. No benchmark code: the core stands without it.
 """
 
+import argparse
 import dataclasses
 import importlib
 import math
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import common
 import data
@@ -106,11 +108,11 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
     ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"]
             for o in ("forward", "reverse")]
     assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
-    record = harness.method(method)
-    declared = record.clients + record.evaluations
+    record, args = harness.method(method), argparse.Namespace(exit="auto")   # (as FedIPG's argv)
+    declared = harness.methods.run_clients(record, args) + record.evaluations
     assert ran == {harness.methods.qualified(f) for f in declared} and len(ran) >= 2
     setup = {f"{method}:init_state"} if record.init_state else set()
-    assert harness.client_functions(method) == ran | setup
+    assert harness.client_functions(method, args=args) == ran | setup
 
 
 def test_what_a_node_may_run_is_each_methods_declaration():
@@ -126,30 +128,55 @@ def test_what_a_node_may_run_is_each_methods_declaration():
     variant = dataclasses.replace(fedavg.METHOD, clients=(fedavg.client_update, common.features))
     assert harness.client_functions(variant) == {"fedavg:client_update", "common:features",
                                                  "common:score"}
+    # FedIPG's clients follow from --exit: risk_gradient (Eq. 13's g_i) with exits alone
+    for exit, step0 in (("off", set()), ("auto", {"fedipg:risk_gradient"})):
+        assert harness.client_functions("fedipg", args=argparse.Namespace(exit=exit)) == {
+            "fedipg:client_update", "common:score", "fedipg:init_state"} | step0
+    assert harness.client_functions("fedipg") == {"common:score", "fedipg:init_state"}
     with pytest.raises(ValueError, match="unknown method 'fedx'"):
         harness.client_functions("fedx")
     assert all(harness.method(m).name == m for m in harness.METHODS)
 
 
-def test_accuracies_from_the_sites_counts_equal_the_means_of_the_pooled_answers():
-    """Each site counts its right answers, the server sums: the accuracies are those of the pooled
-    answers in float32 (torch.equal with .mean()), on the CPU; an empty test set's is 0; `on`
-    restricts the validation accuracy to those sites."""
+def test_the_server_sums_the_sites_scores_in_groups_to_the_pooled_accuracies():
+    """common.score on each site, common.scores' sums, common.accuracies: the accuracies are those
+    of the pooled answers in float32 (torch.equal with .mean()), on the CPU; an empty test set's
+    is 0; a subset restricts the validation accuracy to its sites (-1: the sites in none). What
+    reaches the server is the sums by group alone: each site's reply is one-hot in its group's
+    row; a test set's sum is its sites' together."""
     g = torch.Generator().manual_seed(0)
-    part = lambda n: (torch.zeros(n, 1, dtype=torch.uint8), torch.zeros(n, dtype=torch.long))
-    sizes = [(7, 13), (11, 3), (5, 17)]                       # (validation, test) of fixed clients
-    sites = [data.Client(i, f"c{i}", *part(1), *part(v), *part(t))
-             for i, (v, t) in enumerate(sizes)]
-    fed = data.Federation("clients", sites, [], ["c0", "c1", "c2", "nobody"])
+    sizes = [(7, 13), (11, 3), (5, 17), (0, 9)]        # (validation, test) of fixed clients
     answers = [(torch.rand(v, generator=g) < 0.6, torch.rand(t, generator=g) < 0.3)
                for v, t in sizes]
-    hits = [{"val": a.sum(), "test": b.sum()} for a, b in answers]
-    val, test, per = common.accuracies(fed, hits)
+
+    def part(right):                 # two-pixel images whose argmax is right where `right` says
+        y = torch.randint(2, (len(right),), generator=g)
+        return F.one_hot(torch.where(right, y, 1 - y), 2).to(torch.uint8), y
+    sites = [data.Client(i, f"c{i}", *part(torch.ones(1, dtype=torch.bool)), *part(a), *part(b))
+             for i, (a, b) in enumerate(answers)]
+    sites[3].domain = "c2"                              # two sites of one test set
+    fed = data.Federation("clients", sites, [], ["c0", "c1", "c2", "nobody"])
+    model = torch.nn.Linear(2, 2)                       # the logits are the pixels
+    common.set_flat(model, torch.cat([torch.eye(2).reshape(-1), torch.zeros(2)]))
+    ctx = common.Context(torch.device("cpu"), torch.Generator(), lambda x, **_: x.float(),
+                         args=argparse.Namespace(seed=0), fed=fed, model=model, clients={})
+    replies = []
+    ctx.engine = lambda *a: replies.extend(common.one_by_one(*a)) or replies
+    sums = common.scores(1, model, fed, ctx, subsets=[[0, 2]])
+    assert sums.keys() == {"val", "test"} and sums["val"].shape == (4, 2, 2)
+    for c, r in enumerate(replies):                     # a site's counts in its group's row alone
+        row = min(c, 2) * 2 + (0 if c in (0, 2) else 1)
+        assert all(r[k].count_nonzero(1).nonzero().flatten().tolist() in ([], [row]) for k in r)
+        assert r["test"][row].tolist() == [answers[c][1].sum().item(), sizes[c][1]]
+    assert sums["test"][2].sum(0).tolist() == [(answers[2][1].sum() + answers[3][1].sum()).item(),
+                                               26]
+    val, test, per = common.accuracies(sums)
     pooled = lambda k, idx: torch.cat([answers[i][k] for i in idx]).float().mean().item()
-    assert val == pooled(0, [0, 1, 2]) and test == pooled(1, [0, 1, 2])
-    assert per == [answers[0][1].float().mean().item(), answers[1][1].float().mean().item(),
-                   answers[2][1].float().mean().item(), 0.0]
-    assert common.accuracies(fed, hits, on=[0, 2])[0] == pooled(0, [0, 2])
+    assert val == pooled(0, [0, 1, 2, 3]) and test == pooled(1, [0, 1, 2, 3])
+    assert per == [pooled(1, [0]), pooled(1, [1]), pooled(1, [2, 3]), 0.0]
+    assert common.accuracies(sums, 0)[0] == pooled(0, [0, 2])
+    assert common.accuracies(sums, -1)[0] == pooled(0, [1, 3])
+    assert common.accuracies(sums, [0, 1])[0] == val
 
 
 @on_every_device

@@ -63,7 +63,7 @@ def irm_round(t, model, fed, args, state, ctx, penalty=squared_penalty):
     phi = fit_phi(T, penalty, args.dg_lambda, args.stage2_lr, args.stage2_wd,
                   args.server_steps)                                                 # Eq. 11
     if not bool(torch.isfinite(phi).all()):                                # one host sync a round
-        raise common.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg "
+        raise harness.runner.NonFinite(f"non-finite ensemble weights φ in round {t} (server, --dg "
                                f"{args.dg}, testing on {fed.name}); lower --dg-lambda or "
                                f"--stage2-lr")
     W, b = fedloe.ensemble(phi, Ws, bs)                                              # Eq. 12
