@@ -28,6 +28,7 @@ import audit  # noqa: E402
 import bad_node  # noqa: E402
 import fake_grid  # noqa: E402
 import fl_adapter  # noqa: E402  (puts the repository on the path)
+import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
 import harness  # noqa: E402
@@ -555,6 +556,24 @@ def test_an_evaluation_only_node_never_trains(tmp_path, monkeypatch):
         "fedavg:client_update is not an evaluation of fedavg.py; nothing was run"
     assert fl_adapter.declared("fedavg", evaluate_only=True) == {"common:score"}
     assert fl_adapter.declared("perinvfl", True) == {"perinvfl:score", "perinvfl:init_state"}
+
+
+def test_an_evaluations_counts_are_checked_against_their_declaration():
+    """what_is_wrong on common.score's reply (right answers and examples in the group's row of a
+    [groups, 2] count, common.Count(most, shape)): the honest reply passes; a count above the
+    site's examples or below 0, another shape, another dtype are each named in the line."""
+    want = fl_adapter.schema({"val": common.Count(12, (3, 2))})
+    span = {"_began": 1.0, "_ready": 1.0, "_ended": 2.0, "_round": 1, "_phase": "score"}
+    ok = torch.tensor([[0, 0], [5, 12], [0, 0]])
+    wrong = lambda v: fl_adapter.what_is_wrong({"val": v, **span}, want, 1, "score")
+    assert wrong(ok) is None
+    assert wrong(ok + torch.tensor([[0, 0], [0, 1], [0, 0]])) == \
+        "val counts [[0, 0], [5, 13], [0, 0]] of 12 examples"
+    assert wrong(ok - torch.tensor([[1, 0], [0, 0], [0, 0]])) == \
+        "val counts [[-1, 0], [5, 12], [0, 0]] of 12 examples"
+    assert wrong(ok[:2]) == "val is ('tensor', (2, 2), 'torch.int64'), where the client " \
+        "function declares ('count', 12, (3, 2))"
+    assert wrong(ok.float()).startswith("val is ('tensor', (3, 2), 'torch.float32')")
 
 
 @pytest.mark.parametrize("how,what", [

@@ -132,6 +132,18 @@ def largest(a, b):
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def test_counts_are_whole_steps_and_too_many_for_the_levels_are_refused():
+    """count_clip, an evaluation's range: the least power of two above the largest count, so that
+    a quantisation step divides 1 (every count a whole number of steps: no rounding, the sum
+    exact); a ValueError where the C clients' levels are too few for that."""
+    assert [secagg.count_clip(m, 2) for m in (0, 1, 240, 255, 256)] == [1, 2, 256, 256, 512]
+    for C in (2, 3, 5, 100):
+        assert (1 / secagg.step(C, secagg.count_clip(10_000, C))).is_integer()
+    assert secagg.count_clip(2 ** 28 - 1, 2) == 2 ** 28
+    with pytest.raises(ValueError, match="counts up to 1073741824 over 2 clients cannot be summed"):
+        secagg.count_clip(2 ** 30, 2)
+
+
 def test_fedavg_under_secagg_is_its_own_run_within_quantisation(tmp_path):
     """FedAvg on the synthetic data, 2 rounds, 2 of 3 clients a round: the server gets Σ n_c Δ_c
     and Σ loss alone, and the model is the method file's own within 1e-3 (measured 1.2e-7 to
