@@ -284,8 +284,9 @@ def check(args, given):
 
 
 METHOD = common.Method("fedloe", __doc__, fedloe_round, init_state=init_state, evaluate=evaluate,
-                       clients=(stage1_update, head_update, tuning_predictions), add_args=add_args,
-                       defaults=DEFAULTS, derive=derive, check=check, parallel=True)
+                       add_args=add_args, defaults=DEFAULTS, derive=derive, check=check,
+                       clients=lambda args: (stage1_update, head_update, tuning_predictions)
+                       if args.stage2_comms else (stage1_update,), parallel=True)
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results

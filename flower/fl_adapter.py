@@ -735,7 +735,10 @@ def secure_work(msg, context, also=frozenset()):
         raise secagg.Refused(why or f"{req['fn']} declares no sum (common.replies): nothing "
                              f"was run")
     out = client_work(req, context, also, began)
-    vector = secagg.encode(out, reduction(fn, out), float(req["clip"]), own_site(context)[0])
+    site = own_site(context)[0]
+    vector = secagg.encode(out, reduction(fn, out), float(req["clip"]), site)
+    seed = json.loads(req["args"])["seed"]                      # (the client's stream's key)
+    secagg.seed_rounding(f"{seed}/{req['domain']}/{req['round']}/{site}/{req['phase']}")
     return secagg.fit_reply(msg, vector, {k: out[k] for k in SPAN})
 
 

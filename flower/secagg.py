@@ -17,9 +17,12 @@ What this adds around Flower's parts:
   - the range: Flower's quantize clips to ±clipping_range silently; a node refuses instead, in one
     line naming its site and the value, before the mod sees anything (`encode`);
   - the levels: the most a sum of C clients allows below Flower's modulus 2^32 (`levels`);
+  - the rounding: Flower's quantize draws its stochastic rounding from numpy's global generator;
+    a node seeds it from its client's stream key first (`seed_rounding`), so a run repeats;
   - every stage's reply signed by its node (`signed`, a mod outside secaggplus_mod) and checked by
     the server before the workflow reads it (`Watched`).
 """
+import hashlib
 import logging
 import math
 import time
@@ -91,6 +94,16 @@ def encode(out, how, clip, site):
                           f"nothing of it was sent (raise secagg-clip in the run config)")
         parts.append(v.numpy())
     return np.concatenate(parts)
+
+
+def seed_rounding(key):
+    """Seeds numpy's global generator, from which Flower's quantize draws the stochastic rounding
+    of the vector it is handed next, from `key`: the client's stream key (common.stream's: the
+    run's seed, the held-out domain, the round, the client, the exchange). So a run under secagg
+    repeats bit for bit. The draws decide only each value's last step, and the
+    masks come from the mod's own secrets, not from this generator."""
+    digest = hashlib.blake2b(f"{key}/secagg".encode(), digest_size=4).digest()
+    np.random.seed(int.from_bytes(digest, "little"))
 
 
 def fit_reply(msg, vector, span):

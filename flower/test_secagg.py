@@ -24,6 +24,9 @@ import secagg  # noqa: E402
 import test_flower  # noqa: E402
 
 C, L, CLIP = 3, 500, 64.0
+STAGE1 = ["--dataset", "synthetic", "--test-domain", "0", "--clients", "3", "--stage1-epochs", "2",
+          "--stage1-comms", "2", "--stage2-epochs", "0", "--stage2-comms", "0",
+          "--batch-size", "64"]                # FedLOE's stage 1 alone: two communications
 SPAN = {"_began": 0.0, "_ready": 0.0, "_ended": 0.0, "_round": 1, "_phase": "x"}
 
 
@@ -146,15 +149,34 @@ def test_counts_are_whole_steps_and_too_many_for_the_levels_are_refused():
 
 def test_fedavg_under_secagg_is_its_own_run_within_quantisation(tmp_path):
     """FedAvg on the synthetic data, 2 rounds, 2 of 3 clients a round: the server gets Σ n_c Δ_c
-    and Σ loss alone, and the model is the method file's own within 1e-3 (measured 1.2e-7 to
-    2.4e-5, the stochastic rounding's draws varying; float32 rounding alone, the same sums in
-    another order, moves FedAvg on this data by 1.4e-3 in 3 rounds), every accuracy within one
-    validation or test example of its own."""
+    and Σ loss alone, and the model is the method file's own within 1e-3 (measured 1.2e-7, the
+    rounding's draws seeded; unseeded, 1.2e-7 to 2.4e-5 were seen; float32 rounding alone, the
+    same sums in another order, moves FedAvg on this data by 1.4e-3 in 3 rounds), every accuracy
+    within one validation or test example of its own."""
     own, own_ckpt, flower, flower_ckpt = run_secure("fedavg", test_flower.ARGV["fedavg"], tmp_path)
     assert 0 < largest(own_ckpt["model"], flower_ckpt["model"]) <= 1e-3    # (> 0: not in the clear)
     rows = lambda res: [(r["val_acc"], r["test_acc"]) for r in res["domains"]["style0"]["history"]]
     for (val, test), (val_, test_) in zip(rows(own), rows(flower)):
         assert abs(val - val_) <= 1 / 48 + 1e-6 and abs(test - test_) <= 1 / 240 + 1e-6
+
+
+def test_a_run_under_secagg_repeats_bit_for_bit(tmp_path):
+    """The same FedAvg run under secagg twice, each on a grid of its own: the same model
+    (torch.equal) and the same results, every accuracy and loss (each node seeds the rounding
+    draws from its client's stream key, secagg.seed_rounding); with the draws left to numpy's
+    global generator as it stands, the two models differ."""
+    argv = test_flower.ARGV["fedavg"]
+    runs = []
+    for k in range(2):
+        grid = test_flower.grid_of("fedavg", argv, tmp_path / str(k))
+        out = tmp_path / f"{k}.json"
+        fl_adapter.serve(grid, "fedavg", argv + ["--out", str(out)], clip=secagg.CLIP)
+        runs.append((json.loads(out.read_text()), torch.load(f"{out}.ckpt", weights_only=True)))
+    (first, a), (second, b) = runs
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+    history = lambda res: [{k: v for k, v in row.items() if k != "seconds"}
+                           for d in res["domains"].values() for row in d["history"]]
+    assert history(first) == history(second) and len(history(first)) == 2
 
 
 class Untouched(fake_grid.FakeGrid):
@@ -230,14 +252,16 @@ def test_the_serverapp_refuses_a_bad_secagg_clip_before_anything(config, line):
     ("fediir", test_flower.ARGV["fediir"], 5e-2),
     ("perinvfl", test_flower.ARGV["perinvfl"], 2e-2),
     ("fedipg", test_flower.BASE + ["--clients", "3"], 3e-2),
+    ("fedloe", STAGE1, 5e-2),
 ])
 def test_a_method_under_secagg_is_its_own_run_within_float32_rounding(method, argv, bound,
                                                                        tmp_path):
     """Under secagg the model ends within `bound` of the method file's own, and not equal to it
-    (the sums are quantised: the run went through SecAgg+). Measured on these runs: FedIIR
-    5e-3 to 8e-3, PerInvFL 1e-4, FedIPG 4e-3 (stochastic rounding: they vary); float32 rounding
-    alone, the same sums in another order (--parallel-clients on against off), moves FedIIR by
-    7.4e-3 after these 2 rounds. The round's loss, the clients' mean, within 1% (a declared mean
+    (the sums are quantised: the run went through SecAgg+). Measured on these runs, the rounding's
+    draws seeded: FedIIR 5.2e-3, PerInvFL 5.8e-5, FedIPG 3.6e-3, FedLOE's stage 1 alone (its
+    only form under secagg) 1.3e-6; float32 rounding alone, the same sums in another order
+    (--parallel-clients on against off), moves FedIIR by 7.7e-3 and FedLOE's stage 1 by 4.7e-3
+    after these rounds. The round's loss, the clients' mean, within 1% (a declared mean
     taken for the sum, no division by C, fails it)."""
     own_res, own, res, flower = run_secure(method, argv, tmp_path)
     assert 0 < largest(own["model"], flower["model"]) < bound

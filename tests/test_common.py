@@ -108,7 +108,8 @@ def test_clients_taken_in_reverse_order_make_the_same_updates(method, tmp_path, 
     ckpt = [torch.load(tmp_path / f"{o}.json.ckpt", weights_only=True)["model"]
             for o in ("forward", "reverse")]
     assert all(torch.equal(v, ckpt[1][k]) for k, v in ckpt[0].items())
-    record, args = harness.method(method), argparse.Namespace(exit="auto")   # (as FedIPG's argv)
+    record = harness.method(method)
+    args = harness.resolve(record, CLIENT_ORDER_ARGV[method] + ["--out", str(tmp_path / "a.json")])
     declared = harness.methods.run_clients(record, args) + record.evaluations
     assert ran == {harness.methods.qualified(f) for f in declared} and len(ran) >= 2
     setup = {f"{method}:init_state"} if record.init_state else set()
@@ -128,11 +129,17 @@ def test_what_a_node_may_run_is_each_methods_declaration():
     variant = dataclasses.replace(fedavg.METHOD, clients=(fedavg.client_update, common.features))
     assert harness.client_functions(variant) == {"fedavg:client_update", "common:features",
                                                  "common:score"}
-    # FedIPG's clients follow from --exit: risk_gradient (Eq. 13's g_i) with exits alone
+    # FedIPG's clients follow from --exit: risk_gradient (Eq. 13's g_i) with exits alone; without
+    # the run's arguments, a record whose clients follow from them has none
     for exit, step0 in (("off", set()), ("auto", {"fedipg:risk_gradient"})):
         assert harness.client_functions("fedipg", args=argparse.Namespace(exit=exit)) == {
             "fedipg:client_update", "common:score", "fedipg:init_state"} | step0
     assert harness.client_functions("fedipg") == {"common:score", "fedipg:init_state"}
+    # FedLOE's on --stage2-comms: its heads and tuning predictions only with a stage 2
+    stage1 = {"fedloe:stage1_update", "common:score", "fedloe:init_state"}
+    assert harness.client_functions("fedloe", args=argparse.Namespace(stage2_comms=0)) == stage1
+    assert harness.client_functions("fedloe", args=argparse.Namespace(stage2_comms=2)) == stage1 | {
+        "fedloe:head_update", "fedloe:tuning_predictions"}
     with pytest.raises(ValueError, match="unknown method 'fedx'"):
         harness.client_functions("fedx")
     assert all(harness.method(m).name == m for m in harness.METHODS)

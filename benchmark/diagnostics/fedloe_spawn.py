@@ -151,7 +151,7 @@ def evaluate(t, model, fed, args, state, ctx):
 
 
 METHOD = dataclasses.replace(fedloe.METHOD, name="fedloe_spawn", doc=__doc__, round=spawn_round,
-                             clients=fedloe.METHOD.clients + (branch_update,),
+                             clients=lambda args: fedloe.METHOD.clients(args) + (branch_update,),
                              init_state=init_state, evaluate=evaluate, add_args=add_args,
                              defaults=DEFAULTS, derive=derive, check=check)
 
