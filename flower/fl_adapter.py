@@ -111,8 +111,13 @@ def declared(method, evaluate_only=False, args=None):
     common.on_clients; METHOD.evaluations) and its init_state, as "module:qualname"
     (harness.client_functions); an evaluation-only node the evaluations alone (and the setup).
     Any other name in a message is refused."""
-    args = argparse.Namespace(**args) if args is not None else None
-    return client_functions(method, evaluate_only, args) if method in METHODS else frozenset()
+    if method not in METHODS:
+        return frozenset()
+    try:
+        return client_functions(method, evaluate_only,
+                                argparse.Namespace(**args) if args is not None else None)
+    except AttributeError:          # run arguments without a flag its clients follow: none of them
+        return client_functions(method, evaluate_only)
 
 
 def activated(info):
@@ -430,7 +435,10 @@ class Link:
                                    f"aggregation hides a client only among two at least")
         clip = self.clip
         if all(w[k][0] == "count" for w in wants for k in how):
-            clip = secagg.count_clip(max(w[k][1] for w in wants for k in how), C)
+            try:
+                clip = secagg.count_clip(max(w[k][1] for w in wants for k in how), C)
+            except ValueError as e:
+                raise common.UserError(f"secagg: round {t}'s exchange {phase}: {e}") from None
         part = {self.nodes[c]: c for c in S}
         values = sum(math.prod(secagg.shape(want[k])) for k in how)
         most = MAX_BYTES * 8 * (values + 1) + 2 ** 16 + 2 ** 12 * C     # a masked int64 vector

@@ -541,6 +541,8 @@ def test_a_node_runs_only_the_method_files_client_functions(fn, init, method, mo
         "fedipg:risk_gradient", "fedipg:client_update", "fedipg:init_state", "common:score"}
     assert fl_adapter.declared("fedipg", args={"exit": "off"}) == {
         "fedipg:client_update", "fedipg:init_state", "common:score"}
+    assert fl_adapter.declared("fedipg", args={"seed": 0}) == {     # (no --exit: none of them)
+        "fedipg:init_state", "common:score"}
 
 
 def test_an_evaluation_only_node_never_trains(tmp_path, monkeypatch):
