@@ -708,8 +708,8 @@ SHOWN = [
     ("fediir", [], "classifier_gradient", ["grad"], "ones", "sum"),           # ḡ = Σ grad / Σ count
     ("fediir", [], "client_update", ["delta"], "ones", "sum"),          # server_update: Σ_c Δ_c / C
     ("fedomg", [], "client_update", ["theta"], "n", "individual"),      # the Gram matrix of the g_u
-    ("fedloe", LOE_1 := ["--stage1-comms", "1", "--batch-size", "64"], "stage1_update", ["delta"],
-     "ones", "sum"),
+    ("fedloe", LOE_1 := ["--stage1-epochs", "8", "--stage1-comms", "1", "--batch-size", "64"],
+     "stage1_update", ["delta"], "ones", "sum"),
     # every head kept, sent down
     ("fedloe", LOE_1, "head_update", ["W", "b"], "ones", "individual"),
     ("fedloe", LOE_1, "tuning_predictions", ["Y"], "ones", "individual"),       # φ fitted on each ŷ
