@@ -543,7 +543,7 @@ def test_parallel_fediir_with_penalty_and_ema_matches_sequential(tmp_path, monke
     update 4.8e-7 / 4.6e-7, g̃ 1.0e-7 / 9.8e-8, max |Δθ| 1.5e-8 / 1.5e-8, losses 0 / 8.0e-8;
     tolerances 1e-6 (53x), 1e-5 (21x), 2e-6 (20x), 2e-7 (13x), 1e-5 (125x)."""
     args = method_args(fediir, "fediir", SGD + IIR, tmp_path)
-    out = both_ways(fediir.fediir_round, args, 2, monkeypatch, fediir.init_state)
+    out = both_ways(fediir.fediir_round, args, 2, fediir.init_state)
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-6, update=1e-5) if f32 else F64))
     assert max_abs(out) < (2e-7 if f32 else 1e-13)
@@ -850,7 +850,7 @@ def test_parallel_fedomg_keeps_each_clients_momentum(tmp_path, monkeypatch, dtyp
     args = method_args(readings, "fedomg", ["--clients", "5", "--sample", "3", "--batch-size", "16",
                                             "--rounds", "3",
                                             "--weight-decay", "1e-2", "--lr-step", "0.5"], tmp_path)
-    out = both_ways(readings.readings_round, args, 3, monkeypatch)
+    out = both_ways(readings.readings_round, args, 3)
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-7, update=2e-5) if f32 else F64))
     seq, par = out["off"][2]["clients"], out["on"][2]["clients"]    # each client's own state
@@ -1380,7 +1380,7 @@ def test_parallel_fedloe_stage1_with_adam(tmp_path, monkeypatch, dtype):
                                           "--lr", "1e-3"], tmp_path)
     tol = dict(params=3e-5, update=1e-4) if dtype == torch.float32 else F64
     # stage 1 (K1 = 2)
-    assert_same_to_tolerance(both_ways(fedloe.fedloe_round, args, 2, monkeypatch), **tol)
+    assert_same_to_tolerance(both_ways(fedloe.fedloe_round, args, 2), **tol)
 
 
 # FedLOE against its sources: the terms of Eq. 11 in the base code's form (V-REx, IRMv1),
@@ -2095,7 +2095,7 @@ def test_parallel_perinvfl_line_9_matches_sequential_across_the_lambda_switch(
     ν_T − ν_0 4.1e-5 / 4.1e-5 (a small update, 8e-4 of ν), θ_i 1.5e-9 / 1.7e-9, risks 8.6e-8 / 0;
     tolerances 1e-6 (31x), 1e-3 (24x), 1e-7 (59x), 1e-5 (116x)."""
     args = method_args(perinvfl, "perinvfl", PINV_PAR, tmp_path)
-    out = both_ways(perinvfl.perinvfl_round, args, 3, monkeypatch, perinvfl.init_state)
+    out = both_ways(perinvfl.perinvfl_round, args, 3, perinvfl.init_state)
     (seq, nu0, s_state, s_loss), (par, _, p_state, p_loss) = out["off"], out["on"]
     f32 = dtype == torch.float32
     nu_tol, update_tol, theta_tol, risk_tol = (1e-6, 1e-3, 1e-7, 1e-5) if f32 else (
@@ -2109,7 +2109,7 @@ def test_parallel_perinvfl_line_9_matches_sequential_across_the_lambda_switch(
                           torch.stack(list(s_loss.values())),
                           rtol=risk_tol, atol=0)
     args.lam = 0.0                                            # the same rounds without IRMv1's term
-    free = both_ways(perinvfl.perinvfl_round, args, 3, monkeypatch, perinvfl.init_state)["off"][0]
+    free = both_ways(perinvfl.perinvfl_round, args, 3, perinvfl.init_state)["off"][0]
     assert rel(free - nu0, seq - nu0) > 100 * rel(par - nu0, seq - nu0)
 
 
@@ -2719,7 +2719,7 @@ def test_compiled_fedipg_step_is_one_graph_and_matches_the_clients_one_after_ano
     args = method_args(fedipg, "fedipg", SGD + IPG + ["--compile"], tmp_path)
     torch._dynamo.reset()
     counters.clear()
-    out = both_ways(fedipg.fedipg_round, args, 2, monkeypatch, fedipg.init_state)
+    out = both_ways(fedipg.fedipg_round, args, 2, fedipg.init_state)
     assert counters["stats"]["unique_graphs"] == 1
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-3, update=5e-2, losses=2e-4) if f32 else F64))
@@ -2739,7 +2739,7 @@ def test_parallel_fedipg_penalty_matches_sequential(tmp_path, monkeypatch, dtype
     args = method_args(fedipg, "fedipg", SGD + IPG, tmp_path)
     if form == "jvp":                           # d by torch.func.jvp (the ResNets' form), both ways
         monkeypatch.setattr(fedipg, "chain", lambda model: None)
-    out = both_ways(fedipg.fedipg_round, args, 2, monkeypatch, fedipg.init_state)
+    out = both_ways(fedipg.fedipg_round, args, 2, fedipg.init_state)
     f32 = dtype == torch.float32
     assert_same_to_tolerance(out, **(dict(params=1e-3, update=5e-2, losses=2e-4) if f32 else F64))
     assert max_abs(out) < (1e-3 if f32 else 1e-13)

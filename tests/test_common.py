@@ -301,7 +301,7 @@ def test_parallel_minibatches_are_the_sequential_ones(tmp_path, monkeypatch):
         return iter(out)
     monkeypatch.setattr(common, "batches", logged)
     for mode in ("off", "on"):
-        both_ways(fedavg.fedavg_round, args, 1, monkeypatch)
+        both_ways(fedavg.fedavg_round, args, 1)
     assert drawn["off"].keys() == drawn["on"].keys() and len(drawn["on"]) == 5
     assert sorted(n for n, _ in drawn["on"]) == [20, 33, 45, 70, 108]           # the ragged clients
     for key, seq in drawn["off"].items():
@@ -322,7 +322,7 @@ def test_parallel_fedavg_matches_sequential_with_ragged_clients_momentum_and_wei
                                           "--momentum", "0.9", "--weight-decay", "1e-2",
                                           "--lr", "0.02"], tmp_path)
     tol = dict(params=1e-6, update=1e-5) if dtype == torch.float32 else F64
-    assert_same_to_tolerance(both_ways(fedavg.fedavg_round, args, 2, monkeypatch), **tol)
+    assert_same_to_tolerance(both_ways(fedavg.fedavg_round, args, 2), **tol)
 
 
 def test_parallel_client_with_fewer_steps_never_moves_after_its_last(tmp_path, dtype):
@@ -368,11 +368,11 @@ def test_compiled_step_is_one_graph_matches_the_clients_one_after_another_and_re
                        tmp_path)
     torch._dynamo.reset()
     counters.clear()
-    out = both_ways(fedavg.fedavg_round, args, 2, monkeypatch)
+    out = both_ways(fedavg.fedavg_round, args, 2)
     assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 0
     tol = dict(params=1e-6, update=1e-5) if dtype == torch.float32 else F64
     assert_same_to_tolerance(out, **tol)
-    assert torch.equal(both_ways(fedavg.fedavg_round, args, 2, monkeypatch)["on"][0], out["on"][0])
+    assert torch.equal(both_ways(fedavg.fedavg_round, args, 2)["on"][0], out["on"][0])
     assert counters["stats"]["unique_graphs"] == 1                # the second run: no recompilation
 
 
@@ -418,7 +418,7 @@ def test_compiled_step_of_every_stacked_objective_is_one_graph_and_matches(
     torch._dynamo.reset()
     counters.clear()
     # (as their test_parallel_*)
-    out = both_ways(getattr(module, f"{name}_round"), args, rounds, monkeypatch,
+    out = both_ways(getattr(module, f"{name}_round"), args, rounds,
                     fediir.init_state if name == "fediir" else lambda *a: {})
     assert counters["stats"]["unique_graphs"] == 1
     assert_same_to_tolerance(out, **(dict(params=tol[0], update=tol[1]) if dtype == torch.float32
