@@ -192,7 +192,8 @@ def evaluate(t, model, fed, args, state, ctx):
     """Fixed clients: θ_i on its client's validation split and test context, ν on all
     (`global_*`). Leave-one-domain-out: ν on the held-out domain; θ_i on its own validation split
     (`personal_*`). Every site scores its own (`score`), the server sums."""
-    lodo, P = args.dataset in data.LODO, len(fed.clients)
+    lodo = args.dataset in data.LODO
+    P = len(fed.clients)
     alone = [[i] for i in range(P)] if lodo else ()                    # each θ_i on its own
     sums = common.scores(t, model, fed, ctx, subsets=alone, fn=score)
     nu_val, nu_test, nu_per = common.accuracies(sums)

@@ -2465,7 +2465,8 @@ def test_fedipg_id_and_ood_accuracies_pool_the_answers_of_their_own_clients():
     answers (the sites score once; the server sums by group, common.scores)."""
     import fedipg_aberrant
     args = harness.resolve(fedipg.METHOD, QUICK[:2] + ["--test-domain", "0", "--clients", "3",
-                                                       "--exit", "auto", "--out", "r.json"])
+                                                       "--exit", "auto", "--device", "cpu",
+                                                       "--out", "r.json"])     # (both on the CPU)
     ds = data.load("synthetic", None, args.seed)
     fed = data.federate(ds, 0, args.clients, args.seed, "cpu")
     model = common.global_model(args, ds, torch.device("cpu"))

@@ -279,7 +279,8 @@ class Link:
         apart = [f for f in run_clients(harness.method(self.method), args)
                  if not getattr(f, "reduced", None)]
         if self.clip is not None and apart:              # before any node is asked for anything
-            names, many = ", ".join(f"{f.__name__} ({qualified(f)})" for f in apart), apart[1:]
+            names = ", ".join(f"{f.__name__} ({qualified(f)})" for f in apart)
+            many = len(apart) > 1
             raise common.UserError(
                 f"secagg: {self.method}'s exchange{'s' if many else ''} {names} send"
                 f"{'' if many else 's'} the server each client's own reply, which its round reads "
@@ -428,8 +429,9 @@ class Link:
         server receives the sums alone, never a client's reply; the declared means are the sums
         over C. `wants`: each client's declared reply (schema), whose reduced keys make the summed
         vector; counts alone (an evaluation) are summed exactly (secagg.count_clip)."""
-        want, C = wants[0], len(S)
+        want = wants[0]
         how = reduction(fn, want)
+        C = len(S)
         if C < 2:
             raise common.UserError(f"secagg: round {t}'s exchange {phase} has one client; secure "
                                    f"aggregation hides a client only among two at least")
