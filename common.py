@@ -1,4 +1,4 @@
-"""The teaching core: what every method's round is made of. Nothing here knows a specific method,
+"""The teaching core: what every method's round is made of. Nothing in it knows a specific method,
 a command line, a results file or a checkpoint (the run harness, harness/, makes a run a program).
 
 Read in this order (a method file calls into it where its round needs it):
@@ -14,24 +14,33 @@ Read in this order (a method file calls into it where its round needs it):
                        server's sums
   the loop over rounds train: global_model, make_context, then round after round, an evaluation
                        every args.eval_every rounds
+Then what a method file copied with common.py and data.py needs where the harness is absent:
   a method's record    Method: what a method file declares (METHOD)
+  a run's settings     PROTOCOL, RUN: every default but a method's own; settings(method, dataset,
+                       **given): a run's settings in one call; check; after_load: the counts of
+                       clients that the data settles
+  a copy's program     program: the method file as a program (flags from the tables, the
+                       harness's rounds and evaluations, printed)
 
 A method plugs in with its round, round_fn(t, model, fed, args, state, ctx) -> its losses, and
 optionally init_state and evaluate_fn, declared in a Method with its client functions and what
 each replies (replies): docs/protocol.md.
 """
+import argparse
 import contextlib
 import copy
 import functools
 import hashlib
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.deterministic
 
 import data
 from data import UserError
@@ -545,14 +554,15 @@ def global_model(args, ds, device):
     return model.to(memory_format=torch.channels_last) if nhwc else model
 
 
-def make_context(args, fed, model, engine=None):
+def make_context(args, fed, model, engine=None, prep=None):
     """A held-out domain's Context: the server's sampler (by the seed and the domain), a scratch
-    model for the clients, on_clients' engine (all_at_once with --parallel-clients on, or None)."""
+    model for the clients, on_clients' engine (all_at_once with --parallel-clients on, or None);
+    prep(x, train=False, gen=None): a batch as the model takes it (default: the dataset's)."""
     device = torch.device(args.device)
     salt = sum(map(ord, fed.name))
     engine = engine or (all_at_once if args.parallel_clients == "on" else None)
     return Context(device, torch.Generator().manual_seed(args.seed * 104729 + salt),
-                   data.make_prep(args.dataset, device), args.amp, args, fed,
+                   prep or data.make_prep(args.dataset, device), args.amp, args, fed,
                    copy.deepcopy(model), {}, engine)
 
 
@@ -572,6 +582,20 @@ def train(round_fn, model, fed, args, state, ctx, evaluate_fn=None, start=1, che
         losses = check(t, losses, model, state, fed) if check else losses
         due = t % args.eval_every == 0 or t == args.rounds
         yield t, losses, evaluate_fn(t, model, fed, args, state, ctx) if due else None
+
+
+def rounds(method, model, fed, args, prep=None):
+    """A method's rounds (a Method: a method file's METHOD) on the federation `fed` from `model`:
+    its Context (make_context; prep: your batches' own, e.g. for tensors that are not uint8
+    images) and its state (init_state), then train's rounds and evaluations. As the harness runs
+    them, without checkpoints:
+
+        for t, losses, scores in common.rounds(fediir.METHOD, model, fed, args): ...
+    """
+    ctx = make_context(args, fed, model, prep=prep)
+    state = method.init_state(model, fed, args, ctx) if method.init_state else {}
+    ctx.clients = state.setdefault("clients", {})   # the clients' own states, kept in the state
+    return train(method.round, model, fed, args, state, ctx, method.evaluate)
 
 
 # ------------------------------------------------------------------------------ a method's record
@@ -598,3 +622,386 @@ class Method:
     clients: tuple = ()
     auto: dict = field(default_factory=dict)
     evaluations: tuple = (score,)
+
+
+# ---------------------------------------------------------------------------- a run's settings
+# Every value of a run, declared once: the protocol's per dataset here (PROTOCOL; its sources:
+# docs/protocol.md), the run's own (RUN), a method's in its file (Method.defaults, add_args).
+# settings() gives them in one call; the command line (harness/config.py) and a copied method's
+# program read the same tables. FedIIR's Table 3 for the DG benchmarks, FedOMG's Table 1 for
+# label skew, PerInvFL's Table 6 with IRM's ColoredMNIST MLP (full batch, last round) for
+# RC-MNIST. sample "all": every client in every round.
+_ALL = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
+            eval_every=10, alpha=0.1, head="linear", select="val", p_test=0.1)
+_FL = dict(_ALL, model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100,
+           sample=20)
+_RC = dict(_ALL, model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3,
+           clients=4, sample=4, rounds=500, eval_every=50, select="last")
+_PHOTO = dict(_ALL, model="resnet18", lr=1e-3, batch_size=32, head="mlp")
+PROTOCOL = {
+    "rmnist": dict(_ALL, model="convnet", lr=1e-2, batch_size=64),
+    "vlcs": _PHOTO,
+    "pacs": dict(_PHOTO, lr=2.5e-3),
+    "officehome": dict(_PHOTO, model="resnet50"),
+    "synthetic": dict(_ALL, model="smallconv", lr=5e-2, batch_size=32),
+    "stained": dict(_ALL, model="mlp", lr=0.1, batch_size=64, sample="all"),  # FedIPG VI-C
+    **{name: _FL for name in data.FL},
+    "rcmnist": _RC,
+    "rcfmnist": _RC,
+    "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
+}
+# The run's own settings, the same for every dataset (clients, sample, client_size: None until
+# the data settles them, after_load)
+RUN = dict(dataset="rmnist", data_root=None, test_domain="all", clients=None, client_size=None,
+           sample=None, stain="fg", no_rotation=False, no_pretrained=False, seed=0,
+           device="auto", amp=False, nondeterministic=False, parallel_clients="auto",
+           compile=False)
+CHOICES = dict(model=("convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"),
+               head=("linear", "mlp"), select=("val", "last"), stain=("fg", "bg", "both"),
+               device=("auto", "cpu", "cuda"), parallel_clients=("auto", "on", "off"))
+
+
+def settings(method, dataset="rmnist", **given):
+    """Every setting of a run of `method` on `dataset` in one call, as the command line resolves
+    them where it names only `given` ({setting: value}, e.g. rounds=20): given, else the method's
+    derive for what follows from other settings, else its table (Method.defaults) for the dataset
+    and for every dataset, else PROTOCOL's, else RUN's or its flag's own; "auto" device and
+    parallel_clients resolved; then checked (UserError, one line). The counts of clients that only
+    the data settles stay None until after_load. A name no setting has: TypeError.
+
+        args = common.settings(fediir.METHOD, "rmnist", rounds=20, device="cpu")
+    """
+    args = argparse.Namespace(**{**RUN, **flags(method), "dataset": dataset, **given})
+    unknown = set(given) - set(RUN) - set(flags(method)) - set(table(method, dataset))
+    if unknown:
+        raise TypeError(f"settings: no setting named {', '.join(sorted(unknown))}")
+    given = {k for k, v in vars(args).items() if v is not None}
+    fill(method, args, given)
+    check(method, args, given)
+    return args
+
+
+def flags(method):
+    """The method's own flags (its add_args) and their own defaults."""
+    p = argparse.ArgumentParser()
+    if method.add_args:
+        method.add_args(p)
+    return {a.dest: a.default for a in p._actions if a.dest != "help"}
+
+
+def table(method, dataset):
+    """The defaults for `dataset`: the method's for it, else the method's for every dataset, else
+    PROTOCOL's."""
+    own = method.defaults
+    return {**PROTOCOL.get(dataset, {}), **own.get("*", {}), **own.get(dataset, {})}
+
+
+def fill(method, args, given):
+    """args' unset settings (None) from the tables, then the method's derive for those not in
+    `given`; returns what derive gave. An unknown dataset: UserError."""
+    if args.dataset not in data.NAMES:
+        raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
+    for k, v in table(method, args.dataset).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    derived = method.derive(args) if method.derive else {}
+    for k, v in derived.items():
+        if k not in given:
+            setattr(args, k, v)
+    return derived
+
+
+def check(method, args, given):
+    """Refuse, before any work, a setting no run can take (UserError, one line: the first that
+    holds), then the method's own check(args, given); "auto" device and parallel_clients resolved.
+    A value derived from `given` (the user's) is the method's to check."""
+    check_data_args(args)
+    check_test_domain(args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    derived = method.derive(args) if method.derive else {}
+    ours = lambda k: k in given or k not in derived
+    positive = ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr")
+    for bad, message in [   # in order: the first that holds is the error
+            (not 0 <= args.seed < 2 ** 31, f"--seed must be in [0, 2**31), got {args.seed}"),
+            *[(not getattr(args, k) > 0, f"--{k.replace('_', '-')} must be positive, got "
+               f"{getattr(args, k)}") for k in positive if ours(k) and getattr(args, k) != "auto"],
+            (ours("momentum") and not 0 <= args.momentum < 1,
+             f"--momentum must be in [0, 1), got {args.momentum}"),
+            (args.weight_decay < 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+            (args.device == "cuda" and not torch.cuda.is_available(),
+             "--device cuda: no CUDA device is visible"),
+            (args.amp and args.device != "cuda", "--amp needs a CUDA device")]:
+        if bad:
+            raise UserError(message)
+    if method.check:
+        method.check(args, given)
+    check_parallel(args, method)
+
+
+def check_data_args(args):
+    """Refuse, before any work, a value of the dataset's flags that no dataset could take, or one
+    given to a dataset it does not apply to (the counts of clients: after_load)."""
+    positive = [(getattr(args, k) is not None and not getattr(args, k) > 0,
+                 f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+                for k in ("clients", "client_size", "alpha")]   # None: settled by after_load
+    for bad, message in [   # in order: the first that holds is the error
+            (args.data_root == "",
+             "--data-root is empty: give a folder or file name, or leave the flag out"),
+            *positive,
+            (args.client_size is not None and args.dataset != "stained",
+             f"--client-size applies to stained only, not {args.dataset}"),
+            (args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"),
+             f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}"),
+            (not 0 <= args.p_test <= 1, f"--p-test must be in [0, 1], got {args.p_test}")]:
+        if bad:
+            raise UserError(message)
+
+
+def check_test_domain(args):
+    """--test-domain against the dataset's domains, before any data loads; a photo dataset's are
+    its folders, where they are (a missing one is refused when it loads, with the command that
+    fetches it)."""
+    if args.dataset in data.FOLDERS and (args.data_root is None or not os.path.isdir(
+            os.path.join(args.data_root, data.FOLDERS[args.dataset]))):
+        return
+    held_out(args.dataset, data.domain_names(args.dataset, args.data_root), args.test_domain)
+
+
+def parallel(args):
+    """--parallel-clients: 'auto' is on for CUDA except for the photos and ResNets, off on the
+    CPU."""
+    return args.parallel_clients == "on" or (
+        args.parallel_clients == "auto" and str(args.device).startswith("cuda")
+        and args.dataset not in data.PHOTOS and not args.model.startswith("resnet"))
+
+
+def check_parallel(args, method):
+    """Refuse --parallel-clients on where it cannot apply and record what 'auto' chose
+    (method.parallel: a bool, or a function of args giving None where it applies, else the
+    reason)."""
+    supported = method.parallel
+    reason = supported(args) if callable(supported) else None if supported else \
+        "trains its clients one after another (its local loss is not written with torch.func)"
+    supported = reason is None
+    if args.parallel_clients == "on" and not supported:
+        raise UserError(f"--parallel-clients on: {method.name} {reason}; use off")
+    if args.parallel_clients == "on" and args.dataset in data.PHOTOS:
+        raise UserError(f"--parallel-clients on: not for {args.dataset} (each client's "
+                        f"augmentation draws from its own stream, and a ResNet fills a GPU "
+                        f"alone); use off")
+    args.parallel_clients = "on" if supported and parallel(args) else "off"
+    if getattr(args, "compile", False) and args.parallel_clients == "off":   # the stacked step
+        raise UserError(f"--compile: {method.name} {reason}, and --compile compiles the step of "
+                        f"clients trained at once" if reason else "--compile compiles the step "
+                        "of the clients trained at once: add --parallel-clients on (the default "
+                        "on CUDA)")
+
+
+def load_data(args, load=None):
+    """The dataset of a run (load: data.load's stand-in, e.g. a cached one)."""
+    return (load or data.load)(args.dataset, args.data_root, args.seed,
+                               clients=args.clients or 100, alpha=args.alpha, p_test=args.p_test,
+                               stain=args.stain, rotation=not args.no_rotation)
+
+
+def after_load(args, ds):
+    """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once
+    --clients, --sample and (stained) --client-size are settled: by default one client per
+    training domain (a fixed split: its clients) and min(P, training domains) per round ('all':
+    every client), then checked against what the data allows (data.enough_clients,
+    data.stained_clients: every client holds one full minibatch of --batch-size)."""
+    names = None if ds.protocol == "clients" else [d.name for d in ds.domains]
+    todo = held_out(ds.name, names, args.test_domain)
+    n_train = len(ds.domains) - (ds.protocol == "lodo")
+    if ds.protocol == "clients" and args.clients != n_train:
+        raise UserError(f"--clients {args.clients} does not match the {n_train} clients of the "
+                        f"split")
+    if args.dataset == "stained":
+        args.clients, args.client_size, args.sample = data.stained_clients(
+            ds, args.stain, args.clients, args.client_size, args.sample, args.batch_size)
+        return todo
+    args.clients = n_train if args.clients is None else args.clients
+    args.sample = min(args.clients, n_train) if args.sample is None else \
+        args.clients if args.sample == "all" else args.sample
+    if args.clients < n_train:
+        raise UserError(f"--clients {args.clients} is below the {n_train} training domains (a "
+                        f"client never mixes domains)")
+    if not 1 <= args.sample <= args.clients:
+        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got "
+                        f"{args.sample}")
+    if ds.protocol == "lodo":
+        data.enough_clients(ds, todo, args.clients, args.batch_size)
+    return todo
+
+
+def held_out(dataset, names, pick):
+    """The indices of the domains to hold out, one after another, for --test-domain `pick` ('all', a
+    domain's name or its index) among `names`; [None] where the clients are fixed (names None)."""
+    if names is None:
+        if pick != "all":
+            raise UserError(f"--test-domain does not apply to {dataset}: its clients have their "
+                            f"own test sets")
+        return [None]
+    M = len(names)
+    if pick == "all":
+        return list(range(M))
+    if pick in names:
+        return [names.index(pick)]
+    if pick.lstrip("-").isdigit() and 0 <= int(pick) < M:
+        return [int(pick)]
+    raise UserError(f"unknown test domain {pick!r} for {dataset}; choose 'all', one of "
+                    f"{', '.join(names)} or an index 0..{M - 1}")
+
+
+def federation(args, ds, test):
+    """The federation of held-out domain `test` (None: the fixed clients) on args.device."""
+    device = torch.device(args.device)
+    if test is None:
+        return data.federate_fixed(ds, args.seed, device)
+    return data.federate(ds, test, args.clients, args.seed, device, client_size=args.client_size)
+
+
+def deterministic(on=True):
+    """Reproducible kernels (the default) or CUDA's fastest (--nondeterministic), set before
+    anything meets CUDA; CPU numbers are the same either way. Deterministic mode's NaN fill of
+    new tensors is off: nothing here reads unwritten memory. torch's flag set directly where torch
+    has it: torch.use_deterministic_algorithms imports torch._inductor (2.1 s of a 3.6 s node
+    setup, flower/node_cost.py, torch 2.14) for a setting that common.compiled makes itself."""
+    flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if flag is not None:
+        flag(on)
+    else:                                                               # (another torch)
+        torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cuda.matmul.allow_tf32 = False   # fp32 is IEEE fp32 on CUDA too (TF32 rounds
+    torch.backends.cudnn.allow_tf32 = False         # to 10 bits); --amp is the fast, lower path
+
+
+# ------------------------------------------------------------------------- a copy's program
+# Where the run harness is absent (a method file copied with common.py and data.py, and assets/
+# for the embedded digits), `python fedomg.py ...` runs this: the settings above as flags, and
+# the harness's rounds and evaluations, so the same numbers at the same flags, printed, never
+# written. The harness's own flags (results files, checkpoints, --resume, locks): one line.
+HARNESS = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes")
+
+
+def program(method, argv=None):
+    """A method file's program without the harness: bad input and the harness's flags one line
+    and exit 2 before any work; then every held-out domain trained as the harness trains it, each
+    evaluation and the table printed (--print-config: every setting, the counts from the data);
+    a non-finite loss exit 1, a Ctrl-C exit 130, each in one line."""
+    prog = f"{method.name}.py"
+    try:
+        args, show = parse(method, prog, sys.argv[1:] if argv is None else argv)
+        ds = load_data(args)
+        todo = after_load(args, ds)
+    except UserError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        sys.exit(2)
+    if show:
+        for k, v in vars(args).items():
+            print(f"  --{k.replace('_', '-'):<22} {v}")
+        return None
+    deterministic(not args.nondeterministic)
+    print(f"{method.name} on {args.dataset}: {args.clients} clients, {args.sample} per round, "
+          f"{args.rounds} rounds, device {args.device} (without the harness: nothing is written)")
+    done = {}
+    try:
+        for test in todo:
+            done.update(domain(method, args, ds, federation(args, ds, test)))
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{prog}: interrupted; nothing was saved (a copy writes no checkpoint)\n")
+        sys.exit(130)
+    except FloatingPointError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        sys.exit(1)
+    sel = "(last)" if args.select == "last" else "(best val)"
+    print(f"\n{'test domain':<11}  test acc {sel:<10}  last round  best round")
+    for name, (acc, last, best) in done.items():
+        print(f"{name:<11}  {acc:19.4f}  {last:10.4f}  {best:10d}")
+    return done
+
+
+def domain(method, args, ds, fed):
+    """One held-out domain, as the harness runs it: {its name: (test accuracy at the best round
+    by --select, the last round's, the best round)}."""
+    model = global_model(args, ds, torch.device(args.device))
+    print(f"-- test domain {fed.name}: {len(fed.clients)} clients")
+    best = None
+    for t, losses, scores in rounds(method, model, fed, args):
+        loss = torch.stack(list(losses.values())).mean().item()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss in round {t} (testing on {fed.name})")
+        if scores is not None:
+            val, test = scores[:2]
+            print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}", flush=True)
+            if best is None or val > best[0] or args.select == "last":
+                best = (val, test, t)
+    return {fed.name: (best[1], test, best[2])}
+
+
+def parse(method, prog, argv):
+    """The settings from a command line: the method's flags (its add_args) and every other setting
+    as --<name> <value>, read as its defaults are (reader); the harness's flags refused. Returns
+    (settings, whether --print-config was asked)."""
+    p = argparse.ArgumentParser(prog=prog, description=method.doc.strip().split("\n\n")[0],
+                                epilog="Copied without the project's harness/: the numbers are "
+                                "printed, not written (no results file, checkpoint or --resume).")
+    p.error = lambda message: p.exit(2, f"{prog}: error: {message}\n")
+    if method.add_args:
+        method.add_args(p)
+    shown = argparse.Namespace(**{**RUN, **flags(method)})        # --help: rmnist's values
+    fill(method, shown, set())
+    shown = {k: "from the data" if v is None and k in ("clients", "sample", "client_size") else v
+             for k, v in vars(shown).items()}
+    rows = [RUN, *PROTOCOL.values(), *method.defaults.values()]
+    for k in {**RUN, **{k: None for row in rows for k in row}}:
+        name, seen = f"--{k.replace('_', '-')}", [row[k] for row in rows if k in row]
+        if k in flags(method):
+            continue
+        if seen == [False] and isinstance(seen[0], bool):
+            p.add_argument(name, action="store_true", help="on/off (default: off)")
+        else:
+            p.add_argument(name, type=reader(k, seen), choices=CHOICES.get(k))
+    for act in p._actions[1:]:                     # every help ends with rmnist's value
+        if act.nargs != 0:
+            said = f"{act.help}; " if act.help else ""
+            act.help = f"{said}default for rmnist: {shown[act.dest]}".replace("%", "%%")
+    for k in HARNESS:
+        p.add_argument(f"--{k.replace('_', '-')}", nargs="?", const=True, help=argparse.SUPPRESS)
+    p.add_argument("--print-config", action="store_true", help="print every setting, then exit")
+    args = p.parse_args(argv)
+    asked = [k for k in HARNESS if getattr(args, k) is not None]
+    if asked:
+        raise UserError(f"--{asked[0].replace('_', '-')} needs the project's harness/ (results "
+                        f"files, checkpoints, locks): this copy prints its numbers, writes none")
+    show = args.print_config
+    for k in (*HARNESS, "print_config"):
+        delattr(args, k)
+    return settings(method, **{k: v for k, v in vars(args).items() if v is not None}), show
+
+
+def reader(k, seen):
+    """How --k's text is read, as its defaults `seen` are: a name as it is; a number (a whole one
+    where every default is), finite, or one of the words its defaults are ('all', 'auto')."""
+    if k in CHOICES or k in ("dataset", "data_root", "test_domain"):
+        return None
+    words = {v for v in seen if isinstance(v, str)}
+    to = float if any(isinstance(v, float) for v in seen) else int
+
+    def read(text):
+        if text in words:
+            return text
+        try:
+            number = to(text)
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number):
+            kind = "a number" if to is float else "a whole number"
+            raise argparse.ArgumentTypeError(f"expects {kind}{' or ' * bool(words)}"
+                                             f"{' or '.join(sorted(words))}, got {text!r}")
+        return number
+    return read

@@ -16,7 +16,7 @@ instead of by data size: `--uniform-avg` does that. With the Algorithm 2 split o
 clients hold nearly equal amounts of data, so the two agree closely on the leave-one-domain-out
 benchmarks.
 
-Defaults (the shared table, harness/config.py): FedIIR's Table 3 per dataset (RotatedMNIST: lr
+Defaults (the protocol's, common.PROTOCOL): FedIIR's Table 3 per dataset (RotatedMNIST: lr
 1e-2, batch 64; VLCS 1e-3 / 32; PACS 2.5e-3 / 32; OfficeHome 1e-3 / 32), 100 rounds, 1 local
 epoch, SGD with momentum 0.9 and a fresh optimiser on every client in every round, η_g = 1,
 evaluation every 10 rounds; the reported test accuracy is the one at the round with the best
@@ -26,8 +26,9 @@ pooled validation accuracy. Figure 1's two claims, the results and the readings:
     python fedavg.py --rounds 20 --test-domain 0      # a quick look
     python fedavg.py --dataset pacs --data-root ./data --clients 50
 """
-if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
-    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
+import importlib.util
+if __name__ == "__main__" and importlib.util.find_spec("harness"):  # the harness first: a Ctrl-C
+    import harness  # noqa: F401   while torch loads is one line, exit 130 (harness/__init__.py)
 
 import common
 
@@ -79,8 +80,9 @@ METHOD = common.Method("fedavg", __doc__, fedavg_round, clients=(client_update,)
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results
-    import harness
-    return harness.main(METHOD, argv)
+    if importlib.util.find_spec("harness") is None:   # copied without harness/: common.program
+        return common.program(METHOD, argv)
+    return importlib.import_module("harness").main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ it": docs/fediir.md.
     python fediir.py --clients 50 --test-domain 0
     python fediir.py --dataset pacs --data-root ./data
 """
-if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
-    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
+import importlib.util
+if __name__ == "__main__" and importlib.util.find_spec("harness"):  # the harness first: a Ctrl-C
+    import harness  # noqa: F401   while torch loads is one line, exit 130 (harness/__init__.py)
 import functools
 
 import torch
@@ -183,8 +184,9 @@ METHOD = common.Method("fediir", __doc__, fediir_round,
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results
-    import harness
-    return harness.main(METHOD, argv)
+    if importlib.util.find_spec("harness") is None:   # copied without harness/: common.program
+        return common.program(METHOD, argv)
+    return importlib.import_module("harness").main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ Defaults: --local-step sgd, that of every result here (the paper's step: docs/fe
 the middle of Figure 4's range (1e-4, 1e-2), 1e-4 (its low end) for the ResNet datasets; the paper
 silent: η = --lr, --exit-L 0.5, --exit-warmup 5; stained MNIST: Section VI-C's clients, IRM's MLP.
 """
-if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
-    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
+import importlib.util
+if __name__ == "__main__" and importlib.util.find_spec("harness"):  # the harness first: a Ctrl-C
+    import harness  # noqa: F401   while torch loads is one line, exit 130 (harness/__init__.py)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -85,7 +86,6 @@ def risk_gradient(site, sent):
 
 
 # -------------------------- the method as plain functions: torch alone (docs/fedipg.md: Copy it)
-
 def f_i(model, params, buffers, x, y, w, lam, layers=None):
     """f_i = R_i + λ d² on a minibatch (Eq. 9) at `params` (dicts by name), under vmap too."""
     def f():
@@ -233,8 +233,7 @@ def exit_strategy(fed, args, state, ids, n, g, fresh, last):
                                    "lower --exit-L")
         state["exited"] = sorted(state["exited"] + out)
         lowest = ", ".join(f"{i}: {mean[i]:.2e}" for i in sorted(mean, key=mean.get)[:5])
-        print(f"exit strategy: mean C_i (Eq. 13), lowest first: {lowest}; exiting: {out or 'none'}",
-              flush=True)
+        print(f"exit strategy: mean C_i (Eq. 13), lowest: {lowest}; exiting: {out or 'none'}")
 
 
 def init_state(model, fed, args, ctx):
@@ -292,8 +291,9 @@ METHOD = common.Method("fedipg", __doc__, fedipg_round, init_state=init_state, e
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results
-    import harness
-    return harness.main(METHOD, argv)
+    if importlib.util.find_spec("harness") is None:   # copied without harness/: common.program
+        return common.program(METHOD, argv)
+    return importlib.import_module("harness").main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ only, the paper's "our FedAvg". Defaults: Table 5 (batch 128, E1 256, K1 8, Adam
 clients), Appendix D.3 (ResNet-50); the sources, other datasets' defaults, readings, results and
 the paper-against-code discussion: docs/fedloe.md.
 """
-if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
-    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
+import importlib.util
+if __name__ == "__main__" and importlib.util.find_spec("harness"):  # the harness first: a Ctrl-C
+    import harness  # noqa: F401   while torch loads is one line, exit 130 (harness/__init__.py)
 import torch
 import torch.nn.functional as F
 
@@ -290,8 +291,9 @@ METHOD = common.Method("fedloe", __doc__, fedloe_round, init_state=init_state, e
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results
-    import harness
-    return harness.main(METHOD, argv)
+    if importlib.util.find_spec("harness") is None:   # copied without harness/: common.program
+        return common.program(METHOD, argv)
+    return importlib.import_module("harness").main(METHOD, argv)
 
 
 if __name__ == "__main__":

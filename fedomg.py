@@ -25,8 +25,9 @@ measurements, how to copy the server step: docs/fedomg.md.
     python fedomg.py --dataset pacs --data-root ./data
     python fedomg.py --dataset mnist --clients 100 --sample 20 --alpha 0.1 --rounds 800
 """
-if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
-    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
+import importlib.util
+if __name__ == "__main__" and importlib.util.find_spec("harness"):  # the harness first: a Ctrl-C
+    import harness  # noqa: F401   while torch loads is one line, exit 130 (harness/__init__.py)
 import torch
 
 import common
@@ -187,8 +188,9 @@ METHOD = common.Method("fedomg", __doc__, fedomg_round, clients=(client_update,)
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results
-    import harness
-    return harness.main(METHOD, argv)
+    if importlib.util.find_spec("harness") is None:   # copied without harness/: common.program
+        return common.program(METHOD, argv)
+    return importlib.import_module("harness").main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ with the same objectives). docs/perinvfl.md: the paper against this code, the re
 measurements, the "Copy it" loop; the ablations (kept θ_i, Adam on line 8, IRM-L2, IRM-FT,
 GroupDRO) and the Eq. 4 check: benchmark/diagnostics/perinvfl_variants.py.
 """
-if __name__ == "__main__":   # run as a program: the harness first, so that a Ctrl-C while torch
-    import harness  # noqa: F401   loads is one line, exit 130 (harness/__init__.py)
+import importlib.util
+if __name__ == "__main__" and importlib.util.find_spec("harness"):  # the harness first: a Ctrl-C
+    import harness  # noqa: F401   while torch loads is one line, exit 130 (harness/__init__.py)
 import functools
 import math
 
@@ -248,8 +249,9 @@ METHOD = common.Method("perinvfl", __doc__, perinvfl_round, clients=(client_upda
 
 
 def main(argv=None):                  # the program: the command line, checkpoints, results
-    import harness
-    return harness.main(METHOD, argv)
+    if importlib.util.find_spec("harness") is None:   # copied without harness/: common.program
+        return common.program(METHOD, argv)
+    return importlib.import_module("harness").main(METHOD, argv)
 
 
 if __name__ == "__main__":

@@ -58,60 +58,153 @@ from tests.helpers import (
 
 # A method copied into another codebase: its file, common.py and data.py in an empty folder, run by
 # a fresh interpreter that sees nothing of this checkout (-E: no PYTHONPATH; the folder alone on
-# the path). The run's arguments are what a codebase of one's own would hold: the method's flags as
-# its add_args declares them, its own table of defaults, its derive, and a few shared settings;
-# then one round through common's pieces. The harness is never imported.
+# the path). The run's settings come from one call, common.settings (the method's tables and the
+# protocol's, as the command line resolves them); then one round through common.rounds. The
+# harness is never imported.
 COPY_RUN = """
-import argparse, math, pathlib, sys
+import math, pathlib, sys
 import torch
 import {method} as m
 import common, data
 
 here = pathlib.Path(__file__).resolve().parent
 assert {{pathlib.Path(mod.__file__).resolve().parent for mod in (m, common, data)}} == {{here}}
-M = m.METHOD
-p = argparse.ArgumentParser()
-if M.add_args:
-    M.add_args(p)
-args = p.parse_args([])
-vars(args).update(dataset="synthetic", model="smallconv", head="linear", no_pretrained=True,
-                  lr=0.05, batch_size=32, momentum=0.9, weight_decay=0.0, local_epochs=1,
-                  rounds=1, eval_every=1, global_lr=1.0, clients=2, sample=2, seed=0,
-                  device="cpu", amp=False, parallel_clients="off")
-vars(args).update({{**M.defaults.get("*", {{}}), **M.defaults.get("synthetic", {{}})}})
-vars(args).update(M.derive(args) if M.derive else {{}})
-args.sample = args.clients = 2
+args = common.settings(m.METHOD, "synthetic", clients=2, sample=2, eval_every=1, device="cpu")
 ds = data.load("synthetic")
 fed = data.federate(ds, 0, args.clients, args.seed, "cpu")
 model = common.global_model(args, ds, torch.device("cpu"))
-ctx = common.make_context(args, fed, model)
-state = M.init_state(model, fed, args, ctx) if M.init_state else {{}}
-ctx.clients = state.setdefault("clients", {{}})
 before = common.get_flat(model)
-t, losses, scores = next(common.train(M.round, model, fed, args, state, ctx, M.evaluate))
+t, losses, scores = next(common.rounds(m.METHOD, model, fed, args))
 loss = torch.stack(list(losses.values())).mean().item()
 assert t == 1 and math.isfinite(loss) and 0 <= scores[1] <= 1, (t, loss, scores)
 assert not torch.equal(common.get_flat(model), before)
 assert not [k for k in sys.modules if k == "harness" or k.startswith("harness.")]
 print("round 1:", loss, scores[:2])
 """
+CLEAN = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+
+
+def copied_alone(folder, *names, assets=False):
+    """The files `names` of the checkout copied into `folder` (assets/: the embedded digits)."""
+    for name in names:
+        shutil.copy(HERE / name, folder / name)
+    if assets:
+        shutil.copytree(HERE / "assets", folder / "assets")
+
+
+def in_copy(folder, *argv):
+    """python argv in `folder`, a fresh interpreter that sees nothing of the checkout."""
+    return subprocess.run([sys.executable, "-E", "-s", *argv], cwd=folder, env=CLEAN,
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_copied_alone_with_common_and_data(method, tmp_path):
     """The method file, common.py and data.py copied into an empty folder: the method imports there
     and one round of its round function runs on synthetic data with common's pieces (the model,
-    the context, train), the arguments from its own declarations; nothing of the harness is
+    common.rounds), its settings from common.settings in one call; nothing of the harness is
     imported."""
-    for name in (f"{method}.py", "common.py", "data.py"):
-        shutil.copy(HERE / name, tmp_path / name)
+    copied_alone(tmp_path, f"{method}.py", "common.py", "data.py")
     (tmp_path / "run_copy.py").write_text(COPY_RUN.format(method=method))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    p = subprocess.run([sys.executable, "-E", "-s", "run_copy.py"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = in_copy(tmp_path, "run_copy.py")
     assert p.returncode == 0 and p.stdout.startswith("round 1:"), p.stderr[-3000:]
     listing = sorted(q.name for q in tmp_path.iterdir() if q.name != "__pycache__")
     assert listing == sorted([f"{method}.py", "common.py", "data.py", "run_copy.py"])
+
+
+@pytest.mark.parametrize("method,argv", [
+    ("perinvfl", ["--dataset", "rcmnist", "--rounds", "3", "--eval-every", "1"]),
+    ("fedipg", ["--dataset", "rcmnist", "--rounds", "2", "--eval-every", "1", "--seed", "1"])])
+def test_a_copied_method_runs_as_a_program_with_the_checkouts_numbers(method, argv, tmp_path):
+    """Copied with common.py, data.py and assets/ alone, `python <method>.py` runs on the embedded
+    digits with the paper's defaults (PerInvFL's and FedIPG's RC-MNIST) and prints, evaluation by
+    evaluation, the accuracies the checkout's run writes at the same flags; it writes nothing."""
+    copied_alone(tmp_path, f"{method}.py", "common.py", "data.py", assets=True)
+    p = in_copy(tmp_path, f"{method}.py", *argv, "--device", "cpu")
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]
+    printed = [line for line in p.stdout.splitlines() if line.startswith("round ")]
+    out = tmp_path / "checkout"
+    out.mkdir()
+    result, _ = run(globals()[method].main, argv + ["--device", "cpu"], out)
+    history = result["domains"]["clients"]["history"]
+    R = int(argv[argv.index("--rounds") + 1])
+    assert printed == [f"round {h['round']:4d}/{R} | val {h['val_acc']:.4f} | test "
+                       f"{h['test_acc']:.4f}" for h in history] and len(printed) == R
+    assert f"{result['domains']['clients']['test_acc']:19.4f}" in p.stdout.splitlines()[-1]
+    listing = sorted(q.name for q in tmp_path.iterdir()
+                     if q.name not in ("__pycache__", "checkout"))
+    assert listing == sorted([f"{method}.py", "common.py", "data.py", "assets"])
+
+
+def test_a_copied_method_says_in_one_line_what_needs_the_harness(tmp_path):
+    """In a copy, --help lists the method's flags and every setting with its default (nothing
+    run); a flag of the harness's (a results file, --resume, ...) is one line and exit 2, before
+    any work; --print-config prints the settings, the counts of clients from the data."""
+    copied_alone(tmp_path, "fedomg.py", "common.py", "data.py", assets=True)
+    p = in_copy(tmp_path, "fedomg.py", "--help")
+    assert p.returncode == 0 and p.stderr == ""
+    for said in ("--kappa", "searching radius κ (Table 4); default for rmnist: 0.5",
+                 "--lr", "default for rmnist: 0.01", "--global-lr", "--sample", "from the data",
+                 "--seed", "--no-pretrained", "no results file, checkpoint or --resume"):
+        assert said in " ".join(p.stdout.split()), said
+    for flag in ("--resume", "--out r.json", "--overwrite", "--allow-code-change",
+                 "--checkpoint-minutes 1"):
+        p = in_copy(tmp_path, "fedomg.py", *flag.split())
+        assert p.returncode == 2 and p.stdout == "" and p.stderr == (
+            f"fedomg.py: error: {flag.split()[0]} needs the project's harness/ (results files, "
+            f"checkpoints, locks): this copy prints its numbers, writes none\n"), flag
+    p = in_copy(tmp_path, "fedomg.py", "--print-config", "--test-domain", "1")
+    shown = dict(line.split(None, 1) for line in p.stdout.splitlines())
+    assert p.returncode == 0 and (shown["--clients"], shown["--sample"]) == ("5", "5")
+    assert (shown["--kappa"], shown["--global-lr"], shown["--lr"]) == ("0.5", "auto", "0.01")
+    assert sorted(q.name for q in tmp_path.iterdir() if q.name != "__pycache__") == sorted(
+        ["fedomg.py", "common.py", "data.py", "assets"])
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--lr", "abc"], "argument --lr: expects a number, got 'abc'"),
+    (["--rounds", "2.5"], "argument --rounds: expects a whole number, got '2.5'"),
+    (["--lr", "nan"], "argument --lr: expects a number, got 'nan'"),
+    (["--sample", "most"], "argument --sample: expects a whole number or all, got 'most'"),
+    (["--model", "vit"], "argument --model: invalid choice: 'vit'"),
+    (["--lr", "-1"], "--lr must be positive, got -1.0"),
+    (["--dataset", "cifar"], "unknown dataset 'cifar'"),
+    (["--test-domain", "9"], "unknown test domain '9' for rmnist"),
+    (["--kappa", "-1"], "--kappa must be >= 0, got -1.0"),
+    (["--clients", "2"], "--clients 2 is below the 5 training domains"),
+    (["--nope"], "unrecognized arguments: --nope")])
+def test_a_copied_methods_program_refuses_bad_input_in_one_line(argv, line, capsys):
+    """common.program, the program of a method file copied without the harness: bad input is one
+    line on stderr, exit 2, before any training (the data loads where it settles a count)."""
+    with pytest.raises(SystemExit) as e:
+        common.program(fedomg.METHOD, argv + ["--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "round" not in out, err
+    assert err.startswith(f"fedomg.py: error: {line}"), err
+
+
+def test_settings_in_one_call_are_the_command_lines():
+    """common.settings(method, dataset, **given) gives what harness.resolve gives for the command
+    line naming the same values (the harness's own flags aside), for every method on datasets of
+    each protocol; a name no setting has is a TypeError, a bad value the command line's line."""
+    cases = [("rmnist", {}), ("synthetic", {"rounds": 3, "lr": 0.5}), ("stained", {}),
+             ("rcmnist", {"seed": 3}), ("mnist", {"alpha": 0.5}), ("pacs", {"model": "resnet18"})]
+    own = {"out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes"}
+    for module in (fedavg, fediir, fedomg, fedloe, perinvfl, fedipg):
+        for dataset, given in cases:
+            argv = ["--dataset", dataset, "--device", "cpu"]
+            argv += [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+            if module is fedloe and "rounds" in given:
+                continue                             # (FedLOE's rounds follow from its stages)
+            want = {k: v for k, v in vars(resolved_args(module, argv)).items() if k not in own}
+            got = vars(common.settings(module.METHOD, dataset, device="cpu", **given))
+            assert got == want, (module.__name__, dataset)
+    with pytest.raises(TypeError, match="no setting named round"):
+        common.settings(fedavg.METHOD, round=3)
+    with pytest.raises(data.UserError, match="--lr must be positive, got -1"):
+        common.settings(fedavg.METHOD, lr=-1)
+    with pytest.raises(data.UserError, match="--kappa must be >= 0"):
+        common.settings(fedomg.METHOD, "pacs", kappa=-1)
 
 
 def test_copied_reaches_for_nothing_of_the_project():
@@ -419,7 +512,7 @@ def test_fediir_learns_and_resumes(tmp_path, monkeypatch, device):
 def test_fediir_defaults_follow_table_3(tmp_path):
     res, _ = run(fediir.main, QUICK + ["--rounds", "1", "--test-domain", "0"], tmp_path)
     assert res["args"]["gamma"] == 1e-2 and res["args"]["ema"] == 0.95 and "gbar" not in res["args"]
-    gamma = {d: config.table(fediir.METHOD, d)["gamma"]
+    gamma = {d: common.table(fediir.METHOD, d)["gamma"]
              for d in ("rmnist", "vlcs", "pacs", "officehome")}
     assert gamma == {"rmnist": 1e-2, "vlcs": 5e-3, "pacs": 1e-3, "officehome": 5e-4}       # Table 3
 
@@ -2760,7 +2853,7 @@ def test_parallel_auto_follows_fedipgs_local_step(tmp_path):
     for step, expected in (("paper", "off"), ("sgd", "on")):
         # auto: on for CUDA
         args.local_step, args.parallel_clients, args.device = step, "auto", "cuda"
-        config.check_parallel(args, fedipg.METHOD)
+        common.check_parallel(args, fedipg.METHOD)
         assert args.parallel_clients == expected
 
 

@@ -54,9 +54,8 @@ import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
 import fedipg  # noqa: E402
-from harness.config import after_load, Parser, help_text  # noqa: E402
+from harness.config import Parser, help_text  # noqa: E402
 from harness.datasets import make_fake_tree  # noqa: E402
-from harness import runner  # noqa: E402
 from harness.outputs import write_json  # noqa: E402
 from speed import alternate, way  # noqa: E402
 
@@ -73,7 +72,7 @@ TWO_ROUNDS = {   # each method's own flags for two communication rounds, evaluat
 # bf16 loss 1.9e-4, acc 0.021 (one validation image).
 # loss: largest relative difference of a round's mean training loss; acc: largest difference of a
 # validation or test accuracy (a fraction; one of the tiny case's 48 validation images is 0.021).
-# fp32 on CUDA is IEEE fp32 (harness.runner.set_deterministic turns TF32 off), bf16 the --amp
+# fp32 on CUDA is IEEE fp32 (common.deterministic turns TF32 off), bf16 the --amp
 # autocast.
 TOL = {"fp32": {"loss": 4e-4, "acc": 0.04}, "bf16": {"loss": 2e-3, "acc": 0.2}}
 # The targets of the GPU path (README: GPU): how each measured ratio must compare, and the bound.
@@ -313,7 +312,7 @@ def setting(module, name, argv, device, tmp):
     first test domain it names, the model (seed 0) and a context, on `device`."""
     args = resolved(module, name, argv, device, tmp)
     ds = loader()(args.dataset, args.data_root, args.seed)
-    test = after_load(args, ds)[0]
+    test = common.after_load(args, ds)[0]
     dev = torch.device(device)
     fed = data.federate(ds, test, args.clients, args.seed, dev)
     model = common.global_model(args, ds, dev)
@@ -472,13 +471,13 @@ def determinism_cost(args, fed, model, ctx, rounds):
     """Median seconds of a FedAvg round in deterministic mode over one with --nondeterministic."""
     def mode(on):
         def round_fn(r):
-            runner.set_deterministic(on)
+            common.deterministic(on)
             return fedavg.fedavg_round(r, model, fed, args, {}, ctx)
         return round_fn
     try:
         times = alternate({"on": mode(True), "off": mode(False)}, ctx, rounds)
     finally:
-        runner.set_deterministic(True)
+        common.deterministic(True)
     return statistics.median(times["on"]) / statistics.median(times["off"])
 
 

@@ -156,9 +156,9 @@ def method_args(script, args):
     """(the script's resolved arguments, None) for the command line `args`, or (None, its refusal:
     the one line it prints, less 'NAME.py: error: '): harness.resolve of its METHOD (the parsing,
     the dataset's defaults and checks and the method's own), then the data loaded and the held-out
-    domains and client counts checked against it (harness.config.after_load), all that a method
+    domains and client counts checked against it (common.after_load), all that a method
     checks before its first round; nothing is trained or written."""
-    from harness.config import after_load, load_data
+    from common import after_load, load_data
     module = importlib.import_module(script.replace("/", "."))   # benchmark.diagnostics.<name>
     err = io.StringIO()
     try:

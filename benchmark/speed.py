@@ -51,8 +51,8 @@ import fediir  # noqa: E402
 import fedipg  # noqa: E402
 import fedomg  # noqa: E402
 import harness  # noqa: E402
-from harness import outputs, runner  # noqa: E402
-from harness.config import Parser, after_load  # noqa: E402
+from harness import outputs  # noqa: E402
+from harness.config import Parser  # noqa: E402
 from harness.provenance import provenance  # noqa: E402
 
 
@@ -115,10 +115,10 @@ def setup(method, own_args=None, argv=None, prog=None, about=None, check=None):
         a.clients, a.sample = a.clients or 50, a.sample or 5
     try:                                     # what the method script would refuse: one line, exit 2
         args = harness.resolve(method, method_argv(a))
-        runner.set_deterministic()                 # as the method scripts run by default
+        common.deterministic()                 # as the method scripts run by default
         a.clients, a.sample = args.clients, args.sample
         ds = data.load(a.dataset, a.data_root, 0, clients=args.clients, alpha=args.alpha)
-        after_load(args, ds)        # the clients the data hold (as the method scripts check)
+        common.after_load(args, ds)        # the clients the data hold (as the method scripts check)
         dev = torch.device(a.device)
         fed = data.federate(ds, 0, a.clients, 0, dev) if a.setting == "rmnist" else \
             data.federate_fixed(ds, 0, dev)

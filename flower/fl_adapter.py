@@ -46,7 +46,7 @@ import signing  # noqa: E402
 from harness import outputs, sites  # noqa: E402
 from harness.methods import METHODS, client_functions, qualified, run_clients  # noqa: E402
 from harness.outputs import to_device  # noqa: E402
-from harness.runner import NonFinite, set_deterministic  # noqa: E402
+from harness.runner import NonFinite  # noqa: E402
 
 
 
@@ -630,7 +630,7 @@ class Node:
     model to compute with."""
 
     def __init__(self, init, args, roster, site, folder, evaluate_only):
-        set_deterministic(not args.nondeterministic)
+        common.deterministic(not args.nondeterministic)
         device = torch.device(args.device)
         with contextlib.redirect_stdout(io.StringIO()):     # (its cache's notes: the node's own)
             own, report = sites.read(folder, args, site, evaluate_only)

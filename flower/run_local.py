@@ -139,7 +139,7 @@ def check(a):
     import importlib
 
     outputs.check_out(a.out)
-    from harness.config import after_load, load_data
+    from common import after_load, load_data
 
     import fl_adapter
     said, method = io.StringIO(), fl_adapter.on_nodes(importlib.import_module(a.method).METHOD)

@@ -32,7 +32,7 @@ import common  # noqa: E402
 import data  # noqa: E402
 import fedavg  # noqa: E402
 import harness  # noqa: E402
-from harness import config, outputs, runner, sites  # noqa: E402
+from harness import outputs, runner, sites  # noqa: E402
 
 FEDAVG_UPDATE = fedavg.client_update
 
@@ -147,9 +147,9 @@ def test_flower_takes_auto_as_one_client_per_node_on_a_gpu_too(tmp_path, monkeyp
                         **hooks: seen.update(method=method, **hooks))
     fl_adapter.serve(None, "fedavg", [])
     args = gpu("auto")
-    config.check_parallel(args, seen["method"])                      # the run's own rule, on Flower
+    common.check_parallel(args, seen["method"])                      # the run's own rule, on Flower
     assert args.parallel_clients == "off" and isinstance(seen["engine"], fl_adapter.Link)
-    assert config.parallel(gpu("auto"))                         # the method file's own: on for CUDA
+    assert common.parallel(gpu("auto"))                         # the method file's own: on for CUDA
     monkeypatch.undo()
     grid = grid_of("fedavg", ARGV["fedavg"], tmp_path)
     for extra, expect in ((["--parallel-clients", "on"],
@@ -730,7 +730,7 @@ def setting(method, flags):
         ([] if method == "fedloe" else ["--sample", "3"]) + flags + ["--out", "r.json"]
     args = harness.resolve(mod.METHOD, argv)
     ds = data.load(args.dataset, None, args.seed, clients=args.clients)
-    config.after_load(args, ds)
+    common.after_load(args, ds)
     fed = data.federate(ds, 0, args.clients, args.seed, torch.device("cpu"))
     with contextlib.redirect_stdout(io.StringIO()):
         model, state, ctx = runner.start_domain(args, ds, fed, getattr(mod, "init_state", None))

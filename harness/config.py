@@ -9,14 +9,16 @@ Where a value comes from, first that applies (--print-config shows each value an
      them unset;
   3. the method's table of defaults for the dataset (Method.defaults[dataset]), then for every
      dataset (Method.defaults["*"]);
-  4. the shared table below, per dataset (its sources: docs/protocol.md);
-  5. the flag's own default (the run's flags: --seed 0, --device auto, ...);
+  4. the protocol's table, per dataset (common.PROTOCOL; its sources: docs/protocol.md);
+  5. the flag's own default (the run's: common.RUN, --seed 0, --device auto, ...);
   6. once the data is loaded, `after_load`: the counts of clients that follow from the data
      (--print-config loads the data to show them, where the command line and the tables leave
      them open).
-A value "auto" is an explicit rule, resolved here (--device, --parallel-clients) or, where the
-method declares it (Method.auto: FedOMG's η_g), by the method in every round. A method's
-`check(args, given)` then validates and never fills in a value.
+A value "auto" is an explicit rule, resolved by common.check (--device, --parallel-clients) or,
+where the method declares it (Method.auto: FedOMG's η_g), by the method in every round. The
+filling and the checks are common's (fill, check: a copied method's program and common.settings
+use them too); a method's `check(args, given)` validates and never fills in a value. Here: the
+flags' help, the harness's own flags (--out, --resume, ...) and where each value comes from.
 """
 import argparse
 import hashlib
@@ -26,29 +28,9 @@ import os
 import re
 import sys
 
-import torch
-
+import common
 import data
 from data import UserError
-
-# One table per dataset (the sources: docs/protocol.md): FedIIR's Table 3 for the DG benchmarks,
-# FedOMG's Table 1 for label skew, PerInvFL's Table 6 with IRM's ColoredMNIST MLP (full batch,
-# last round) for RC-MNIST. sample "all": every client in every round.
-_ALL = dict(rounds=100, local_epochs=1, momentum=0.9, weight_decay=0.0, global_lr=1.0,
-            eval_every=10, alpha=0.1, head="linear", select="val", p_test=0.1)
-_FL = dict(_ALL, model="cnn", lr=5e-3, batch_size=16, local_epochs=5, momentum=0.0, clients=100,
-           sample=20)
-_RC = dict(_ALL, model="mlp", lr=0.1, batch_size=25000, momentum=0.0, weight_decay=2.2e-3,
-           clients=4, sample=4, rounds=500, eval_every=50, select="last")
-_PHOTO = dict(_ALL, model="resnet18", lr=1e-3, batch_size=32, head="mlp")
-DEFAULTS = {
-    "rmnist": dict(_ALL, model="convnet", lr=1e-2, batch_size=64),
-    "vlcs": _PHOTO, "pacs": dict(_PHOTO, lr=2.5e-3), "officehome": dict(_PHOTO, model="resnet50"),
-    "synthetic": dict(_ALL, model="smallconv", lr=5e-2, batch_size=32),
-    "stained": dict(_ALL, model="mlp", lr=0.1, batch_size=64, sample="all"),  # FedIPG VI-C
-    "mnist": _FL, "emnist": _FL, "cifar10": _FL, "cifar100": _FL, "rcmnist": _RC, "rcfmnist": _RC,
-    "waterbird": dict(_PHOTO, head="linear", clients=4, sample=4, select="last"),
-}
 
 # The dataset's own flags and the datasets each applies to: elsewhere a value does nothing
 # (check_data_args refuses a --client-size or --no-rotation given there; --print-config leaves
@@ -109,22 +91,22 @@ def parser(method):
     then the method's own; every help ends with its default for rmnist (help_defaults)."""
     p = Parser(prog=f"{method.name}.py", description=help_text(method.doc))
     a = p.add_argument
-    a("--dataset", default="rmnist", help=f"one of {', '.join(data.NAMES)}")
-    a("--data-root", default=None, help="dataset folder; none: the MNIST family reads the "
+    a("--dataset", help=f"one of {', '.join(data.NAMES)}")
+    a("--data-root", help="dataset folder; none: the MNIST family reads the "
       "embedded 5,000 digits (the others need one: python -m harness.datasets --help)")
-    a("--test-domain", default="all",
+    a("--test-domain",
       help="held-out domain: 'all' (each in turn), a name or an index")
-    a("--clients", type=int, default=None, help="number of clients P")
-    a("--client-size", type=int, default=None,
+    a("--clients", type=int, help="number of clients P")
+    a("--client-size", type=int,
       help="stained only: examples per client, from the pooled combinations")
-    a("--sample", type=count_or_all, default=None, help="clients per round C ('all': every one)")
+    a("--sample", type=count_or_all, help="clients per round C ('all': every one)")
     a("--alpha", type=finite, default=None,
       help="Dirichlet label-skew concentration (mnist, cifar*, emnist)")
     a("--p-test", type=finite, default=None,
       help="rcmnist / rcfmnist: colour-label agreement of the test contexts")
     a("--no-rotation", action="store_true", help="rcmnist / rcfmnist: the same four clients and "
       "colour laws without the rotation by 90·i degrees")
-    a("--stain", default="fg", choices=["fg", "bg", "both"],
+    a("--stain", choices=common.CHOICES["stain"],
       help="stained MNIST: foreground, background or both")
     a("--rounds", type=int, default=None, help="communication rounds T")
     a("--local-epochs", type=int, default=None, help="local epochs per round")
@@ -135,24 +117,23 @@ def parser(method):
     a("--global-lr", type=finite_or_auto if "global_lr" in method.auto else finite, default=None,
       help="server step size eta_g" + (" (a number, or auto: the method's rule)"
                                       if "global_lr" in method.auto else ""))
-    a("--select", default=None, choices=["val", "last"],
+    a("--select", choices=common.CHOICES["select"],
       help="report the best validation round, or the last")
-    a("--model", default=None,
-      choices=["convnet", "smallconv", "cnn", "mlp", "resnet18", "resnet50"], help="featurizer")
-    a("--head", default=None, choices=["linear", "mlp"], help="classifier")
+    a("--model", choices=common.CHOICES["model"], help="featurizer")
+    a("--head", choices=common.CHOICES["head"], help="classifier")
     a("--no-pretrained", action="store_true", help="ResNets from random weights: no ImageNet "
       "download (needed offline; the accuracies are then far lower)")
     a("--eval-every", type=int, default=None,
       help="evaluate (and checkpoint) every this many rounds")
-    a("--seed", type=int, default=0,
+    a("--seed", type=int,
       help="seeds the data split, the initialisation, the client sampling, the batches")
-    a("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    a("--device", choices=common.CHOICES["device"],
       help="auto: cuda if one is visible, else cpu")
     a("--amp", action="store_true", help="bf16 autocast (CUDA only); without it CUDA computes in "
       "IEEE fp32 (TF32 off for matrix products and convolutions)")
     a("--nondeterministic", action="store_true", help="CUDA: let cuDNN and cuBLAS pick their "
       "fastest kernels; two runs then differ (README: GPU)")
-    a("--parallel-clients", default="auto", choices=["auto", "on", "off"], help="train the "
+    a("--parallel-clients", choices=common.CHOICES["parallel_clients"], help="train the "
       "sampled clients of a round at once (torch.func); auto: on for CUDA, off on the CPU")
     a("--compile", action="store_true", help="torch.compile the step of the clients trained at "
       "once, on all of them while any trains (CUDA: a CUDA graph); other floats than the eager "
@@ -172,6 +153,7 @@ def parser(method):
     a("--print-config", action="store_true", help="print every value the run would use and where "
       "it comes from (command line, a table, a rule, the data), then exit: nothing is run (the "
       "data is loaded where it settles the counts of clients)")
+    p.set_defaults(**common.RUN)                # the run's own defaults, declared in common
     if method.add_args:
         method.add_args(p)
     for act in p._actions:                      # the method's own float flags: finite numbers too
@@ -180,16 +162,10 @@ def parser(method):
     return p
 
 
-def table(method, dataset):
-    """The defaults for `dataset`: the method's for it, else the method's for every dataset, else
-    the shared table's."""
-    return {k: v for k, (v, _) in table_sources(method, dataset).items()}
-
-
 def table_sources(method, dataset):
-    """{flag: (its default for `dataset`, the table it comes from)}, as `table` takes them."""
+    """{flag: (its default for `dataset`, the table it comes from)}, as common.table takes them."""
     own = method.defaults
-    rows = [(DEFAULTS.get(dataset, {}), f"shared table, {dataset}"),
+    rows = [(common.PROTOCOL.get(dataset, {}), f"shared table, {dataset}"),
             (own.get("*", {}), f"{method.name}'s table, every dataset"),
             (own.get(dataset, {}), f"{method.name}'s table, {dataset}")]
     return {k: (v, where) for row, where in rows for k, v in row.items()}
@@ -200,7 +176,7 @@ def help_defaults(p, method):
     --dataset) takes (docs/protocol.md and the method's page give every dataset's), unless it
     speaks of its default already."""
     base = {a.dest: a.default for a in p._actions if a.dest != "help"}
-    values = table(method, "rmnist")
+    values = common.table(method, "rmnist")
     if method.derive:
         values.update(method.derive(argparse.Namespace(**{**base, **values, "dataset": "rmnist"})))
     for act in p._actions:
@@ -233,50 +209,30 @@ def resolve(method, argv=None):
     p.set_defaults(**{a.dest: unset for a in p._actions})
     typed = {k for k, v in vars(p.parse_args(argv)).items() if v is not unset}
     where = {k: "command line" if k in typed else "the command line's default" for k in given}
-    if args.dataset not in data.NAMES:
-        raise UserError(f"unknown dataset {args.dataset!r}; choose from {', '.join(data.NAMES)}")
-    for k, (v, source) in table_sources(method, args.dataset).items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-            where[k] = source
-    derived = method.derive(args) if method.derive else {}
-    for k, v in derived.items():
-        if k not in given:
-            setattr(args, k, v)
-            where[k] = f"rule: {method.name}'s derive ({k} from other flags)"
-    for k, rule in method.auto.items():
-        if getattr(args, k) == "auto":
-            where[k] += f"; auto: {rule}"
-    check_data_args(args)
-    check_test_domain(args)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        where["device"] = "rule: auto, cuda if one is visible, else cpu"
-    ours = lambda k: k in given or k not in derived          # a derived value: the method checks it
-    positive = ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr")
-    for bad, message in [   # in order: the first that holds is the error
+    for bad, message in [   # the harness's own flags first, then the run's (common.check)
             (args.out == "", "--out is empty: give a folder or file name, or leave the flag out"),
             (bool(args.out) and (args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)),
              f"--out {args.out} is a folder; give a file name, e.g. "
              f"{os.path.join(args.out or '', 'results.json')}"),
-            (not 0 <= args.seed < 2 ** 31, f"--seed must be in [0, 2**31), got {args.seed}"),
-            *[(not getattr(args, k) > 0, f"--{k.replace('_', '-')} must be positive, got "
-               f"{getattr(args, k)}") for k in positive if ours(k) and getattr(args, k) != "auto"],
-            (ours("momentum") and not 0 <= args.momentum < 1,
-             f"--momentum must be in [0, 1), got {args.momentum}"),
-            (args.weight_decay < 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
-            (args.device == "cuda" and not torch.cuda.is_available(),
-             "--device cuda: no CUDA device is visible"),
-            (args.amp and args.device != "cuda", "--amp needs a CUDA device"),
             (not args.checkpoint_minutes > 0,
              f"--checkpoint-minutes must be positive, got {args.checkpoint_minutes}")]:
         if bad:
             raise UserError(message)
-    if method.check:
-        method.check(args, given)
+    derived = common.fill(method, args, given)           # the tables, then the method's derive
+    for k, (v, source) in table_sources(method, args.dataset).items():
+        if k not in given:
+            where[k] = source
+    for k in derived:
+        if k not in given:
+            where[k] = f"rule: {method.name}'s derive ({k} from other flags)"
+    for k, rule in method.auto.items():
+        if getattr(args, k) == "auto":
+            where[k] += f"; auto: {rule}"
+    if args.device == "auto":
+        where["device"] = "rule: auto, cuda if one is visible, else cpu"
     if args.parallel_clients == "auto":
         where["parallel_clients"] = "rule: auto, on for CUDA but the photos, off on the CPU"
-    check_parallel(args, method)
+    common.check(method, args, given)                    # "auto" resolved, the values checked
     if not args.out:
         where["out"] = "rule: results/<method>-<dataset>-<test domain>-seed<seed>-<digest>.json"
     args.out = os.path.normpath(args.out or default_out(method.name, args))
@@ -309,9 +265,9 @@ def settle_counts(args, where):
               and args.dataset in APPLIES.get(k, (args.dataset,))]
     if not counts:
         return None
-    ds = load_data(args)
+    ds = common.load_data(args)
     before = {k: getattr(args, k) for k in counts}
-    after_load(args, ds)
+    common.after_load(args, ds)
     stained = f"Section VI-C's for --stain {args.stain} (data.STAINED)"
     rules = {"clients": stained if args.dataset == "stained" else
              "the data, one client per training domain",
@@ -326,84 +282,6 @@ def settle_counts(args, where):
             f"{flags[-1]}: {ds.source})")
 
 
-def check_data_args(args):
-    """Refuse, before any work, a value of the dataset's flags that no dataset could take, or one
-    given to a dataset it does not apply to (the counts of clients: after_load)."""
-    positive = [(getattr(args, k) is not None and not getattr(args, k) > 0,
-                 f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-                for k in ("clients", "client_size", "alpha")]   # None: settled by after_load
-    for bad, message in [   # in order: the first that holds is the error
-            (args.data_root == "",
-             "--data-root is empty: give a folder or file name, or leave the flag out"),
-            *positive,
-            (args.client_size is not None and args.dataset != "stained",
-             f"--client-size applies to stained only, not {args.dataset}"),
-            (args.no_rotation and args.dataset not in ("rcmnist", "rcfmnist"),
-             f"--no-rotation applies to rcmnist and rcfmnist only, not {args.dataset}"),
-            (not 0 <= args.p_test <= 1, f"--p-test must be in [0, 1], got {args.p_test}")]:
-        if bad:
-            raise UserError(message)
-
-
-def check_test_domain(args):
-    """--test-domain against the dataset's domains, before any data loads; a photo dataset's are
-    its folders, where they are (a missing one is refused when it loads, with the command that
-    fetches it)."""
-    if args.dataset in data.FOLDERS and (args.data_root is None or not os.path.isdir(
-            os.path.join(args.data_root, data.FOLDERS[args.dataset]))):
-        return
-    held_out(args.dataset, data.domain_names(args.dataset, args.data_root), args.test_domain)
-
-
-def held_out(dataset, names, pick):
-    """The indices of the domains to hold out, one after another, for --test-domain `pick` ('all', a
-    domain's name or its index) among `names`; [None] where the clients are fixed (names None)."""
-    if names is None:
-        if pick != "all":
-            raise UserError(f"--test-domain does not apply to {dataset}: its clients have their "
-                            f"own test sets")
-        return [None]
-    M = len(names)
-    if pick == "all":
-        return list(range(M))
-    if pick in names:
-        return [names.index(pick)]
-    if pick.lstrip("-").isdigit() and 0 <= int(pick) < M:
-        return [int(pick)]
-    raise UserError(f"unknown test domain {pick!r} for {dataset}; choose 'all', one of "
-                    f"{', '.join(names)} or an index 0..{M - 1}")
-
-
-def parallel(args):
-    """--parallel-clients: 'auto' is on for CUDA except for the photos and ResNets, off on the
-    CPU."""
-    return args.parallel_clients == "on" or (
-        args.parallel_clients == "auto" and str(args.device).startswith("cuda")
-        and args.dataset not in data.PHOTOS and not args.model.startswith("resnet"))
-
-
-def check_parallel(args, method):
-    """Refuse --parallel-clients on where it cannot apply and record what 'auto' chose
-    (method.parallel: a bool, or a function of args giving None where it applies, else the
-    reason)."""
-    supported = method.parallel
-    reason = supported(args) if callable(supported) else None if supported else \
-        "trains its clients one after another (its local loss is not written with torch.func)"
-    supported = reason is None
-    if args.parallel_clients == "on" and not supported:
-        raise UserError(f"--parallel-clients on: {method.name} {reason}; use off")
-    if args.parallel_clients == "on" and args.dataset in data.PHOTOS:
-        raise UserError(f"--parallel-clients on: not for {args.dataset} (each client's "
-                        f"augmentation draws from its own stream, and a ResNet fills a GPU "
-                        f"alone); use off")
-    args.parallel_clients = "on" if supported and parallel(args) else "off"
-    if getattr(args, "compile", False) and args.parallel_clients == "off":   # the stacked step
-        raise UserError(f"--compile: {method.name} {reason}, and --compile compiles the step of "
-                        f"clients trained at once" if reason else "--compile compiles the step "
-                        "of the clients trained at once: add --parallel-clients on (the default "
-                        "on CUDA)")
-
-
 NOT_IN_THE_NAME = ("out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes",
                    "data_root", "dataset", "test_domain", "seed")
 
@@ -416,42 +294,3 @@ def default_out(method, args):
     digest = hashlib.sha256(json.dumps(rest, default=str).encode()).hexdigest()[:8]
     test = re.sub(r"[^\w.+-]", "_", str(args.test_domain))
     return f"results/{method}-{args.dataset}-{test}-seed{args.seed}-{digest}.json"
-
-
-# ------------------------------------------------------------- once the data is loaded
-
-def load_data(args, load=None):
-    """The dataset of a run (load: data.load's stand-in, e.g. a cached one)."""
-    return (load or data.load)(args.dataset, args.data_root, args.seed,
-                               clients=args.clients or 100, alpha=args.alpha, p_test=args.p_test,
-                               stain=args.stain, rotation=not args.no_rotation)
-
-
-def after_load(args, ds):
-    """Indices of the domains to hold out, from --test-domain ([None]: the fixed clients), once
-    --clients, --sample and (stained) --client-size are settled: by default one client per
-    training domain (a fixed split: its clients) and min(P, training domains) per round ('all':
-    every client), then checked against what the data allows (data.enough_clients,
-    data.stained_clients: every client holds one full minibatch of --batch-size)."""
-    names = None if ds.protocol == "clients" else [d.name for d in ds.domains]
-    todo = held_out(ds.name, names, args.test_domain)
-    n_train = len(ds.domains) - (ds.protocol == "lodo")
-    if ds.protocol == "clients" and args.clients != n_train:
-        raise UserError(f"--clients {args.clients} does not match the {n_train} clients of the "
-                        f"split")
-    if args.dataset == "stained":
-        args.clients, args.client_size, args.sample = data.stained_clients(
-            ds, args.stain, args.clients, args.client_size, args.sample, args.batch_size)
-        return todo
-    args.clients = n_train if args.clients is None else args.clients
-    args.sample = min(args.clients, n_train) if args.sample is None else \
-        args.clients if args.sample == "all" else args.sample
-    if args.clients < n_train:
-        raise UserError(f"--clients {args.clients} is below the {n_train} training domains (a "
-                        f"client never mixes domains)")
-    if not 1 <= args.sample <= args.clients:
-        raise UserError(f"--sample must be between 1 and --clients ({args.clients}), got "
-                        f"{args.sample}")
-    if ds.protocol == "lodo":
-        data.enough_clients(ds, todo, args.clients, args.batch_size)
-    return todo

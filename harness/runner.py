@@ -21,13 +21,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils.deterministic
 
 import common
-import data
 from data import UserError
 from harness import outputs
-from harness.config import after_load, load_data, resolve
+from harness.config import resolve
 from harness.outputs import to_device
 from harness.progress import Pace, Progress
 from harness.provenance import code_files, provenance
@@ -99,7 +97,7 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
         files = outputs.Files(args.out)
         plan = outputs.Plan(files, read=files.ckpt if args.resume and files.ckpt.exists()
                             else None, write=files.ckpt)
-    set_deterministic(not args.nondeterministic)   # before anything meets CUDA
+    common.deterministic(not args.nondeterministic)   # before anything meets CUDA
     device, ckpt_path = torch.device(args.device), str(plan.write)
     try:
         ds, todo = (sites or federations)(args, load)
@@ -172,14 +170,11 @@ def run(method, args, argv=None, engine=None, plan=None, after_round=None, model
 def federations(args, load=None):
     """The run's data, loaded here, and its federations, one per held-out domain to be run (the
     fixed clients: one), as (name, make): each made when its turn comes."""
-    ds = load_data(args, load)
+    ds = common.load_data(args, load)
     print(f"data: {ds.source}\ndata: {counts(ds)}", flush=True)
-    device = torch.device(args.device)
-    make = lambda test: data.federate_fixed(ds, args.seed, device) if test is None else \
-        data.federate(ds, test, args.clients, args.seed, device,
-                      client_size=getattr(args, "client_size", None))
     name = lambda test: "clients" if test is None else ds.domains[test].name
-    return ds, [(name(test), functools.partial(make, test)) for test in after_load(args, ds)]
+    return ds, [(name(test), functools.partial(common.federation, args, ds, test))
+                for test in common.after_load(args, ds)]
 
 
 def counts(ds):
@@ -248,24 +243,6 @@ def train_domain(method, args, ds, fed, resume, results, ckpt_path, remaining, o
         if STOP.signal and t < args.rounds:
             raise Stopped(STOP.signal, ckpt_path, fed.name, t)
     return domain_result(ds, fed, so_far.history, so_far.best)
-
-
-def set_deterministic(on=True):
-    """Reproducible kernels (the default) or CUDA's fastest (--nondeterministic), set before
-    anything meets CUDA; CPU numbers are the same either way. Deterministic mode's NaN fill of
-    new tensors is off: nothing here reads unwritten memory. torch's flag set directly where torch
-    has it: torch.use_deterministic_algorithms imports torch._inductor (2.1 s of a 3.6 s node
-    setup, flower/node_cost.py, torch 2.14) for a setting that common.compiled makes itself."""
-    flag = getattr(torch._C, "_set_deterministic_algorithms", None)
-    if flag is not None:
-        flag(on)
-    else:                                                               # (another torch)
-        torch.use_deterministic_algorithms(on)
-    torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = not on
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.backends.cuda.matmul.allow_tf32 = False   # fp32 is IEEE fp32 on CUDA too (TF32 rounds
-    torch.backends.cudnn.allow_tf32 = False         # to 10 bits); --amp is the fast, lower path
 
 
 def checked(t, losses, model, state, fed):

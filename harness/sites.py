@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+import common
 import data
 from data import UserError
-from harness.config import after_load, held_out, load_data
 
 FORMAT = "fedood-site/1"
 MANIFEST = "site.json"
@@ -96,8 +96,8 @@ def export(args, out):
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not an empty folder")
-    ds = load_data(args)
-    todo = after_load(args, ds)
+    ds = common.load_data(args)
+    todo = common.after_load(args, ds)
     if len(todo) != 1:
         raise UserError(f"--test-domain {args.test_domain}: an export holds one split; name one "
                         f"held-out domain of {', '.join(d.name for d in ds.domains)}")
@@ -245,7 +245,7 @@ def read_export(folder, args, site, evaluate_only):
     for k in SPLIT:
         mine, theirs = getattr(args, k, None), m["split"].get(k)
         if k == "test_domain" and mine not in (None, "all") and theirs != "all":
-            mine = m["domains"][held_out(args.dataset, m["domains"], mine)[0]]     # a name
+            mine = m["domains"][common.held_out(args.dataset, m["domains"], mine)[0]]     # a name
         if mine is not None and mine != theirs and not (k == "test_domain" and mine == "all"):
             flag = "--" + k.replace("_", "-")
             raise UserError(f"another run's export: {flag} {theirs} there, {mine} here")

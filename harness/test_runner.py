@@ -616,15 +616,15 @@ def test_client_size_is_for_stained_only(tmp_path, capsys):
 def test_parallel_clients_auto_is_on_for_cuda_and_the_small_models_only():
     a = lambda **kw: type("A", (), dict(dict(parallel_clients="auto", device="cuda",
                                              dataset="mnist", model="cnn"), **kw))
-    assert config.parallel(a()) and config.parallel(a(dataset="rmnist", model="convnet"))
-    assert not config.parallel(a(device="cpu")) and not config.parallel(a(model="resnet18"))
-    assert (not config.parallel(a(dataset="pacs", model="convnet"))
-            and not config.parallel(a(parallel_clients="off")))
-    assert config.parallel(a(device="cpu", parallel_clients="on"))
+    assert common.parallel(a()) and common.parallel(a(dataset="rmnist", model="convnet"))
+    assert not common.parallel(a(device="cpu")) and not common.parallel(a(model="resnet18"))
+    assert (not common.parallel(a(dataset="pacs", model="convnet"))
+            and not common.parallel(a(parallel_clients="off")))
+    assert common.parallel(a(device="cpu", parallel_clients="on"))
     for method, supported, expected in (("fedavg", True, "on"), ("perinvfl", False, "off")):
         args = a()
         spec = common.Method(method, "", None, parallel=supported)
-        config.check_parallel(args, spec)                           # 'auto' resolved for the record
+        common.check_parallel(args, spec)                           # 'auto' resolved for the record
         assert args.parallel_clients == expected
 
 
@@ -797,12 +797,12 @@ def test_help_shows_rmnists_defaults_the_methods_own_first(capsys):
 
 
 def test_dataset_defaults_take_the_methods_row_then_its_star_row_then_the_datasets():
-    omg = config.table(fedomg.METHOD, "pacs")
+    omg = common.table(fedomg.METHOD, "pacs")
     # pacs': 100
     assert (omg["lr"], omg["local_epochs"], omg["global_lr"], omg["rounds"]) == (1e-3, 5, 0.5, 100)
-    loe = config.table(fedloe.METHOD, "officehome")
+    loe = common.table(fedloe.METHOD, "officehome")
     assert (loe["lr"], loe["clients"], loe["batch_size"], loe["rounds"]) == (3e-5, 20, 128, 100)
-    assert config.table(fedavg.METHOD, "mnist") == config.DEFAULTS["mnist"]
+    assert common.table(fedavg.METHOD, "mnist") == common.PROTOCOL["mnist"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -951,7 +951,7 @@ def test_print_config_settles_the_counts_from_the_data(tmp_path, capsys, monkeyp
         rows, note = print_config(method.main, argv, capsys, note=True)
         assert note.startswith(f"(loaded the data to settle {settled}: "), note
         args = harness.resolve(method.METHOD, argv + out)
-        config.after_load(args, config.load_data(args))                      # as the run does
+        common.after_load(args, common.load_data(args))                      # as the run does
         for k in ("clients", "sample", "client_size"):
             if args.dataset == "stained" or k != "client_size":
                 assert rows[f"--{k.replace('_', '-')}"].split()[1] == str(getattr(args, k)), k

@@ -23,7 +23,7 @@ import fedipg
 import fedloe
 import fedomg
 import harness
-from harness import datasets, runner
+from harness import datasets
 
 from tests.helpers import (
     assert_same_to_tolerance, both_ways, F64, HERE, interrupted_then_resumed, LOE, method_args,
@@ -208,16 +208,16 @@ def test_nondeterministic_changes_no_cpu_number(tmp_path, module):
     assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"]
     b, _ = run(main, argv + ["--nondeterministic"], tmp_path, "b.json")
     assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
-    runner.set_deterministic(True)
+    common.deterministic(True)
     assert strip_times(a)["domains"] == strip_times(b)["domains"]
 
 
 def test_deterministic_mode_costs_no_compiler_import():
-    """set_deterministic turns torch's flag on without torch.use_deterministic_algorithms, which
+    """common.deterministic turns torch's flag on without torch.use_deterministic_algorithms, which
     imports torch._inductor (2 s of every Flower node's setup per message, flower/node_cost.py):
     in a fresh process the flag is on and the compiler never loaded."""
-    code = ("import sys, torch\nfrom harness.runner import set_deterministic\n"
-            "set_deterministic(True)\nprint(torch.are_deterministic_algorithms_enabled(), "
+    code = ("import sys, torch\nfrom common import deterministic\n"
+            "deterministic(True)\nprint(torch.are_deterministic_algorithms_enabled(), "
             "'torch._inductor' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
                        env=dict(os.environ, PYTHONPATH=str(HERE)))

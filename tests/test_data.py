@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import data
 import fedavg
 import fedomg
 import perinvfl
-from harness import config, datasets
+from harness import datasets
 
 from tests.helpers import (
     HERE, MINI, fails, fake_pacs, flag_blocks, loe_split, resolved_args, rows, run,
@@ -658,12 +659,12 @@ def test_stained_client_sizes_by_stain_shrink_to_the_embedded_digits(tmp_path, c
             (["--stain", "both", "--clients", "3", "--sample", "2", "--client-size", "1500"],
              (3, 2, 1500), None)):
         args = stain_args(argv, tmp_path)
-        assert config.after_load(args, ds) == list(range(10))
+        assert common.after_load(args, ds) == list(range(10))
         assert (args.clients, args.sample, args.client_size) == expected
         out = capsys.readouterr().out
         assert (note in out) if note else out == ""
     args = stain_args(["--stain", "bg"], tmp_path)
-    config.after_load(args, ds)
+    common.after_load(args, ds)
     fed = data.federate(ds, 0, args.clients, args.seed, "cpu", client_size=args.client_size)
     assert [c.n + len(c.val_y) for c in fed.clients] == [900] * 5
     for c in fed.clients:                        # no single combination explains a client's colours

@@ -75,12 +75,12 @@ import fedipg  # noqa: E402
 import fedloe  # noqa: E402
 import perinvfl  # noqa: E402
 from harness import outputs  # noqa: E402
-from harness.config import DEFAULTS, Parser  # noqa: E402
+from harness.config import Parser  # noqa: E402
 
 PENALTIES = ("irm", "fediir", "fedipg", "vrex", "none")
 # WD / 2: IRM's l2
 LR, WD, LAM, ANNEAL = (perinvfl.RC[k] for k in ("lr", "weight_decay", "lam", "anneal"))
-ROUNDS, EVERY = DEFAULTS["rcmnist"]["rounds"], 50
+ROUNDS, EVERY = common.PROTOCOL["rcmnist"]["rounds"], 50
 CENTRAL = ROOT / "benchmark/results/irm-central/rc-norot.json"      # irm_central.py --data rc-norot
 # ν, perinvfl.py --no-rotation
 NU = ROOT / "benchmark/results/rcmnist-full-norot/perinvfl-seed{}.json"
