@@ -13,7 +13,7 @@ Read in this order (a method file calls into it where its round needs it):
   evaluation           correct; score: a site's own counts; evaluate_global, accuracies: the
                        server's sums
   the loop over rounds train: global_model, make_context, then round after round, an evaluation
-                       every args.eval_every rounds
+                       every args.eval_every rounds; rounds: a method's, on any federation
 Then what a method file copied with common.py and data.py needs where the harness is absent:
   a method's record    Method: what a method file declares (METHOD)
   a run's settings     PROTOCOL, RUN: every default but a method's own; settings(method, dataset,
