@@ -892,32 +892,29 @@ def program(method, argv=None):
     """A method file's program without the harness: bad input and the harness's flags one line
     and exit 2 before any work; then every held-out domain trained as the harness trains it, each
     evaluation and the table printed (--print-config: every setting, the counts from the data);
-    a non-finite loss exit 1, a Ctrl-C exit 130, each in one line."""
+    a method's refusal on the way exit 2, a non-finite loss exit 1, a Ctrl-C exit 130, each in
+    one line on stderr."""
     prog = f"{method.name}.py"
     try:
         args, show = parse(method, prog, sys.argv[1:] if argv is None else argv)
         ds = load_data(args)
         todo = after_load(args, ds)
-    except UserError as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
-        sys.exit(2)
-    if show:
-        for k, v in vars(args).items():
-            print(f"  --{k.replace('_', '-'):<22} {v}")
-        return None
-    deterministic(not args.nondeterministic)
-    print(f"{method.name} on {args.dataset}: {args.clients} clients, {args.sample} per round, "
-          f"{args.rounds} rounds, device {args.device} (without the harness: nothing is written)")
-    done = {}
-    try:
+        if show:
+            for k, v in vars(args).items():
+                print(f"  --{k.replace('_', '-'):<22} {v}")
+            return None
+        deterministic(not args.nondeterministic)
+        print(f"{method.name} on {args.dataset}: {args.clients} clients, {args.sample} per round, "
+              f"{args.rounds} rounds, device {args.device} (no harness: nothing is written)")
+        done = {}
         for test in todo:
             done.update(domain(method, args, ds, federation(args, ds, test)))
     except KeyboardInterrupt:
         sys.stderr.write(f"{prog}: interrupted; nothing was saved (a copy writes no checkpoint)\n")
         sys.exit(130)
-    except FloatingPointError as e:
+    except (UserError, FloatingPointError) as e:
         sys.stderr.write(f"{prog}: error: {e}\n")
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, UserError) else 1)
     sel = "(last)" if args.select == "last" else "(best val)"
     print(f"\n{'test domain':<11}  test acc {sel:<10}  last round  best round")
     for name, (acc, last, best) in done.items():

@@ -8,7 +8,6 @@ import copy
 import importlib
 import inspect
 import json
-import os
 import re
 import subprocess
 import sys
@@ -316,31 +315,6 @@ def test_fedavg_docs_loop_runs():
         theta = m.server_update(theta, delta_sum, sum(float(len(y)) for _, y in clients))
     assert torch.equal(ns["theta"], theta) and torch.equal(flat(ns["model"]), theta)
     assert not torch.equal(theta, flat(own_model()))
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_the_whole_round_in_your_own_code(method, tmp_path):
-    """Each method's page shows a script that runs the method's round on a model and clients of the
-    user's own (tensors, not the project's datasets) with the method's and the protocol's defaults
-    from one call (common.settings): run as printed, in an empty folder holding only the method
-    file, common.py and data.py, it trains (the last test accuracy above the 1/3 of chance, by a
-    margin: 0.52-0.93 seen) and writes nothing."""
-    text = (HERE / "docs" / f"{method}.md").read_text()
-    block = text.split("### The whole round, in your own code")[1].split("```python\n")[1]
-    block = block.split("```")[0]
-    assert f"common.settings({method}.METHOD, " in block and "common.rounds(" in block
-    for name in (f"{method}.py", "common.py", "data.py"):
-        (tmp_path / name).write_text((HERE / name).read_text())
-    (tmp_path / "my_round.py").write_text(block)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    p = subprocess.run([sys.executable, "-E", "-s", "my_round.py"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]
-    last = p.stdout.splitlines()[-1]
-    assert re.fullmatch(r"round \d+: validation 0\.\d{3}, test 0\.\d{3}", last), last
-    assert float(last.split()[-1]) > 0.45, p.stdout
-    assert sorted(q.name for q in tmp_path.iterdir() if q.name != "__pycache__") == sorted(
-        [f"{method}.py", "common.py", "data.py", "my_round.py"])
 
 
 def test_fediir_docs_loop_is_the_copied_loop():
