@@ -604,11 +604,12 @@ class Method:
     """What a method file declares (docs/protocol.md: the contract): its round (round(t, model,
     fed, args, state, ctx) -> its losses), init_state(model, fed, args, ctx) -> state and its
     evaluation, which `train` runs; `clients`, the client functions its rounds pass to on_clients
-    (or args -> those of a run; all a federated node may run). For the harness: add_args(p), its
-    flags (help, no defaults); defaults ({"*": every dataset, dataset: where it differs}); auto,
-    {flag: its rule} for a value "auto"; derive(args) -> {flag: value} that follow from others;
-    check(args, given) refuses bad values; parallel: can its clients train at once (a bool, or
-    args -> None, else the reason). A variant: dataclasses.replace(METHOD, round=..., ...)."""
+    (or args -> those of a run; all a federated node may run). For its settings (settings, the
+    harness's command line, program's): add_args(p), its flags (help, no defaults); defaults
+    ({"*": every dataset, dataset: where it differs}); auto, {flag: its rule} for a value "auto";
+    derive(args) -> {flag: value} that follow from others; check(args, given) refuses bad values;
+    parallel: can its clients train at once (a bool, or args -> None, else the reason). A
+    variant: dataclasses.replace(METHOD, round=..., ...)."""
     name: str
     doc: str
     round: Callable
@@ -672,12 +673,13 @@ def settings(method, dataset="rmnist", **given):
         args = common.settings(fediir.METHOD, "rmnist", rounds=20, device="cpu")
     """
     args = argparse.Namespace(**{**RUN, **flags(method), "dataset": dataset, **given})
-    unknown = set(given) - set(RUN) - set(flags(method)) - set(table(method, dataset))
+    rows = [RUN, flags(method), *PROTOCOL.values(), *method.defaults.values()]
+    unknown = set(given) - {k for row in rows for k in row}
     if unknown:
         raise TypeError(f"settings: no setting named {', '.join(sorted(unknown))}")
     given = {k for k, v in vars(args).items() if v is not None}
-    fill(method, args, given)
-    check(method, args, given)
+    derived = fill(method, args, given)
+    check(method, args, given, derived)
     return args
 
 
@@ -711,15 +713,14 @@ def fill(method, args, given):
     return derived
 
 
-def check(method, args, given):
+def check(method, args, given, derived=()):
     """Refuse, before any work, a setting no run can take (UserError, one line: the first that
     holds), then the method's own check(args, given); "auto" device and parallel_clients resolved.
-    A value derived from `given` (the user's) is the method's to check."""
+    A value the method derived (`derived`, fill's), not given, is the method's to check."""
     check_data_args(args)
     check_test_domain(args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    derived = method.derive(args) if method.derive else {}
     ours = lambda k: k in given or k not in derived
     positive = ("rounds", "local_epochs", "batch_size", "eval_every", "lr", "global_lr")
     for bad, message in [   # in order: the first that holds is the error
@@ -955,14 +956,16 @@ def parse(method, prog, argv):
     shown = {k: "from the data" if v is None and k in ("clients", "sample", "client_size") else v
              for k, v in vars(shown).items()}
     rows = [RUN, *PROTOCOL.values(), *method.defaults.values()]
+    own = flags(method)
     for k in {**RUN, **{k: None for row in rows for k in row}}:
-        name, seen = f"--{k.replace('_', '-')}", [row[k] for row in rows if k in row]
-        if k in flags(method):
+        if k in own:
             continue
+        seen = [row[k] for row in rows if k in row]                 # its defaults
         if seen == [False] and isinstance(seen[0], bool):
-            p.add_argument(name, action="store_true", help="on/off (default: off)")
+            p.add_argument(f"--{k.replace('_', '-')}", action="store_true",
+                           help="on/off (default: off)")
         else:
-            p.add_argument(name, type=reader(k, seen), choices=CHOICES.get(k))
+            p.add_argument(f"--{k.replace('_', '-')}", type=reader(k, seen), choices=CHOICES.get(k))
     for act in p._actions[1:]:                     # every help ends with rmnist's value
         if act.nargs != 0:
             said = f"{act.help}; " if act.help else ""

@@ -232,7 +232,7 @@ def resolve(method, argv=None):
         where["device"] = "rule: auto, cuda if one is visible, else cpu"
     if args.parallel_clients == "auto":
         where["parallel_clients"] = "rule: auto, on for CUDA but the photos, off on the CPU"
-    common.check(method, args, given)                    # "auto" resolved, the values checked
+    common.check(method, args, given, derived)           # "auto" resolved, the values checked
     if not args.out:
         where["out"] = "rule: results/<method>-<dataset>-<test domain>-seed<seed>-<digest>.json"
     args.out = os.path.normpath(args.out or default_out(method.name, args))
