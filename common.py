@@ -1,5 +1,6 @@
-"""The teaching core: what every method's round is made of. Nothing in it knows a specific method,
-a command line, a results file or a checkpoint (the run harness, harness/, makes a run a program).
+"""The teaching core, what every method's round is made of; then what a method file copied with it
+and data.py needs to run without the run harness (harness/, which makes a run a program with
+results files and checkpoints). Nothing in the core knows a specific method or a command line.
 
 Read in this order (a method file calls into it where its round needs it):
   models               Net = classifier ∘ featurizer; build_model; get_flat / set_flat (θ as one
@@ -672,6 +673,8 @@ def settings(method, dataset="rmnist", **given):
 
         args = common.settings(fediir.METHOD, "rmnist", rounds=20, device="cpu")
     """
+    if "test_domain" in given:                      # (an index is text on a command line)
+        given["test_domain"] = str(given["test_domain"])
     args = argparse.Namespace(**{**RUN, **flags(method), "dataset": dataset, **given})
     rows = [RUN, flags(method), *PROTOCOL.values(), *method.defaults.values()]
     unknown = set(given) - {k for row in rows for k in row}
@@ -717,6 +720,7 @@ def check(method, args, given, derived=()):
     """Refuse, before any work, a setting no run can take (UserError, one line: the first that
     holds), then the method's own check(args, given); "auto" device and parallel_clients resolved.
     A value the method derived (`derived`, fill's), not given, is the method's to check."""
+    check_kinds(method, args)
     check_data_args(args)
     check_test_domain(args)
     if args.device == "auto":
@@ -738,6 +742,24 @@ def check(method, args, given, derived=()):
     if method.check:
         method.check(args, given)
     check_parallel(args, method)
+
+
+def check_kinds(method, args):
+    """What a command line's parser refuses, for settings given in code: a value outside its
+    choices (CHOICES), a word where a number belongs (but "all" for sample, "auto" where the
+    method has the rule), a number that is not finite."""
+    words = {"sample": ("all",), **{k: ("auto",) for k in method.auto}}
+    numbers = ("clients", "client_size", "sample", "alpha", "p_test", "rounds", "local_epochs",
+               "batch_size", "lr", "momentum", "weight_decay", "global_lr", "eval_every", "seed")
+    for k, v in vars(args).items():
+        flag = f"--{k.replace('_', '-')}"
+        if k in CHOICES and v not in CHOICES[k]:
+            raise UserError(f"{flag} must be one of {', '.join(CHOICES[k])}, got {v!r}")
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if k in numbers and v is not None and not number and v not in words.get(k, ()):
+            raise UserError(f"{flag} expects a number, got {v!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{flag} must be a finite number, got {v}")
 
 
 def check_data_args(args):
@@ -930,9 +952,10 @@ def domain(method, args, ds, fed):
     print(f"-- test domain {fed.name}: {len(fed.clients)} clients")
     best = None
     for t, losses, scores in rounds(method, model, fed, args):
-        loss = torch.stack(list(losses.values())).mean().item()
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss in round {t} (testing on {fed.name})")
+        loss = torch.stack(list(losses.values())).mean()
+        if not bool(torch.cat([loss[None], get_flat(model)]).isfinite().all()):   # one host read
+            raise FloatingPointError(f"non-finite loss or model after round {t} (testing on "
+                                     f"{fed.name})")
         if scores is not None:
             val, test = scores[:2]
             print(f"round {t:4d}/{args.rounds} | val {val:.4f} | test {test:.4f}", flush=True)
@@ -951,6 +974,8 @@ def parse(method, prog, argv):
     p.error = lambda message: p.exit(2, f"{prog}: error: {message}\n")
     if method.add_args:
         method.add_args(p)
+    for act in p._actions:                      # the method's own float flags: finite numbers
+        act.type = reader(act.dest, [0.0]) if act.type is float else act.type
     shown = argparse.Namespace(**{**RUN, **flags(method)})        # --help: rmnist's values
     fill(method, shown, set())
     shown = {k: "from the data" if v is None and k in ("clients", "sample", "client_size") else v

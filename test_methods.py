@@ -180,6 +180,7 @@ def test_a_copied_method_says_in_one_line_what_needs_the_harness(tmp_path):
     (["--dataset", "cifar"], "unknown dataset 'cifar'"),
     (["--test-domain", "9"], "unknown test domain '9' for rmnist"),
     (["--kappa", "-1"], "--kappa must be >= 0, got -1.0"),
+    (["--kappa", "inf"], "argument --kappa: expects a number, got 'inf'"),
     (["--clients", "2"], "--clients 2 is below the 5 training domains"),
     (["--nope"], "unrecognized arguments: --nope"),
     *[(flag.split(), f"{flag.split()[0]} needs the project's harness/ (results files, checkpoints, "
@@ -198,22 +199,27 @@ def test_a_copied_methods_program_refuses_bad_input_in_one_line(argv, line, caps
 
 
 def test_a_copied_methods_program_stops_in_one_line(capsys):
-    """common.program once training has begun: a Ctrl-C (KeyboardInterrupt), a non-finite loss and a
-    method's refusal each end it in one line on stderr (exit 130, 1, 2), no traceback; a round
-    that runs prints its evaluation."""
+    """common.program once training has begun: a Ctrl-C (KeyboardInterrupt), a non-finite loss or
+    model after the server's step, and a method's refusal each end it in one line on stderr (exit
+    130, 1, 1, 2), no traceback; a round that runs prints its evaluation."""
     def stopped(t, *a):
         raise KeyboardInterrupt
 
     def nan(t, model, *a):
         return {0: torch.tensor(float("nan"))}
 
+    def nan_model(t, model, *a):
+        common.set_flat(model, common.get_flat(model) * float("nan"))
+        return {0: torch.tensor(1.0)}
+
     def refuses(t, *a):
         raise data.UserError("lower --exit-L")
 
     argv = ["--dataset", "synthetic", "--test-domain", "0", "--rounds", "1", "--device", "cpu"]
+    nonfinite = "error: non-finite loss or model after round 1 (testing on style0)"
     for fn, code, line in ((stopped, 130, "interrupted; nothing was saved (a copy writes no "
-                            "checkpoint)"), (nan, 1, "error: non-finite loss in round 1 (testing "
-                            "on style0)"), (refuses, 2, "error: lower --exit-L")):
+                            "checkpoint)"), (nan, 1, nonfinite), (nan_model, 1, nonfinite),
+                           (refuses, 2, "error: lower --exit-L")):
         with pytest.raises(SystemExit) as e:
             common.program(dataclasses.replace(fedavg.METHOD, round=fn), argv)
         out, err = capsys.readouterr()
@@ -226,20 +232,38 @@ def test_settings_in_one_call_are_the_command_lines():
     """common.settings(method, dataset, **given) gives what harness.resolve gives for the command
     line naming the same values (the harness's own flags aside), for every method on datasets of
     each protocol; a name no setting has is a TypeError, a bad value the command line's line."""
-    cases = [("rmnist", {}), ("synthetic", {"rounds": 3, "lr": 0.5}), ("stained", {}),
-             ("rcmnist", {"seed": 3}), ("mnist", {"alpha": 0.5}), ("pacs", {"model": "resnet18"})]
+    cases = [("rmnist", {}), ("synthetic", {"rounds": 3, "lr": 0.5}), ("synthetic", {"lr": 0.5}),
+             ("stained", {}), ("rcmnist", {"seed": 3}), ("mnist", {"alpha": 0.5}),
+             ("pacs", {"model": "resnet18"}), ("rmnist", {"test_domain": 2, "sample": 3})]
     own = {"out", "resume", "overwrite", "allow_code_change", "checkpoint_minutes"}
     for module in (fedavg, fediir, fedomg, fedloe, perinvfl, fedipg):
         for dataset, given in cases:
             argv = ["--dataset", dataset, "--device", "cpu"]
             argv += [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-            if module is fedloe and "rounds" in given:
-                continue                             # (FedLOE's rounds follow from its stages)
-            want = {k: v for k, v in vars(resolved_args(module, argv)).items() if k not in own}
-            got = vars(common.settings(module.METHOD, dataset, device="cpu", **given))
+            try:                 # (FedLOE refuses --rounds and --sample: the same line, both)
+                want = {k: v for k, v in vars(resolved_args(module, argv)).items()
+                        if k not in own}
+            except data.UserError as e:
+                want = str(e)
+            try:
+                got = vars(common.settings(module.METHOD, dataset, device="cpu", **given))
+            except data.UserError as e:
+                got = str(e)
             assert got == want, (module.__name__, dataset)
+            assert isinstance(want, dict) or module is fedloe, want
     with pytest.raises(TypeError, match="no setting named round"):
         common.settings(fedavg.METHOD, round=3)
+    for given, line in (({"kappa": math.inf}, "--kappa must be a finite number, got inf"),
+                        ({"parallel_clients": "yes"}, "--parallel-clients must be one of auto, "
+                         "on, off, got 'yes'"),
+                        ({"rounds": "20"}, "--rounds expects a number, got '20'"),
+                        ({"sample": "most"}, "--sample expects a number, got 'most'"),
+                        ({"select": "best"}, "--select must be one of val, last, got 'best'")):
+        with pytest.raises(data.UserError) as e:
+            common.settings(fedomg.METHOD, **given)
+        assert str(e.value) == line
+    with pytest.raises(data.UserError, match="--global-lr expects a number, got 'auto'"):
+        common.settings(fedavg.METHOD, global_lr="auto")        # (FedOMG's rule: FedOMG's alone)
     with pytest.raises(data.UserError, match="--lr must be positive, got -1"):
         common.settings(fedavg.METHOD, lr=-1)
     with pytest.raises(data.UserError, match="--kappa must be >= 0"):

@@ -1,6 +1,8 @@
-"""A run's arguments, resolved once: the shared flags and their defaults, each method's own, and
+"""A run's arguments, resolved once: the command line (the shared flags with their help, their
+defaults read from common.RUN and common.PROTOCOL, each method's own, the harness's), and
 `resolve`, the one function that turns (method, argv) into the arguments a run uses (the method
-scripts, benchmark/, flower/ and the tests all call it).
+scripts, benchmark/, flower/ and the tests all call it; a copied method file, without the harness,
+common.program and common.settings).
 
 Where a value comes from, first that applies (--print-config shows each value and its source):
   1. the command line;
@@ -11,7 +13,7 @@ Where a value comes from, first that applies (--print-config shows each value an
      dataset (Method.defaults["*"]);
   4. the protocol's table, per dataset (common.PROTOCOL; its sources: docs/protocol.md);
   5. the flag's own default (the run's: common.RUN, --seed 0, --device auto, ...);
-  6. once the data is loaded, `after_load`: the counts of clients that follow from the data
+  6. once the data is loaded, `common.after_load`: the counts of clients that follow from the data
      (--print-config loads the data to show them, where the command line and the tables leave
      them open).
 A value "auto" is an explicit rule, resolved by common.check (--device, --parallel-clients) or,
@@ -33,8 +35,8 @@ import data
 from data import UserError
 
 # The dataset's own flags and the datasets each applies to: elsewhere a value does nothing
-# (check_data_args refuses a --client-size or --no-rotation given there; --print-config leaves
-# them all out)
+# (common.check_data_args refuses a --client-size or --no-rotation given there; --print-config
+# leaves them all out)
 APPLIES = {"alpha": data.FL, "p_test": ("rcmnist", "rcfmnist", "waterbird"),
            "no_rotation": ("rcmnist", "rcfmnist"), "stain": ("stained",),
            "client_size": ("stained",)}

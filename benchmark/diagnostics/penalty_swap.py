@@ -80,7 +80,8 @@ from harness.config import Parser  # noqa: E402
 PENALTIES = ("irm", "fediir", "fedipg", "vrex", "none")
 # WD / 2: IRM's l2
 LR, WD, LAM, ANNEAL = (perinvfl.RC[k] for k in ("lr", "weight_decay", "lam", "anneal"))
-ROUNDS, EVERY = common.PROTOCOL["rcmnist"]["rounds"], 50
+ROUNDS = common.PROTOCOL["rcmnist"]["rounds"]
+EVERY = 50
 CENTRAL = ROOT / "benchmark/results/irm-central/rc-norot.json"      # irm_central.py --data rc-norot
 # ν, perinvfl.py --no-rotation
 NU = ROOT / "benchmark/results/rcmnist-full-norot/perinvfl-seed{}.json"
