@@ -1,6 +1,5 @@
-"""The teaching core, what every method's round is made of; then what a method file copied with it
-and data.py needs to run without the run harness (harness/, which makes a run a program with
-results files and checkpoints). Nothing in the core knows a specific method or a command line.
+"""The teaching core, what every method's round is made of (it knows no specific method and no
+command line); then what a method file copied with data.py needs where harness/ is absent.
 
 Read in this order (a method file calls into it where its round needs it):
   models               Net = classifier ∘ featurizer; build_model; get_flat / set_flat (θ as one
