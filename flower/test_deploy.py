@@ -262,7 +262,11 @@ class Relay:
                 inside, _ = self.server.accept()
             except OSError:
                 return
-            outside = blind.wrap_socket(socket.create_connection(("127.0.0.1", self.port)))
+            try:       # a connection the proxy drops ends that connection, never the relay
+                outside = blind.wrap_socket(socket.create_connection(("127.0.0.1", self.port)))
+            except OSError:
+                inside.close()
+                continue
             for a, b in ((inside, outside), (outside, inside)):
                 threading.Thread(target=pipe, args=(a, b), daemon=True).start()
 
