@@ -72,7 +72,7 @@ def launch(argv, logs, tag):
     pid = os.fork()
     if pid:
         return pid
-    code = 99
+    code, started = 99, False
     try:
         torch.set_num_threads(1)
         sys.stdout = open(logs / f"{tag}.out", "w", buffering=1)
@@ -80,10 +80,17 @@ def launch(argv, logs, tag):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
+            started = True
             fedavg.main(argv)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        # a SIGINT at once (after=0.0) can land before main: nothing was run, as a script's
+        # `import harness` says (harness.starting, exit 130); inside main it is a defect
+        code = 99 if started else 130
+        if started:
+            traceback.print_exc()
     except BaseException:
         traceback.print_exc()
     finally:
