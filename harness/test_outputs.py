@@ -72,7 +72,8 @@ def launch(argv, logs, tag):
     pid = os.fork()
     if pid:
         return pid
-    code, started = 99, False
+    code = 99
+    started = False                               # (fedavg.main entered)
     try:
         torch.set_num_threads(1)
         sys.stdout = open(logs / f"{tag}.out", "w", buffering=1)
